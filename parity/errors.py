@@ -1,0 +1,29 @@
+"""One error type and the exit codes every command shares.
+
+The CLI maps a :class:`ParityError` to a one-line message on stderr and its exit code; anything
+else that escapes is a bug in parity. The codes are documented in the README.
+"""
+
+EXIT_OK = 0  # parity holds (or the command did what it was asked)
+EXIT_MISMATCH = 1  # parity does not hold under the --fail-on policy
+EXIT_USAGE = 2  # bad input or usage: spec errors, unreadable or foreign directories
+EXIT_INCOMPLETE = 3  # incomplete data: a side missing ranks or steps, a failed sweep cell
+
+
+class ParityError(Exception):
+    """A failure the user can act on: printed as one line, mapped to an exit code."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, exit_code: int | None = None):
+        super().__init__(message)
+        if exit_code is not None:
+            self.exit_code = exit_code
+
+
+class ArtifactError(ParityError):
+    """An artifact directory or file that cannot be read as parity's schema."""
+
+
+class SpecError(ParityError):
+    """A sweep spec that does not validate; the message names file, key and problem."""
