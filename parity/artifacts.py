@@ -8,6 +8,8 @@ The reader is tolerant: a truncated last line, a corrupted line or a missing ran
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import re
@@ -33,11 +35,15 @@ def rank_dir(out_dir: str | os.PathLike, rank: int) -> Path:
     return Path(out_dir) / RANK_DIR.format(rank)
 
 
-def write_json_atomic(path: str | os.PathLike, obj) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it into place."""
+def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 1) -> None:
+    """Write JSON to a temporary file beside ``path`` and rename it into place.
+
+    ``indent=None`` for large objects: an indent makes ``json`` use its pure-Python encoder
+    (~10x slower; 70 ms for a 1,500-parameter table).
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = json.dumps(obj, indent=1, sort_keys=False) + "\n"
+    data = json.dumps(obj, indent=indent, sort_keys=False) + "\n"
     try:
         with open(tmp, "w") as f:
             f.write(data)
@@ -108,7 +114,8 @@ class RankWriter:
     def write_params(self, params: list[dict]) -> None:
         """The parameter table, in the order every later hash line uses."""
         table = [{"index": i, **p} for i, p in enumerate(params)]
-        write_json_atomic(self.dir / "params.json", {"v": SCHEMA_VERSION, "params": table})
+        write_json_atomic(self.dir / "params.json", {"v": SCHEMA_VERSION, "params": table},
+                          indent=None)
 
     def _hash_line(self, step: int, kind: str, raw: bytes) -> tuple[int, str]:
         digest = rollup_digest(raw)
@@ -143,8 +150,13 @@ class RankWriter:
 # --------------------------------------------------------------------------------------- reader
 
 
-def _read_lines(path: Path, problems: list[str], required: tuple[str, ...]) -> list[dict]:
-    """Every valid record of a JSON-lines file; what is not valid goes to ``problems``."""
+def _read_lines(path: Path, problems: list[str], required: tuple[str, ...],
+                shared: dict[bytes, list[dict]] | None = None, check=None) -> list[dict]:
+    """Every valid record of a JSON-lines file; what is not valid goes to ``problems``.
+
+    With ``shared``, a file whose bytes equal an earlier clean file's returns that file's list
+    (the same object: ranks usually write identical bucket manifests).
+    """
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -153,6 +165,11 @@ def _read_lines(path: Path, problems: list[str], required: tuple[str, ...]) -> l
     except OSError as e:
         problems.append(f"{path}: unreadable ({e.strerror or e})")
         return []
+    if shared is not None:
+        hit = shared.get(data)
+        if hit is not None:
+            return hit
+    n_problems = len(problems)
     records = []
     lines = data.split(b"\n")
     if lines and lines[-1] != b"":
@@ -167,10 +184,12 @@ def _read_lines(path: Path, problems: list[str], required: tuple[str, ...]) -> l
             continue
         if not isinstance(rec, dict) or rec.get("v") != SCHEMA_VERSION or any(
             k not in rec for k in required
-        ):
+        ) or (check is not None and not check(rec)):
             problems.append(f"{path}:{lineno}: not a schema-{SCHEMA_VERSION} record, skipped")
             continue
         records.append(rec)
+    if shared is not None and len(problems) == n_problems:
+        shared[data] = records
     return records
 
 
@@ -191,7 +210,11 @@ def _read_json(path: Path, problems: list[str]) -> dict | None:
 
 @dataclass
 class RankData:
-    """One rank's artifacts. Per-parameter hashes are read lazily, by offset, only when asked."""
+    """One rank's artifacts. Per-parameter hashes are read lazily, by offset, only when asked.
+
+    ``buckets`` may be the very list of another rank of the same run when both ranks'
+    buckets.jsonl are byte-identical (the usual case): treat it as read-only.
+    """
 
     rank: int
     path: Path
@@ -290,7 +313,20 @@ class Run:
                                            "size", "numel", "dtype", "shape"])
 
 
-def read_rank(path: Path, rank: int) -> RankData:
+@contextlib.contextmanager
+def _gc_paused():
+    """Parsing JSON builds millions of acyclic objects; the cyclic collector would rescan them
+    over and over (a 256-rank run read in 19 s instead of 2.5 s)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = None) -> RankData:
     problems: list[str] = []
     meta = _read_json(path / "meta.json", problems) or {}
     pobj = _read_json(path / "params.json", problems) or {}
@@ -300,11 +336,9 @@ def read_rank(path: Path, rank: int) -> RankData:
     for rec in _read_lines(path / "steps.jsonl", problems, ("step", "param_digest")):
         if isinstance(rec["step"], int):
             steps[rec["step"]] = rec
-    buckets = [
-        b for b in _read_lines(path / "buckets.jsonl", problems,
-                               ("source", "collective", "index", "entries"))
-        if isinstance(b["entries"], list)
-    ]
+    buckets = _read_lines(path / "buckets.jsonl", problems,
+                          ("source", "collective", "index", "entries"), _shared,
+                          check=lambda b: isinstance(b["entries"], list))
     if not (path / "buckets.jsonl").exists():
         problems = [p for p in problems if not p.endswith("buckets.jsonl: missing")]
     return RankData(rank, path, meta, params, steps, buckets, problems)
@@ -322,12 +356,18 @@ def read_run(path: str | os.PathLike) -> Run:
     if (path / "run.json").exists():
         run_meta = _read_json(path / "run.json", problems)
     ranks: dict[int, RankData] = {}
-    for child in sorted(path.iterdir()):
-        m = _RANK_DIR_RE.match(child.name)
-        if m and child.is_dir():
-            rd = read_rank(child, int(m.group(1)))
-            ranks[rd.rank] = rd
-            problems.extend(rd.problems)
+    try:
+        children = sorted(path.iterdir())
+    except OSError as e:
+        raise ArtifactError(f"{path}: unreadable ({e.strerror or e})") from None
+    shared: dict[bytes, list[dict]] = {}
+    with _gc_paused():
+        for child in children:
+            m = _RANK_DIR_RE.match(child.name)
+            if m and child.is_dir():
+                rd = read_rank(child, int(m.group(1)), shared)
+                ranks[rd.rank] = rd
+                problems.extend(rd.problems)
     if not ranks:
         if run_meta is not None:
             status = run_meta.get("status")

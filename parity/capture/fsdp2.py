@@ -1,0 +1,254 @@
+"""Eager FSDP2 bucket manifests: the all-gather and reduce-scatter payloads as FSDP2 issues them.
+
+FSDP2 (``torch.distributed.fsdp._fully_shard``) packs one parameter group's shards into one flat
+buffer per collective. ``_fsdp_param_group.py`` calls two module-level functions it imported by
+name, ``foreach_all_gather(fsdp_params, group, ...)`` (from ``FSDPParamGroup.unshard``) and
+``foreach_reduce(fsdp_params_with_grad, unsharded_grads, reduce_scatter_group, ...)`` (from
+``FSDPParamGroup.post_backward``). Wrapping those two globals shows the parameter list actually
+packed, in payload order, each time - including a reduce-scatter that leaves out a parameter
+without a gradient. Everything is feature-detected: if a name or an argument is missing, the
+recorder reports one warning and the rest of capture goes on.
+
+Layouts (byte offsets per rank, docs/artifacts.md):
+* all-gather: the rank's input buffer, the padded local shards concatenated; sizes come from the
+  ``AllGatherResult`` FSDP2 returns (``param_all_gather_input_numels`` / ``_dtypes``), i.e. the
+  split sizes it really used.
+* reduce-scatter: one rank's row of the ``[world_size, -1]`` input, parameter i at the sum of the
+  dim-0-padded gradient sizes before it divided by the world size, in ``reduce_dtype``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+from typing import Callable
+
+import torch
+
+GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+_AG_ARGS = ("fsdp_params", "group")
+_RS_ARGS = ("fsdp_params", "unsharded_grads", "reduce_scatter_group", "reduce_dtype")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _arg_getter(fn: Callable, names: tuple[str, ...]) -> Callable | None:
+    """``get(args, kwargs, name)`` by the signature of ``fn``; None if a name is missing."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    if any(n not in params for n in names):
+        return None
+    pos = {n: params.index(n) for n in names}
+
+    def get(args, kwargs, name):
+        i = pos[name]
+        return args[i] if i < len(args) else kwargs.get(name)
+
+    return get
+
+
+def _calling_group(depth: int = 2):
+    """The FSDPParamGroup whose method called the wrapped collective (its frame's ``self``)."""
+    try:
+        frame = sys._getframe(depth)
+    except ValueError:
+        return None
+    obj = frame.f_locals.get("self")
+    if obj is not None and hasattr(obj, "_module_fqn") and hasattr(obj, "fsdp_params"):
+        return obj
+    return None
+
+
+class FSDP2Recorder:
+    """Wraps FSDP2's collective entry points and reports bucket layouts as they change.
+
+    ``emit(bucket)`` receives a bucket dict per docs/artifacts.md without ``v``; ``step()`` returns
+    the optimizer step the collective precedes (1-based); ``normalize`` maps FQNs; ``warn``
+    records one warning; ``fail`` is called with an exception raised while recording.
+    """
+
+    def __init__(self, emit, step, normalize, warn, fail):
+        self._emit = emit
+        self._step = step
+        self._normalize = normalize
+        self._warn = warn
+        self._fail = fail
+        self._module = None
+        self._orig: dict[str, Callable] = {}
+        self._index = {"all_gather": 0, "reduce_scatter": 0}
+        self._last: dict[tuple[str, int], tuple] = {}
+        self.enabled = True
+
+    # ------------------------------------------------------------------ install / uninstall
+    def install(self) -> bool:
+        """Wrap the collectives; returns False (after one warning) if FSDP2's internals moved."""
+        mod = sys.modules.get(GROUP_MODULE)
+        if mod is None:
+            try:
+                import importlib
+
+                mod = importlib.import_module(GROUP_MODULE)
+            except Exception as e:  # noqa: BLE001 - any import failure means "unavailable"
+                self._unavailable(f"{GROUP_MODULE} cannot be imported ({e.__class__.__name__})")
+                return False
+        ag = getattr(mod, "foreach_all_gather", None)
+        rs = getattr(mod, "foreach_reduce", None)
+        for name, fn in (("foreach_all_gather", ag), ("foreach_reduce", rs)):
+            if not callable(fn):
+                self._unavailable(f"{GROUP_MODULE}.{name} not found")
+                return False
+        ag_get = _arg_getter(ag, _AG_ARGS)
+        rs_get = _arg_getter(rs, _RS_ARGS)
+        if ag_get is None or rs_get is None:
+            bad = "foreach_all_gather" if ag_get is None else "foreach_reduce"
+            self._unavailable(f"{GROUP_MODULE}.{bad} has an unexpected signature")
+            return False
+        if getattr(ag, "__parity_wrapped__", False):
+            return True  # already wrapped (a second session in this process)
+        self._module = mod
+        self._orig = {"foreach_all_gather": ag, "foreach_reduce": rs}
+        recorder = self
+
+        def foreach_all_gather(*args, **kwargs):
+            result = ag(*args, **kwargs)
+            if recorder.enabled:
+                try:
+                    recorder._on_all_gather(ag_get(args, kwargs, "fsdp_params"),
+                                            ag_get(args, kwargs, "group"), result,
+                                            _calling_group())
+                except Exception as e:  # noqa: BLE001 - capture fails soft
+                    recorder._fail(e)
+            return result
+
+        def foreach_reduce(*args, **kwargs):
+            if recorder.enabled:
+                try:  # before the call: foreach_reduce clears unsharded_grads
+                    recorder._on_reduce(rs_get(args, kwargs, "fsdp_params"),
+                                        rs_get(args, kwargs, "unsharded_grads"),
+                                        rs_get(args, kwargs, "reduce_scatter_group"),
+                                        rs_get(args, kwargs, "reduce_dtype"),
+                                        _calling_group())
+                except Exception as e:  # noqa: BLE001
+                    recorder._fail(e)
+            return rs(*args, **kwargs)
+
+        for w, fn in ((foreach_all_gather, ag), (foreach_reduce, rs)):
+            w.__wrapped__ = fn
+            w.__parity_wrapped__ = True
+            w.__name__ = fn.__name__
+            w.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
+        mod.foreach_all_gather = foreach_all_gather
+        mod.foreach_reduce = foreach_reduce
+        return True
+
+    def uninstall(self) -> None:
+        self.enabled = False
+        mod = self._module
+        if mod is None:
+            return
+        for name, fn in self._orig.items():
+            if getattr(getattr(mod, name, None), "__wrapped__", None) is fn:
+                setattr(mod, name, fn)
+        self._module = None
+
+    def _unavailable(self, what: str) -> None:
+        self._warn(f"FSDP2 manifests unavailable: {what} (torch {torch.__version__})")
+
+    # ------------------------------------------------------------------------------ records
+    def new_step(self) -> None:
+        """An optimizer step finished: the next collectives belong to the next step."""
+        self._index = {"all_gather": 0, "reduce_scatter": 0}
+
+    def _group_fqn(self, fsdp_params, group) -> str | None:
+        if group is not None and group._module_fqn is not None:
+            return self._normalize(group._module_fqn)
+        # Fallback: the common module prefix of the parameters.
+        fqns = [fp._param_fqn for fp in fsdp_params if getattr(fp, "_param_fqn", None)]
+        if not fqns:
+            return None
+        parts = [f.split(".")[:-1] for f in fqns]
+        common = []
+        for comps in zip(*parts):
+            if all(c == comps[0] for c in comps):
+                common.append(comps[0])
+            else:
+                break
+        return self._normalize(".".join(common))
+
+    def _record(self, collective: str, group: str | None, dtype: torch.dtype, world_size: int,
+                entries: list[dict]) -> None:
+        index = self._index[collective]
+        self._index[collective] = index + 1
+        key = (collective, index)
+        sig = (group, dtype, world_size,
+               tuple((e["fqn"], e["offset"], e["size"], e["numel"], e["dtype"], tuple(e["shape"]))
+                     for e in entries))
+        if self._last.get(key) == sig:
+            return
+        self._last[key] = sig
+        self._emit({
+            "source": "fsdp2", "collective": collective, "graph": None, "graph_id": None,
+            "step": self._step(), "index": index, "group": group, "node": None,
+            "dtype": _dtype_name(dtype), "world_size": world_size,
+            "total_bytes": sum(e["size"] for e in entries), "entries": entries,
+        })
+
+    def _fqn(self, fsdp_param, i: int) -> str:
+        fqn = getattr(fsdp_param, "_param_fqn", None)
+        return self._normalize(fqn) if fqn else f"<fsdp param {i}>"
+
+    def _on_all_gather(self, fsdp_params, group, result, param_group) -> None:
+        if result is None or fsdp_params is None:
+            return
+        world_size = group.size() if group is not None else 1
+        numels = getattr(result, "param_all_gather_input_numels", None)
+        dtypes = getattr(result, "param_all_gather_input_dtypes", None)
+        out = getattr(result, "all_gather_output", None)
+        payload_dtype = out.dtype if isinstance(out, torch.Tensor) else None
+        entries = []
+        offset = 0
+        for i, fp in enumerate(fsdp_params):
+            if numels is not None and dtypes is not None and i < len(numels):
+                ns, ds = list(numels[i]), list(dtypes[i])
+            else:  # not reported: the padded shard in the parameter's all-gather dtype
+                ns = [math.prod(fp.padded_sharded_param_size)]
+                ds = [getattr(fp, "param_dtype", None) or fp.orig_dtype]
+            size = sum(n * d.itemsize for n, d in zip(ns, ds))
+            dtype = ds[0] if len(set(ds)) == 1 else (payload_dtype or ds[0])
+            entries.append({"fqn": self._fqn(fp, i), "offset": offset, "size": size,
+                            "numel": sum(ns), "dtype": _dtype_name(dtype),
+                            "shape": list(getattr(fp, "sharded_size", ()) or ())})
+            offset += size
+        if payload_dtype is None:
+            payload_dtype = torch.uint8 if len({e["dtype"] for e in entries}) > 1 else ds[0]
+        self._record("all_gather", self._group_fqn(fsdp_params, param_group), payload_dtype, world_size, entries)
+
+    def _on_reduce(self, fsdp_params, unsharded_grads, group, reduce_dtype, param_group) -> None:
+        if not fsdp_params or not unsharded_grads:
+            return
+        world_size = group.size() if group is not None else 1
+        dtype = reduce_dtype or unsharded_grads[0].dtype
+        itemsize = dtype.itemsize
+        entries = []
+        offset = 0
+        for i, (fp, grad) in enumerate(zip(fsdp_params, unsharded_grads)):
+            shape = tuple(grad.shape)
+            shard_dim = getattr(getattr(fp, "fsdp_placement", None), "dim", 0)
+            if world_size > 1 and shard_dim != 0:
+                padded = math.prod(shape)  # FSDP2 requires even sharding off dim 0
+            elif shape:
+                padded = math.ceil(shape[0] / world_size) * world_size * math.prod(shape[1:])
+            else:
+                padded = world_size  # a 0-d gradient is padded to one element per rank
+            numel = padded // world_size
+            size = numel * itemsize
+            entries.append({"fqn": self._fqn(fp, i), "offset": offset, "size": size,
+                            "numel": numel, "dtype": _dtype_name(dtype),
+                            "shape": list(getattr(fp, "sharded_size", ()) or ())})
+            offset += size
+        self._record("reduce_scatter", self._group_fqn(fsdp_params, param_group), dtype, world_size, entries)

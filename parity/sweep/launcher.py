@@ -1,0 +1,256 @@
+"""The launcher interface: start a job, watch it, stop it. Launchers know nothing about hashes.
+
+A job is one side of one cell: an entry argv (what follows torchrun's own options), the torchrun
+shape, the environment to add, where `parity exec` writes artifacts and where logs go, and a
+timeout. The runner calls ``start`` and then ``poll`` until it returns a :class:`JobResult`;
+``cancel`` stops a job (the next ``poll`` returns its result). A launcher enforces the timeout
+itself, so that a SLURM launcher can hand it to the scheduler.
+
+Implementations: ``parity.sweep.launch_local.LocalLauncher`` and (later)
+``parity.sweep.launch_slurm.SlurmLauncher``; :func:`make_launcher` picks one by name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from parity.errors import ParityError
+
+# JobResult.status values
+OK, FAILED, TIMEOUT, CANCELLED, NOT_FOUND = "ok", "failed", "timeout", "cancelled", "not_found"
+
+
+@dataclass
+class Job:
+    cell_id: str
+    side: str
+    entry_argv: list[str]  # e.g. ["-m", "parity.workloads.train", "--mode", "eager", ...]
+    nnodes: int
+    nproc_per_node: int
+    env: dict[str, str]  # added to the launcher's environment
+    run_dir: Path  # `parity exec --out` (the side's artifacts)
+    log_dir: Path  # torchrun --log-dir: one stdout.log/stderr.log per rank
+    timeout: float | None  # seconds of wall time, then the whole job is killed
+    console_log: Path  # the launcher process's own stdout+stderr (torchrun's tee of every rank)
+    cwd: Path | None = None
+    capture: bool = True  # wrap in `parity exec --out run_dir --` (False: the trainer writes itself)
+
+
+@dataclass
+class JobResult:
+    status: str  # ok | failed | timeout | cancelled | not_found
+    exit_code: int | None
+    reason: str  # one line, empty when ok
+    started: float
+    ended: float
+    command: list[str]
+    console_log: str | None = None
+    rank_logs: list[dict] = field(default_factory=list)  # {rank, stdout, stderr, error}
+    leftovers_killed: int = 0  # processes still alive after the job's leader exited
+
+    @property
+    def wall(self) -> float:
+        return max(0.0, self.ended - self.started)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["wall"] = round(self.wall, 3)
+        return d
+
+
+class Launcher(ABC):
+    """start(job) -> handle; poll(handle) -> JobResult | None; cancel(handle)."""
+
+    name = "?"
+
+    @abstractmethod
+    def start(self, job: Job):
+        """Start ``job`` and return an opaque handle. Never raises for a job that cannot start:
+        the handle's first ``poll`` returns a failed result instead."""
+
+    @abstractmethod
+    def poll(self, handle) -> JobResult | None:
+        """The job's result once it has finished (or was killed), else None. Cheap; called often."""
+
+    @abstractmethod
+    def cancel(self, handle) -> None:
+        """Stop the job and everything it started; ``poll`` then returns a 'cancelled' result."""
+
+    def command(self, job: Job) -> list[str]:
+        """The command that would run ``job`` (for --dry-run and the record)."""
+        return list(job.entry_argv)
+
+    def close(self) -> None:
+        """Release anything the launcher holds (called once, at the end of a sweep)."""
+
+    def unmet(self, requirement: str, nnodes: int) -> str | None:
+        """Why ``requirement`` cannot be met by this launcher (None when it can)."""
+        return check_local_requirement(requirement, self.name)
+
+    def unsupported(self, nnodes: int, nproc_per_node: int) -> str | None:
+        """Why this launcher cannot run a job of this shape (None when it can)."""
+        return None
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def parity_command() -> list[str]:
+    """How to run `parity` as a child process, robust in a venv and from a source checkout.
+
+    The same interpreter runs the same ``cli`` module this process imported: its directory goes
+    first on ``sys.path`` (replacing the current directory, so a job's working directory that
+    happens to hold a ``cli.py`` cannot shadow it).
+    """
+    spec = importlib.util.find_spec("cli")
+    cli_dir = str(Path(spec.origin).resolve().parent) if spec and spec.origin else ""
+    boot = ("import sys; d = sys.argv.pop(1); sys.path[:1] = [d] if d else sys.path[:1]; "
+            "sys.argv[0] = 'parity'; import cli; cli.main()")
+    return [sys.executable, "-c", boot, cli_dir]
+
+
+def exec_prefix(job: Job) -> list[str]:
+    """``parity exec --out RUN_DIR --`` when the job is captured, else nothing."""
+    if not job.capture:
+        return []
+    return [*parity_command(), "exec", "--out", str(job.run_dir), "--"]
+
+
+def torchrun_argv(job: Job, endpoint: str, node_rank: int | None = None) -> list[str]:
+    """torchrun with c10d rendezvous at ``endpoint`` keeping every rank's output in job.log_dir."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(job.nnodes),
+            "--nproc_per_node", str(job.nproc_per_node), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint]
+    if node_rank is not None:
+        argv += ["--node-rank", str(node_rank)]
+    argv += ["--log-dir", str(job.log_dir), "--redirects", "3", "--tee", "3"]
+    return argv + list(job.entry_argv)
+
+
+def collect_rank_logs(log_dir: Path, nproc_per_node: int, rel_to: Path | None = None,
+                      node_rank: int = 0) -> list[dict]:
+    """Every rank's stdout/stderr (and torchrun error file) under a torchrun --log-dir.
+
+    Layout: LOG_DIR/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log[, error.json]. Only the
+    last attempt of each local rank is listed. Paths are relative to ``rel_to`` when given.
+    """
+    found: dict[int, tuple[int, Path]] = {}
+    if log_dir.is_dir():
+        for attempt_dir in log_dir.glob("*/attempt_*"):
+            try:
+                attempt = int(attempt_dir.name.split("_", 1)[1])
+            except ValueError:
+                continue
+            for rdir in attempt_dir.iterdir():
+                if rdir.is_dir() and rdir.name.isdigit():
+                    lr = int(rdir.name)
+                    if lr not in found or found[lr][0] <= attempt:
+                        found[lr] = (attempt, rdir)
+
+    def rel(p: Path) -> str | None:
+        if not p.exists():
+            return None
+        return os.path.relpath(p, rel_to) if rel_to else str(p)
+
+    out = []
+    for lr, (attempt, rdir) in sorted(found.items()):
+        out.append({"rank": node_rank * nproc_per_node + lr, "attempt": attempt,
+                    "stdout": rel(rdir / "stdout.log"), "stderr": rel(rdir / "stderr.log"),
+                    "error": rel(rdir / "error.json")})
+    return out
+
+
+def failure_hint(rank_logs: list[dict], base: Path | None = None, limit: int = 160) -> str:
+    """'rank 3: RuntimeError: boom' from the rank whose stderr shows the earliest traceback.
+
+    The earliest is usually the cause: the other ranks fail after it (a closed connection) or are
+    killed by torchrun without a traceback.
+    """
+    found = []
+    for entry in rank_logs:
+        path = entry.get("stderr")
+        if not path:
+            continue
+        p = Path(path) if base is None else base / path
+        try:
+            mtime = p.stat().st_mtime
+            with open(p, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 16384))
+                tail = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        if "Traceback" not in tail:
+            continue
+        tail = tail[tail.rindex("Traceback"):]
+        lines = [ln.strip() for ln in tail.splitlines()[1:] if ln.strip()]
+        for ln in reversed(lines):
+            if not ln.startswith(("File ", "^", "~")):
+                found.append((mtime, entry["rank"], ln[:limit]))
+                break
+    if not found:
+        return ""
+    _, rank, line = min(found)
+    return f"rank {rank}: {line}"
+
+
+_cuda_count: int | None = None
+
+
+def _local_cuda_devices() -> int:
+    global _cuda_count
+    if _cuda_count is None:
+        try:
+            import torch
+
+            _cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except Exception:
+            _cuda_count = 0
+    return _cuda_count
+
+
+def check_local_requirement(req: str, launcher_name: str) -> str | None:
+    """The reason ``req`` is not met on this machine, or None. Vocabulary: docs/sweep.md."""
+    head, _, arg = req.partition(":")
+    if req == "cuda":
+        return None if _local_cuda_devices() > 0 else "requires cuda: no CUDA device here"
+    if head == "gpus":
+        n = _local_cuda_devices()
+        return None if n >= int(arg) else f"requires {arg} CUDA devices per node: {n} here"
+    if head == "module":
+        try:
+            found = importlib.util.find_spec(arg) is not None
+        except (ImportError, ValueError):
+            found = False
+        return None if found else f"requires Python module {arg!r}: not importable here"
+    if head == "command":
+        return None if shutil.which(arg) else f"requires command {arg!r}: not on PATH"
+    if head == "env":
+        return None if os.environ.get(arg) else f"requires environment variable {arg}: not set"
+    if head == "launcher":
+        return None if arg == launcher_name else f"requires the {arg} launcher (this sweep: {launcher_name})"
+    return f"unknown requirement {req!r}"
+
+
+def make_launcher(name: str, options: dict | None = None, grace: float = 5.0) -> Launcher:
+    """The launcher called ``name`` ("local" | "slurm"), configured from the spec's table."""
+    if name == "local":
+        from parity.sweep.launch_local import LocalLauncher
+
+        return LocalLauncher(grace=grace)
+    if name == "slurm":
+        try:
+            from parity.sweep.launch_slurm import SlurmLauncher
+        except ImportError:
+            raise ParityError("the slurm launcher is not available in this version of parity "
+                              "(parity/sweep/launch_slurm.py); run with --launcher local or "
+                              "--dry-run") from None
+        return SlurmLauncher(options or {}, grace=grace)
+    raise ParityError(f"unknown launcher {name!r} (local, slurm)")

@@ -1,0 +1,532 @@
+"""Run a sweep: expand the spec, run both sides of every cell through a launcher, diff each cell.
+
+The runner owns the schedule and the state on disk (parity.sweep.state); the launcher owns
+processes; the diff engine owns verdicts; parity.report.formats owns rendering. Every state
+change of a cell is written atomically to its cell.json at once, so an interrupted sweep loses
+nothing that finished and ``--resume`` reruns only what has no complete result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from parity.errors import ParityError, SpecError
+from parity.sweep import state as st
+from parity.sweep.launcher import (CANCELLED, OK, Job, JobResult, Launcher, make_launcher)
+from parity.sweep.spec import SIDES, Cell, Spec, load_spec, matches, parse_only, safe_component
+
+DEFAULT_ROOT = Path("reports")
+
+
+def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str | None = None,
+              jobs: int = 1, resume: bool = False, steps: int | None = None,
+              dry_run: bool = False, launcher: str | None = None, fail_on: str = "hash",
+              grace: float = 5.0, poll_interval: float = 0.2, out=None, err=None) -> int:
+    """Run (or with ``dry_run`` only print) a sweep; return the gate's exit code.
+
+    ``spec`` is a spec file (None: the CPU default, or with ``resume`` the spec.toml already in
+    ``out_dir``). ``out``/``err`` are the text streams for the report and progress (stdout and
+    stderr by default).
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    if jobs < 1:
+        raise ParityError("--jobs must be at least 1")
+    if spec is None and resume and out_dir and (Path(out_dir) / st.SPEC_COPY).is_file():
+        spec = Path(out_dir) / st.SPEC_COPY
+    sp = load_spec(spec)
+    sweep_dir = Path(out_dir) if out_dir else DEFAULT_ROOT / safe_component(sp.name)
+    sweep_dir = Path(os.path.abspath(sweep_dir))
+    launcher_name = launcher or sp.launcher.type
+    only_sel = parse_only(only, sp)
+    n_steps = sp.steps if steps is None else steps
+    cells = sp.cells(steps=n_steps, sweep_dir=sweep_dir)
+    selected = {c.id for c in cells if matches(c, only_sel)}
+    if not selected:
+        raise SpecError(f"--only {only!r}: matches no cell of {sp.name}")
+
+    if dry_run:
+        return _dry_run(sp, cells, selected, sweep_dir, launcher_name, n_steps, grace, out)
+
+    lnch = make_launcher(launcher_name, sp.launcher.options, grace=grace)
+    st.prepare_sweep_dir(sweep_dir)
+    lock = st.SweepLock(sweep_dir).acquire()
+    try:
+        run = _Run(sp, lnch, sweep_dir, cells, selected, resume=resume, jobs=jobs,
+                   poll_interval=poll_interval, err=err, steps=n_steps)
+        sweep = run.execute(only=only, fail_on=fail_on, launcher_name=launcher_name)
+    finally:
+        lnch.close()
+        lock.release()
+
+    from parity.report.formats import print_sweep_console
+    from parity.sweep.gate import evaluate
+
+    print_sweep_console(sweep, out)
+    code, _ = evaluate(sweep, fail_on)
+    return code
+
+
+# ------------------------------------------------------------------------------------ dry run
+
+
+def _dry_run(sp: Spec, cells: list[Cell], selected: set[str], sweep_dir: Path, launcher_name: str,
+             steps: int, grace: float, out) -> int:
+    """Print every selected cell, why it would be skipped, and both sides' commands."""
+    from parity.sweep.launcher import parity_command
+
+    note, stand_in = "", False
+    try:
+        lnch = make_launcher(launcher_name, sp.launcher.options, grace=grace)
+    except ParityError as e:
+        lnch, stand_in = make_launcher("local", grace=grace), True
+        note = f"\nnote: {e}; showing local commands, requirements not checked"
+    prefix = parity_command()
+    w = out.write
+    w(f"sweep {sp.name}: {len(selected)} of {len(cells)} cells, {steps} steps, "
+      f"{sp.nnodes}x{sp.nproc_per_node} ranks, launcher {launcher_name}{note}\n")
+    w(f"output: {sweep_dir}\n")
+    for cell in cells:
+        if cell.id not in selected:
+            continue
+        reason = "" if stand_in else _skip_reason(sp, lnch, cell)
+        w(f"\n{cell.id}" + (f"  SKIPPED: {reason}" if reason else "") + "\n")
+        for side in SIDES:
+            job = _make_job(sp, cell, side, sweep_dir)
+            argv = lnch.command(job)
+            if argv[:len(prefix)] == prefix:
+                argv = ["parity", *argv[len(prefix):]]
+            env = " ".join(f"{k}={shlex.quote(v)}" for k, v in job.env.items())
+            w(f"  {side}: {(env + ' ') if env else ''}{shlex.join(argv)}\n")
+    lnch.close()
+    return 0
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _make_job(sp: Spec, cell: Cell, side: str, sweep_dir: Path) -> Job:
+    cdir = st.cell_dir(sweep_dir, cell.id)
+    sj = cell.sides[side]
+    return Job(cell_id=cell.id, side=side, entry_argv=list(sj.entry_argv), nnodes=sp.nnodes,
+               nproc_per_node=sp.nproc_per_node, env=dict(sj.env), run_dir=cdir / side,
+               log_dir=cdir / "logs" / side, timeout=sp.timeout,
+               console_log=cdir / "logs" / f"{side}.console.log", cwd=sp.workdir,
+               capture=sp.capture)
+
+
+def _skip_reason(sp: Spec, lnch: Launcher, cell: Cell) -> str:
+    why = lnch.unsupported(sp.nnodes, sp.nproc_per_node)
+    if why:
+        return why
+    for req in cell.requires:
+        why = lnch.unmet(req, sp.nnodes)
+        if why:
+            return why
+    return ""
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def _clean_finish(run_dir: Path, world_size: int) -> bool:
+    """Did every rank record a finished run (meta.json status 'ok')? Then a nonzero exit code
+    came from teardown (e.g. an abort at process exit) after all results were written."""
+    metas = sorted(run_dir.glob("rank-*/meta.json"))
+    if len(metas) != world_size:
+        return False
+    for m in metas:
+        try:
+            if json.loads(m.read_text()).get("status") != "ok":
+                return False
+        except (OSError, ValueError):
+            return False
+    return True
+
+
+# ---------------------------------------------------------------------------------- execution
+
+
+class _Run:
+    def __init__(self, sp: Spec, lnch: Launcher, sweep_dir: Path, cells: list[Cell],
+                 selected: set[str], *, resume: bool, jobs: int, poll_interval: float, err,
+                 steps: int):
+        self.sp, self.lnch, self.dir = sp, lnch, sweep_dir
+        self.cells, self.selected = cells, selected
+        self.resume, self.jobs, self.poll_interval = resume, jobs, poll_interval
+        self.steps = steps
+        self.progress = make_progress(err, steps)
+        self.states: dict[str, dict] = {}
+        self.queue: deque[tuple[Cell, str]] = deque()
+        self.running: dict[int, tuple[object, Cell, str, Job]] = {}
+        self.started = time.time()
+
+    # ---------------------------------------------------------------------------- planning
+
+    def plan(self) -> None:
+        for cell in self.cells:
+            fps = {s: cell.sides[s].fingerprint(self.sp, cell) for s in SIDES}
+            old = st.read_cell(self.dir, cell.id)
+            if cell.id not in self.selected:
+                if old and old.get("fingerprint") == fps and old.get("status") in (
+                        *st.COMPARED, st.FAILED):
+                    self.states[cell.id] = old
+                else:
+                    s = st.new_cell_state(cell, fps)
+                    s.update(status=st.SKIPPED, reason="not selected by --only")
+                    self.states[cell.id] = s
+                continue
+            if self.resume and st.is_complete(old, fps):
+                old["resumed"] = True
+                self.states[cell.id] = old
+                continue
+            s = st.new_cell_state(cell, fps)
+            reason = _skip_reason(self.sp, self.lnch, cell)
+            if reason:
+                s.update(status=st.SKIPPED, reason=reason)
+                self.states[cell.id] = s
+                st.cell_dir(self.dir, cell.id).mkdir(parents=True, exist_ok=True)
+                st.write_cell(self.dir, s)
+                continue
+            for side in SIDES:
+                kept = st.reusable_side(old, side, fps[side], self.dir) if self.resume else None
+                if kept:
+                    s["sides"][side] = {**kept, "reused": True}
+                else:
+                    self.queue.append((cell, side))
+            self.states[cell.id] = s
+            if all(side in s["sides"] for side in SIDES):  # both sides reused: diff again
+                self.queue.append((cell, "__diff__"))
+
+    # ---------------------------------------------------------------------------- running
+
+    def execute(self, *, only, fail_on, launcher_name) -> dict:
+        (self.dir / st.SPEC_COPY).write_text(self.sp.text)
+        self.plan()
+        self._write_sweep(complete=False, only=only, fail_on=fail_on, launcher=launcher_name)
+        todo = {c.id for c, _ in self.queue}
+        self.progress.begin(len(todo), len(self.cells))
+        interrupted = False
+        old_term = _install_sigterm()
+        try:
+            self._loop()
+        except KeyboardInterrupt:
+            interrupted = True
+            # a second Ctrl-C or SIGTERM must not cut the cleanup short and leave orphans
+            saved = ({sig: signal.signal(sig, signal.SIG_IGN)
+                      for sig in (signal.SIGINT, signal.SIGTERM)} if _main_thread() else {})
+            try:
+                self._cancel_all()
+            finally:
+                for sig, handler in saved.items():
+                    signal.signal(sig, handler)
+        finally:
+            _restore_sigterm(old_term)
+            self.progress.close()
+        sweep = self._write_sweep(complete=not interrupted, only=only, fail_on=fail_on,
+                                  launcher=launcher_name, ended=time.time())
+        if interrupted:
+            err = self.progress.err
+            err.write(f"parity: sweep interrupted; finished cells kept in {self.dir} "
+                      "(rerun with --resume)\n")
+            raise KeyboardInterrupt
+        return sweep
+
+    def _loop(self) -> None:
+        while self.queue or self.running:
+            while self.queue and len(self.running) < self.jobs:
+                cell, side = self.queue.popleft()
+                if side == "__diff__":
+                    self._finish_cell(cell)
+                    continue
+                s = self.states[cell.id]
+                if s["status"] == st.FAILED:  # the other side already failed: do not run this one
+                    continue
+                self._start(cell, side)
+            for key, (handle, cell, side, job) in list(self.running.items()):
+                result = self.lnch.poll(handle)
+                if result is None:
+                    self.progress.job_tick(cell.id, side, _count_lines(
+                        job.run_dir / "rank-00000" / "steps.jsonl"))
+                    continue
+                del self.running[key]
+                self._side_done(cell, side, job, result)
+            self.progress.refresh()
+            if self.running:
+                time.sleep(self.poll_interval)
+
+    def _start(self, cell: Cell, side: str) -> None:
+        s = self.states[cell.id]
+        if s["status"] == st.PENDING:
+            keep = tuple(k for k, v in s["sides"].items() if v.get("reused"))
+            st.reset_cell(self.dir, cell.id, keep_sides=keep)
+            s.update(status=st.RUNNING, started=time.time())
+        job = _make_job(self.sp, cell, side, self.dir)
+        s["sides"][side] = {"status": "running", "label": cell.sides[side].label,
+                            "run_dir": st.rel(job.run_dir, self.dir),
+                            "log_dir": st.rel(job.log_dir, self.dir),
+                            "console_log": st.rel(job.console_log, self.dir),
+                            "started": time.time()}
+        st.write_cell(self.dir, s)
+        handle = self.lnch.start(job)
+        self.running[id(handle)] = (handle, cell, side, job)
+        self.progress.job_start(cell.id, side)
+
+    def _side_done(self, cell: Cell, side: str, job: Job, res: JobResult) -> None:
+        s = self.states[cell.id]
+        status, reason = res.status, res.reason
+        if status == "failed" and res.exit_code is not None and (
+                _clean_finish(job.run_dir, self.sp.world_size)):
+            status, reason = OK, f"exit code {res.exit_code} after every rank finished (tolerated)"
+        logs = [{k: (st.rel(v, self.dir) if k in ("stdout", "stderr", "error") else v)
+                 for k, v in entry.items()} for entry in res.rank_logs]
+        s["sides"][side] = {
+            "status": status, "label": cell.sides[side].label, "exit_code": res.exit_code,
+            "reason": reason, "started": res.started, "ended": res.ended,
+            "wall": round(res.wall, 3), "command": res.command,
+            "run_dir": st.rel(job.run_dir, self.dir), "log_dir": st.rel(job.log_dir, self.dir),
+            "console_log": st.rel(job.console_log, self.dir), "rank_logs": logs,
+            "steps_recorded": _count_lines(job.run_dir / "rank-00000" / "steps.jsonl"),
+            "leftovers_killed": res.leftovers_killed,
+        }
+        self.progress.job_end(cell.id, side, status, res.wall, reason)
+        if status == CANCELLED:  # interrupted: the cell has no result and --resume reruns it
+            s.update(status=st.PENDING, reason="interrupted")
+            st.write_cell(self.dir, s)
+            return
+        if status != OK:
+            why = f"{side}: {reason or status}"
+            if s["status"] == st.FAILED:  # the other side failed first (both ran concurrently)
+                s["reason"] = f"{s['reason']}; {why}"
+            else:
+                s.update(status=st.FAILED, reason=why, ended=time.time())
+                self.progress.cell_done(cell.id, st.FAILED, why)
+            for other in SIDES:  # a queued other side is not run (the queue checks the status)
+                if other not in s["sides"]:
+                    s["sides"][other] = {"status": "not_run", "reason": f"not run: {side} failed"}
+            st.write_cell(self.dir, s)
+            return
+        st.write_cell(self.dir, s)
+        if s["status"] != st.FAILED and all(
+                s["sides"].get(x, {}).get("status") == OK for x in SIDES):
+            self._finish_cell(cell)
+
+    def _finish_cell(self, cell: Cell) -> None:
+        s = self.states[cell.id]
+        cdir = st.cell_dir(self.dir, cell.id)
+        s.setdefault("started", time.time())
+        status, reason, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json")
+        s.update(status=status, reason=reason, diff=diff, ended=time.time(),
+                 diff_json=st.rel(cdir / "diff.json", self.dir) if diff else None)
+        st.write_cell(self.dir, s)
+        self.progress.cell_done(cell.id, status, reason)
+
+    def _cancel_all(self) -> None:
+        for key, (handle, cell, side, job) in list(self.running.items()):
+            self.lnch.cancel(handle)
+            res = self.lnch.poll(handle)
+            del self.running[key]
+            if res is not None:
+                self._side_done(cell, side, job, res)
+        for s in self.states.values():
+            if s["status"] == st.RUNNING:
+                s.update(status=st.PENDING, reason="interrupted")
+                st.write_cell(self.dir, s)
+
+    def _write_sweep(self, *, complete: bool, only, fail_on, launcher, ended=None) -> dict:
+        states = [self.states[c.id] for c in self.cells if c.id in self.states]
+        sweep = st.build_sweep(self.sp, self.dir, states, started=self.started, ended=ended,
+                               complete=complete, launcher=launcher, steps=self.steps, only=only,
+                               fail_on=fail_on)
+        st.write_sweep(self.dir, sweep)
+        sweep["_dir"] = str(self.dir)
+        return sweep
+
+
+def _compare(ref: Path, cand: Path, diff_path: Path) -> tuple[str, str, dict | None]:
+    """Diff one cell: (status, reason, diff dict). Never raises."""
+    try:
+        from parity.diff import diff_runs
+    except ImportError as e:
+        return st.FAILED, f"diff engine unavailable ({e})", None
+    try:
+        result = diff_runs(ref, cand)
+        d = result.to_dict()
+        result.write_json(diff_path)
+    except ParityError as e:
+        return st.FAILED, f"diff: {e}", None
+    except Exception as e:  # a bug in the diff engine: report it on the cell, keep sweeping
+        return st.FAILED, f"diff: internal error: {e.__class__.__name__}: {e}", None
+    return (*classify(d), d)
+
+
+def classify(d: dict) -> tuple[str, str]:
+    """A cell status and a one-line reason from a diff result's JSON."""
+    verdict = d.get("verdict")
+    order = d.get("order") or {}
+    oval = order.get("verdict")
+    if verdict == "hash_mismatch":
+        step = d.get("first_divergent_step")
+        div = d.get("divergent") or []
+        names = []
+        if isinstance(div, list):
+            for item in div[:3]:
+                if isinstance(item, dict):
+                    names.append(str(item.get("fqn") or item.get("name") or ""))
+                elif isinstance(item, str):
+                    names.append(item)
+        names = [n for n in names if n]
+        more = f" ({', '.join(names)}{', ...' if isinstance(div, list) and len(div) > 3 else ''})" \
+            if names else ""
+        extra = f"; bucket order {oval}" if oval and oval != "identical" else ""
+        return st.HASH_MISMATCH, f"first divergent step {step}{more}{extra}"
+    if verdict == "match":
+        if oval and oval != "identical":
+            fb = order.get("first_bucket")
+            where = ""
+            if isinstance(fb, dict):
+                where = " at " + " ".join(f"{k}={fb[k]}" for k in list(fb)[:3])
+            elif fb is not None:
+                where = f" at bucket {fb}"
+            return st.ORDER_MISMATCH, f"hashes identical; bucket order {oval}{where}"
+        return st.MATCH, "bitwise identical"
+    detail = d.get("reason") or d.get("message") or "; ".join(map(str, (d.get("problems") or [])[:2]))
+    return st.FAILED, f"incomplete data{': ' + str(detail) if detail else ''} (diff verdict {verdict})"
+
+
+# ------------------------------------------------------------------------------------ signals
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _install_sigterm():
+    if not _main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def _restore_sigterm(old) -> None:
+    if old is not None and _main_thread():
+        signal.signal(signal.SIGTERM, old)
+
+
+# ------------------------------------------------------------------------------------ progress
+
+
+def make_progress(err, steps: int):
+    isatty = getattr(err, "isatty", lambda: False)()
+    if isatty and os.environ.get("TERM") != "dumb":
+        try:
+            return _RichProgress(err, steps)
+        except Exception:
+            pass
+    return _PlainProgress(err, steps)
+
+
+class _PlainProgress:
+    """One line per event on stderr (CI logs); step counts at most every 15 s per job."""
+
+    def __init__(self, err, steps: int):
+        self.err, self.steps = err, steps
+        self.t0 = time.time()
+        self.jobs: dict[tuple[str, str], list] = {}  # -> [start, last step, last print]
+        self.total = self.done = 0
+
+    def _w(self, line: str) -> None:
+        self.err.write(f"[{time.time() - self.t0:7.1f}s] {line}\n")
+        self.err.flush()
+
+    def begin(self, todo: int, total: int) -> None:
+        self.total = todo
+        self._w(f"sweep: {todo} cell(s) to run of {total}")
+
+    def job_start(self, cid, side) -> None:
+        self.jobs[(cid, side)] = [time.time(), 0, time.time()]
+        self._w(f"{cid} {side}: started")
+
+    def job_tick(self, cid, side, step) -> None:
+        j = self.jobs.get((cid, side))
+        if j and step != j[1] and time.time() - j[2] >= 15:
+            j[1], j[2] = step, time.time()
+            self._w(f"{cid} {side}: step {max(0, step - 1)}/{self.steps} "
+                    f"({time.time() - j[0]:.0f}s)")
+
+    def job_end(self, cid, side, status, wall, reason) -> None:
+        self.jobs.pop((cid, side), None)
+        self._w(f"{cid} {side}: {status} in {wall:.1f}s" + (f" ({reason})" if reason else ""))
+
+    def cell_done(self, cid, status, reason) -> None:
+        self.done += 1
+        self._w(f"[{self.done}/{self.total}] {cid}: {status}" + (f" - {reason}" if reason else ""))
+
+    def refresh(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _RichProgress(_PlainProgress):
+    """A live table of running jobs (cell, side, step, elapsed) above the finished-cell lines."""
+
+    def __init__(self, err, steps: int):
+        super().__init__(err, steps)
+        from rich.console import Console
+        from rich.live import Live
+
+        self.console = Console(file=err)
+        self.steps_seen: dict[tuple[str, str], int] = {}
+        self.live = Live(self._render(), console=self.console, refresh_per_second=4,
+                         transient=True)
+        self.live.start()
+
+    def _w(self, line: str) -> None:
+        from rich.markup import escape
+
+        self.console.print(escape(f"[{time.time() - self.t0:7.1f}s] {line}"), highlight=False)
+
+    def _render(self):
+        from rich.table import Table
+        from rich.text import Text
+
+        t = Table(box=None, show_header=True, header_style="bold", pad_edge=False)
+        for col in ("cell", "side", "step", "elapsed"):
+            t.add_column(col)
+        for (cid, side), (start, _, _) in self.jobs.items():
+            step = self.steps_seen.get((cid, side), 0)
+            t.add_row(Text(cid), Text(side), f"{max(0, step - 1)}/{self.steps}",
+                      f"{time.time() - start:.0f}s")
+        t.caption = f"{self.done}/{self.total} cells done, {time.time() - self.t0:.0f}s"
+        return t
+
+    def job_start(self, cid, side) -> None:
+        self.jobs[(cid, side)] = [time.time(), 0, time.time()]
+        self._w(f"{cid} {side}: started")
+
+    def job_tick(self, cid, side, step) -> None:
+        self.steps_seen[(cid, side)] = step
+
+    def refresh(self) -> None:
+        self.live.update(self._render())
+
+    def close(self) -> None:
+        self.live.stop()

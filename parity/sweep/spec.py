@@ -1,0 +1,576 @@
+"""Sweep specs: a TOML file that names a matrix of axes and the two sides to compare in each cell.
+
+``load_spec`` reads and validates a whole spec before anything runs; every problem is a
+:class:`~parity.errors.SpecError` whose one-line message names the file, the key and the problem.
+``Spec.cells`` expands the matrix into :class:`Cell` objects, each holding the fully substituted
+argv of both sides. docs/sweep.md describes the format; this module is its only reader.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from parity.errors import SpecError
+
+SIDES = ("reference", "candidate")
+CELLS_DIR = "cells"  # SWEEP_DIR/cells/CELL_ID/{cell.json,diff.json,reference/,candidate/,logs/}
+BUILTIN_ENTRY = ["-m", "parity.workloads.train"]
+LAUNCHERS = ("local", "slurm")
+DEFAULT_TIMEOUT = 1800.0
+
+# Placeholders every spec may use besides its axis names.
+RESERVED_PLACEHOLDERS = ("steps", "seed", "nproc_per_node", "nnodes", "world_size", "side", "cell",
+                         "run_dir")
+
+_TOP_KEYS = {"name", "description", "steps", "seed", "nproc_per_node", "nnodes", "timeout", "env",
+             "workdir", "requires", "capture", "axes", "reference", "candidate", "launcher"}
+_AXIS_KEYS = {"values", "flags", "requires"}
+_SIDE_KEYS = {"label", "builtin", "args", "argv", "env", "flags"}
+_SLURM_KEYS = {"partition": str, "nodes": int, "ntasks_per_node": int, "gpus_per_node": int,
+               "time": (str, int), "account": str, "sbatch_options": list}
+_LAUNCHER_KEYS = {"type", *_SLURM_KEYS}
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_PLACEHOLDER_RE = re.compile(r"\{\{|\}\}|\{([^{}]*)\}|[{}]")
+_SIMPLE_REQUIREMENTS = ("cuda",)
+_PREFIX_REQUIREMENTS = ("gpus", "module", "command", "env", "launcher")
+
+
+def default_spec_path() -> Path:
+    """The CPU default spec, shipped as package data (``sweeps/cpu-default.toml`` links to it)."""
+    from importlib.resources import files
+
+    return Path(str(files("parity") / "sweeps" / "cpu-default.toml"))
+
+
+def value_key(value) -> str:
+    """The canonical text of an axis value: TOML table keys, --only, cell ids and placeholders."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+# --------------------------------------------------------------------------------------- model
+
+
+@dataclass
+class Axis:
+    name: str
+    values: list
+    flags: dict[str, list[str]] = field(default_factory=dict)  # value key -> args (both sides)
+    requires: dict[str, list[str]] = field(default_factory=dict)  # value key -> requirements
+
+    @property
+    def keys(self) -> list[str]:
+        return [value_key(v) for v in self.values]
+
+
+@dataclass
+class Side:
+    name: str  # "reference" | "candidate"
+    label: str
+    template: list[str]  # entry argv template: what follows torchrun's own options
+    env: dict[str, str]
+    flags: dict[str, dict[str, list[str]]]  # per-side override: axis -> value key -> args
+    builtin: bool = False
+
+
+@dataclass
+class LauncherSpec:
+    type: str = "local"
+    options: dict = field(default_factory=dict)  # the slurm keys, validated, as given
+
+
+@dataclass
+class SideJob:
+    """One side of one cell with every placeholder filled in (before the launcher wraps it)."""
+
+    side: str
+    label: str
+    entry_argv: list[str]
+    env: dict[str, str]
+
+    def fingerprint(self, spec: "Spec", cell: "Cell") -> str:
+        blob = json.dumps({
+            "entry_argv": self.entry_argv, "env": self.env, "nnodes": spec.nnodes,
+            "nproc_per_node": spec.nproc_per_node, "capture": spec.capture,
+            "workdir": str(spec.workdir) if spec.workdir else None,
+        }, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass
+class Cell:
+    id: str
+    axes: dict  # axis name -> value (TOML-typed), in spec order
+    requires: list[str]
+    sides: dict[str, SideJob]
+
+    def label(self) -> str:
+        return ",".join(f"{k}={value_key(v)}" for k, v in self.axes.items()) or "(no axes)"
+
+
+@dataclass
+class Spec:
+    name: str
+    description: str
+    source: str  # the file it came from ("<string>" when parsed from text)
+    text: str  # the TOML text, kept so a sweep directory records exactly what ran
+    steps: int
+    seed: int
+    nproc_per_node: int
+    nnodes: int
+    timeout: float
+    env: dict[str, str]
+    workdir: Path | None
+    requires: list[str]
+    capture: bool
+    axes: list[Axis]
+    sides: dict[str, Side]
+    launcher: LauncherSpec
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def cells(self, steps: int | None = None, sweep_dir: str | os.PathLike | None = None
+              ) -> list[Cell]:
+        """Every cell of the matrix, in spec order (the first axis varies slowest).
+
+        ``sweep_dir`` fills the ``{run_dir}`` placeholder (``SWEEP_DIR/cells/CELL/SIDE``).
+        """
+        steps = self.steps if steps is None else steps
+        sweep_dir = Path(sweep_dir) if sweep_dir is not None else Path("SWEEP_DIR")
+        cells = []
+        used_ids: set[str] = set()
+        combos = itertools.product(*[a.values for a in self.axes]) if self.axes else [()]
+        for combo in combos:
+            axes = {a.name: v for a, v in zip(self.axes, combo)}
+            cid = cell_id(axes, used_ids)
+            used_ids.add(cid)
+            requires = list(self.requires)
+            for a, v in zip(self.axes, combo):
+                for r in a.requires.get(value_key(v), []):
+                    if r not in requires:
+                        requires.append(r)
+            sides = {}
+            for sname, side in self.sides.items():
+                values = {a.name: value_key(v) for a, v in zip(self.axes, combo)}
+                values.update(steps=str(steps), seed=str(self.seed),
+                              nproc_per_node=str(self.nproc_per_node), nnodes=str(self.nnodes),
+                              world_size=str(self.world_size), side=sname, cell=cid,
+                              run_dir=str(sweep_dir / CELLS_DIR / cid / sname))
+                argv = [substitute(t, values) for t in side.template]
+                for a, v in zip(self.axes, combo):
+                    table = side.flags.get(a.name, a.flags)
+                    argv.extend(substitute(t, values) for t in table.get(value_key(v), []))
+                env = {k: substitute(t, values) for k, t in {**self.env, **side.env}.items()}
+                sides[sname] = SideJob(sname, side.label, argv, env)
+            cells.append(Cell(cid, axes, requires, sides))
+        return cells
+
+
+# ------------------------------------------------------------------------------ ids and filters
+
+_SAFE_CHARS = re.compile(r"[^A-Za-z0-9._+-]")
+_MAX_VALUE_LEN = 40
+
+
+def safe_component(text: str) -> str:
+    """A file-name-safe rendering of ``text``: never empty, never '.'/'..', no separators.
+
+    Characters outside ``[A-Za-z0-9._+-]`` become ``_``; when anything had to change, a short
+    hash of the original is appended so that distinct values never share a directory.
+    """
+    safe = _SAFE_CHARS.sub("_", text)
+    if safe.startswith("."):
+        safe = "_" + safe[1:]
+    if len(safe) > _MAX_VALUE_LEN:
+        safe = safe[:_MAX_VALUE_LEN]
+    if safe != text or not safe:
+        safe = f"{safe}-{hashlib.sha1(text.encode()).hexdigest()[:6]}"
+    return safe
+
+
+def cell_id(axes: dict, used: set[str] = frozenset()) -> str:
+    """``flash=true,batch_size=4`` with every value made safe (see :func:`safe_component`)."""
+    if not axes:
+        return "base"
+    cid = ",".join(f"{k}={safe_component(value_key(v))}" for k, v in axes.items())
+    base, n = cid, 2
+    while cid in used:  # only reachable through a hash collision; keep ids unique anyway
+        cid = f"{base}~{n}"
+        n += 1
+    return cid
+
+
+def parse_only(only: str | None, spec: Spec) -> dict[str, set[str]]:
+    """``'flash=true,batch_size=1|4'`` -> {axis: {value keys}}; unknown axes/values raise."""
+    if not only or not only.strip():
+        return {}
+    axes = {a.name: a for a in spec.axes}
+    out: dict[str, set[str]] = {}
+    for part in only.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, vals = part.partition("=")
+        name = name.strip()
+        if not sep or not vals.strip():
+            raise SpecError(f"--only: {part!r}: expected AXIS=VALUE (e.g. 'flash=true,batch_size=4')")
+        if name not in axes:
+            known = ", ".join(axes) or "none"
+            raise SpecError(f"--only: unknown axis {name!r} (axes of {spec.name}: {known})")
+        keys = axes[name].keys
+        chosen = out.setdefault(name, set())
+        for v in vals.split("|"):
+            v = v.strip()
+            match = [k for k in keys if k == v] or [k for k in keys if k.lower() == v.lower()]
+            if not match:
+                raise SpecError(f"--only: {name}={v}: not a value of axis {name} "
+                                f"(values: {', '.join(keys)})")
+            chosen.add(match[0])
+    return out
+
+
+def matches(cell: Cell, only: dict[str, set[str]]) -> bool:
+    return all(value_key(cell.axes[name]) in keys for name, keys in only.items())
+
+
+# ------------------------------------------------------------------------------ substitution
+
+
+def placeholders(template: str) -> list[str]:
+    """Names used as ``{name}`` in ``template`` (``{{`` and ``}}`` are literal braces)."""
+    names = []
+    for m in _PLACEHOLDER_RE.finditer(template):
+        tok = m.group(0)
+        if tok in ("{{", "}}"):
+            continue
+        if m.group(1) is None:
+            raise ValueError(f"unmatched {tok!r} in {template!r} (write {tok * 2} for a literal)")
+        names.append(m.group(1))
+    return names
+
+
+def substitute(template: str, values: dict[str, str]) -> str:
+    def repl(m):
+        tok = m.group(0)
+        if tok == "{{":
+            return "{"
+        if tok == "}}":
+            return "}"
+        return values[m.group(1)]
+
+    return _PLACEHOLDER_RE.sub(repl, template)
+
+
+# ---------------------------------------------------------------------------------- validation
+
+
+class _V:
+    """Validation helpers that raise one-line SpecErrors naming file and key."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, key: str, problem: str):
+        raise SpecError(f"{self.source}: {key}: {problem}" if key else f"{self.source}: {problem}")
+
+    def table(self, obj, key: str, known: set[str] | None = None) -> dict:
+        if not isinstance(obj, dict):
+            self.fail(key, f"must be a table, not {_tname(obj)}")
+        if known is not None:
+            for k in obj:
+                if k not in known:
+                    self.fail(_join(key, k), f"unknown key (known: {', '.join(sorted(known))})")
+        return obj
+
+    def string(self, obj, key: str, nonempty: bool = True) -> str:
+        if not isinstance(obj, str):
+            self.fail(key, f"must be a string, not {_tname(obj)}")
+        if nonempty and not obj.strip():
+            self.fail(key, "must not be empty")
+        return obj
+
+    def integer(self, obj, key: str, minimum: int | None = None) -> int:
+        if isinstance(obj, bool) or not isinstance(obj, int):
+            self.fail(key, f"must be an integer, not {_tname(obj)}")
+        if minimum is not None and obj < minimum:
+            self.fail(key, f"must be >= {minimum}, not {obj}")
+        return obj
+
+    def number(self, obj, key: str) -> float:
+        if isinstance(obj, bool) or not isinstance(obj, (int, float)):
+            self.fail(key, f"must be a number of seconds, not {_tname(obj)}")
+        if not obj > 0 or obj != obj or obj == float("inf"):
+            self.fail(key, f"must be > 0, not {obj}")
+        return float(obj)
+
+    def boolean(self, obj, key: str) -> bool:
+        if not isinstance(obj, bool):
+            self.fail(key, f"must be true or false, not {_tname(obj)}")
+        return obj
+
+    def strings(self, obj, key: str, nonempty: bool = False) -> list[str]:
+        if not isinstance(obj, list):
+            self.fail(key, f"must be a list of strings, not {_tname(obj)}"
+                      + (" (argv is a list, never a shell string)" if isinstance(obj, str) else ""))
+        if nonempty and not obj:
+            self.fail(key, "must not be empty")
+        for i, item in enumerate(obj):
+            if not isinstance(item, str):
+                self.fail(f"{key}[{i}]", f"must be a string, not {_tname(item)} "
+                          f"(quote it: \"{value_key(item) if _scalar(item) else '...'}\")")
+        return list(obj)
+
+    def env(self, obj, key: str) -> dict[str, str]:
+        self.table(obj, key)
+        for k, v in obj.items():
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k):
+                self.fail(_join(key, k), "not a valid environment variable name")
+            if not isinstance(v, str):
+                self.fail(_join(key, k), f"must be a string, not {_tname(v)} (quote it)")
+        return dict(obj)
+
+    def templates(self, items: list[str], key: str, known: set[str]) -> None:
+        for i, t in enumerate(items):
+            self.template(t, f"{key}[{i}]", known)
+
+    def template(self, t: str, key: str, known: set[str]) -> None:
+        try:
+            names = placeholders(t)
+        except ValueError as e:
+            self.fail(key, str(e))
+        for n in names:
+            if n not in known:
+                self.fail(key, f"unknown placeholder {{{n}}} in {t!r} "
+                          f"(known: {', '.join('{' + k + '}' for k in sorted(known))})")
+
+    def requirement(self, r, key: str) -> str:
+        self.string(r, key)
+        head, sep, arg = r.partition(":")
+        if r in _SIMPLE_REQUIREMENTS:
+            return r
+        if sep and head in _PREFIX_REQUIREMENTS and arg:
+            if head == "gpus" and not arg.isdigit():
+                self.fail(key, f"{r!r}: gpus:N needs a whole number")
+            if head == "launcher" and arg not in LAUNCHERS:
+                self.fail(key, f"{r!r}: launcher must be one of {', '.join(LAUNCHERS)}")
+            return r
+        self.fail(key, f"unknown requirement {r!r} (known: cuda, gpus:N, module:NAME, "
+                       "command:NAME, env:NAME, launcher:local|slurm)")
+
+
+def _join(key: str, sub) -> str:
+    sub = str(sub)
+    if not _NAME_RE.match(sub):
+        sub = json.dumps(sub)
+    return f"{key}.{sub}" if key else sub
+
+
+def _tname(obj) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+            list: "a list", dict: "a table"}.get(type(obj), type(obj).__name__)
+
+
+def _scalar(v) -> bool:
+    return isinstance(v, (bool, int, float, str))
+
+
+def _display(path) -> str:
+    try:
+        rel = os.path.relpath(path)
+        return rel if not rel.startswith("..") else str(path)
+    except ValueError:
+        return str(path)
+
+
+def load_spec(path: str | os.PathLike | None = None) -> Spec:
+    """Read and validate a spec file (the CPU default when ``path`` is None)."""
+    p = Path(path) if path is not None else default_spec_path()
+    source = _display(p)
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise SpecError(f"{source}: no such spec file") from None
+    except IsADirectoryError:
+        raise SpecError(f"{source}: is a directory, not a spec file") from None
+    except OSError as e:
+        raise SpecError(f"{source}: cannot read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecError(f"{source}: not UTF-8 text") from None
+    return parse_spec(text, source=source, base_dir=p.parent)
+
+
+def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None) -> Spec:
+    v = _V(source)
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        v.fail("", f"invalid TOML: {str(e).splitlines()[0]}")
+    v.table(doc, "", _TOP_KEYS)
+
+    name = v.string(doc["name"], "name") if "name" in doc else Path(source).stem
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", name):
+        v.fail("name", f"{name!r}: use letters, digits, '.', '_' and '-' (it names the output folder)")
+    description = v.string(doc.get("description", ""), "description", nonempty=False)
+    steps = v.integer(doc.get("steps", 3), "steps", 1)
+    seed = v.integer(doc.get("seed", 0), "seed", 0)
+    nproc = v.integer(doc.get("nproc_per_node", 2), "nproc_per_node", 1)
+    nnodes = v.integer(doc.get("nnodes", 1), "nnodes", 1)
+    timeout = v.number(doc.get("timeout", DEFAULT_TIMEOUT), "timeout")
+    env = v.env(doc.get("env", {}), "env")
+    capture = v.boolean(doc.get("capture", True), "capture")
+    workdir = None
+    if "workdir" in doc:
+        wd = Path(os.path.expanduser(v.string(doc["workdir"], "workdir")))
+        workdir = wd if wd.is_absolute() else (base_dir or Path.cwd()) / wd
+    requires = [v.requirement(r, f"requires[{i}]")
+                for i, r in enumerate(v.strings(doc.get("requires", []), "requires"))]
+
+    # axes
+    axes: list[Axis] = []
+    raw_axes = v.table(doc.get("axes", {}), "axes")
+    for aname, adef in raw_axes.items():
+        key = _join("axes", aname)
+        if not _NAME_RE.match(aname):
+            v.fail(key, "axis names are identifiers (letters, digits, '_'; not starting with a digit)")
+        if aname in RESERVED_PLACEHOLDERS:
+            v.fail(key, f"{aname!r} is a reserved placeholder name; pick another axis name")
+        if isinstance(adef, list):
+            adef = {"values": adef}
+        v.table(adef, key, _AXIS_KEYS)
+        if "values" not in adef:
+            v.fail(key, "missing 'values'")
+        values = adef["values"]
+        vkey = f"{key}.values"
+        if not isinstance(values, list):
+            v.fail(vkey, f"must be a list, not {_tname(values)}")
+        if not values:
+            v.fail(vkey, "empty axis: give at least one value")
+        seen: set[str] = set()
+        for i, val in enumerate(values):
+            if not _scalar(val):
+                v.fail(f"{vkey}[{i}]", f"must be a string, integer, float or boolean, not {_tname(val)}")
+            if isinstance(val, str) and not val:
+                v.fail(f"{vkey}[{i}]", "must not be an empty string")
+            k = value_key(val)
+            if k in seen:
+                v.fail(f"{vkey}[{i}]", f"duplicate value {k!r}")
+            seen.add(k)
+        axis = Axis(aname, list(values))
+        axis.flags = _value_map(v, adef.get("flags", {}), f"{key}.flags", axis, "flags")
+        axis.requires = _value_map(v, adef.get("requires", {}), f"{key}.requires", axis, "requires")
+        axes.append(axis)
+
+    known = set(RESERVED_PLACEHOLDERS) | {a.name for a in axes}
+    for axis in axes:
+        for vk, items in axis.flags.items():
+            v.templates(items, _join(f"axes.{axis.name}.flags", vk), known)
+
+    # sides
+    sides: dict[str, Side] = {}
+    axis_by_name = {a.name: a for a in axes}
+    for sname in SIDES:
+        if sname not in doc:
+            v.fail(sname, f"missing [{sname}] table (each spec compares a reference and a candidate)")
+        sdef = v.table(doc[sname], sname, _SIDE_KEYS)
+        builtin = v.boolean(sdef.get("builtin", False), f"{sname}.builtin")
+        if builtin:
+            if "argv" in sdef:
+                v.fail(f"{sname}.argv", "not allowed with builtin = true (put the workload's "
+                       "arguments in 'args')")
+            args = v.strings(sdef.get("args", []), f"{sname}.args")
+            template = BUILTIN_ENTRY + args
+            v.templates(args, f"{sname}.args", known)
+        else:
+            if "args" in sdef:
+                v.fail(f"{sname}.args", "only used with builtin = true; give the full entry as "
+                       "'argv' (e.g. [\"-m\", \"torchtitan.train\", ...])")
+            if "argv" not in sdef:
+                v.fail(sname, "missing 'argv' (what follows torchrun's options: "
+                       "[\"-m\", \"module\", ...] or [\"script.py\", ...]) or builtin = true")
+            template = v.strings(sdef["argv"], f"{sname}.argv", nonempty=True)
+            v.templates(template, f"{sname}.argv", known)
+        label = v.string(sdef.get("label", sname), f"{sname}.label")
+        senv = v.env(sdef.get("env", {}), f"{sname}.env")
+        sflags: dict[str, dict[str, list[str]]] = {}
+        for aname, table in v.table(sdef.get("flags", {}), f"{sname}.flags").items():
+            fkey = _join(f"{sname}.flags", aname)
+            if aname not in axis_by_name:
+                v.fail(fkey, f"no axis named {aname!r} (axes: {', '.join(axis_by_name) or 'none'})")
+            sflags[aname] = _value_map(v, table, fkey, axis_by_name[aname], "flags")
+            for vk, items in sflags[aname].items():
+                v.templates(items, _join(fkey, vk), known)
+        sides[sname] = Side(sname, label, template, senv, sflags, builtin)
+    for sname in SIDES:
+        for k, t in {**env, **sides[sname].env}.items():
+            v.template(t, _join(f"{sname}.env" if k in sides[sname].env else "env", k), known)
+
+    launcher = _launcher(v, doc.get("launcher", "local"), nnodes)
+    return Spec(name, description, source, text, steps, seed, nproc, nnodes, timeout, env, workdir,
+                requires, capture, axes, sides, launcher)
+
+
+def _value_map(v: _V, table, key: str, axis: Axis, what: str) -> dict[str, list[str]]:
+    v.table(table, key)
+    out = {}
+    keys = axis.keys
+    for vk, items in table.items():
+        ikey = _join(key, vk)
+        if vk not in keys:
+            v.fail(ikey, f"{vk!r} is not a value of axis {axis.name} (values: {', '.join(keys)})")
+        if what == "requires":
+            out[vk] = [v.requirement(r, f"{ikey}[{i}]")
+                       for i, r in enumerate(v.strings(items, ikey))]
+        else:
+            out[vk] = v.strings(items, ikey)
+    return out
+
+
+def _launcher(v: _V, obj, nnodes: int) -> LauncherSpec:
+    if isinstance(obj, str):
+        obj = {"type": obj}
+    v.table(obj, "launcher", _LAUNCHER_KEYS)
+    ltype = v.string(obj.get("type", "local"), "launcher.type")
+    if ltype not in LAUNCHERS:
+        v.fail("launcher.type", f"{ltype!r}: must be one of {', '.join(LAUNCHERS)}")
+    opts = {}
+    for k, typ in _SLURM_KEYS.items():
+        if k not in obj:
+            continue
+        key = f"launcher.{k}"
+        val = obj[k]
+        if typ is int:
+            opts[k] = v.integer(val, key, 0 if k == "gpus_per_node" else 1)
+        elif typ is list:
+            opts[k] = v.strings(val, key)
+        elif typ is str:
+            opts[k] = v.string(val, key)
+        else:  # time: "HH:MM:SS" / "D-HH:MM:SS" / minutes
+            if isinstance(val, str):
+                if not re.match(r"^(\d+-)?\d+(:\d{2}){0,2}$", val):
+                    v.fail(key, f"{val!r}: use minutes, 'MM:SS', 'HH:MM:SS' or 'D-HH:MM:SS'")
+                opts[k] = val
+            else:
+                opts[k] = v.integer(val, key, 1)
+    if "nodes" in opts and opts["nodes"] != nnodes:
+        v.fail("launcher.nodes", f"{opts['nodes']} differs from nnodes = {nnodes} (one torchrun "
+               "agent per node; leave launcher.nodes out to follow nnodes)")
+    return LauncherSpec(ltype, opts)

@@ -1,0 +1,270 @@
+"""A sweep directory on disk: its layout, the lock, per-cell state and the sweep report JSON.
+
+    SWEEP_DIR/
+      .parity-sweep.lock      held (flock) by the sweep running here; holds its pid
+      spec.toml               the spec text as run
+      sweep.json              the sweep report (docs/sweep.md), rewritten atomically
+      cells/CELL_ID/
+        cell.json             this cell's state, rewritten atomically after every change
+        diff.json             the diff of candidate against reference
+        reference/ candidate/ run directories (`parity exec --out`)
+        logs/SIDE/            torchrun --log-dir: every rank's stdout.log / stderr.log
+        logs/SIDE.console.log the job's console (torchrun's tee of every rank)
+
+Paths inside cell.json and sweep.json are relative to SWEEP_DIR, so the folder can be moved or
+uploaded as a CI artifact and still be read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from parity.artifacts import write_json_atomic
+from parity.errors import EXIT_USAGE, ParityError
+from parity.sweep.spec import CELLS_DIR
+
+SWEEP_SCHEMA_VERSION = 1
+LOCK_NAME = ".parity-sweep.lock"
+SPEC_COPY = "spec.toml"
+SWEEP_JSON = "sweep.json"
+
+# cell statuses
+MATCH, HASH_MISMATCH, ORDER_MISMATCH = "match", "hash_mismatch", "order_mismatch"
+FAILED, SKIPPED, PENDING, RUNNING = "failed", "skipped", "pending", "running"
+COMPARED = (MATCH, HASH_MISMATCH, ORDER_MISMATCH)  # a complete result: never rerun by --resume
+STATUSES = (MATCH, HASH_MISMATCH, ORDER_MISMATCH, FAILED, SKIPPED)
+
+
+def cell_dir(sweep_dir: Path, cid: str) -> Path:
+    d = (sweep_dir / CELLS_DIR / cid)
+    # cell ids are sanitized; this is the last line of defence against escaping the sweep dir
+    if d.resolve().parent != (sweep_dir / CELLS_DIR).resolve():
+        raise ParityError(f"cell id {cid!r} would escape {sweep_dir}", exit_code=4)
+    return d
+
+
+def rel(path, sweep_dir: Path) -> str | None:
+    if path is None:
+        return None
+    try:
+        return os.path.relpath(path, sweep_dir)
+    except ValueError:
+        return str(path)
+
+
+# ------------------------------------------------------------------------------------ the lock
+
+
+class SweepLock:
+    """An exclusive flock on SWEEP_DIR/.parity-sweep.lock; released when the process dies."""
+
+    def __init__(self, sweep_dir: Path):
+        self.path = sweep_dir / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> "SweepLock":
+        import fcntl
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            except OSError:
+                holder = "?"
+            os.close(fd)
+            raise ParityError(f"{self.path.parent}: another sweep (pid {holder}) is running in this "
+                              "directory; wait for it or use another --out", EXIT_USAGE) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:
+                pass
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+# ------------------------------------------------------------------------------ directory checks
+
+
+def prepare_sweep_dir(sweep_dir: Path) -> None:
+    """Create the directory, or check that an existing one is a sweep dir (or empty)."""
+    if sweep_dir.exists() and not sweep_dir.is_dir():
+        raise ParityError(f"{sweep_dir}: exists and is not a directory")
+    if sweep_dir.is_dir():
+        entries = [e for e in os.listdir(sweep_dir) if e != LOCK_NAME]
+        if entries and not ((sweep_dir / SPEC_COPY).exists() or (sweep_dir / CELLS_DIR).is_dir()):
+            raise ParityError(f"{sweep_dir}: not empty and not a parity sweep directory; "
+                              "choose another --out")
+    try:
+        (sweep_dir / CELLS_DIR).mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ParityError(f"cannot create {sweep_dir}: {e.strerror or e}") from None
+
+
+def reset_cell(sweep_dir: Path, cid: str, keep_sides: tuple[str, ...] = ()) -> Path:
+    """Empty a cell's folder before it runs, keeping the run and logs of ``keep_sides``."""
+    d = cell_dir(sweep_dir, cid)
+    if d.is_dir():
+        keep = {d / s for s in keep_sides}
+        keep |= {d / "logs" / s for s in keep_sides}
+        keep |= {d / "logs" / f"{s}.console.log" for s in keep_sides}
+        for child in d.iterdir():
+            if child.name == "logs" and child.is_dir() and not child.is_symlink():
+                for sub in child.iterdir():
+                    if sub not in keep:
+                        _remove(sub)
+            elif child not in keep:
+                _remove(child)
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
+# ------------------------------------------------------------------------------ cell state
+
+
+def read_cell(sweep_dir: Path, cid: str) -> dict | None:
+    try:
+        obj = json.loads((cell_dir(sweep_dir, cid) / "cell.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(obj, dict) or obj.get("v") != SWEEP_SCHEMA_VERSION or obj.get("id") != cid:
+        return None
+    return obj
+
+
+def write_cell(sweep_dir: Path, state: dict) -> None:
+    state["updated"] = time.time()
+    write_json_atomic(cell_dir(sweep_dir, state["id"]) / "cell.json", state)
+
+
+def new_cell_state(cell, fingerprints: dict[str, str]) -> dict:
+    return {
+        "v": SWEEP_SCHEMA_VERSION, "id": cell.id, "axes": dict(cell.axes), "status": PENDING,
+        "reason": "", "fingerprint": fingerprints, "requires": list(cell.requires),
+        "sides": {}, "diff": None, "diff_json": None, "started": None, "ended": None,
+    }
+
+
+def is_complete(state: dict | None, fingerprints: dict[str, str]) -> bool:
+    """A compared cell whose jobs are the ones the spec asks for now."""
+    return bool(state) and state.get("status") in COMPARED and state.get("fingerprint") == fingerprints
+
+
+def reusable_side(state: dict | None, side: str, fingerprint: str, sweep_dir: Path) -> dict | None:
+    """A side that finished successfully for the same job (kept by --resume)."""
+    if not state:
+        return None
+    s = (state.get("sides") or {}).get(side)
+    if not s or s.get("status") != "ok" or (state.get("fingerprint") or {}).get(side) != fingerprint:
+        return None
+    run_dir = s.get("run_dir")
+    if run_dir and not (sweep_dir / run_dir).is_dir():
+        return None
+    return s
+
+
+# ------------------------------------------------------------------------------ sweep report
+
+
+def build_sweep(spec, sweep_dir: Path, states: list[dict], *, started: float, ended: float | None,
+                complete: bool, launcher: str, steps: int, only: str | None,
+                fail_on: str) -> dict:
+    cells = [_public_cell(st) for st in states]
+    counts = {s: 0 for s in STATUSES}
+    for c in cells:
+        counts[c["status"]] += 1
+    return {
+        "v": SWEEP_SCHEMA_VERSION,
+        "kind": "parity-sweep",
+        "name": spec.name,
+        "description": spec.description,
+        "spec": SPEC_COPY,
+        "spec_source": spec.source,
+        "launcher": launcher,
+        "steps": steps,
+        "seed": spec.seed,
+        "nnodes": spec.nnodes,
+        "nproc_per_node": spec.nproc_per_node,
+        "only": only,
+        "fail_on": fail_on,
+        "axes": [{"name": a.name, "values": list(a.values)} for a in spec.axes],
+        "sides": {name: {"label": s.label} for name, s in spec.sides.items()},
+        "started": started,
+        "ended": ended,
+        "wall": round(ended - started, 3) if ended else None,
+        "complete": complete,
+        "counts": counts,
+        "cells": cells,
+    }
+
+
+def _public_cell(st: dict) -> dict:
+    keys = ("id", "axes", "status", "reason", "requires", "started", "ended", "sides", "diff",
+            "diff_json")
+    out = {k: st.get(k) for k in keys}
+    if out["status"] not in STATUSES:  # pending/running when the sweep stopped early
+        out["status"] = FAILED
+        out["reason"] = out.get("reason") or "did not finish (sweep interrupted; rerun with --resume)"
+    out["wall"] = (round(st["ended"] - st["started"], 3)
+                   if st.get("started") and st.get("ended") else None)
+    return out
+
+
+def write_sweep(sweep_dir: Path, sweep: dict) -> Path:
+    path = sweep_dir / SWEEP_JSON
+    write_json_atomic(path, sweep)
+    return path
+
+
+def load_sweep(where) -> dict:
+    """Read a sweep report: SWEEP_DIR or SWEEP_DIR/sweep.json. Bad input raises (exit 2)."""
+    p = Path(where)
+    path = p / SWEEP_JSON if p.is_dir() else p
+    if not p.exists():
+        raise ParityError(f"{p}: no such sweep directory")
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ParityError(f"{p}: no {SWEEP_JSON} (not a sweep directory, or the sweep never "
+                          "started; run `parity sweep --resume --out DIR`)") from None
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ParityError(f"{path}: unreadable sweep report ({e.__class__.__name__})") from None
+    if not isinstance(obj, dict) or obj.get("kind") != "parity-sweep":
+        raise ParityError(f"{path}: not a parity sweep report")
+    if obj.get("v") != SWEEP_SCHEMA_VERSION:
+        raise ParityError(f"{path}: sweep report version {obj.get('v')!r}; this parity reads "
+                          f"version {SWEEP_SCHEMA_VERSION}")
+    if not isinstance(obj.get("cells"), list) or not all(
+            isinstance(c, dict) and isinstance(c.get("id"), str) and c.get("status") in STATUSES
+            for c in obj["cells"]):
+        raise ParityError(f"{path}: malformed sweep report (cells)")
+    obj["_dir"] = str(path.parent)
+    return obj
