@@ -8,6 +8,7 @@ The reader is tolerant: a truncated last line, a corrupted line or a missing ran
 
 from __future__ import annotations
 
+import binascii
 import contextlib
 import gc
 import json
@@ -237,11 +238,8 @@ class RankData:
         if not isinstance(offset, int):
             return None
         try:
-            with open(self.path / "hashes.jsonl", "rb") as f:
-                f.seek(offset)
-                line = f.readline()
-            hrec = json.loads(line)
-            raw = bytes.fromhex(hrec["hashes"])
+            line = self._read_line(offset)
+            hrec, raw = _parse_hash_line(line)
         except (OSError, ValueError, KeyError, TypeError):
             self.problems.append(f"{self.path / 'hashes.jsonl'}: step {step} {kind} line unreadable")
             return None
@@ -249,6 +247,37 @@ class RankData:
             self.problems.append(f"{self.path / 'hashes.jsonl'}: step {step} {kind} line mismatched")
             return None
         return np.frombuffer(raw, dtype=np.uint8).reshape(-1, HASH_BYTES)
+
+    _line_hint: int = field(default=1 << 16, repr=False, compare=False)
+
+    def _read_line(self, offset: int) -> bytes:
+        """The line at ``offset``, usually in one read (a rank's hash lines have one length)."""
+        with open(self.path / "hashes.jsonl", "rb", buffering=0) as f:
+            f.seek(offset)
+            buf = f.read(self._line_hint)
+            end = buf.find(b"\n")
+            while end < 0:
+                more = f.read(max(len(buf), 1 << 16))
+                if not more:
+                    raise ValueError("line without end")
+                start = len(buf)
+                buf += more
+                end = buf.find(b"\n", start)
+        self._line_hint = end + 64
+        return buf[:end]
+
+
+def _parse_hash_line(line: bytes) -> tuple[dict, bytes]:
+    """A hashes.jsonl line: (record without "hashes", raw hash bytes). RankWriter puts "hashes"
+    last, so the 32*n hex characters are sliced and decoded without a JSON pass over them; any
+    other layout goes through ``json``."""
+    key = line.rfind(b'"hashes":"')
+    if key > 0 and line.endswith(b'"}') and line[key - 1:key] == b",":
+        head = json.loads(line[:key - 1] + b"}")
+        if isinstance(head, dict) and "hashes" not in head:
+            return head, binascii.unhexlify(line[key + 10:-2])
+    rec = json.loads(line)
+    return rec, bytes.fromhex(rec["hashes"])
 
 
 @dataclass

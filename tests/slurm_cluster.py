@@ -254,21 +254,45 @@ class Cluster:
         self.wait_ready()
         self.started_in = time.monotonic() - t0
 
+    def cancel_jobs(self, wait: float = 15) -> int:
+        """scancel every job of this cluster and wait (bounded) until the queue is empty, so that
+        no job step outlives the daemons. Returns how many jobs were cancelled."""
+        try:
+            ids = self.run("squeue", "-h", "-o", "%i", timeout=10).stdout.split()
+            if ids:
+                self.run("scancel", *ids, timeout=10)
+            deadline = time.monotonic() + wait
+            while ids and time.monotonic() < deadline:
+                if not self.run("squeue", "-h", "-o", "%i", timeout=10).stdout.split():
+                    break
+                time.sleep(0.2)
+            return len(ids)
+        except (OSError, subprocess.SubprocessError):
+            return 0
+
     def stop(self) -> list[str]:
-        """Stop the daemons by pid file (slurmd, slurmctld, munged); return what was stopped."""
+        """Cancel the jobs, then stop the daemons by pid file (slurmd, slurmctld, munged);
+        returns what was stopped."""
         stopped = []
         run = self.dir / "run"
-        order = [*(run / f"slurmd-{n}.pid" for n in NODES), run / "slurmctld.pid",
-                 run / "munged.pid"]
-        for pf in order:
+        if _pid_alive(run / "slurmctld.pid") and self.conf.exists():
+            n = self.cancel_jobs()
+            if n:
+                stopped.append(f"{n} job(s)")
+        # All at once (each takes ~2 s to exit), then wait; SIGKILL after 5 s.
+        pids = {}
+        for pf in [*(run / f"slurmd-{n}.pid" for n in NODES), run / "slurmctld.pid",
+                   run / "munged.pid"]:
             pid = _pid_alive(pf)
-            if pid is None:
-                continue
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:
-                continue
-            for _ in range(100):
+            if pid is not None:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                    pids[pid] = pf.stem
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 5
+        for pid, name in pids.items():
+            while time.monotonic() < deadline:
                 try:
                     os.kill(pid, 0)
                 except OSError:
@@ -279,7 +303,7 @@ class Cluster:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-            stopped.append(pf.stem)
+            stopped.append(name)
         return stopped
 
 
@@ -355,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", type=Path, default=DEFAULT_DIR)
     p.add_argument("--install", action=argparse.BooleanOptionalAction, default=True,
                    help="apt-get install the packages when missing (default: yes)")
+    p.add_argument("--remove", action="store_true", help="down: also delete the directory")
     a = p.parse_args(argv)
     if a.action == "up":
         try:
@@ -367,7 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     c = Cluster(a.dir)
     if a.action == "down":
         stopped = c.stop()
-        print(f"slurm-down: stopped {', '.join(stopped) or 'nothing'} ({a.dir})")
+        if a.remove and (a.dir / "slurm.conf").exists():
+            shutil.rmtree(a.dir, ignore_errors=True)
+        print(f"slurm-down: stopped {', '.join(stopped) or 'nothing'} ({a.dir}"
+              f"{', removed' if a.remove else ''})")
         return 0
     ok = c.alive() and c.nodes_ready()
     print(f"slurm: {'up' if ok else 'down'} ({c.conf})")

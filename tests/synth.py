@@ -40,6 +40,7 @@ per-rank files are written in step-major order with one RankWriter per rank kept
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -104,8 +105,8 @@ def _groups(fqns: Sequence[str], bucket_groups, params_per_layer: int) -> list[t
         out = []
         for start in range(0, n, bucket_groups):
             idx = list(range(start, min(n, start + bucket_groups)))
-            prefix = fqns[idx[0]].rsplit(".", 2)[0] if "." in fqns[idx[0]] else ""
-            out.append((prefix if bucket_groups == params_per_layer else f"bucket{len(out)}", idx))
+            out.append((f"layers.{start // params_per_layer}" if bucket_groups == params_per_layer
+                        else f"bucket{len(out)}", idx))
         return out
     out = []
     for k, g in enumerate(bucket_groups):
@@ -263,7 +264,7 @@ def make_run(
             w.write_params([table[i] for i in order])
             if bucket_hook is not None or shared_buckets is None:
                 for b in buckets:
-                    rec = bucket_hook(dict(b), r) if bucket_hook else b
+                    rec = bucket_hook(copy.deepcopy(b), r) if bucket_hook else b
                     if rec is not None:
                         w.write_bucket(rec)
                 if bucket_hook is None:

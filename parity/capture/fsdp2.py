@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+import time
 from typing import Callable
 
 import torch
@@ -83,6 +84,7 @@ class FSDP2Recorder:
         self._index = {"all_gather": 0, "reduce_scatter": 0}
         self._last: dict[tuple[str, int], tuple] = {}
         self.enabled = True
+        self.seconds = 0.0  # time spent recording
 
     # ------------------------------------------------------------------ install / uninstall
     def install(self) -> bool:
@@ -117,16 +119,19 @@ class FSDP2Recorder:
         def foreach_all_gather(*args, **kwargs):
             result = ag(*args, **kwargs)
             if recorder.enabled:
+                t0 = time.perf_counter()
                 try:
                     recorder._on_all_gather(ag_get(args, kwargs, "fsdp_params"),
                                             ag_get(args, kwargs, "group"), result,
                                             _calling_group())
                 except Exception as e:  # noqa: BLE001 - capture fails soft
                     recorder._fail(e)
+                recorder.seconds += time.perf_counter() - t0
             return result
 
         def foreach_reduce(*args, **kwargs):
             if recorder.enabled:
+                t0 = time.perf_counter()
                 try:  # before the call: foreach_reduce clears unsharded_grads
                     recorder._on_reduce(rs_get(args, kwargs, "fsdp_params"),
                                         rs_get(args, kwargs, "unsharded_grads"),
@@ -135,6 +140,7 @@ class FSDP2Recorder:
                                         _calling_group())
                 except Exception as e:  # noqa: BLE001
                     recorder._fail(e)
+                recorder.seconds += time.perf_counter() - t0
             return rs(*args, **kwargs)
 
         for w, fn in ((foreach_all_gather, ag), (foreach_reduce, rs)):

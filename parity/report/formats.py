@@ -110,15 +110,24 @@ def _failure_logs(c: dict) -> list[str]:
     for name, s in (c.get("sides") or {}).items():
         if not isinstance(s, dict) or s.get("status") in ("ok", "not_run"):
             continue
+        m = re.search(r"\brank (\d+):", str(s.get("reason") or ""))
+        blamed = int(m.group(1)) if m else None
+        ranks = [r for r in s.get("rank_logs") or [] if isinstance(r, dict) and r.get("stderr")]
+        ranks.sort(key=lambda r: (r.get("rank") != blamed, r.get("rank", 0)))
+        out += [r["stderr"] for r in ranks[:1]]
         if s.get("console_log"):
             out.append(s["console_log"])
-        for r in s.get("rank_logs") or []:
-            if isinstance(r, dict) and r.get("stderr"):
-                out.append(r["stderr"])
+        out += [r["stderr"] for r in ranks[1:]]
     return out
 
 
 # --------------------------------------------------------------------------------------- console
+
+
+def _safe(text) -> str:
+    """No control characters (a log line's ANSI escapes must not drive the terminal)."""
+    return _CONTROL.sub(" ", str(text))
+
 
 
 def print_sweep_console(sweep: dict, file=None, color: bool | None = None) -> None:
@@ -138,27 +147,27 @@ def print_sweep_console(sweep: dict, file=None, color: bool | None = None) -> No
     if sweep.get("description"):
         title += f" - {sweep['description']}"
     axes = _axis_names(sweep)
-    t = Table(title=Text(title), title_justify="left", show_lines=False)
+    t = Table(title=Text(_safe(title)), title_justify="left", show_lines=False)
     for a in axes:
-        t.add_column(Text(a))
+        t.add_column(Text(_safe(a)))
     t.add_column("status")
     t.add_column("detail", overflow="fold")
     t.add_column("time", justify="right")
     for c in sweep.get("cells") or []:
         status = c.get("status", "?")
-        row = [Text(_value((c.get("axes") or {}).get(a))) for a in axes]
+        row = [Text(_safe(_value((c.get("axes") or {}).get(a)))) for a in axes]
         row.append(Text(STATUS_TEXT.get(status, status), style=STATUS_STYLE.get(status, "")))
-        row.append(Text(str(c.get("reason") or "")))
+        row.append(Text(_safe(c.get("reason") or "")))
         row.append(_secs(_cell_time(c)))
         t.add_row(*row)
     console.print(t)
-    console.print(escape(_summary(sweep)), highlight=False)
+    console.print(escape(_safe(_summary(sweep))), highlight=False)
     for c in sweep.get("cells") or []:
         if c.get("status") == "failed":
             logs = _failure_logs(c)
             if logs:
                 shown = ", ".join(logs[:3]) + (f" (+{len(logs) - 3} more)" if len(logs) > 3 else "")
-                console.print(escape(f"  {c['id']}: logs: {shown}"), highlight=False)
+                console.print(escape(_safe(f"  {c['id']}: logs: {shown}")), highlight=False)
     if sweep.get("_dir"):
         console.print(escape(f"report: {os.path.join(sweep['_dir'], 'sweep.json')}"),
                       highlight=False)
@@ -173,12 +182,13 @@ def sweep_json(sweep: dict) -> str:
 
 # -------------------------------------------------------------------------------------- markdown
 
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
 _MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+!~|>-])")
 
 
 def md_escape(text) -> str:
     """Text safe inside a GitHub-flavoured markdown table cell (no markup, no HTML, no '|')."""
-    s = str(text).replace("\r", " ").replace("\n", " ")
+    s = _CONTROL.sub(" ", str(text))
     s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     return _MD_SPECIAL.sub(r"\\\1", s)
 
@@ -219,7 +229,7 @@ def sweep_markdown(sweep: dict) -> str:
 
 def _code(text) -> str:
     """Text inside a `code span`: no backticks or newlines can break out of it."""
-    return str(text).replace("`", "'").replace("\n", " ").replace("\r", " ")
+    return _CONTROL.sub(" ", str(text)).replace("`", "'")
 
 
 # ----------------------------------------------------------------------------------------- junit

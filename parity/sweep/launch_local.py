@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,6 +103,7 @@ class LocalHandle:
     sessions: set[int] = field(default_factory=set)
     last_scan: float = 0.0
     killed_by: str | None = None  # "timeout" | "cancel"
+    exited_at: float | None = None  # set by the waiter thread the moment the leader exits
 
 
 class LocalLauncher(Launcher):
@@ -144,6 +146,8 @@ class LocalLauncher(Launcher):
         else:
             handle.seen[handle.proc.pid] = self._start_time(handle.proc.pid)
             handle.sessions.add(handle.proc.pid)
+            threading.Thread(target=_wait_for_exit, args=(handle,), daemon=True,
+                             name=f"parity-wait-{handle.proc.pid}").start()
         return handle
 
     @staticmethod
@@ -276,13 +280,21 @@ class LocalLauncher(Launcher):
             handle.log_file = None
         job = handle.job
         rank_logs = collect_rank_logs(job.log_dir, job.nproc_per_node)
-        if status in (FAILED, TIMEOUT):
+        if status == FAILED:
             hint = failure_hint(rank_logs)
             if hint:
                 reason = f"{reason}; {hint}"
         return JobResult(status=status, exit_code=rc, reason=reason, started=handle.started,
-                         ended=time.time(), command=handle.command,
+                         ended=handle.exited_at or time.time(), command=handle.command,
                          console_log=str(job.console_log), rank_logs=rank_logs)
+
+
+def _wait_for_exit(handle: LocalHandle) -> None:
+    """Record the exact exit time of the job's leader (job wall times exclude poll latency)."""
+    try:
+        handle.proc.wait()
+    finally:
+        handle.exited_at = time.time()
 
 
 def _proc_table_one(pid: int):

@@ -82,15 +82,36 @@ def node_command(job: Job, node: int | str, endpoint: str,
     return argv
 
 
-def node_rank_logs(job: Job, rel_to: Path | None = None) -> list[dict]:
-    """Every rank's log files, node by node (rank = node * nproc_per_node + local rank)."""
+def node_rank_logs(job: Job, summary: dict | None = None,
+                   rel_to: Path | None = None) -> list[dict]:
+    """Every rank's log files, node by node.
+
+    With the c10d backend node K's agent gets whichever group rank the rendezvous gives it, so
+    its ranks are group_rank * nproc_per_node + local rank. The merge ``summary`` knows each
+    node's ranks (the rank folders its ``parity exec`` held); without it (an uncaptured job)
+    node K is assumed to hold group rank K.
+    """
     if job.nnodes == 1:
         return collect_rank_logs(Path(job.log_dir), job.nproc_per_node, rel_to)
+    group = {}
+    for n in (summary or {}).get("nodes", []):
+        if n.get("ranks"):
+            group[n["node"]] = min(n["ranks"]) // job.nproc_per_node
     out = []
     for k in range(job.nnodes):
         out += collect_rank_logs(node_log_dir(job.log_dir, k, job.nnodes), job.nproc_per_node,
-                                 rel_to, node_rank=k)
-    return out
+                                 rel_to, node_rank=group.get(k, k))
+    return sorted(out, key=lambda e: e["rank"])
+
+
+def live_rank_dir(run_dir: str | os.PathLike, rank: int) -> Path | None:
+    """Where rank ``rank`` is writing now: ``RUN_DIR/rank-NNNNN``, or before the merge of a
+    multi-node job, ``RUN_DIR/nodes/node-K/rank-NNNNN`` (for progress displays)."""
+    name = f"rank-{rank:05d}"
+    run_dir = Path(run_dir)
+    if (run_dir / name).is_dir():
+        return run_dir / name
+    return next(iter(sorted(run_dir.glob(f"{NODES_DIR}/node-*/{name}"))), None)
 
 
 # ------------------------------------------------------------------------------ merge
@@ -115,9 +136,13 @@ def merge_node_runs(run_dir: str | os.PathLike, nnodes: int, *, error: str | Non
     if nnodes == 1:
         return None
     run_dir.mkdir(parents=True, exist_ok=True)
+    previous = _read_json(run_dir / RUN_FILE) or {}
+    before = {n.get("node"): n.get("ranks") for n in previous.get("nodes", [])
+              if isinstance(n, dict)}
     nodes = []
     for k in range(nnodes):
         d = node_out_dir(run_dir, k, nnodes)
+        ranks = []
         if d.is_dir():
             for child in sorted(d.iterdir()):
                 if child.is_dir() and child.name.startswith("rank-"):
@@ -125,9 +150,11 @@ def merge_node_runs(run_dir: str | os.PathLike, nnodes: int, *, error: str | Non
                     if target.exists():
                         shutil.rmtree(target)
                     os.replace(child, target)
+                    ranks.append(int(child.name[5:]))
         rec = _read_json(d / RUN_FILE)
         nodes.append({"node": k, **(rec or {"status": "missing", "exit_code": None,
-                                            "error": f"node {k} wrote no {RUN_FILE}"})})
+                                            "error": f"node {k} wrote no {RUN_FILE}"}),
+                      "ranks": ranks or before.get(k) or []})
     bad = [n for n in nodes if n.get("status") not in ("ok", "running")]
     if error is None and bad:
         n = bad[0]
@@ -151,6 +178,23 @@ def merge_node_runs(run_dir: str | os.PathLike, nnodes: int, *, error: str | Non
     }
     write_json_atomic(run_dir / RUN_FILE, summary)
     return summary
+
+
+def prepare_run_dir(job: Job) -> None:
+    """Before a multi-node captured job: drop what an earlier run left in ``RUN_DIR`` (rank
+    folders, ``run.json``, ``nodes/``), as ``parity exec`` does for a one-node run."""
+    if not job.capture or job.nnodes == 1:
+        return
+    run_dir = Path(job.run_dir)
+    if run_dir.is_dir():
+        for child in run_dir.iterdir():
+            if child.is_dir() and (child.name.startswith("rank-") or child.name == NODES_DIR):
+                shutil.rmtree(child, ignore_errors=True)
+        try:
+            (run_dir / RUN_FILE).unlink()
+        except FileNotFoundError:
+            pass
+    run_dir.mkdir(parents=True, exist_ok=True)
 
 
 def combine(results: list[JobResult], command: list[str]) -> JobResult:
@@ -215,11 +259,16 @@ class MultiNodeLauncher(Launcher):
                 for k in range(job.nnodes)]
 
     def command(self, job: Job) -> list[str]:
-        return self.commands(job, f"{self.host}:0")[0]
+        """Node 0's command (node K differs in ``nodes/node-K``, ``--log-dir`` and
+        ``--local-addr``); PORT is picked at start."""
+        if job.nnodes == 1:
+            return self._local.command(job)
+        return self.commands(job, f"{self.host}:PORT")[0]
 
     def start(self, job: Job) -> MultiNodeHandle:
         if job.nnodes == 1:
             return MultiNodeHandle(job, [], single=self._local.start(job))
+        prepare_run_dir(job)
         endpoint = f"{self.host}:{free_port(self.host)}"
         env = dict(job.env)
         env.setdefault(PREFIX_ENV, PREFIX)
@@ -259,14 +308,15 @@ class MultiNodeLauncher(Launcher):
         else:
             result = combine(results, h.agents[0][1].command)
         result.console_log = str(job.console_log)
-        result.rank_logs = node_rank_logs(job)
+        summary = None
+        if job.capture:
+            summary = merge_node_runs(job.run_dir, job.nnodes,
+                                      error=None if result.status in (OK, FAILED) else result.reason)
+        result.rank_logs = node_rank_logs(job, summary)
         if result.status in (FAILED, TIMEOUT) and "rank " not in result.reason:
             hint = failure_hint(result.rank_logs)
             if hint:
                 result.reason = f"{result.reason}; {hint}"
-        if job.capture:
-            merge_node_runs(job.run_dir, job.nnodes,
-                            error=None if result.status in (OK, FAILED) else result.reason)
         h.result = result
         return result
 

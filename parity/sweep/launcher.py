@@ -170,7 +170,8 @@ def failure_hint(rank_logs: list[dict], base: Path | None = None, limit: int = 1
     """'rank 3: RuntimeError: boom' from the rank whose stderr shows the earliest traceback.
 
     The earliest is usually the cause: the other ranks fail after it (a closed connection) or are
-    killed by torchrun without a traceback.
+    killed by torchrun without a traceback. Without any traceback, the last stderr line of the
+    earliest rank that wrote one (e.g. python's "can't open file").
     """
     found = []
     for entry in rank_logs:
@@ -187,25 +188,35 @@ def failure_hint(rank_logs: list[dict], base: Path | None = None, limit: int = 1
                 tail = f.read().decode("utf-8", "replace")
         except OSError:
             continue
-        if "Traceback" not in tail:
-            continue
-        tail = tail[tail.rindex("Traceback"):]
-        lines = [ln.strip() for ln in tail.splitlines()[1:] if ln.strip()]
-        for ln in reversed(lines):
-            if not ln.startswith(("File ", "^", "~")):
-                found.append((mtime, entry["rank"], ln[:limit]))
-                break
+        lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+        if "Traceback" in tail:
+            after = tail[tail.rindex("Traceback"):]
+            lines = [ln.strip() for ln in after.splitlines()[1:] if ln.strip()]
+            lines = [ln for ln in lines if not ln.startswith(("File ", "^", "~"))]
+            if lines:
+                found.append((0, mtime, entry["rank"], lines[-1][:limit]))
+        elif lines:  # no traceback (e.g. "can't open file"): the last line, ranked after tracebacks
+            found.append((1, mtime, entry["rank"], lines[-1][:limit]))
     if not found:
         return ""
-    _, rank, line = min(found)
+    _, _, rank, line = min(found)
     return f"rank {rank}: {line}"
 
 
 _cuda_count: int | None = None
 
 
+def _gpu_device_nodes() -> bool:
+    """Is there any GPU driver here at all? (Saves importing torch, ~2 s, on CPU machines.)"""
+    dev = Path("/dev")
+    return (any(dev.glob("nvidia[0-9]*")) or Path("/proc/driver/nvidia").exists()
+            or (dev / "kfd").exists() or not dev.is_dir())
+
+
 def _local_cuda_devices() -> int:
     global _cuda_count
+    if _cuda_count is None and not _gpu_device_nodes():
+        _cuda_count = 0
     if _cuda_count is None:
         try:
             import torch

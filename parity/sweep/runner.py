@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -24,6 +25,7 @@ from parity.sweep.launcher import (CANCELLED, OK, Job, JobResult, Launcher, make
 from parity.sweep.spec import SIDES, Cell, Spec, load_spec, matches, parse_only, safe_component
 
 DEFAULT_ROOT = Path("reports")
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 
 def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str | None = None,
@@ -173,6 +175,8 @@ class _Run:
         self.queue: deque[tuple[Cell, str]] = deque()
         self.running: dict[int, tuple[object, Cell, str, Job]] = {}
         self.started = time.time()
+        self.jobs_wall = 0.0  # the summed wall time of the jobs this invocation ran
+        self.jobs_run = 0
 
     # ---------------------------------------------------------------------------- planning
 
@@ -287,6 +291,8 @@ class _Run:
 
     def _side_done(self, cell: Cell, side: str, job: Job, res: JobResult) -> None:
         s = self.states[cell.id]
+        self.jobs_wall += res.wall
+        self.jobs_run += 1
         status, reason = res.status, res.reason
         if status == "failed" and res.exit_code is not None and (
                 _clean_finish(job.run_dir, self.sp.world_size)):
@@ -350,7 +356,8 @@ class _Run:
         states = [self.states[c.id] for c in self.cells if c.id in self.states]
         sweep = st.build_sweep(self.sp, self.dir, states, started=self.started, ended=ended,
                                complete=complete, launcher=launcher, steps=self.steps, only=only,
-                               fail_on=fail_on)
+                               fail_on=fail_on, jobs=self.jobs, jobs_run=self.jobs_run,
+                               jobs_wall=self.jobs_wall)
         st.write_sweep(self.dir, sweep)
         sweep["_dir"] = str(self.dir)
         return sweep
@@ -373,38 +380,54 @@ def _compare(ref: Path, cand: Path, diff_path: Path) -> tuple[str, str, dict | N
     return (*classify(d), d)
 
 
+ORDER_FAILURES = ("order_differs", "partition_differs", "layout_differs")  # as parity.diff
+
+
 def classify(d: dict) -> tuple[str, str]:
-    """A cell status and a one-line reason from a diff result's JSON."""
+    """A cell status and a one-line reason from a diff result's JSON (parity.diff.DiffResult)."""
     verdict = d.get("verdict")
-    order = d.get("order") or {}
+    order = d.get("order") if isinstance(d.get("order"), dict) else {}
     oval = order.get("verdict")
+    order_note = ""
+    if oval in ORDER_FAILURES:
+        order_note = f"bucket order: {oval}{_where(order.get('first_bucket'))}"
+    elif oval and oval != "identical":
+        notes = [str(n) for n in order.get("notes") or []][:1]
+        order_note = f"bucket order {oval}" + (f" ({notes[0]})" if notes else "")
     if verdict == "hash_mismatch":
         step = d.get("first_divergent_step")
-        div = d.get("divergent") or []
-        names = []
-        if isinstance(div, list):
-            for item in div[:3]:
-                if isinstance(item, dict):
-                    names.append(str(item.get("fqn") or item.get("name") or ""))
-                elif isinstance(item, str):
-                    names.append(item)
-        names = [n for n in names if n]
-        more = f" ({', '.join(names)}{', ...' if isinstance(div, list) and len(div) > 3 else ''})" \
-            if names else ""
-        extra = f"; bucket order {oval}" if oval and oval != "identical" else ""
-        return st.HASH_MISMATCH, f"first divergent step {step}{more}{extra}"
+        div = [x for x in d.get("divergent") or [] if isinstance(x, dict)]
+        first = [x for x in div if x.get("step") == step] or div
+        names = list(dict.fromkeys(str(x.get("fqn")) for x in first if x.get("fqn")))
+        what = ""
+        if names:
+            what = ": " + ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3
+                                                  else "")
+        reason = f"first divergent step {step}{what}"
+        if order_note and oval in ORDER_FAILURES:
+            reason += f"; {order_note}"
+        return st.HASH_MISMATCH, reason
     if verdict == "match":
-        if oval and oval != "identical":
-            fb = order.get("first_bucket")
-            where = ""
-            if isinstance(fb, dict):
-                where = " at " + " ".join(f"{k}={fb[k]}" for k in list(fb)[:3])
-            elif fb is not None:
-                where = f" at bucket {fb}"
-            return st.ORDER_MISMATCH, f"hashes identical; bucket order {oval}{where}"
-        return st.MATCH, "bitwise identical"
-    detail = d.get("reason") or d.get("message") or "; ".join(map(str, (d.get("problems") or [])[:2]))
-    return st.FAILED, f"incomplete data{': ' + str(detail) if detail else ''} (diff verdict {verdict})"
+        if oval in ORDER_FAILURES:
+            return st.ORDER_MISMATCH, f"hashes identical; {order_note}"
+        return st.MATCH, "bitwise identical" + (f"; {order_note}" if order_note else "")
+    why = [str(x) for x in d.get("incomplete") or []][:2]
+    why += [str(p.get("message")) for p in d.get("problems") or [] if isinstance(p, dict)][:1]
+    return st.FAILED, "incomplete data" + (f": {'; '.join(why)}" if why else
+                                           f" (diff verdict {verdict!r})")
+
+
+def _where(fb) -> str:
+    if not isinstance(fb, dict):
+        return ""
+    parts = [f" in {fb['collective']} bucket {fb.get('index')}" if fb.get("collective") else ""]
+    if fb.get("group"):
+        parts.append(f" ({fb['group']})")
+    if fb.get("position") is not None:
+        parts.append(f" at position {fb['position']}")
+    if isinstance(fb.get("detail"), str) and fb["detail"]:
+        parts.append(f": {fb['detail']}")
+    return "".join(parts)
 
 
 # ------------------------------------------------------------------------------------ signals
@@ -452,6 +475,7 @@ class _PlainProgress:
         self.total = self.done = 0
 
     def _w(self, line: str) -> None:
+        line = _CONTROL.sub(" ", line)
         self.err.write(f"[{time.time() - self.t0:7.1f}s] {line}\n")
         self.err.flush()
 
@@ -502,6 +526,7 @@ class _RichProgress(_PlainProgress):
     def _w(self, line: str) -> None:
         from rich.markup import escape
 
+        line = _CONTROL.sub(" ", line)
         self.console.print(escape(f"[{time.time() - self.t0:7.1f}s] {line}"), highlight=False)
 
     def _render(self):

@@ -196,7 +196,7 @@ def reusable_side(state: dict | None, side: str, fingerprint: str, sweep_dir: Pa
 
 def build_sweep(spec, sweep_dir: Path, states: list[dict], *, started: float, ended: float | None,
                 complete: bool, launcher: str, steps: int, only: str | None,
-                fail_on: str) -> dict:
+                fail_on: str, jobs: int = 1, jobs_run: int = 0, jobs_wall: float = 0.0) -> dict:
     cells = [_public_cell(st) for st in states]
     counts = {s: 0 for s in STATUSES}
     for c in cells:
@@ -220,6 +220,11 @@ def build_sweep(spec, sweep_dir: Path, states: list[dict], *, started: float, en
         "started": started,
         "ended": ended,
         "wall": round(ended - started, 3) if ended else None,
+        # this invocation: wall of the sweep vs. the summed wall of the jobs it ran (the launcher's
+        # start-to-exit time of each); with jobs = 1 the difference is the sweep's own overhead
+        "timing": {"jobs": jobs, "jobs_run": jobs_run, "jobs_wall": round(jobs_wall, 3),
+                   "overhead": (round((ended - started) - jobs_wall, 3)
+                                if ended and jobs == 1 else None)},
         "complete": complete,
         "counts": counts,
         "cells": cells,

@@ -42,11 +42,10 @@ import torch.fx as fx
 BUCKET_ORDERS = ("graph", "registration", "swapped")
 BUCKETINGS = ("manual", "auto")
 
-# Matched by operator name: some aliases (``c10d_functional.wait_tensor``)
-# only exist once torch.distributed has registered them.
+# Matched by operator name, so that nothing here resolves ``torch.ops``
+# attributes at import time (some only exist once torch.distributed is loaded).
 _AG_OPS = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out")
 _RS_OPS = ("_c10d_functional::reduce_scatter_tensor",)
-_WAIT_OPS = ("_c10d_functional::wait_tensor", "c10d_functional::wait_tensor")
 
 
 def _op_name(node: fx.Node) -> str:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention import sdpa_kernel, SDPBackend
 
+from parity.workloads.bucketing import BUCKET_ORDERS, BUCKETINGS
 from parity.workloads.model import ModelArgs, Transformer
 
 
@@ -58,10 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--param-dtype", choices=tuple(DTYPES), default="float32")
     p.add_argument("--reduce-dtype", choices=tuple(DTYPES), default="float32")
-    p.add_argument("--bucketing", choices=("manual", "auto"), default="manual", help="compiled only")
-    p.add_argument(
-        "--bucket-order", choices=("graph", "registration", "swapped"), default="graph", help="compiled only"
-    )
+    p.add_argument("--bucketing", choices=BUCKETINGS, default="manual", help="compiled only")
+    p.add_argument("--bucket-order", choices=BUCKET_ORDERS, default="graph", help="compiled only")
     p.add_argument(
         "--perturb-grad",
         metavar="RANK:STEP:FQN",
@@ -103,8 +102,13 @@ def init_distributed(device: str) -> bool:
 
 
 def registration_groups(model: Transformer) -> list[torch.nn.Module]:
-    """The modules ``fully_shard`` is applied to, in application order: blocks, then root."""
-    return [*model.layers, model]
+    """The modules ``fully_shard`` is applied to, in FSDP2's own state order.
+
+    That is the root's ``_state_ctx.all_states`` order after lazy init (module
+    pre-order: root, then blocks). Only buckets that span several groups
+    (``--bucketing auto``) depend on the order between groups.
+    """
+    return [model, *model.layers]
 
 
 def manual_bucket_plans(model: Transformer) -> list[list[str] | str]:
@@ -170,6 +174,8 @@ def run(args: argparse.Namespace) -> None:
     param_dtype = DTYPES[args.param_dtype]
     reduce_dtype = DTYPES[args.reduce_dtype]
     perturb_spec = parse_perturb(args.perturb_grad)
+    if args.mode == "compiled" and args.bucket_order == "swapped" and world_size < 2:
+        raise UsageError("--bucket-order swapped needs at least 2 ranks (1 rank has no reduce-scatter)")
 
     # Same full model on every rank, then shard.
     torch.manual_seed(args.seed)
@@ -227,6 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda requested but CUDA is not available", file=sys.stderr)
+        return 2
+
+    try:
+        parse_perturb(args.perturb_grad)
+    except UsageError as e:
+        print(str(e), file=sys.stderr)
         return 2
 
     # Pinned before any work: a different intra-op thread count changes

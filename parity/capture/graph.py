@@ -1,0 +1,794 @@
+"""Compiled-graph bucket manifests: which parameter sits at which byte offset in
+every all-gather / reduce-scatter of a compiled training graph.
+
+Runs inside user processes. ``install(on_graph)`` wraps the place where
+aot_autograd receives its forward/backward compilers, so that after the
+user's compiler has run (bucketing passes mutate the ``GraphModule`` in place,
+both in hand-written ``aot_autograd(...)`` backends and in inductor's
+post-grad passes) we read the final graph and call ``on_graph(record)``:
+
+    {"graph": "forward" | "backward", "graph_id": int, "buckets": [...], "warnings": [...]}
+
+``graph_id`` numbers aot compilations in order; a forward graph and the
+backward graph compiled from the same joint graph share it.
+
+Nothing here assumes who built the graph (parity's own workload, torchtitan's
+SimpleFSDP / compiler toolkit, inductor's own bucketing): buckets are
+recovered structurally from the collective's input (``cat`` /
+``copy_(slice(buf), cat(...))`` / ``bucketing._pre_bucket_*`` /
+``fsdp.all_gather_copy_in``) and parameters are identified through aot
+descriptors (``node.meta["desc"]``) and dynamo sources.
+
+Hooked entry points (feature-detected; install is idempotent, ``uninstall``
+restores them):
+
+* ``aot_module_simplified`` as bound in ``torch._dynamo.backends.common``
+  (what ``aot_autograd(...)`` backends and inductor's ``compile_fx`` call),
+  ``torch._functorch.aot_autograd`` and ``functorch.compile``;
+* ``torch._functorch.aot_autograd.aot_compile_joint_with_descriptors``
+  (torchtitan's compiler toolkit path).
+
+Failures never reach the training job: they are reported once on stderr as
+``parity: compiled manifests unavailable: <reason>``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import operator
+import re
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+__all__ = ["install", "uninstall", "is_installed", "extract_buckets", "normalize_fqn", "source_to_fqn"]
+
+OnGraph = Callable[[dict], None]
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {
+    "on_graph": None,
+    "patches": [],  # (module, attribute, original)
+    "config": [],  # (config module, attribute, original)
+    "warned": False,
+}
+_graph_ids = itertools.count()
+
+
+# ---------------------------------------------------------------------------
+# FQNs
+# ---------------------------------------------------------------------------
+
+_BRACKET_KEY = re.compile(r"\[\s*(?:'([^']*)'|\"([^\"]*)\"|(-?\d+))\s*\]")
+_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module_wrapped")
+
+
+def normalize_fqn(fqn: str) -> str:
+    """Drop wrapper components so compiled FQNs compare with eager ones.
+
+    ``_orig_mod.`` (torch.compile), ``_checkpoint_wrapped_module.`` (activation
+    checkpointing), ``_fsdp_wrapped_module.`` (FSDP1), and
+    ``parametrizations.<name>.original`` (``torch.nn.utils.parametrize``)
+    become nothing / ``<name>``.
+    """
+    parts = [p for p in fqn.split(".") if p and p not in _WRAPPER_PARTS]
+    out: list[str] = []
+    i = 0
+    while i < len(parts):
+        if parts[i] == "parametrizations" and i + 2 < len(parts) and parts[i + 2].startswith("original"):
+            out.append(parts[i + 1])
+            i += 3
+            continue
+        out.append(parts[i])
+        i += 1
+    return ".".join(out)
+
+
+def source_to_fqn(name: str) -> str | None:
+    """Dynamo source name of a parameter -> normalized FQN, else None.
+
+    ``L['self']._modules['layers']._modules['0']._parameters['weight']`` ->
+    ``layers.0.weight``. The root (``L['self']``, ``L['model']``,
+    ``G['model']``...) is dropped; sources that do not end in a
+    ``_parameters[...]`` access (data inputs, buffers) are not parameters.
+    """
+    if "_parameters[" not in name:
+        return None
+    m = re.match(r"^\s*[LG]\[[^\]]*\]", name)
+    rest = name[m.end() :] if m else name
+    parts: list[str] = []
+    pos = 0
+    while pos < len(rest):
+        ch = rest[pos]
+        if ch == ".":
+            end = pos + 1
+            while end < len(rest) and (rest[end].isalnum() or rest[end] == "_"):
+                end += 1
+            attr = rest[pos + 1 : end]
+            if attr not in ("_modules", "_parameters", "_buffers"):
+                parts.append(attr)
+            pos = end
+        elif ch == "[":
+            km = _BRACKET_KEY.match(rest, pos)
+            if km is None:
+                return None
+            parts.append(next(g for g in km.groups() if g is not None))
+            pos = km.end()
+        else:
+            return None
+    return normalize_fqn(".".join(parts)) or None
+
+
+def _dynamo_input_fqns(gm: Any) -> list[str | None]:
+    """Per placeholder of a dynamo graph (aot's ``PlainAOTInput(idx)``), its parameter FQN."""
+    fqns: list[str | None] = []
+    graph = getattr(gm, "graph", None)
+    if graph is None:
+        return fqns
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        source = getattr(node, "_dynamo_source", None)
+        if source is None and "grapharg" in node.meta:
+            source = getattr(node.meta["grapharg"], "source", None)
+        name = getattr(source, "name", None)
+        if callable(name):  # older Source.name() was a method
+            name = name()
+        fqns.append(source_to_fqn(name) if isinstance(name, str) else None)
+    return fqns
+
+
+def _desc_fqn(desc: Any, plain_fqns: list[str | None], flat_name_map: dict[str, str]) -> str | None:
+    """Resolve an aot input/output descriptor to a parameter FQN.
+
+    Unwraps ``SubclassGetAttrAOT{Input,Output}`` (only the tensor payload of a
+    subclass, e.g. DTensor's ``_local_tensor``, counts) and
+    ``GradAOTOutput(grad_of=...)`` down to ``ParamAOTInput(target)`` or
+    ``PlainAOTInput(idx)``.
+    """
+    seen = 0
+    while desc is not None and seen < 16:
+        seen += 1
+        name = type(desc).__name__
+        if name in ("SubclassGetAttrAOTInput", "SubclassGetAttrAOTOutput"):
+            attr = getattr(desc, "attr", "")
+            if attr in ("device_mesh", "_spec", "spec"):
+                return None
+            desc = desc.base
+        elif name == "GradAOTOutput":
+            desc = desc.grad_of
+        elif name == "ParamAOTInput":
+            target = desc.target
+            return normalize_fqn(flat_name_map.get(target, target))
+        elif name == "PlainAOTInput":
+            idx = desc.idx
+            return plain_fqns[idx] if 0 <= idx < len(plain_fqns) else None
+        else:
+            return None
+    return None
+
+
+def _graph_io_fqns(gm: Any, plain_fqns: list[str | None]) -> tuple[list[str | None], list[str | None]]:
+    """(per placeholder, per output position) parameter FQN of an aot fw/bw graph."""
+    flat_name_map = {}
+    meta = getattr(gm, "meta", None) or {}
+    if isinstance(meta.get("dynamo_flat_name_to_original_fqn"), dict):
+        flat_name_map = meta["dynamo_flat_name_to_original_fqn"]
+    input_fqns: list[str | None] = []
+    output_fqns: list[str | None] = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            input_fqns.append(_desc_fqn(node.meta.get("desc"), plain_fqns, flat_name_map))
+        elif node.op == "output":
+            outs = node.args[0] if node.args else ()
+            outs = outs if isinstance(outs, (list, tuple)) else (outs,)
+            descs = node.meta.get("desc")
+            if not isinstance(descs, (list, tuple)) or len(descs) != len(outs):
+                descs = [None] * len(outs)
+            output_fqns = [_desc_fqn(d, plain_fqns, flat_name_map) for d in descs]
+    return input_fqns, output_fqns
+
+
+# ---------------------------------------------------------------------------
+# Graph walking
+# ---------------------------------------------------------------------------
+
+_AG_OPS = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out")
+_AG_COALESCED_OPS = ("_c10d_functional::all_gather_into_tensor_coalesced",)
+_RS_OPS = ("_c10d_functional::reduce_scatter_tensor",)
+_RS_COALESCED_OPS = ("_c10d_functional::reduce_scatter_tensor_coalesced",)
+_WAIT_OPS = ("_c10d_functional::wait_tensor", "c10d_functional::wait_tensor")
+_CAT_OPS = ("aten::cat",)
+_COPY_OPS = ("aten::copy_", "aten::copy")
+_SPLIT_OPS = ("aten::split_with_sizes", "aten::split", "aten::split_with_sizes_copy")
+_PRE_AG_OPS = ("bucketing::_pre_bucket_all_gather",)
+_PRE_RS_OPS = ("bucketing::_pre_bucket_reduce_scatter",)
+_FSDP_COPY_IN_OPS = ("fsdp::all_gather_copy_in",)
+
+
+def _op_name(node: Any) -> str:
+    """``namespace::name`` of a call_function node's operator, '' otherwise."""
+    if getattr(node, "op", None) != "call_function":
+        return ""
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:
+        return schema.name
+    if node.target is operator.getitem:
+        return "getitem"
+    return ""
+
+
+def _val(node: Any) -> Any:
+    meta = getattr(node, "meta", None)
+    return meta.get("val") if meta else None
+
+
+def _numel(val: Any) -> int:
+    n = 1
+    for s in val.shape:
+        n *= int(s)
+    return n
+
+
+def _single_input(node: Any) -> Any:
+    inputs = node.all_input_nodes
+    return inputs[0] if len(inputs) == 1 else None
+
+
+def _walk_back(node: Any):
+    """Yield node and its chain of single-tensor-input producers (views, casts, copies)."""
+    cur = node
+    for _ in range(64):
+        if cur is None:
+            return
+        yield cur
+        if cur.op != "call_function":
+            return
+        cur = _single_input(cur)
+
+
+def _placeholder_of(node: Any) -> Any:
+    for cur in _walk_back(node):
+        if cur.op == "placeholder":
+            return cur
+    return None
+
+
+def _output_position(node: Any) -> int | None:
+    """Follow single-user unary ops from node to the graph output; its position there."""
+    cur = node
+    for _ in range(64):
+        users = list(cur.users)
+        for user in users:
+            if user.op == "output":
+                outs = user.args[0] if isinstance(user.args[0], (list, tuple)) else (user.args[0],)
+                for i, out in enumerate(outs):
+                    if out is cur:
+                        return i
+                return None
+        if len(users) != 1:
+            return None
+        user = users[0]
+        if user.op != "call_function" or len(user.all_input_nodes) != 1:
+            return None
+        cur = user
+    return None
+
+
+def _split_outputs(start: Any) -> list[Any] | None:
+    """From a collective's result, walk unary single-user ops to a split; per split index, its getitem."""
+    cur = start
+    for _ in range(64):
+        users = list(cur.users)
+        if len(users) != 1:
+            return None
+        user = users[0]
+        if _op_name(user) in _SPLIT_OPS:
+            pieces: dict[int, Any] = {}
+            for g in user.users:
+                if _op_name(g) == "getitem" and isinstance(g.args[1], int):
+                    pieces[g.args[1]] = g
+            if not pieces:
+                return None
+            return [pieces.get(i) for i in range(max(pieces) + 1)]
+        if user.op != "call_function" or len(user.all_input_nodes) != 1:
+            return None
+        cur = user
+    return None
+
+
+def _payload_pieces(buffer: Any) -> tuple[list[Any], list[Any] | None, str]:
+    """Decompose a collective's input buffer into its concatenated payloads.
+
+    Returns (pieces, dtypes or None, pattern). ``dtypes[i]`` overrides the
+    piece's dtype when a bucket stores pieces bit-cast to another dtype
+    (``_pre_bucket_all_gather`` with ``out_dtype_ints``). An unbucketed
+    collective yields ``[buffer]``.
+    """
+    cur = buffer
+    for _ in range(64):
+        if cur is None or cur.op != "call_function":
+            break
+        name = _op_name(cur)
+        if name in _COPY_OPS and len(cur.args) >= 2:
+            cur = cur.args[1]  # copy_(slice(buf), cat(...)): the data comes from src
+            continue
+        if name in _CAT_OPS and isinstance(cur.args[0], (list, tuple)):
+            return list(cur.args[0]), None, "cat"
+        if name in _PRE_AG_OPS and isinstance(cur.args[0], (list, tuple)):
+            dtypes = None
+            try:
+                from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
+
+                dtypes = [_ALL_DTYPES[i] for i in cur.args[3]]
+            except Exception:
+                dtypes = None
+            return list(cur.args[0]), dtypes, "pre_bucket_all_gather"
+        if name in _PRE_RS_OPS and isinstance(cur.args[0], (list, tuple)):
+            return list(cur.args[0]), None, "pre_bucket_reduce_scatter"
+        if name in _FSDP_COPY_IN_OPS and isinstance(cur.args[0], (list, tuple)):
+            return list(cur.args[0]), None, "fsdp_all_gather_copy_in"
+        if name == "getitem":
+            cur = cur.args[0]
+            continue
+        nxt = _single_input(cur)
+        if nxt is None:
+            break
+        cur = nxt
+    return [buffer], None, "single"
+
+
+def _group_size(arg: Any) -> int:
+    """The collective's group_size argument (a SymInt/Node in some graphs: use its hint)."""
+    if isinstance(arg, int):
+        return arg
+    val = _val(arg)
+    try:
+        return int(val if val is not None else arg)
+    except Exception:
+        raise TypeError(f"cannot read group_size from {arg!r}") from None
+
+
+def _common_group(fqns: list[str | None]) -> str:
+    mods = [f.rsplit(".", 1)[0].split(".") if "." in f else [] for f in fqns if f]
+    if not mods:
+        return ""
+    prefix: list[str] = []
+    for parts in zip(*mods):
+        if all(p == parts[0] for p in parts):
+            prefix.append(parts[0])
+        else:
+            break
+    return ".".join(prefix)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _rs_payload_map(gm: Any, output_fqns: list[str | None]) -> dict[Any, str]:
+    """Before passes: map each per-parameter reduce-scatter's input chain -> FQN.
+
+    After bucketing, the merged reduce-scatter's input list still references
+    these nodes, which tells us whose gradient each payload really is (the
+    output split tells where the reduced slice is written).
+    """
+    mapping: dict[Any, str] = {}
+    for node in gm.graph.nodes:
+        if _op_name(node) not in _RS_OPS:
+            continue
+        pos = _output_position(node)
+        fqn = output_fqns[pos] if pos is not None and pos < len(output_fqns) else None
+        if fqn is None:
+            continue
+        for cur in _walk_back(node.args[0]):
+            if cur.op == "placeholder":
+                break
+            mapping.setdefault(cur, fqn)
+    return mapping
+
+
+def extract_buckets(
+    gm: Any,
+    input_fqns: list[str | None],
+    output_fqns: list[str | None],
+    graph_kind: str,
+    *,
+    graph_id: int = 0,
+    warnings: list[str] | None = None,
+    rs_payload_fqns: dict[Any, str] | None = None,
+) -> list[dict]:
+    """Every all-gather and reduce-scatter of ``gm`` in node order, as manifest buckets.
+
+    ``input_fqns[i]`` is the parameter behind the i-th placeholder,
+    ``output_fqns[j]`` the parameter whose gradient is the j-th output (None
+    when not a parameter). Offsets are bytes in the per-rank payload: the
+    all-gather's input buffer, or one rank's row of the reduce-scatter input
+    (= its output chunk), the layout FSDP2's manifest uses.
+
+    ``rs_payload_fqns`` (from a snapshot taken before the passes) identifies
+    reduce-scatter payloads from the input side; an entry's ``fqn`` is then
+    the parameter whose gradient sits at that offset, and a mismatch with
+    the parameter its reduced slice is written to is reported in
+    ``warnings``.
+    """
+    warnings = warnings if warnings is not None else []
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    placeholder_fqn = {n: (input_fqns[i] if i < len(input_fqns) else None) for i, n in enumerate(placeholders)}
+    buckets: list[dict] = []
+    counters = {"all_gather": 0, "reduce_scatter": 0}
+
+    def ag_fqn(piece: Any) -> str | None:
+        ph = _placeholder_of(piece)
+        return placeholder_fqn.get(ph) if ph is not None else None
+
+    def output_fqn(node: Any) -> str | None:
+        pos = _output_position(node)
+        return output_fqns[pos] if pos is not None and pos < len(output_fqns) else None
+
+    def input_side_fqn(piece: Any) -> str | None:
+        if not rs_payload_fqns:
+            return None
+        for cur in _walk_back(piece):
+            if cur in rs_payload_fqns:
+                return rs_payload_fqns[cur]
+        return None
+
+    for node in gm.graph.nodes:
+        name = _op_name(node)
+        if name in _AG_OPS or name in _AG_COALESCED_OPS:
+            kind = "all_gather"
+        elif name in _RS_OPS or name in _RS_COALESCED_OPS:
+            kind = "reduce_scatter"
+        else:
+            continue
+        coalesced = name in _AG_COALESCED_OPS or name in _RS_COALESCED_OPS
+        world_size = _group_size(node.args[1] if kind == "all_gather" else node.args[2])
+        index = counters[kind]
+        counters[kind] += 1
+        label = f"{graph_kind} {kind} #{index} ({node.name})"
+
+        if coalesced:
+            pieces, dtypes, pattern = list(node.args[0]), None, "coalesced"
+        else:
+            pieces, dtypes, pattern = _payload_pieces(node.args[0])
+            if pattern == "cat":
+                # A plain cat may be the user's own math (e.g. the backward of
+                # a split weight); it is a bucket only if the result is split
+                # back into as many pieces.
+                split = _split_outputs(node)
+                if split is None or len(split) != len(pieces):
+                    pieces, dtypes, pattern = [node.args[0]], None, "single"
+        buffer_val = _val(node.args[0]) if not coalesced else None
+
+        # Where each payload ends up (output side), by position.
+        if kind == "reduce_scatter":
+            if coalesced:
+                by_idx = {u.args[1]: u for u in node.users if _op_name(u) == "getitem"}
+                outs = [by_idx.get(i) for i in range(len(pieces))]
+                wait_outs = []
+                for g in outs:
+                    waits = [u for u in g.users if _op_name(u) in _WAIT_OPS] if g is not None else []
+                    wait_outs.append(waits[0] if waits else g)
+                outs = wait_outs
+            elif pattern == "single":
+                outs = [node]
+            else:
+                outs = _split_outputs(node) or []
+            if len(outs) != len(pieces):
+                warnings.append(f"{label}: {len(pieces)} input payloads but {len(outs)} output slices")
+                outs = (outs + [None] * len(pieces))[: len(pieces)]
+
+        entries = []
+        offset = 0
+        for i, piece in enumerate(pieces):
+            val = _val(piece)
+            if val is None:
+                warnings.append(f"{label}: payload {i} ({getattr(piece, 'name', piece)}) has no meta['val']")
+                entries = []
+                break
+            dtype = dtypes[i] if dtypes else val.dtype
+            if kind == "all_gather":
+                numel = _numel(val)
+                fqn = ag_fqn(piece)
+                ph = _placeholder_of(piece)
+                shape = list(_val(ph).shape) if ph is not None and _val(ph) is not None else list(val.shape)
+            else:
+                numel = _numel(val) // world_size
+                out_node = outs[i]
+                out_fqn = output_fqn(out_node) if out_node is not None else None
+                in_fqn = input_side_fqn(piece)
+                fqn = in_fqn or out_fqn
+                if in_fqn and out_fqn and in_fqn != out_fqn:
+                    warnings.append(
+                        f"{label}: payload at offset {offset} is the gradient of {in_fqn} "
+                        f"but its reduced slice is written to {out_fqn}"
+                    )
+                final = _output_node_value(out_node)
+                if final is not None:
+                    shape = list(final.shape)
+                else:
+                    full = list(val.shape)
+                    shape = [full[0] // world_size, *full[1:]] if full else []
+            size = numel * dtype.itemsize
+            if fqn is None:
+                warnings.append(f"{label}: payload {i} at offset {offset} not traced to a parameter")
+            entries.append(
+                {
+                    "fqn": fqn,
+                    "offset": offset,
+                    "size": size,
+                    "numel": numel,
+                    "dtype": _dtype_name(dtype),
+                    "shape": shape,
+                }
+            )
+            offset += size
+
+        if buffer_val is not None:
+            bucket_dtype = buffer_val.dtype
+            total = _numel(buffer_val) * bucket_dtype.itemsize
+            if kind == "reduce_scatter":
+                total //= world_size
+            if entries and total != offset:
+                warnings.append(f"{label}: entries cover {offset} bytes of a {total}-byte payload")
+        else:
+            bucket_dtype = _val(pieces[0]).dtype if pieces and _val(pieces[0]) is not None else None
+            total = offset
+
+        sources = node.meta.get("from_node") or []
+        bucketed_from = [s for s in sources if getattr(s, "pass_name", "") == "bucketing_pass"]
+        if bucketed_from and len(bucketed_from) != len(entries):
+            warnings.append(f"{label}: from_node lists {len(bucketed_from)} collectives, found {len(entries)} payloads")
+
+        buckets.append(
+            {
+                "source": "graph",
+                "collective": kind,
+                "graph": graph_kind,
+                "graph_id": graph_id,
+                "index": index,
+                "node": node.name,
+                "group": _common_group([e["fqn"] for e in entries]),
+                "dtype": _dtype_name(bucket_dtype) if bucket_dtype is not None else "",
+                "world_size": world_size,
+                "total_bytes": total,
+                "entries": entries,
+            }
+        )
+    return buckets
+
+
+def _output_node_value(node: Any) -> Any:
+    """The value reaching the graph output from ``node`` (the local shard), if any."""
+    if node is None:
+        return None
+    cur = node
+    for _ in range(64):
+        users = list(cur.users)
+        if any(u.op == "output" for u in users):
+            return _val(cur)
+        if len(users) != 1 or users[0].op != "call_function" or len(users[0].all_input_nodes) != 1:
+            return None
+        cur = users[0]
+    return None
+
+
+# ---------------------------------------------------------------------------
+# Hook
+# ---------------------------------------------------------------------------
+
+
+def _warn_once(reason: str) -> None:
+    if _state["warned"]:
+        return
+    _state["warned"] = True
+    try:
+        print(f"parity: compiled manifests unavailable: {reason}", file=sys.stderr, flush=True)
+    except Exception:
+        pass
+
+
+class _Compilation:
+    """What one aot compilation knows: its id and the dynamo inputs' FQNs."""
+
+    def __init__(self, plain_fqns: list[str | None]) -> None:
+        self.graph_id = next(_graph_ids)
+        self.plain_fqns = plain_fqns
+
+
+def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
+    if compiler is None:
+        return None
+    # Never stack our own wrappers: a stale one would report the wrong graph_id.
+    compiler = getattr(compiler, "_parity_inner", compiler)
+
+    def wrapped(gm: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        pre = None
+        try:
+            if hasattr(gm, "graph"):
+                _, output_fqns = _graph_io_fqns(gm, comp.plain_fqns)
+                pre = _rs_payload_map(gm, output_fqns)
+        except Exception as e:  # never break compilation
+            _warn_once(f"{type(e).__name__}: {e} (before {graph_kind} passes)")
+        result = compiler(gm, example_inputs, *args, **kwargs)
+        _emit(gm, graph_kind, comp, pre)
+        return result
+
+    try:
+        functools.update_wrapper(wrapped, compiler)
+    except Exception:
+        pass
+    wrapped._parity_inner = compiler  # type: ignore[attr-defined]
+
+    try:
+        from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+    except Exception:
+        SerializableAOTDispatchCompiler = None  # type: ignore[assignment,misc]
+    if SerializableAOTDispatchCompiler is not None and isinstance(compiler, SerializableAOTDispatchCompiler):
+        # Keep the type: aot_autograd's cache logic checks isinstance.
+        new = SerializableAOTDispatchCompiler(compiler.output_code_ty, wrapped)
+        new._parity_inner = compiler  # type: ignore[attr-defined]
+        return new
+    return wrapped
+
+
+def _emit(gm: Any, graph_kind: str, comp: _Compilation, pre: dict | None) -> None:
+    on_graph = _state["on_graph"]
+    if on_graph is None:
+        return
+    try:
+        if not hasattr(gm, "graph"):
+            raise TypeError(f"{graph_kind} compiler received {type(gm).__name__}, not a GraphModule")
+        input_fqns, output_fqns = _graph_io_fqns(gm, comp.plain_fqns)
+        warnings: list[str] = []
+        buckets = extract_buckets(
+            gm,
+            input_fqns,
+            output_fqns,
+            graph_kind,
+            graph_id=comp.graph_id,
+            warnings=warnings,
+            rs_payload_fqns=pre,
+        )
+        record = {"graph": graph_kind, "graph_id": comp.graph_id, "buckets": buckets, "warnings": warnings}
+    except Exception as e:
+        _warn_once(f"{type(e).__name__}: {e} (reading the {graph_kind} graph)")
+        return
+    try:
+        on_graph(record)
+    except Exception as e:
+        _warn_once(f"{type(e).__name__}: {e} (in the manifest callback)")
+
+
+def _wrap_aot_module_simplified(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def aot_module_simplified(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+            params = bound.arguments
+            comp = _Compilation(_dynamo_input_fqns(params.get("mod")))
+            fw = params.get("fw_compiler")
+            bw = params.get("bw_compiler") or fw
+            inference = params.get("inference_compiler") or fw
+            params["fw_compiler"] = _wrap_compiler(fw, "forward", comp)
+            params["bw_compiler"] = _wrap_compiler(bw, "backward", comp)
+            if "inference_compiler" in signature.parameters:
+                params["inference_compiler"] = _wrap_compiler(inference, "forward", comp)
+            call_args, call_kwargs = bound.args, bound.kwargs
+        except Exception as e:
+            _warn_once(f"{type(e).__name__}: {e} (wrapping aot_module_simplified)")
+            return original(*args, **kwargs)
+        return original(*call_args, **call_kwargs)
+
+    aot_module_simplified._parity_original = original  # type: ignore[attr-defined]
+    return aot_module_simplified
+
+
+def _wrap_aot_compile_joint(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def aot_compile_joint_with_descriptors(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            params = bound.arguments
+            comp = _Compilation([])  # inputs here are ParamAOTInput(target=fqn)
+            fw = params.get("fw_compiler")
+            bw = params.get("bw_compiler") or fw
+            params["fw_compiler"] = _wrap_compiler(fw, "forward", comp)
+            params["bw_compiler"] = _wrap_compiler(bw, "backward", comp)
+            call_args, call_kwargs = bound.args, bound.kwargs
+        except Exception as e:
+            _warn_once(f"{type(e).__name__}: {e} (wrapping aot_compile_joint_with_descriptors)")
+            return original(*args, **kwargs)
+        return original(*call_args, **call_kwargs)
+
+    aot_compile_joint_with_descriptors._parity_original = original  # type: ignore[attr-defined]
+    return aot_compile_joint_with_descriptors
+
+
+def install(on_graph: OnGraph, *, disable_caches: bool = True) -> str | None:
+    """Start calling ``on_graph(record)`` for every compiled forward/backward graph.
+
+    Idempotent (a second call only replaces the callback). Returns None when
+    installed, else the reason (also printed once to stderr); never raises.
+
+    ``disable_caches`` turns off the AOTAutograd and FX graph caches: on a cache
+    hit the compilers (and the passes) do not run, so there would be no graph
+    to read, or an unbucketed one.
+    """
+    with _lock:
+        _state["on_graph"] = on_graph
+        if _state["patches"]:
+            return None
+        try:
+            import torch._dynamo.backends.common as dynamo_common
+            import torch._functorch.aot_autograd as aot_autograd
+        except Exception as e:
+            reason = f"cannot import aot_autograd entry points ({type(e).__name__}: {e})"
+            _warn_once(reason)
+            return reason
+
+        original = getattr(aot_autograd, "aot_module_simplified", None)
+        if original is None or not hasattr(dynamo_common, "aot_module_simplified"):
+            reason = "torch._dynamo.backends.common.aot_module_simplified not found in this torch version"
+            _warn_once(reason)
+            return reason
+        wrapper = _wrap_aot_module_simplified(original)
+        modules = [dynamo_common, aot_autograd]
+        if "functorch.compile" in sys.modules:
+            modules.append(sys.modules["functorch.compile"])
+        for module in modules:
+            current = getattr(module, "aot_module_simplified", None)
+            if current is original:
+                _state["patches"].append((module, "aot_module_simplified", current))
+                setattr(module, "aot_module_simplified", wrapper)
+            elif current is not None and not hasattr(current, "_parity_original"):
+                # Bound to something else (another tool's wrapper): wrap that one.
+                _state["patches"].append((module, "aot_module_simplified", current))
+                setattr(module, "aot_module_simplified", _wrap_aot_module_simplified(current))
+
+        joint = getattr(aot_autograd, "aot_compile_joint_with_descriptors", None)
+        if joint is not None:
+            _state["patches"].append((aot_autograd, "aot_compile_joint_with_descriptors", joint))
+            aot_autograd.aot_compile_joint_with_descriptors = _wrap_aot_compile_joint(joint)
+
+        if disable_caches:
+            for module_name, attr in (
+                ("torch._functorch.config", "enable_autograd_cache"),
+                ("torch._inductor.config", "fx_graph_cache"),
+            ):
+                try:
+                    config = __import__(module_name, fromlist=["_"])
+                    _state["config"].append((config, attr, getattr(config, attr)))
+                    setattr(config, attr, False)
+                except Exception:
+                    pass
+        return None
+
+
+def uninstall() -> None:
+    """Restore every patched attribute and config value; stop calling the callback."""
+    with _lock:
+        for module, attr, original in reversed(_state["patches"]):
+            setattr(module, attr, original)
+        _state["patches"] = []
+        for config, attr, original in reversed(_state["config"]):
+            try:
+                setattr(config, attr, original)
+            except Exception:
+                pass
+        _state["config"] = []
+        _state["on_graph"] = None
+
+
+def is_installed() -> bool:
+    return bool(_state["patches"])

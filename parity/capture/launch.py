@@ -1,0 +1,152 @@
+"""``parity exec``: run a command with capture active in every rank it starts.
+
+The command runs as given (an argv list, no shell) in its own process group, with the user's
+environment plus:
+
+* ``PYTHONPATH`` = ``parity/capture/bootstrap`` + the previous value, so every Python process
+  of the job imports the bootstrap ``sitecustomize`` (which chains to the user's own);
+* ``PARITY_CAPTURE_DIR`` (absolute run directory) and ``PARITY_CAPTURE_EVERY`` / ``_GRADS`` /
+  ``_MANIFESTS`` / ``_HASHER`` (the options). An inherited ``PARITY_CAPTURE_ACTIVE`` is dropped.
+
+``run.json`` is written atomically at start (status ``running``) and at the end (exit code and
+status). SIGTERM, SIGINT and SIGHUP received by parity are forwarded to the command's process
+group; parity then waits for the command and returns its exit code (128 + N if it was killed by
+signal N), or 2 if it could not be started.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from parity import __version__
+from parity.artifacts import SCHEMA_VERSION, write_json_atomic
+from parity.capture import inject
+from parity.errors import EXIT_USAGE, ParityError
+
+BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_RANK_DIR_RE = re.compile(r"^rank-\d{5}$")
+
+
+def capture_env(out_dir: str | os.PathLike, *, every: int = 1, grads: bool = True,
+                manifests: bool = True, hasher: str = "auto",
+                base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a captured command: ``base`` (default os.environ) plus parity's vars."""
+    env = dict(os.environ if base is None else base)
+    env.pop(inject.ENV_ACTIVE, None)
+    old = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = BOOTSTRAP_DIR + (os.pathsep + old if old else "")
+    env[inject.ENV_DIR] = os.path.abspath(os.fspath(out_dir))
+    env[inject.ENV_EVERY] = str(int(every))
+    env[inject.ENV_GRADS] = "1" if grads else "0"
+    env[inject.ENV_MANIFESTS] = "1" if manifests else "0"
+    env[inject.ENV_HASHER] = hasher
+    return env
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def _clear_previous(out: Path) -> None:
+    """A run directory holds one run: drop the artifacts an earlier run left (ours only)."""
+    for child in out.iterdir():
+        if _RANK_DIR_RE.match(child.name) and child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+    try:
+        (out / "run.json").unlink()
+    except FileNotFoundError:
+        pass
+
+
+def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int = 1,
+                 grads: bool = True, manifests: bool = True, hasher: str = "auto") -> int:
+    """Run ``command`` with capture injected; return its exit code (2 if it cannot start)."""
+    if not command:
+        raise ParityError("exec: no command given")
+    if every < 1:
+        raise ParityError(f"exec: --every must be >= 1, got {every}")
+    out = Path(out_dir).resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        _clear_previous(out)
+    except OSError as e:
+        raise ParityError(f"cannot create run directory {out}: {e.strerror or e}") from None
+
+    run = {"v": SCHEMA_VERSION, "argv": list(command), "cwd": os.getcwd(),
+           "started": time.time(), "ended": None, "exit_code": None, "status": "running",
+           "error": None, "parity": __version__, "host": socket.gethostname(),
+           "capture": {"every": every, "grads": grads, "manifests": manifests, "hasher": hasher}}
+    write_json_atomic(out / "run.json", run)
+
+    def finish(exit_code: int | None, status: str, error: str | None) -> None:
+        run.update(ended=time.time(), exit_code=exit_code, status=status, error=error)
+        write_json_atomic(out / "run.json", run)
+
+    env = capture_env(out, every=every, grads=grads, manifests=manifests, hasher=hasher)
+    try:
+        proc = subprocess.Popen(list(command), env=env, start_new_session=True)
+    except (OSError, ValueError) as e:
+        if isinstance(e, FileNotFoundError):
+            reason = f"command not found: {command[0]}"
+        elif isinstance(e, PermissionError):
+            reason = f"command not executable: {command[0]}"
+        else:
+            reason = f"cannot run {command[0]}: {getattr(e, 'strerror', None) or e}"
+        finish(None, "failed", reason)
+        sys.stderr.write(f"parity: error: {reason}\n")
+        sys.stderr.flush()
+        return EXIT_USAGE
+
+    received: list[int] = []
+
+    def forward(signum, _frame):
+        received.append(signum)
+        try:
+            os.killpg(proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    old_handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in FORWARDED_SIGNALS:
+            try:
+                old_handlers[sig] = signal.signal(sig, forward)
+            except (OSError, ValueError):
+                pass
+    try:
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except KeyboardInterrupt:  # a SIGINT that arrived before our handler was in place
+                forward(signal.SIGINT, None)
+    finally:
+        for sig, h in old_handlers.items():
+            signal.signal(sig, h)
+
+    if rc == 0:
+        finish(0, "ok", None)
+        return 0
+    if rc < 0:
+        code = 128 - rc
+        reason = f"killed by {_signal_name(-rc)}"
+    else:
+        code = rc
+        reason = f"exited with code {rc}"
+    if received:
+        reason += f" after parity forwarded {_signal_name(received[0])}"
+    finish(code, "failed", reason)
+    return code

@@ -1,0 +1,813 @@
+"""The capture session inside one rank: hooks, step counting, hashing, manifests, metadata.
+
+One :class:`Session` per process (the hooks are global). It is started either by injection
+(``parity exec``: inject.py calls :func:`activate_from_env` right after ``import torch``) or by
+the API (``parity.capture.start``); both take the same path from there.
+
+What happens when (docs/capture.md has the full story):
+
+* global optimizer step pre-hook of the outermost ``step()``: a new training step k begins; on
+  the first one the parameter table is built (the parameters of every optimizer that steps
+  within it, named from the model) and the parameters are hashed as step 0; on a recorded step
+  the gradients it is about to consume are hashed.
+* global optimizer step post-hook, when the outermost ``step()`` returns: the parameters are
+  hashed and step k is written (with its gradients and the last loss).
+* ``Tensor.backward`` / ``torch.autograd.backward``: remember the last scalar (the loss).
+* FSDP2 collectives (fsdp2.py) and compiled graphs (graph.py, if present): bucket layouts.
+
+Everything fails soft: an exception inside capture prints ``parity: capture disabled: <reason>``
+once, removes the hooks and lets training go on.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import gc
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+import weakref
+
+import torch
+
+from parity import __version__
+from parity.artifacts import RankWriter, rank_dir
+from parity.capture import inject
+from parity.capture.hashing import HASHERS, digest_tensors, host_digest, local_tensor
+from parity.errors import ParityError
+
+__all__ = ["Session", "normalize_fqn", "activate_from_env", "current", "sampled"]
+
+# --------------------------------------------------------------------------- FQN normalization
+WRAPPER_COMPONENTS = frozenset(
+    {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_fsdp_module",
+     "module_wrapped"})
+
+
+def normalize_fqn(fqn: str) -> str:
+    """The wrapper-free name of a parameter, identical for eager and compiled jobs.
+
+    Drops ``_orig_mod`` (torch.compile), ``_checkpoint_wrapped_module`` (activation
+    checkpointing), ``_fsdp_wrapped_module`` / ``_fsdp_module`` (FSDP1), a leading ``module``
+    (DDP / DataParallel wrap the root), and rewrites ``parametrizations.X.original`` -> ``X``
+    (``originalN`` -> ``X.originalN``). Idempotent.
+    """
+    parts = fqn.split(".")
+    out: list[str] = []
+    i = 0
+    n = len(parts)
+    while i < n:
+        c = parts[i]
+        if c in WRAPPER_COMPONENTS or (c == "module" and not out and i + 1 < n):
+            i += 1
+            continue
+        if c == "parametrizations" and i + 2 < n and parts[i + 2].startswith("original"):
+            tail = parts[i + 2][len("original"):]
+            if tail == "" or tail.isdigit():
+                out.append(parts[i + 1])
+                if tail:
+                    out.append(parts[i + 2])
+                i += 3
+                continue
+        out.append(c)
+        i += 1
+    return ".".join(out)
+
+
+def sampled(step: int, every: int) -> bool:
+    """Steps recorded as they happen: 0, 1 and every multiple of ``every`` (plus the last, at
+    the end of the run)."""
+    return step <= 1 or step % every == 0
+
+
+# ------------------------------------------------------------------------------ small helpers
+def _one_line(e: BaseException) -> str:
+    msg = str(e).strip().splitlines()
+    return f"{e.__class__.__name__}: {msg[0]}" if msg else e.__class__.__name__
+
+
+def _say(msg: str) -> None:
+    try:
+        sys.stderr.write(f"parity: {msg}\n")
+        sys.stderr.flush()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _placement_str(p) -> str:
+    name = type(p).__name__
+    if name == "Shard":
+        return f"Shard({p.dim})"
+    if name == "_StridedShard":
+        return f"_StridedShard({p.dim}, sf={getattr(p, 'split_factor', '?')})"
+    if name == "Replicate":
+        return "Replicate()"
+    if name in ("Partial", "_Partial"):
+        return f"Partial({getattr(p, 'reduce_op', '')})"
+    return repr(p)
+
+
+def _is_dtensor(t) -> bool:
+    return type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "_local_tensor")
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _module_roots() -> list[torch.nn.Module]:
+    """Every live nn.Module that is nobody's child (a gc scan: used once, as a fallback)."""
+    module_type = torch.nn.Module
+    # type(), not isinstance(): the latter reads __class__, which weak proxies and deprecated
+    # module attributes turn into errors or warnings.
+    mods = [o for o in gc.get_objects() if issubclass(type(o), module_type)]
+    children = set()
+    for m in mods:
+        for c in m._modules.values():
+            if c is not None:
+                children.add(id(c))
+    return [m for m in mods if id(m) not in children]
+
+
+_ACTIVE: "Session | None" = None
+_LOCK = threading.RLock()
+
+
+def current() -> "Session | None":
+    """The session capturing in this process, if any."""
+    return _ACTIVE
+
+
+# ---------------------------------------------------------------------------- global patches
+# Installed once per process and left in place (cheap pass-throughs when no session is active),
+# so that a later user patch on top of ours is never undone by restoring an old function.
+_ORIG: dict[str, object] = {}
+
+
+def _note_loss(t) -> None:
+    s = _ACTIVE
+    if s is None or s.failed:
+        return
+    s.backwards += 1
+    try:
+        if isinstance(t, (list, tuple)):
+            t = t[0] if len(t) == 1 else None
+        if isinstance(t, torch.Tensor) and t.numel() == 1:
+            s.loss_ref = t.detach()
+    except Exception:  # noqa: BLE001 - never get in the way of backward
+        pass
+
+
+def _install_global_patches() -> None:
+    if _ORIG:
+        return
+    orig_tensor_backward = torch.Tensor.backward
+    orig_autograd_backward = torch.autograd.backward
+
+    def backward(self, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            _note_loss(self)
+        return orig_tensor_backward(self, *args, **kwargs)
+
+    def autograd_backward(tensors, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            _note_loss(tensors)
+        return orig_autograd_backward(tensors, *args, **kwargs)
+
+    for new, old in ((backward, orig_tensor_backward), (autograd_backward, orig_autograd_backward)):
+        new.__wrapped__ = old
+        new.__name__ = old.__name__
+        new.__qualname__ = old.__qualname__
+        new.__doc__ = old.__doc__
+    _ORIG["Tensor.backward"] = orig_tensor_backward
+    _ORIG["autograd.backward"] = orig_autograd_backward
+    torch.Tensor.backward = backward
+    torch.autograd.backward = autograd_backward
+
+    import torch.distributed as dist
+
+    if dist.is_available() and hasattr(dist, "destroy_process_group"):
+        orig_destroy = dist.destroy_process_group
+
+        def destroy_process_group(*args, **kwargs):
+            s = _ACTIVE
+            if s is not None:
+                s.flush_final()  # results on disk before the process group goes away
+            return orig_destroy(*args, **kwargs)
+
+        destroy_process_group.__wrapped__ = orig_destroy
+        destroy_process_group.__name__ = orig_destroy.__name__
+        destroy_process_group.__doc__ = orig_destroy.__doc__
+        _ORIG["destroy_process_group"] = orig_destroy
+        dist.destroy_process_group = destroy_process_group
+
+    orig_compile = torch.compile
+
+    def compile(*args, **kwargs):
+        s = _ACTIVE
+        if s is not None and s.manifests:
+            s._install_graph()
+        return orig_compile(*args, **kwargs)
+
+    functools.update_wrapper(compile, orig_compile)
+    _ORIG["compile"] = orig_compile
+    torch.compile = compile
+
+    orig_excepthook = sys.excepthook
+
+    def excepthook(tp, value, tb):
+        s = _ACTIVE
+        if s is not None:
+            s.error = _one_line(value) if value is not None else tp.__name__
+        return orig_excepthook(tp, value, tb)
+
+    _ORIG["excepthook"] = orig_excepthook
+    sys.excepthook = excepthook
+
+
+# ------------------------------------------------------------------------------------ session
+class Session:
+    """Capture in this process, writing ``out_dir/rank-NNNNN/`` (docs/artifacts.md)."""
+
+    def __init__(self, out_dir, *, every: int = 1, grads: bool = True, manifests: bool = True,
+                 hasher: str = "auto", rank: int | None = None, world_size: int | None = None,
+                 local_rank: int | None = None, lazy: bool = False, source: str = "api"):
+        if not isinstance(every, int) or every < 1:
+            raise ParityError(f"capture: every must be an integer >= 1, got {every!r}")
+        if hasher not in HASHERS:
+            raise ParityError(f"capture: hasher must be one of {', '.join(HASHERS)}, got {hasher!r}")
+        self.out_dir = os.path.abspath(os.fspath(out_dir))
+        self.every = every
+        self.grads = bool(grads)
+        self.manifests = bool(manifests)
+        self.hasher = hasher
+        self._rank_arg = (rank, world_size, local_rank)
+        self.lazy = lazy
+        self.source = source
+        self.pid = os.getpid()
+
+        self.writer: RankWriter | None = None
+        self.failed: str | None = None
+        self.error: str | None = None
+        self.started = False
+        self.stopped = False
+        self.warnings: list[str] = []
+        self._pending_buckets: list[dict] = []
+        self._handles: list = []
+        self._fwd_handle = None
+        self._root_ref = None
+        self._fsdp = None
+        self._graph = None
+        self._graph_tried = False
+        self._manifest_sources: list[str] = []  # sources hooked so far
+        self._lock = threading.RLock()
+
+        # step state
+        self.k = 0  # number of the step in progress or last finished
+        self.done = 0  # last finished step
+        self.depth = 0
+        self._outer = None  # weakref to the optimizer at depth 1
+        self.open = False  # the finished step k may still be continued by a sibling optimizer
+        self.step_opts: set[int] = set()
+        self.backwards = 0  # backward calls since the last finished step
+        self.loss_ref = None
+        self._step_loss = None
+        self._step_sampled = True
+        self._step_grads: bytes | None = None
+        self.written = -1  # last step written
+        # parameter table
+        self.table: list = []
+        self._table_ids: dict[int, int] = {}
+        self.entries: list[dict] = []
+        self._table_final = False
+        self._table_dirty = False
+        self._p0: list[bytes] = []
+        self._g1: list[bytes] = []
+        self._new_param_warned = False
+        self._resolved_hasher: str | None = None
+        # overhead accounting
+        self.capture_seconds = 0.0
+        self.recorded_steps = 0
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def start(self) -> "Session":
+        global _ACTIVE
+        with _LOCK:
+            if _ACTIVE is not None and _ACTIVE is not self:
+                raise ParityError("capture: a session is already active in this process "
+                                  f"(writing {_ACTIVE.out_dir})")
+            if self.started:
+                return self
+            _install_global_patches()
+            self.started = True
+            _ACTIVE = self
+        try:
+            from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                               register_optimizer_step_pre_hook)
+
+            self._handles.append(register_optimizer_step_pre_hook(self._pre_hook))
+            self._handles.append(register_optimizer_step_post_hook(self._post_hook))
+            self._fwd_handle = torch.nn.modules.module.register_module_forward_pre_hook(
+                self._forward_pre_hook)
+            if self.manifests:
+                from parity.capture import fsdp2
+
+                inject.when_imported(fsdp2.GROUP_MODULE, self._install_fsdp2)
+                # Compiled-graph manifests are hooked when the trainer first calls torch.compile
+                # (see _install_global_patches); earlier, aot_autograd may be half-imported.
+            if not self.lazy:
+                self._ensure_writer()
+            atexit.register(self._atexit)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        return self
+
+    def stop(self, status: str | None = None, error: str | None = None) -> None:
+        """Write what is pending, close the files and remove every hook. Idempotent."""
+        global _ACTIVE
+        with self._lock:
+            if self.stopped:
+                return
+            if not self.failed:
+                try:
+                    self.flush_final()
+                except Exception as e:  # noqa: BLE001
+                    self._fail(e)
+            self.stopped = True
+            self._uninstall()
+            if error is None:
+                error = self.error
+            if status is None:
+                status = "error" if error else "ok"
+            if self.writer is not None:
+                try:
+                    self.writer.meta["capture"] = self._capture_meta()
+                    self.writer.close(status=status, error=error)
+                except Exception as e:  # noqa: BLE001
+                    _say(f"capture: cannot finish {rank_dir(self.out_dir, self.rank)}: "
+                         f"{_one_line(e)}")
+        with _LOCK:
+            if _ACTIVE is self:
+                _ACTIVE = None
+
+    def _atexit(self) -> None:
+        if os.getpid() != self.pid:  # a forked child inherited the registration
+            return
+        self.stop()
+
+    def _uninstall(self) -> None:
+        for h in self._handles:
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._handles.clear()
+        self._remove_forward_hook()
+        if self._fsdp is not None:
+            self._fsdp.uninstall()
+        if self._graph is not None:
+            try:
+                self._graph.uninstall()
+            except Exception:  # noqa: BLE001
+                pass
+            self._graph = None
+        try:
+            from parity.capture import fsdp2
+
+            inject.cancel(fsdp2.GROUP_MODULE)
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            atexit.unregister(self._atexit)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _fail(self, e: BaseException) -> None:
+        """Capture broke: say so once, unhook, keep training."""
+        if self.failed:
+            return
+        self.failed = _one_line(e)
+        _say(f"capture disabled: {self.failed}")
+        if os.environ.get("PARITY_DEBUG"):
+            traceback.print_exception(type(e), e, e.__traceback__)
+        self._uninstall()
+        if self.writer is not None:
+            try:
+                self.writer.update_meta(capture=self._capture_meta())
+            except Exception:  # noqa: BLE001
+                pass
+
+    def warn(self, msg: str, *, echo: bool = True) -> None:
+        """A warning recorded in meta.json (``capture.warnings``) and printed once."""
+        if msg in self.warnings:
+            return
+        self.warnings.append(msg)
+        if echo:
+            _say(msg)
+        if self.writer is not None:
+            try:
+                self.writer.update_meta(capture=self._capture_meta())
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
+
+    # ----------------------------------------------------------------------------- metadata
+    @property
+    def rank(self) -> int:
+        return self._ids()[0]
+
+    def _ids(self) -> tuple[int, int, int]:
+        rank, world, local = self._rank_arg
+        if rank is None or world is None:
+            try:
+                import torch.distributed as dist
+
+                if dist.is_available() and dist.is_initialized():
+                    rank = dist.get_rank() if rank is None else rank
+                    world = dist.get_world_size() if world is None else world
+            except Exception:  # noqa: BLE001
+                pass
+        rank = _env_int("RANK", 0) if rank is None else rank
+        world = _env_int("WORLD_SIZE", 1) if world is None else world
+        local = _env_int("LOCAL_RANK", rank if world == 1 else 0) if local is None else local
+        return rank, world, local
+
+    def _capture_meta(self) -> dict:
+        return {"every": self.every, "grads": self.grads, "manifests": list(self._manifest_sources),
+                "manifests_requested": self.manifests,
+                "hasher": self._resolved_hasher or self.hasher, "hasher_option": self.hasher,
+                "source": self.source, "warnings": list(self.warnings), "disabled": self.failed,
+                "recorded_steps": self.recorded_steps, "steps": self.done,
+                "seconds": round(self.capture_seconds
+                                 + (self._fsdp.seconds if self._fsdp is not None else 0.0), 6)}
+
+    def _runtime_meta(self) -> dict:
+        """What the trainer has configured by its first step (threads, determinism, device)."""
+        dev = "cpu"
+        if self.table:
+            d = local_tensor(self.table[0]).device
+            dev = str(d)
+        elif torch.cuda.is_available():
+            dev = f"cuda:{self._ids()[2]}"
+        det = {"use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+               "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+               "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+               "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+               "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+               "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+               "float32_matmul_precision": torch.get_float32_matmul_precision()}
+        env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                          "CUBLAS_WORKSPACE_CONFIG", "TORCHELASTIC_RESTART_COUNT",
+                                          "PYTHONHASHSEED")
+               if k in os.environ}
+        return {"device": dev, "deterministic": det["use_deterministic_algorithms"],
+                "determinism": det, "num_threads": torch.get_num_threads(),
+                "interop_threads": torch.get_num_interop_threads(), "env": env}
+
+    def _ensure_writer(self) -> RankWriter:
+        if self.writer is not None:
+            return self.writer
+        rank, world, local = self._ids()
+        self._rank_arg = (rank, world, local)
+        d = rank_dir(self.out_dir, rank)
+        # A new session starts this rank's record: drop what an earlier run left here.
+        for name in ("meta.json", "params.json", "steps.jsonl", "hashes.jsonl", "buckets.jsonl"):
+            try:
+                os.unlink(d / name)
+            except FileNotFoundError:
+                pass
+        meta = {"world_size": world, "local_rank": local, "host": socket.gethostname(),
+                "pid": os.getpid(), "argv": list(sys.argv), "torch": torch.__version__,
+                "parity": __version__, "device": "cuda" if torch.cuda.is_available() else "cpu",
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "num_threads": None, "interop_threads": None,
+                "capture": self._capture_meta()}
+        self.writer = RankWriter(self.out_dir, rank, meta)
+        os.environ[inject.ENV_ACTIVE] = str(os.getpid())
+        pending, self._pending_buckets = self._pending_buckets, []
+        for b in pending:
+            self.writer.write_bucket(b)
+        return self.writer
+
+    # ------------------------------------------------------------------------- manifests
+    def _install_fsdp2(self, _module=None) -> None:
+        if self._fsdp is not None or self.failed or self.stopped:
+            return
+        from parity.capture import fsdp2
+
+        rec = fsdp2.FSDP2Recorder(emit=self._emit_bucket, step=lambda: self.done + 1,
+                                  normalize=normalize_fqn, warn=self._manifest_warn("fsdp2"),
+                                  fail=self._fail)
+        if rec.install():
+            self._fsdp = rec
+            self._source_on("fsdp2")
+
+    def _source_on(self, source: str) -> None:
+        if source not in self._manifest_sources:
+            self._manifest_sources.append(source)
+            if self.writer is not None:
+                self.writer.update_meta(capture=self._capture_meta())
+
+    def _manifest_warn(self, source: str):
+        def warn(msg: str, echo: bool = True) -> None:
+            if source in self._manifest_sources:
+                self._manifest_sources.remove(source)
+            self.warn(msg, echo=echo)
+        return warn
+
+    def _install_graph(self, _module=None) -> None:
+        if self._graph is not None or self._graph_tried or self.failed or self.stopped:
+            return
+        self._graph_tried = True
+        warn = self._manifest_warn("graph")
+        try:
+            from parity.capture import graph
+        except ImportError as e:
+            warn(f"compiled manifests unavailable: parity.capture.graph cannot be imported "
+                 f"({_one_line(e)})")
+            return
+        install = getattr(graph, "install", None)
+        if not callable(install):
+            warn("compiled manifests unavailable: parity.capture.graph.install not found")
+            return
+        try:
+            reason = install(self._on_graph)
+        except Exception as e:  # noqa: BLE001
+            warn(f"compiled manifests unavailable: graph.install failed ({_one_line(e)})")
+            return
+        if reason:  # graph.py has printed it already
+            warn(f"compiled manifests unavailable: {reason}", echo=False)
+            return
+        self._graph = graph
+        self._source_on("graph")
+
+    def _on_graph(self, record: dict) -> None:
+        if self.failed or self.stopped:
+            return
+        try:
+            with self._lock:
+                for w in record.get("warnings") or ():
+                    self.warn(f"graph {record.get('graph_id')}: {w}")
+                for b in record.get("buckets") or ():
+                    b = dict(b)
+                    b.setdefault("source", "graph")
+                    b.setdefault("graph", record.get("graph"))
+                    b.setdefault("graph_id", record.get("graph_id"))
+                    b["step"] = self.done + 1
+                    b["entries"] = [dict(e, fqn=normalize_fqn(e["fqn"]))
+                                    if isinstance(e.get("fqn"), str) else e
+                                    for e in b.get("entries") or ()]
+                    self._emit_bucket(b)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+
+    def _emit_bucket(self, bucket: dict) -> None:
+        with self._lock:
+            if self.writer is None:
+                if self.lazy:
+                    self._pending_buckets.append(bucket)
+                    return
+                self._ensure_writer()
+            self.writer.write_bucket(bucket)
+
+    # ------------------------------------------------------------------------ module names
+    def _forward_pre_hook(self, module, args):
+        # Runs on the first module call of the program (normally the model, outside any compiled
+        # region) and removes itself: a lingering global hook makes dynamo recompile. Traced by
+        # dynamo it is a no-op (is_compiling() is constant-folded), so fullgraph stays whole.
+        if torch.compiler.is_compiling():
+            return None
+        try:
+            self._root_ref = weakref.ref(module)
+            self._remove_forward_hook()
+            if self.manifests and self._fsdp is None:
+                from parity.capture import fsdp2
+
+                if fsdp2.GROUP_MODULE in sys.modules:
+                    self._install_fsdp2()
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        return None
+
+    def _remove_forward_hook(self) -> None:
+        h, self._fwd_handle = self._fwd_handle, None
+        if h is not None:
+            h.remove()
+
+    def _names(self, params: list) -> dict[int, str]:
+        """Raw FQNs of ``params``, from the module tree that holds them.
+
+        Fast path: the first module called (normally the model) holds them all. Otherwise
+        (the first call was a helper, or several models) every live root module is a
+        candidate, and each parameter takes its name from the root holding the most of them.
+        """
+        want = {id(p) for p in params}
+
+        def scan(root) -> dict[int, str]:
+            found: dict[int, str] = {}
+            for n, p in root.named_parameters():
+                if id(p) in want:
+                    found.setdefault(id(p), n)
+            return found
+
+        first = self._root_ref() if self._root_ref is not None else None
+        if first is not None:
+            names = scan(first)
+            if len(names) == len(want):
+                return names
+        candidates = ([first] if first is not None else []) + [
+            r for r in _module_roots() if r is not first]
+        scans = [scan(r) for r in candidates]
+        names: dict[int, str] = {}
+        for found in sorted(scans, key=len, reverse=True):  # stable: the first root wins ties
+            for k, v in found.items():
+                names.setdefault(k, v)
+            if len(names) == len(want):
+                break
+        return names
+
+    # -------------------------------------------------------------------------- step hooks
+    def _pre_hook(self, opt, args, kwargs):
+        if self.failed or self.stopped or os.getpid() != self.pid:
+            return None
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                outer = self._outer() if self._outer is not None else None
+                if self.depth >= 1 and opt is outer:
+                    self.depth = 0  # the previous step() of this optimizer raised midway
+                self.depth += 1
+                if self.depth == 1:
+                    self._outer = weakref.ref(opt)
+                    continuing = (self.open and self.backwards == 0
+                                  and id(opt) not in self.step_opts)
+                    if not continuing:
+                        self._begin_step()
+                    self.step_opts.add(id(opt))
+                if not self._table_final:
+                    self._add_params(opt)
+                elif self._step_sampled:
+                    self._check_params(opt)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        self.capture_seconds += time.perf_counter() - t0
+        return None
+
+    def _post_hook(self, opt, args, kwargs):
+        if self.failed or self.stopped or os.getpid() != self.pid:
+            return
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                if self.depth == 0:
+                    return
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = self.k
+                    self.open = True
+                    self.backwards = 0
+                    if self._fsdp is not None:
+                        self._fsdp.new_step()
+                    if self.k == 1:
+                        self._write_first()
+                    elif self._step_sampled:
+                        self._write(self.k, self._step_grads)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        self.capture_seconds += time.perf_counter() - t0
+
+    def _begin_step(self) -> None:
+        if self.k >= 1:
+            self._table_final = True
+        self.k += 1
+        self.open = False
+        self.step_opts = set()
+        self._step_sampled = sampled(self.k, self.every)
+        self._step_loss = self.loss_ref
+        self._step_grads = None
+        if self._table_final and self._step_sampled and self.grads:
+            self._step_grads = digest_tensors([p.grad for p in self.table], self.hasher)
+
+    def _add_params(self, opt) -> None:
+        """First step: extend the table with this optimizer's parameters (hashed as step 0)."""
+        new = []
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if id(p) not in self._table_ids:
+                    self._table_ids[id(p)] = -1
+                    new.append(p)
+        if not new:
+            return
+        self._ensure_writer()
+        names = self._names(new)
+        for p in new:
+            raw = names.get(id(p))
+            i = len(self.table)
+            self._table_ids[id(p)] = i
+            self.table.append(p)
+            lt = local_tensor(p)
+            entry = {"fqn": normalize_fqn(raw) if raw else f"<unnamed {i}>", "raw_fqn": raw,
+                     "shape": list(lt.shape), "global_shape": list(p.shape),
+                     "dtype": _dtype_name(lt.dtype), "placement": None, "mesh_coord": None}
+            if _is_dtensor(p):
+                entry["placement"] = ", ".join(_placement_str(pl) for pl in p.placements)
+                coord = p.device_mesh.get_coordinate()
+                entry["mesh_coord"] = list(coord) if coord is not None else None
+            self.entries.append(entry)
+        self._p0.append(digest_tensors(new, self.hasher))
+        if self.grads:
+            self._g1.append(digest_tensors([p.grad for p in new], self.hasher))
+        self._table_dirty = True
+
+    def _check_params(self, opt) -> None:
+        new = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in self._table_ids)
+        if new and not self._new_param_warned:
+            self._new_param_warned = True
+            self.warn(f"the optimizers' parameter set changed at step {self.k}: {new} parameter(s) "
+                      "not in the step-1 table are not hashed")
+
+    # ----------------------------------------------------------------------------- writing
+    def _loss(self, ref) -> tuple[float | None, str | None]:
+        if ref is None:
+            return None, None
+        lt = local_tensor(ref)
+        return float(lt.item()), host_digest(lt).hex()
+
+    def _write_first(self) -> None:
+        w = self._ensure_writer()
+        if self._table_dirty:
+            dupes = {e["fqn"] for e in self.entries
+                     if sum(1 for x in self.entries if x["fqn"] == e["fqn"]) > 1}
+            if dupes:
+                self.warn(f"parameter names are not unique after normalization: "
+                          f"{', '.join(sorted(dupes)[:5])}")
+            if self._resolved_hasher is None:
+                devs = {local_tensor(p).device.type for p in self.table}
+                self._resolved_hasher = ("device" if self.hasher == "device"
+                                         or (self.hasher == "auto" and "cuda" in devs) else "xxh3")
+            w.meta.update(self._runtime_meta())
+            w.meta["capture"] = self._capture_meta()
+            w.update_meta()
+            w.write_params(self.entries)
+            w.write_step(0, b"".join(self._p0))
+            self._table_dirty = False
+        self._write(1, b"".join(self._g1) if self.grads else None)
+
+    def _write(self, step: int, grads: bytes | None) -> None:
+        params = digest_tensors(self.table, self.hasher)
+        loss, loss_hash = self._loss(self._step_loss)
+        self._ensure_writer().write_step(step, params, grads, loss, loss_hash)
+        if step > self.written:
+            self.recorded_steps += 1
+        self.written = step
+
+    def flush_final(self) -> None:
+        """Write the last finished step if sampling skipped it (params and loss; no grads)."""
+        if self.failed or self.stopped or os.getpid() != self.pid:
+            return
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                if self.depth == 0 and self.done >= 1 and self.written < self.done:
+                    self._write(self.done, None)
+                if self.writer is not None:
+                    self.writer.update_meta(capture=self._capture_meta())
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        self.capture_seconds += time.perf_counter() - t0
+
+
+# ------------------------------------------------------------------------------ activation
+def _env_bool(name: str, default: bool) -> bool:
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+def activate_from_env() -> Session | None:
+    """Start the injected session (``parity exec``); fails soft."""
+    try:
+        out = os.environ.get(inject.ENV_DIR)
+        if not out or _ACTIVE is not None:
+            return _ACTIVE
+        every = _env_int(inject.ENV_EVERY, 1)
+        session = Session(out, every=max(every, 1), grads=_env_bool(inject.ENV_GRADS, True),
+                          manifests=_env_bool(inject.ENV_MANIFESTS, True),
+                          hasher=os.environ.get(inject.ENV_HASHER, "auto") or "auto",
+                          lazy="RANK" not in os.environ, source="exec")
+        return session.start()
+    except Exception as e:  # noqa: BLE001
+        _say(f"capture disabled: {_one_line(e)}")
+        return None
+

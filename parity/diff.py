@@ -1,0 +1,669 @@
+"""Compare two capture outputs: ``diff_runs(a_dir, b_dir) -> DiffResult``.
+
+A is the reference (usually eager FSDP2), B the candidate. The result is the data model of
+``parity diff``: the console report (``parity.report.console``) renders it, ``to_dict`` /
+``write_json`` serialize it (schema ``parity/schemas/diff.schema.json``, documented in
+docs/diff.md), and ``exit_code`` applies a ``--fail-on`` policy. Nothing here prints.
+
+The work is split: ``parity.diff_hashes`` (per-parameter hashes: alignment, roll-ups, drill-down)
+and ``parity.diff_buckets`` (bucket layouts). This module reads the runs, checks that they are
+comparable, and assembles the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import operator
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from parity.artifacts import RankData, Run, read_run, write_json_atomic
+from parity.diff_buckets import (
+    COLLECTIVES, UNAVAILABLE, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
+    select_layout,
+)
+from parity.diff_hashes import (
+    DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, StepCount, compare_hashes, param_keys,
+)
+from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, ParityError
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).parent / "schemas" / "diff.schema.json"
+VERDICTS = ("match", "hash_mismatch", "incomplete")
+FAIL_ON = ("hash", "order", "any")
+ORDER_FAILURES = ("order_differs", "partition_differs", "layout_differs")
+A_PREFERS = ("fsdp2", "graph")
+B_PREFERS = ("graph", "fsdp2")
+_SHOW = 5  # names shown in one-line messages
+
+
+# ------------------------------------------------------------------------------------ the model
+
+
+@dataclass
+class Side:
+    """One run as the diff saw it."""
+
+    path: str
+    world_size: int | None
+    ranks: list[int]  # ranks with a usable parameter table
+    missing_ranks: list[int]  # ranks of range(world_size) without one
+    steps: list[int]  # steps complete on every usable rank
+    status: str | None  # run.json status, if any
+    bucket_source: str | None  # "fsdp2" | "graph" | None (no manifests)
+
+
+@dataclass
+class Problem:
+    side: str | None  # "a" | "b" | None
+    message: str
+
+
+@dataclass
+class Divergence:
+    """One parameter (FQN) whose param or grad hash differs at ``step`` on ``ranks``."""
+
+    step: int
+    fqn: str
+    kind: str  # "param" | "grad"
+    ranks: list[int]
+    buckets: dict[str, dict[str, dict | None]]  # collective -> {"a": ref, "b": ref}
+
+
+@dataclass
+class FirstDivergence:
+    step: int
+    origin: str  # init | forward | backward | optimizer | param | loss
+    grad_before_param: bool
+    previous_step: int | None  # the step before, compared and matching (None: none captured)
+    params: int
+    grads: int | None
+    ranks: list[int]
+    loss_differs: bool | None
+    explanation: str
+
+
+@dataclass
+class LossStep:
+    step: int
+    a: float | None  # the loss of the reference rank (lowest rank compared)
+    b: float | None
+    equal: bool | None  # bitwise equal on every rank compared (None: not captured)
+    ranks_differing: int
+
+
+@dataclass
+class LossComparison:
+    captured: bool
+    rank: int | None
+    first_divergent_step: int | None
+    steps: list[LossStep]
+
+
+@dataclass
+class DiffResult:
+    a: Side
+    b: Side
+    verdict: str  # match | hash_mismatch | incomplete
+    incomplete: list[str]  # why the data is incomplete (empty: complete)
+    world_size: int | None
+    ranks_compared: list[int]
+    steps_compared: list[int]
+    params_compared: int
+    kinds_compared: list[str]  # ["param"] or ["param", "grad"]
+    params_only_in_a: list[str]
+    params_only_in_b: list[str]
+    first_divergent_step: int | None
+    first_divergence: FirstDivergence | None
+    divergent: list[Divergence]
+    per_step: list[StepCount]
+    loss: LossComparison
+    order: OrderComparison
+    problems: list[Problem] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    # -- policy
+    def exit_code(self, fail_on: str = "hash") -> int:
+        """0 parity holds under ``fail_on``, 1 it does not, 3 data incomplete (docs/diff.md)."""
+        if fail_on not in FAIL_ON:
+            raise ParityError(f"--fail-on: expected one of {', '.join(FAIL_ON)}, not {fail_on!r}")
+        if fail_on in ("hash", "any") and self.verdict == "hash_mismatch":
+            return EXIT_MISMATCH
+        if fail_on in ("order", "any") and self.order.verdict in ORDER_FAILURES:
+            return EXIT_MISMATCH
+        if self.incomplete:
+            return EXIT_INCOMPLETE
+        if fail_on in ("order", "any") and self.order.verdict == UNAVAILABLE:
+            return EXIT_INCOMPLETE
+        return EXIT_OK
+
+    # -- serialization
+    def to_dict(self) -> dict:
+        o = self.order
+        return {
+            "schema_version": self.schema_version,
+            "verdict": self.verdict,
+            "incomplete": list(self.incomplete),
+            "a": _side_dict(self.a),
+            "b": _side_dict(self.b),
+            "world_size": self.world_size,
+            "ranks_compared": list(self.ranks_compared),
+            "steps_compared": list(self.steps_compared),
+            "params_compared": self.params_compared,
+            "kinds_compared": list(self.kinds_compared),
+            "params_only_in_a": list(self.params_only_in_a),
+            "params_only_in_b": list(self.params_only_in_b),
+            "first_divergent_step": self.first_divergent_step,
+            "first_divergence": None if self.first_divergence is None else {
+                "step": self.first_divergence.step, "origin": self.first_divergence.origin,
+                "grad_before_param": self.first_divergence.grad_before_param,
+                "previous_step": self.first_divergence.previous_step,
+                "params": self.first_divergence.params, "grads": self.first_divergence.grads,
+                "ranks": list(self.first_divergence.ranks),
+                "loss_differs": self.first_divergence.loss_differs,
+                "explanation": self.first_divergence.explanation,
+            },
+            "divergent": [{"step": d.step, "fqn": d.fqn, "kind": d.kind, "ranks": list(d.ranks),
+                           "buckets": d.buckets} for d in self.divergent],
+            "per_step": [{"step": c.step, "params": c.params, "grads": c.grads, "ranks": c.ranks,
+                          "exact": c.exact} for c in self.per_step],
+            "loss": {
+                "captured": self.loss.captured, "rank": self.loss.rank,
+                "first_divergent_step": self.loss.first_divergent_step,
+                "steps": [{"step": s.step, "a": s.a, "b": s.b, "equal": s.equal,
+                           "ranks_differing": s.ranks_differing} for s in self.loss.steps],
+            },
+            "order": {
+                "verdict": o.verdict, "a_source": o.a_source, "b_source": o.b_source,
+                "rank": o.rank, "compared": list(o.compared),
+                "first_bucket": o.first_bucket,
+                "pairs": [_pair_dict(p) for p in o.pairs],
+                "counts": o.counts, "notes": list(o.notes),
+                "rank_disagreements": {k: list(v) for k, v in o.rank_disagreements.items()},
+            },
+            "problems": [{"side": p.side, "message": p.message} for p in self.problems],
+            "stats": dict(self.stats),
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        """Write ``to_dict()`` atomically (temporary file + rename)."""
+        write_json_atomic(path, self.to_dict(), indent=None if len(self.divergent) > 200 else 1)
+
+
+def _side_dict(s: Side) -> dict:
+    return {"path": s.path, "world_size": s.world_size, "ranks": list(s.ranks),
+            "missing_ranks": list(s.missing_ranks), "steps": list(s.steps), "status": s.status,
+            "bucket_source": s.bucket_source}
+
+
+def _pair_dict(p: BucketPair) -> dict:
+    return {"collective": p.collective, "verdict": p.verdict,
+            "a": {"buckets": list(p.a), "groups": list(p.a_groups)},
+            "b": {"buckets": list(p.b), "groups": list(p.b_groups)},
+            "position": p.position, "a_entry": p.a_entry, "b_entry": p.b_entry,
+            "detail": p.detail, "moved": list(p.moved)}
+
+
+def load_diff_json(path: str | Path) -> dict:
+    """A diff JSON written by ``write_json`` (as a dict); ParityError if it is not one."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ParityError(f"{path}: not a readable diff JSON ({e.__class__.__name__})") from None
+    if not isinstance(obj, dict) or obj.get("schema_version") != SCHEMA_VERSION:
+        raise ParityError(f"{path}: not a schema-{SCHEMA_VERSION} diff JSON")
+    return obj
+
+
+# ---------------------------------------------------------------------------------- the diff
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    # The runs are millions of small acyclic objects; the cyclic collector only costs time here.
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    xs = sorted(set(xs))
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _names(names: list[str], n: int = _SHOW) -> str:
+    return ", ".join(names[:n]) + (f" (and {len(names) - n} more)" if len(names) > n else "")
+
+
+def _world_size(run: Run) -> int:
+    ws = run.world_size
+    return ws if ws is not None else max(run.ranks) + 1
+
+
+def _loss_bits(rec: dict | None):
+    """What "bitwise equal" compares for a step's loss: the hash if captured, else the float."""
+    if rec is None:
+        return None
+    h = rec.get("loss_hash")
+    if isinstance(h, str) and h:
+        return ("h", h)
+    v = rec.get("loss")
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return ("f", struct.pack("<d", float(v)))
+    return None
+
+
+def _loss_value(rec: dict | None) -> float | None:
+    v = None if rec is None else rec.get("loss")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
+                  steps: list[int]) -> LossComparison:
+    rows, captured, first = [], False, None
+    for s in steps:
+        n_cmp = n_diff = 0
+        for x, y in zip(ra, rb):
+            bx, by = _loss_bits(x.steps.get(s)), _loss_bits(y.steps.get(s))
+            if bx is None or by is None or bx[0] != by[0]:
+                if bx is not None and by is not None:  # hash on one side, float on the other
+                    fx, fy = _loss_value(x.steps.get(s)), _loss_value(y.steps.get(s))
+                    if fx is not None and fy is not None:
+                        n_cmp += 1
+                        n_diff += struct.pack("<d", fx) != struct.pack("<d", fy)
+                continue
+            n_cmp += 1
+            n_diff += bx != by
+        ref_a = ra[0].steps.get(s) if ra else None
+        ref_b = rb[0].steps.get(s) if rb else None
+        la, lb = _loss_value(ref_a), _loss_value(ref_b)
+        if n_cmp == 0 and la is None and lb is None:
+            continue
+        captured = captured or n_cmp > 0
+        equal = None if n_cmp == 0 else n_diff == 0
+        if equal is False and first is None:
+            first = s
+        rows.append(LossStep(s, la, lb, equal, int(n_diff)))
+    return LossComparison(captured, ranks[0] if ranks else None, first, rows)
+
+
+def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
+            loss_div: bool | None, grads_compared: bool) -> tuple[str, str]:
+    before = (f"the parameters of step {prev} match" if prev is not None
+              else "no earlier step was captured")
+    if prev is not None and prev != step - 1:
+        before += f" (steps {prev + 1}-{step - 1} not captured)" if step - 1 > prev + 1 else \
+            f" (step {step - 1} not captured)"
+    if step == 0 and param_div and not grad_div:
+        return "init", ("the parameters differ before the first optimizer step: initialization, "
+                        "loading or sharding")
+    if loss_div:
+        return "forward", (f"the loss of step {step} differs while {before}: the forward pass "
+                           "(all-gathers or compute) diverged")
+    if grad_div:
+        where = ("the backward pass or the reduce-scatter" if loss_div is False
+                 else "the forward/backward pass or the reduce-scatter")
+        return "backward", (f"the gradients of step {step} differ while {before}"
+                            + (" and the loss matches" if loss_div is False else "")
+                            + f": look at {where}")
+    if param_div:
+        if grads_compared:
+            return "optimizer", (f"the parameters of step {step} differ while its gradients "
+                                 f"match and {before}: the optimizer step")
+        return "param", (f"the parameters of step {step} differ while {before} (no gradients "
+                         "captured to tell the passes from the optimizer)")
+    return "loss", (f"the loss of step {step} differs while every hash of that step matches")
+
+
+def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: bool = False,
+              count_budget: int = DEFAULT_COUNT_BUDGET) -> DiffResult:
+    """Compare run B against reference run A (see docs/diff.md).
+
+    Raises ParityError (exit 2) when the runs cannot be compared: not parity run directories,
+    different world sizes, or (unless ``allow_param_mismatch``) different parameter sets.
+    """
+    t0 = time.perf_counter()
+    with _gc_paused():
+        run_a = read_run(a_dir)
+        run_b = read_run(b_dir)
+        t_read = time.perf_counter()
+        result = _diff(run_a, run_b, allow_param_mismatch, count_budget)
+    t_end = time.perf_counter()
+    result.stats.update({"read_seconds": round(t_read - t0, 3),
+                         "compare_seconds": round(t_end - t_read, 3)})
+    return result
+
+
+def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int) -> DiffResult:
+    problems: list[Problem] = []
+    problems += [Problem("a", m) for m in run_a.problems]
+    problems += [Problem("b", m) for m in run_b.problems]
+    for side, run in (("a", run_a), ("b", run_b)):
+        name = side.upper()
+        if run.run_meta is not None and run.run_meta.get("status") not in ("ok", None):
+            problems.append(Problem(side, f"{name}: the job's status is "
+                                          f"{run.run_meta.get('status')!r} (exit code "
+                                          f"{run.run_meta.get('exit_code')!r})"))
+        bad = [r for r, rd in sorted(run.ranks.items()) if rd.meta.get("status") not in ("ok", None)]
+        if bad:
+            st = run.ranks[bad[0]].meta
+            problems.append(Problem(side, f"{name}: rank(s) {ranges(bad)} did not end cleanly "
+                                          f"(rank {bad[0]}: status {st.get('status')!r}"
+                                          + (f", {st.get('error')}" if st.get("error") else "")
+                                          + ")"))
+
+    ws_a, ws_b = _world_size(run_a), _world_size(run_b)
+    if ws_a != ws_b:
+        raise ParityError(f"world sizes differ: A ({run_a.path}) has {ws_a} ranks, "
+                          f"B ({run_b.path}) has {ws_b}")
+    ws = ws_a
+    incomplete: list[str] = []
+
+    usable: dict[str, list[int]] = {}
+    for side, run in (("a", run_a), ("b", run_b)):
+        ok = [r for r, rd in sorted(run.ranks.items()) if rd.params and 0 <= r < ws]
+        no_table = [r for r in sorted(run.ranks) if r not in ok and 0 <= r < ws]
+        if no_table:
+            problems.append(Problem(side, f"{side.upper()}: rank(s) {ranges(no_table)} have no "
+                                          "parameter table (params.json); not compared"))
+        extra = [r for r in run.ranks if not 0 <= r < ws]
+        if extra:
+            problems.append(Problem(side, f"{side.upper()}: rank directories {ranges(extra)} are "
+                                          f"outside the world size {ws}; ignored"))
+        usable[side] = ok
+    ranks = sorted(set(usable["a"]) & set(usable["b"]))
+    for side in ("a", "b"):
+        missing = [r for r in range(ws) if r not in usable[side]]
+        if missing:
+            other = "b" if side == "a" else "a"
+            has = [r for r in missing if r in usable[other]]
+            incomplete.append(f"{side.upper()} is missing rank(s) {ranges(missing)}"
+                              + (f" ({other.upper()} has {ranges(has)})" if has else ""))
+
+    ra = [run_a.ranks[r] for r in ranks]
+    rb = [run_b.ranks[r] for r in ranks]
+
+    # -- parameters
+    index = ParamIndex()
+    aligner = Aligner(index)
+    keys_a = [tuple(param_keys(x.params)) for x in ra]
+    keys_b = [tuple(param_keys(y.params)) for y in rb]
+    names_a: dict[str, None] = {}
+    names_b: dict[str, None] = {}
+    for ka in dict.fromkeys(keys_a):
+        names_a.update(dict.fromkeys(ka))
+    for kb in dict.fromkeys(keys_b):
+        names_b.update(dict.fromkeys(kb))
+    only_a = [k for k in names_a if k not in names_b]
+    only_b = [k for k in names_b if k not in names_a]
+    if (only_a or only_b) and not allow_param_mismatch:
+        parts = []
+        if only_a:
+            parts.append(f"{len(only_a)} only in A: {_names(only_a)}")
+        if only_b:
+            parts.append(f"{len(only_b)} only in B: {_names(only_b)}")
+        raise ParityError("parameter sets differ (normalized FQNs): " + "; ".join(parts))
+    index.ids_of(list(names_a))  # global ids in A's order
+    aligns = [aligner.align(ka, kb) for ka, kb in zip(keys_a, keys_b)]
+    del keys_a, keys_b
+
+    # -- steps
+    steps = sorted(set().union(*(x.steps for x in ra), *(y.steps for y in rb))) if ranks else []
+    side_steps = {}
+    for side, run in (("a", run_a), ("b", run_b)):
+        present = [run.ranks[r] for r in usable[side]]
+        side_steps[side] = (sorted(set.intersection(*(set(x.steps) for x in present)))
+                            if present else [])
+
+    n_before = {id(x): len(x.problems) for x in ra + rb}
+    hc = compare_hashes(ranks, ra, rb, aligns, steps, count_budget)
+    for side, lst in (("a", ra), ("b", rb)):
+        for x in lst:
+            problems += [Problem(side, m) for m in x.problems[n_before[id(x)]:]]
+    both = hc.compared
+    steps_compared = [s for j, s in enumerate(steps) if both[:, j].any()] if ranks else []
+    _step_gaps(steps, ranks, ra, rb, both, incomplete)
+    if hc.unreadable:
+        side, r, s, k = hc.unreadable[0]
+        incomplete.append(f"{len(hc.unreadable)} hash line(s) could not be read (first: "
+                          f"{side.upper()} rank {r} step {s} {k})")
+    if ranks and not steps_compared:
+        incomplete.append("no step was recorded by both sides")
+    if not ranks:
+        incomplete.append("no rank has a parameter table on both sides")
+    if ranks and not hc.grads_compared:
+        has = {side: any(rec.get("grad_digest") for x in lst for rec in list(x.steps.values())[:3])
+               for side, lst in (("A", ra), ("B", rb))}
+        if has["A"] != has["B"]:
+            problems.append(Problem(None, f"gradients were captured by "
+                                          f"{'A' if has['A'] else 'B'} only; compared parameters "
+                                          "only"))
+
+    loss = _compare_loss(ra, rb, ranks, steps)
+    # table checks (shapes, per-rank entries): the first and last rank and those that diverge
+    check = {0, len(ranks) - 1} if ranks else set()
+    if hc.detail is not None:
+        pos = {r: i for i, r in enumerate(ranks)}
+        for kind in KINDS:
+            for _, r in hc.detail.pairs[kind][:16]:
+                check.add(pos[r])
+    _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, check)
+
+    # -- buckets
+    layouts, order = _compare_buckets(run_a, run_b, usable, ranks)
+
+    # -- first divergence
+    first_hash = hc.first_step
+    first_loss = loss.first_divergent_step
+    cands = [s for s in (first_hash, first_loss) if s is not None]
+    first = min(cands) if cands else None
+    divergent: list[Divergence] = []
+    fd = None
+    if first is not None:
+        det = hc.detail if hc.first_step == first else None
+        loss_div = None
+        for ls in loss.steps:
+            if ls.step == first:
+                loss_div = None if ls.equal is None else not ls.equal
+        grad_div = bool(det and det.any("grad"))
+        param_div = bool(det and det.any("param"))
+        prev_steps = [s for s in steps_compared if s < first]
+        prev = prev_steps[-1] if prev_steps else None
+        origin, why = _origin(first, prev, grad_div, param_div, loss_div, hc.grads_compared)
+        loc_a, loc_b = layouts["a"].locate(), layouts["b"].locate()
+        rank_set: set[int] = set()
+        n_kind = {}
+        for kind in ("grad", "param"):
+            grouped = det.grouped(kind) if det else []
+            n_kind[kind] = len(grouped)
+            for gid, rks in grouped:
+                name = index.names[gid]
+                rank_set.update(rks)
+                divergent.append(Divergence(first, name, kind, rks, _links(name, loc_a, loc_b)))
+        fd = FirstDivergence(first, origin, grad_div, prev, n_kind["param"],
+                             n_kind["grad"] if hc.grads_compared else None, sorted(rank_set),
+                             loss_div, why)
+
+    if first is not None:
+        verdict = "hash_mismatch"
+    elif incomplete:
+        verdict = "incomplete"
+    else:
+        verdict = "match"
+
+    sides = {}
+    for side, run, lay in (("a", run_a, layouts["a"]), ("b", run_b, layouts["b"])):
+        sides[side] = Side(str(run.path), ws, usable[side],
+                           [r for r in range(ws) if r not in usable[side]], side_steps[side],
+                           (run.run_meta or {}).get("status"), lay.source)
+    per_step = [c for c in hc.counts if first is not None and c.step >= first]
+    return DiffResult(
+        a=sides["a"], b=sides["b"], verdict=verdict, incomplete=incomplete, world_size=ws,
+        ranks_compared=ranks, steps_compared=steps_compared,
+        params_compared=_n_compared(aligns),
+        kinds_compared=["param", "grad"] if hc.grads_compared else ["param"],
+        params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
+        first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
+        problems=problems, stats={"cells_drilled": hc.cells_drilled},
+    )
+
+
+def _n_compared(aligns) -> int:
+    distinct = list({id(al): al for al in aligns}.values())
+    if not distinct:
+        return 0
+    return int(np.unique(np.concatenate([al.gid for al in distinct])).size)
+
+
+def _links(name: str, loc_a: dict, loc_b: dict) -> dict:
+    base = name.split("#", 1)[0]
+    la = loc_a.get(name) or loc_a.get(base) or {}
+    lb = loc_b.get(name) or loc_b.get(base) or {}
+    return {c: {"a": la.get(c), "b": lb.get(c)} for c in COLLECTIVES}
+
+
+_SHAPE = operator.itemgetter("shape", "dtype")
+
+
+def _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, shape_rows: set[int]) -> None:
+    """Per-rank table differences that do not stop the diff: entries one rank has on one side
+    only (while both sides know the name, every rank), shards of different shape or dtype (the
+    ranks in ``shape_rows``: comparing 1,500 shapes on 256 ranks costs more than the diff)."""
+    missing_msgs, shape_msgs, n_shape = [], [], 0
+    seen: set[tuple] = set()
+    glob_only = set(only_a) | set(only_b)
+    for row, (r, x, y, al) in enumerate(zip(ranks, ra, rb, aligns)):
+        loc_a = [k for k in al.only_a if k not in glob_only]
+        loc_b = [k for k in al.only_b if k not in glob_only]
+        if loc_a or loc_b:
+            parts = []
+            if loc_a:
+                parts.append(f"{len(loc_a)} entries only in A's table ({_names(loc_a, 2)})")
+            if loc_b:
+                parts.append(f"{len(loc_b)} only in B's ({_names(loc_b, 2)})")
+            missing_msgs.append(f"rank {r}: {'; '.join(parts)}; not compared")
+        pa, pb = x.params, y.params
+        key = (id(pa), id(pb))
+        if row not in shape_rows or key in seen:
+            continue
+        seen.add(key)
+        try:
+            if al.identity:
+                sa, sb = list(map(_SHAPE, pa)), list(map(_SHAPE, pb))
+            else:
+                sa = list(map(_SHAPE, map(pa.__getitem__, al.ia.tolist())))
+                sb = list(map(_SHAPE, map(pb.__getitem__, al.ib.tolist())))
+        except KeyError:
+            sa = [(pa[i].get("shape"), pa[i].get("dtype")) for i in al.ia.tolist()]
+            sb = [(pb[j].get("shape"), pb[j].get("dtype")) for j in al.ib.tolist()]
+        if sa != sb:
+            rows = al.ia.tolist()
+            for k, (u, v) in enumerate(zip(sa, sb)):
+                if u != v:
+                    n_shape += 1
+                    if len(shape_msgs) < _SHOW:
+                        shape_msgs.append(f"rank {r} {pa[rows[k]]['fqn']}: shape/dtype {u[0]} "
+                                          f"{u[1]} in A, {v[0]} {v[1]} in B")
+    for m in missing_msgs[:_SHOW]:
+        problems.append(Problem(None, m))
+    if len(missing_msgs) > _SHOW:
+        problems.append(Problem(None, f"... and {len(missing_msgs) - _SHOW} more ranks whose "
+                                      "tables differ"))
+    for m in shape_msgs:
+        problems.append(Problem(None, m))
+    if n_shape > len(shape_msgs):
+        problems.append(Problem(None, f"... {n_shape} shards differ in shape or dtype in all"))
+
+
+def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
+    if not ranks or not steps:
+        return
+    from parity.diff_hashes import presence_table
+
+    pa, pb = presence_table(ra, steps), presence_table(rb, steps)
+    for name, mine, other in (("A", pa, pb), ("B", pb, pa)):
+        lack = other & ~mine
+        if lack.any():
+            cols = np.flatnonzero(lack.any(axis=0))
+            rws = np.flatnonzero(lack.any(axis=1))
+            incomplete.append(
+                f"{name} lacks {int(lack.sum())} (rank, step) record(s) that "
+                f"{'B' if name == 'A' else 'A'} has: step(s) {ranges([steps[j] for j in cols])} on "
+                f"{len(rws)} rank(s) (first: rank {ranks[rws[0]]})")
+    neither = ~pa & ~pb
+    if neither.any():
+        cols = np.flatnonzero(neither.any(axis=0))
+        rws = np.flatnonzero(neither.any(axis=1))
+        incomplete.append(f"{int(neither.sum())} (rank, step) record(s) missing on both sides: "
+                          f"step(s) {ranges([steps[j] for j in cols])} on {len(rws)} rank(s) "
+                          f"(first: rank {ranks[rws[0]]})")
+
+
+def _compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks: list[int]):
+    """Layouts of the reference rank of each side and the order comparison."""
+    layouts: dict[str, Layout] = {}
+    disagree: dict[str, list[str]] = {}
+    for side, run, prefer in (("a", run_a, A_PREFERS), ("b", run_b, B_PREFERS)):
+        present = [r for r in sorted(run.ranks) if r in usable[side]] or sorted(run.ranks)
+        ref = ranks[0] if ranks else (present[0] if present else None)
+        by_list: dict[int, Layout] = {}
+        per_rank: dict[int, Layout] = {}
+        for r in present:
+            recs = run.ranks[r].buckets
+            lay = by_list.get(id(recs))
+            if lay is None:
+                lay = by_list[id(recs)] = select_layout(recs, prefer, r)
+            per_rank[r] = lay
+        if ref is None or ref not in per_rank:
+            layouts[side] = Layout(None, None, {c: [] for c in COLLECTIVES})
+            disagree[side] = []
+            continue
+        layouts[side] = per_rank[ref]
+        if len(by_list) == 1:
+            disagree[side] = []
+        else:
+            sig_cache: dict[int, tuple] = {}
+            distinct = {}
+            for r, lay in per_rank.items():
+                s = sig_cache.get(id(lay))
+                if s is None:
+                    s = sig_cache[id(lay)] = lay.signature()
+                distinct.setdefault(s, r)
+            if len(distinct) == 1:
+                disagree[side] = []
+            else:
+                reps = {r: per_rank[r] for r in distinct.values()}
+                reps[ref] = per_rank[ref]
+                msgs = check_ranks(reps, ref)
+                n_bad = sum(1 for r, lay in per_rank.items()
+                            if sig_cache[id(lay)] != sig_cache[id(per_rank[ref])])
+                if n_bad > len(msgs):
+                    msgs.append(f"{n_bad} rank(s) in all differ from rank {ref}")
+                disagree[side] = msgs
+    order = compare_layouts(layouts["a"], layouts["b"])
+    order.rank_disagreements = disagree
+    return layouts, order
+
+
+__all__ = ["diff_runs", "DiffResult", "Side", "Problem", "Divergence", "FirstDivergence",
+           "LossStep", "LossComparison", "load_diff_json", "SCHEMA_VERSION", "SCHEMA_PATH", "VERDICTS",
+           "FAIL_ON", "KINDS", "ranges"]

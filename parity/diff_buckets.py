@@ -1,0 +1,443 @@
+"""Bucket-layout comparison for ``parity diff``.
+
+Each side's layouts come from one rank's buckets.jsonl (the lowest rank both sides have; the other
+ranks are checked against it). Side A prefers eager FSDP2 manifests (``source: fsdp2``), side B
+compiled-graph manifests (``source: graph``); a side with only the other kind uses that. From a
+graph, all-gathers come from forward graphs and reduce-scatters from backward graphs.
+
+Per collective kind, buckets are taken in issue order, the first record of each bucket being its
+layout (later records that differ are noted as layout changes). The two sides' buckets are aligned
+by the parameters they carry: buckets that share a parameter belong together (connected
+components), so a bucket split or merged on one side forms one group. Each group is classified:
+
+- ``identical``: same parameters, same order, same offsets, sizes and dtypes;
+- ``order_differs``: same parameters in a different payload order (first position that differs);
+- ``partition_differs``: parameters moved between buckets (or carried by no bucket on one side);
+- ``layout_differs``: same order, but offsets, sizes (padding) or dtypes differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import zip_longest
+
+COLLECTIVES = ("all_gather", "reduce_scatter")
+ORDER_VERDICTS = ("identical", "layout_differs", "order_differs", "partition_differs")
+SEVERITY = {v: i for i, v in enumerate(ORDER_VERDICTS)}
+UNAVAILABLE = "unavailable"
+_GRAPH_OF = {"all_gather": "forward", "reduce_scatter": "backward"}
+_FIELDS = ("offset", "size", "numel", "dtype")
+
+
+@dataclass(frozen=True)
+class Entry:
+    fqn: str
+    offset: int | None
+    size: int | None
+    numel: int | None
+    dtype: str | None
+
+    def ref(self) -> dict:
+        return {"fqn": self.fqn, "offset": self.offset, "size": self.size, "numel": self.numel,
+                "dtype": self.dtype}
+
+
+@dataclass
+class Bucket:
+    collective: str
+    index: int  # issue order within this side's list for the collective
+    group: str | None
+    dtype: str | None
+    total_bytes: int | None
+    entries: list[Entry]
+    step: int | None = None
+    graph_id: int | None = None
+    record_index: int | None = None  # "index" as recorded (per graph)
+    node: str | None = None
+
+    @property
+    def fqns(self) -> list[str]:
+        return [e.fqn for e in self.entries]
+
+    def signature(self) -> tuple:
+        return (self.dtype, self.total_bytes, tuple(self.entries))
+
+
+@dataclass
+class Layout:
+    """One side's selected bucket layouts."""
+
+    source: str | None
+    rank: int | None
+    buckets: dict[str, list[Bucket]] = field(default_factory=dict)
+    changes: list[str] = field(default_factory=list)
+
+    def signature(self) -> tuple:
+        return tuple((c, tuple(b.signature() for b in self.buckets.get(c, [])))
+                     for c in COLLECTIVES)
+
+    def locate(self) -> dict[str, dict[str, dict]]:
+        """fqn -> collective -> {index, group, position, offset, size}."""
+        out: dict[str, dict[str, dict]] = {}
+        for coll in COLLECTIVES:
+            for b in self.buckets.get(coll, []):
+                for pos, e in enumerate(b.entries):
+                    out.setdefault(e.fqn, {}).setdefault(coll, {
+                        "index": b.index, "group": b.group, "position": pos, "offset": e.offset,
+                        "size": e.size})
+        return out
+
+
+def _int(x):
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _str(x):
+    return x if isinstance(x, str) else None
+
+
+def _bucket(rec: dict, coll: str) -> Bucket:
+    entries = [Entry(e["fqn"], _int(e.get("offset")), _int(e.get("size")), _int(e.get("numel")),
+                     _str(e.get("dtype")))
+               for e in rec.get("entries", []) if isinstance(e, dict) and isinstance(e.get("fqn"), str)]
+    return Bucket(coll, -1, _str(rec.get("group")), _str(rec.get("dtype")),
+                  _int(rec.get("total_bytes")), entries, _int(rec.get("step")),
+                  _int(rec.get("graph_id")), _int(rec.get("index")), _str(rec.get("node")))
+
+
+def _describe_change(old: Bucket, new: Bucket) -> str:
+    if old.fqns != new.fqns:
+        if set(old.fqns) != set(new.fqns):
+            return (f"parameters change ({len(old.entries)} -> {len(new.entries)}; "
+                    f"e.g. a parameter without a gradient)")
+        return "payload order changes"
+    for pos, (x, y) in enumerate(zip(old.entries, new.entries)):
+        if x != y:
+            return f"position {pos} ({x.fqn}) offset {x.offset} -> {y.offset}, size {x.size} -> {y.size}"
+    return "dtype or total size changes"
+
+
+def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None) -> Layout:
+    """The layouts of one rank's bucket records (see the module docstring)."""
+    sources = {r.get("source") for r in records}
+    source = next((s for s in prefer if s in sources), None)
+    if source is None:
+        source = next((s for s in sorted(x for x in sources if isinstance(x, str))), None)
+    layout = Layout(source, rank, {c: [] for c in COLLECTIVES})
+    if source is None:
+        return layout
+    graph = source == "graph"
+    for coll in COLLECTIVES:
+        recs = [r for r in records if r.get("source") == source and r.get("collective") == coll
+                and (not graph or r.get("graph") in (_GRAPH_OF[coll], None))]
+        # group by graph (compiled: one list per graph, in order of first appearance)
+        by_graph: dict = {}
+        for r in recs:
+            by_graph.setdefault(r.get("graph_id") if graph else None, []).append(r)
+        chosen: list[Bucket] = []
+        seen_params: set[str] = set()
+        for gid, grecs in by_graph.items():
+            first: dict = {}
+            for r in grecs:
+                b = _bucket(r, coll)
+                key = b.record_index
+                if key not in first:
+                    first[key] = b
+                elif first[key].signature() != b.signature():
+                    layout.changes.append(
+                        f"{coll} bucket {key} ({first[key].group}) recorded again at step "
+                        f"{b.step}: {_describe_change(first[key], b)}")
+            buckets = [first[k] for k in sorted(first, key=lambda k: (k is None, k or 0))]
+            params = {f for b in buckets for f in b.fqns}
+            if chosen and params & seen_params:
+                # a later graph carrying the same parameters: a recompile, not a continuation
+                old = {b.record_index: b for b in chosen}
+                changed = [b for b in buckets if b.record_index not in old
+                           or old[b.record_index].signature() != b.signature()]
+                if changed:
+                    layout.changes.append(
+                        f"{coll}: graph {gid} records the same parameters again with "
+                        f"{len(changed)} different bucket(s) (first: {changed[0].record_index} "
+                        f"{changed[0].group}); compared: the first graph's layout")
+                continue
+            seen_params |= params
+            chosen.extend(buckets)
+        # eager FSDP2 may record a backward re-gather of a group: keep the first of duplicates
+        uniq, sets = [], set()
+        for b in chosen:
+            key = frozenset(b.fqns)
+            if key in sets and key:
+                continue
+            sets.add(key)
+            uniq.append(b)
+        for i, b in enumerate(uniq):
+            b.index = i
+        layout.buckets[coll] = uniq
+    return layout
+
+
+@dataclass
+class BucketPair:
+    """A group of buckets aligned across the sides (one each, unless split or merged)."""
+
+    collective: str
+    verdict: str
+    a: list[int]
+    b: list[int]
+    a_groups: list[str | None]
+    b_groups: list[str | None]
+    position: int | None = None
+    a_entry: dict | None = None  # {fqn, offset} at ``position`` on A
+    b_entry: dict | None = None
+    detail: str = ""
+    moved: list[dict] = field(default_factory=list)  # partition: [{fqn, a, b}]
+    partner: tuple[int | None, int | None] = (None, None)  # the two buckets shown side by side
+
+
+@dataclass
+class OrderComparison:
+    verdict: str  # identical | order_differs | partition_differs | layout_differs | unavailable
+    a_source: str | None
+    b_source: str | None
+    rank: int | None
+    pairs: list[BucketPair]
+    first_bucket: dict | None
+    counts: dict[str, dict[str, int]]
+    notes: list[str]
+    rank_disagreements: dict[str, list[str]]
+    compared: list[str]  # collectives compared
+
+
+def _first_diff(fa: list[str], fb: list[str]) -> int | None:
+    for i, (x, y) in enumerate(zip(fa, fb)):
+        if x != y:
+            return i
+    return min(len(fa), len(fb)) if len(fa) != len(fb) else None
+
+
+def _ref(b: Bucket | None, pos: int | None) -> dict | None:
+    if b is None or pos is None or pos >= len(b.entries):
+        return None
+    e = b.entries[pos]
+    return {"fqn": e.fqn, "offset": e.offset}
+
+
+def _names(fqns: list[str], n: int = 3) -> str:
+    shown = ", ".join(fqns[:n])
+    return shown + (f" and {len(fqns) - n} more" if len(fqns) > n else "")
+
+
+def _classify_pair(coll: str, a: Bucket, b: Bucket) -> BucketPair:
+    pair = BucketPair(coll, "identical", [a.index], [b.index], [a.group], [b.group],
+                      partner=(a.index, b.index))
+    fa, fb = a.fqns, b.fqns
+    if len(fa) != len(fb) or set(fa) != set(fb):
+        sa, sb = set(fa), set(fb)
+        only_a = [f for f in fa if f not in sb]
+        only_b = [f for f in fb if f not in sa]
+        pair.verdict = "partition_differs"
+        pair.position = _first_diff(fa, fb)
+        parts = []
+        if only_a:
+            parts.append(f"only in A's bucket: {_names(only_a)}")
+        if only_b:
+            parts.append(f"only in B's bucket: {_names(only_b)}")
+        if not parts:
+            parts.append("a parameter appears more than once")
+        pair.detail = "; ".join(parts) + f" (in no other {coll} bucket of the other side)"
+        pair.moved = ([{"fqn": f, "a": a.index, "b": None} for f in only_a]
+                      + [{"fqn": f, "a": None, "b": b.index} for f in only_b])
+    elif fa != fb:
+        p = _first_diff(fa, fb)
+        pair.verdict = "order_differs"
+        pair.position = p
+        n_moved = sum(x != y for x, y in zip(fa, fb))
+        pair.detail = f"same {len(fa)} parameters, {n_moved} at other positions"
+    else:
+        for p, (x, y) in enumerate(zip(a.entries, b.entries)):
+            if x != y:
+                what = [f"{f} {getattr(x, f)} vs {getattr(y, f)}" for f in _FIELDS
+                        if getattr(x, f) != getattr(y, f)]
+                pair.verdict = "layout_differs"
+                pair.position = p
+                pair.detail = f"same order; position {p} ({x.fqn}): " + ", ".join(what)
+                break
+        else:
+            diffs = []
+            if a.dtype != b.dtype:
+                diffs.append(f"bucket dtype {a.dtype} vs {b.dtype}")
+            if a.total_bytes != b.total_bytes:
+                diffs.append(f"total bytes {a.total_bytes} vs {b.total_bytes}")
+            if diffs:
+                pair.verdict = "layout_differs"
+                pair.detail = "same order and entries; " + ", ".join(diffs)
+    if pair.position is not None:
+        pair.a_entry, pair.b_entry = _ref(a, pair.position), _ref(b, pair.position)
+    return pair
+
+
+def _partition_pair(coll: str, abk: list[Bucket], bbk: list[Bucket]) -> BucketPair:
+    pair = BucketPair(coll, "partition_differs", [b.index for b in abk], [b.index for b in bbk],
+                      [b.group for b in abk], [b.group for b in bbk])
+    where_b = {f: b.index for b in bbk for f in b.fqns}
+    where_a = {f: b.index for b in abk for f in b.fqns}
+    parts, moved = [], []
+    partner_of: dict[int, int | None] = {}
+    for b in abk:
+        counts: dict[int, int] = {}
+        for f in b.fqns:
+            j = where_b.get(f)
+            if j is not None:
+                counts[j] = counts.get(j, 0) + 1
+        partner = max(sorted(counts), key=lambda j: counts[j]) if counts else None
+        partner_of[b.index] = partner
+        for f in b.fqns:
+            j = where_b.get(f)
+            if j != partner:
+                moved.append({"fqn": f, "a": b.index, "b": j})
+        if counts:
+            parts.append(f"A#{b.index} ({b.group}) -> " + ", ".join(
+                f"B#{j} ({counts[j]})" for j in sorted(counts)))
+        else:
+            parts.append(f"A#{b.index} ({b.group}) -> no B bucket")
+    partners = set(partner_of.values())
+    for b in bbk:
+        for f in b.fqns:
+            if f not in where_a:
+                moved.append({"fqn": f, "a": None, "b": b.index})
+        if b.index not in partners and not any(f in where_a for f in b.fqns):
+            parts.append(f"B#{b.index} ({b.group}) has no A bucket")
+    pair.moved = moved
+    shown = ", ".join(f"{m['fqn']} (A#{m['a']} -> B#{m['b']})" for m in moved[:3])
+    more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
+    pair.detail = "; ".join(parts) + (f"; moved: {shown}{more}" if moved else "")
+    a0 = abk[0] if abk else None
+    b0 = None
+    if a0 is not None and partner_of.get(a0.index) is not None:
+        b0 = next(b for b in bbk if b.index == partner_of[a0.index])
+    elif bbk:
+        b0 = bbk[0]
+    pair.partner = (a0.index if a0 else None, b0.index if b0 else None)
+    fa, fb = (a0.fqns if a0 else []), (b0.fqns if b0 else [])
+    pair.position = _first_diff(fa, fb) if (a0 and b0) else 0
+    pair.a_entry, pair.b_entry = _ref(a0, pair.position), _ref(b0, pair.position)
+    return pair
+
+
+def align_buckets(coll: str, la: list[Bucket], lb: list[Bucket]) -> tuple[list[BucketPair], list[str]]:
+    """Pairs (groups) of aligned buckets, in A's issue order, and notes."""
+    parent: dict[tuple[str, int], tuple[str, int]] = {}
+
+    def find(x):
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(x, y):
+        rx, ry = find(x), find(y)
+        if rx != ry:
+            parent[ry] = rx
+
+    owner: dict[str, tuple[str, int]] = {}
+    for side, buckets in (("a", la), ("b", lb)):
+        for b in buckets:
+            node = (side, b.index)
+            find(node)
+            for f in b.fqns:
+                other = owner.get(f)
+                if other is None:
+                    owner[f] = node
+                else:
+                    union(other, node)
+    comps: dict[tuple[str, int], tuple[list[Bucket], list[Bucket]]] = {}
+    for b in la:
+        comps.setdefault(find(("a", b.index)), ([], []))[0].append(b)
+    for b in lb:
+        comps.setdefault(find(("b", b.index)), ([], []))[1].append(b)
+    big = 1 << 60
+    ordered = sorted(comps.values(), key=lambda ab: (min((b.index for b in ab[0]), default=big),
+                                                      min((b.index for b in ab[1]), default=big)))
+    pairs = []
+    for abk, bbk in ordered:
+        if len(abk) == 1 and len(bbk) == 1:
+            pairs.append(_classify_pair(coll, abk[0], bbk[0]))
+        else:
+            pairs.append(_partition_pair(coll, abk, bbk))
+    notes = []
+    b_seq = [p.b[0] for p in pairs if p.a and p.b]
+    if any(x > y for x, y in zip(b_seq, b_seq[1:])):
+        notes.append(f"{coll}: the buckets are issued in a different order on the two sides")
+    return pairs, notes
+
+
+def side_by_side(a: Bucket | None, b: Bucket | None) -> list[dict]:
+    rows = []
+    ea = a.entries if a else []
+    eb = b.entries if b else []
+    for pos, (x, y) in enumerate(zip_longest(ea, eb)):
+        rows.append({"position": pos, "a": x.ref() if x else None, "b": y.ref() if y else None,
+                     "same": x is not None and x == y})
+    return rows
+
+
+def compare_layouts(la: Layout, lb: Layout) -> OrderComparison:
+    pairs: list[BucketPair] = []
+    notes = list(f"A: {c}" for c in la.changes) + list(f"B: {c}" for c in lb.changes)
+    compared = []
+    for coll in COLLECTIVES:
+        ba, bb = la.buckets.get(coll, []), lb.buckets.get(coll, [])
+        if not ba and not bb:
+            continue
+        if not ba or not bb:
+            notes.append(f"{coll}: only {'A' if ba else 'B'} recorded buckets; not compared")
+            continue
+        compared.append(coll)
+        p, n = align_buckets(coll, ba, bb)
+        pairs.extend(p)
+        notes.extend(n)
+    counts = {c: {v: 0 for v in ORDER_VERDICTS} for c in compared}
+    for p in pairs:
+        counts[p.collective][p.verdict] += 1
+    if not compared:
+        verdict = UNAVAILABLE
+    else:
+        verdict = max((p.verdict for p in pairs), key=SEVERITY.__getitem__, default="identical")
+    first = next((p for p in pairs if p.verdict in ("order_differs", "partition_differs")), None)
+    if first is None:
+        first = next((p for p in pairs if p.verdict == "layout_differs"), None)
+    first_bucket = None
+    if first is not None:
+        ia, ib = first.partner
+        a = next((b for b in la.buckets[first.collective] if b.index == ia), None)
+        b = next((x for x in lb.buckets[first.collective] if x.index == ib), None)
+        first_bucket = {
+            "collective": first.collective, "verdict": first.verdict,
+            "index": ia, "b_index": ib,
+            "group": a.group if a else None, "b_group": b.group if b else None,
+            "position": first.position, "a": first.a_entry, "b": first.b_entry,
+            "detail": first.detail, "rows": side_by_side(a, b),
+        }
+    return OrderComparison(verdict, la.source, lb.source, la.rank, pairs, first_bucket, counts,
+                           notes, {"a": [], "b": []}, compared)
+
+
+def check_ranks(layouts: dict[int, Layout], ref: int) -> list[str]:
+    """Ranks whose layout differs from rank ``ref``'s (one line each, first few)."""
+    sig = layouts[ref].signature()
+    out = []
+    for r, lay in sorted(layouts.items()):
+        if r == ref or lay.signature() == sig:
+            continue
+        what = "differs"
+        for coll in COLLECTIVES:
+            x, y = layouts[ref].buckets.get(coll, []), lay.buckets.get(coll, [])
+            if len(x) != len(y):
+                what = f"has {len(y)} {coll} buckets, rank {ref} {len(x)}"
+                break
+            bad = next((b for b, c in zip(x, y) if b.signature() != c.signature()), None)
+            if bad is not None:
+                what = f"{coll} bucket {bad.index} ({bad.group}) differs from rank {ref}'s"
+                break
+        out.append(f"rank {r}: {what}")
+    return out

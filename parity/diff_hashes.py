@@ -1,0 +1,283 @@
+"""Hash comparison for ``parity diff``: per (step, rank, parameter, param|grad).
+
+Cost model (docs/diff.md has the numbers):
+
+1. Parameters are aligned per rank by normalized FQN (``Alignment``); ranks whose tables list the
+   same keys in the same order share one cached alignment, and for them the per-step roll-up
+   digests of steps.jsonl are comparable as they are.
+2. Roll-ups are compared for every (rank, step) at once (numpy); only cells whose roll-ups differ
+   (or whose two sides store parameters in different orders) are "drilled": their per-parameter
+   hash lines are read (by offset) and compared, vectorized over parameters.
+3. The first divergent step is drilled completely (every rank, both kinds) for the detailed
+   report. Later steps are drilled only for per-step counts, and only until every parameter is
+   known to differ ("saturated": after a real divergence, usually on the first rank drilled);
+   the other ranks' roll-ups then say which ranks differ. At most ``count_budget`` cells are
+   drilled after the first divergent step; past it a count is unknown (``None``) unless
+   saturated, and the step is marked ``exact: false``.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from parity.artifacts import RankData
+
+KINDS = ("param", "grad")
+_DIGEST_FIELD = {"param": "param_digest", "grad": "grad_digest"}
+DEFAULT_COUNT_BUDGET = 20_000
+_FQN = operator.itemgetter("fqn")  # drilled (rank, step, kind) cells after the first divergent step
+
+
+def param_keys(params: list[dict]) -> list[str]:
+    """Alignment keys of a rank's table: the FQN, made unique by occurrence if a rank holds
+    several entries with one name (``fqn#1``, ``fqn#2``...)."""
+    keys = list(map(_FQN, params))
+    if len(set(keys)) != len(keys):
+        seen: dict[str, int] = {}
+        out = []
+        for k in keys:
+            n = seen.get(k, 0)
+            seen[k] = n + 1
+            out.append(k if n == 0 else f"{k}#{n}")
+        keys = out
+    return keys
+
+
+@dataclass
+class Alignment:
+    """Rows of one rank's two tables that hold the same parameter."""
+
+    ia: np.ndarray  # row in A's table
+    ib: np.ndarray  # row in B's table
+    gid: np.ndarray  # global parameter id (ParamIndex)
+    identity: bool  # both tables list the same keys in the same order: roll-ups comparable
+    n_a: int
+    n_b: int
+    only_a: list[str]
+    only_b: list[str]
+
+
+class ParamIndex:
+    """Global parameter ids, in first-seen order (A's registration order, lowest rank first)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.ids: dict[str, int] = {}
+
+    def ids_of(self, keys: list[str]) -> np.ndarray:
+        ids = self.ids
+        out = np.empty(len(keys), dtype=np.int64)
+        for i, k in enumerate(keys):
+            j = ids.get(k)
+            if j is None:
+                j = ids[k] = len(self.names)
+                self.names.append(k)
+            out[i] = j
+        return out
+
+
+class Aligner:
+    """Per-rank alignments, cached by the pair of key sequences (usually one for all ranks)."""
+
+    def __init__(self, index: ParamIndex):
+        self.index = index
+        self._cache: dict[tuple, Alignment] = {}
+
+    def align(self, keys_a: tuple[str, ...], keys_b: tuple[str, ...]) -> Alignment:
+        ck = (keys_a, keys_b)
+        hit = self._cache.get(ck)
+        if hit is not None:
+            return hit
+        if keys_a == keys_b:
+            ia = ib = np.arange(len(keys_a), dtype=np.int64)
+            al = Alignment(ia, ib, self.index.ids_of(list(keys_a)), True, len(keys_a), len(keys_b),
+                           [], [])
+        else:
+            pos_b = {k: j for j, k in enumerate(keys_b)}
+            ia_l, ib_l = [], []
+            for i, k in enumerate(keys_a):
+                j = pos_b.get(k)
+                if j is not None:
+                    ia_l.append(i)
+                    ib_l.append(j)
+            set_a = set(keys_a)
+            al = Alignment(
+                np.asarray(ia_l, dtype=np.int64), np.asarray(ib_l, dtype=np.int64),
+                self.index.ids_of([keys_a[i] for i in ia_l]), False, len(keys_a), len(keys_b),
+                [k for k in keys_a if k not in pos_b], [k for k in keys_b if k not in set_a],
+            )
+        self._cache[ck] = al
+        return al
+
+
+def digest_table(ranks: list[RankData], steps: list[int], kind: str) -> np.ndarray:
+    """(len(ranks), len(steps)) array of roll-up digests (bytes); b"" where absent."""
+    fld = _DIGEST_FIELD[kind]
+    out = np.zeros((len(ranks), len(steps)), dtype="S32")
+    for i, rd in enumerate(ranks):
+        recs = rd.steps
+        row = [recs.get(s) for s in steps]
+        out[i] = [(r.get(fld) or "").encode() if r is not None and isinstance(r.get(fld), str)
+                  else b"" for r in row]
+    return out
+
+
+def presence_table(ranks: list[RankData], steps: list[int]) -> np.ndarray:
+    out = np.zeros((len(ranks), len(steps)), dtype=bool)
+    for i, rd in enumerate(ranks):
+        out[i] = [s in rd.steps for s in steps]
+    return out
+
+
+@dataclass
+class StepDetail:
+    """What differs at one step: per kind, global ids and the ranks they differ on."""
+
+    step: int
+    pairs: dict[str, list[tuple[np.ndarray, int]]] = field(default_factory=lambda: {k: [] for k in KINDS})
+
+    def grouped(self, kind: str) -> list[tuple[int, list[int]]]:
+        """[(gid, sorted ranks)] in gid order."""
+        chunks = self.pairs[kind]
+        if not chunks:
+            return []
+        gids = np.concatenate([g for g, _ in chunks])
+        ranks = np.concatenate([np.full(len(g), r, dtype=np.int64) for g, r in chunks])
+        order = np.lexsort((ranks, gids))
+        gids, ranks = gids[order], ranks[order]
+        cut = np.flatnonzero(np.diff(gids)) + 1
+        return [(int(g[0]), r.tolist()) for g, r in zip(np.split(gids, cut), np.split(ranks, cut))]
+
+    def any(self, kind: str) -> bool:
+        return any(len(g) for g, _ in self.pairs[kind])
+
+
+@dataclass
+class StepCount:
+    step: int
+    params: int | None  # parameters (FQNs) whose param hash differs on at least one rank
+    grads: int | None  # parameters whose gradient hash differs on at least one rank
+    ranks: int | None  # ranks with any difference at this step
+    exact: bool
+
+
+@dataclass
+class HashComparison:
+    steps: list[int]
+    compared: np.ndarray  # (R, S) both sides present
+    first_step: int | None
+    detail: StepDetail | None
+    counts: list[StepCount]
+    cells_drilled: int
+    unreadable: list[tuple[str, int, int, str]]  # (side, rank, step, kind)
+    grads_compared: bool
+
+
+def _load(rd: RankData, step: int, kind: str, n: int) -> np.ndarray | None:
+    h = rd.hashes(step, kind)
+    if h is None or h.shape[0] != n:
+        if h is not None:
+            rd.problems.append(f"{rd.path / 'hashes.jsonl'}: step {step} {kind} line has "
+                               f"{h.shape[0]} hashes, the table {n}")
+        return None
+    return h.view(np.uint64)  # (n, 2)
+
+
+def compare_hashes(ranks: list[int], ra: list[RankData], rb: list[RankData],
+                   aligns: list[Alignment], steps: list[int],
+                   count_budget: int = DEFAULT_COUNT_BUDGET) -> HashComparison:
+    """Compare the hashes of ``ranks`` (parallel lists ``ra``, ``rb``, ``aligns``) over ``steps``."""
+    pres_a, pres_b = presence_table(ra, steps), presence_table(rb, steps)
+    both = pres_a & pres_b
+    ident = np.array([al.identity for al in aligns], dtype=bool)[:, None]
+    cand: dict[str, np.ndarray] = {}
+    comparable: dict[str, np.ndarray] = {}
+    for kind in KINDS:
+        da, db = digest_table(ra, steps, kind), digest_table(rb, steps, kind)
+        ok = both & (da != b"") & (db != b"")
+        comparable[kind] = ok
+        cand[kind] = ok & ((da != db) | ~ident)
+    grads_compared = bool(comparable["grad"].any())
+
+    unreadable: list[tuple[str, int, int, str]] = []
+    first_step: int | None = None
+    detail: StepDetail | None = None
+    counts: list[StepCount] = []
+    drilled = 0
+    budget_left = count_budget
+    n_glob = 1 + max((int(al.gid.max()) for al in aligns if len(al.gid)), default=-1)
+
+    any_cand = cand["param"] | cand["grad"]
+    for j in np.flatnonzero(any_cand.any(axis=0)):
+        step = steps[j]
+        rows = np.flatnonzero(any_cand[:, j])
+        after_first = first_step is not None
+        det = StepDetail(step)
+        masks = {k: np.zeros(n_glob, dtype=bool) for k in KINDS}
+        saturated = {k: False for k in KINDS}
+        diff_ranks: set[int] = set()
+        exact = known_ranks = True
+        for i in rows:
+            al = aligns[i]
+            for kind in KINDS:
+                if not cand[kind][i, j]:
+                    continue
+                if after_first and al.identity and saturated[kind]:
+                    # every parameter already differs somewhere; the roll-up says this rank does
+                    diff_ranks.add(ranks[i])
+                    continue
+                if after_first and budget_left <= 0:
+                    exact = False
+                    if al.identity:
+                        diff_ranks.add(ranks[i])
+                    else:
+                        known_ranks = False
+                    continue
+                drilled += 1
+                if after_first:
+                    budget_left -= 1
+                ha = _load(ra[i], step, kind, al.n_a)
+                hb = _load(rb[i], step, kind, al.n_b)
+                if ha is None or hb is None:
+                    if ha is None:
+                        unreadable.append(("a", ranks[i], step, kind))
+                    if hb is None:
+                        unreadable.append(("b", ranks[i], step, kind))
+                    continue
+                bad = (ha[al.ia] != hb[al.ib]).any(axis=1)
+                if bad.any():
+                    g = al.gid[bad]
+                    if not after_first:
+                        det.pairs[kind].append((g, ranks[i]))
+                    masks[kind][g] = True
+                    diff_ranks.add(ranks[i])
+                    if after_first and masks[kind].all():
+                        saturated[kind] = True
+        if not diff_ranks and exact:
+            continue  # roll-ups differed only by storage order
+        if first_step is None:
+            first_step, detail = step, det
+        n_p = int(masks["param"].sum())
+        n_g = int(masks["grad"].sum()) if grads_compared else None
+        if not exact:  # past the budget: counts are unknown unless saturated
+            n_p = n_p if saturated["param"] else None
+            n_g = n_g if saturated["grad"] else None
+        counts.append(StepCount(step, n_p, n_g, len(diff_ranks) if known_ranks else None,
+                                exact or (saturated["param"] and (saturated["grad"]
+                                                                  or not grads_compared))))
+    if first_step is not None:  # steps after the first with nothing different count as zeros
+        have = {c.step for c in counts}
+        compared_steps = both.any(axis=0)
+        for j, step in enumerate(steps):
+            if step > first_step and step not in have and compared_steps[j]:
+                counts.append(StepCount(step, 0, 0 if grads_compared else None, 0, True))
+        counts.sort(key=lambda c: c.step)
+    return HashComparison(steps, both, first_step, detail, counts, drilled, unreadable,
+                          grads_compared)
+
+
+__all__ = ["Aligner", "Alignment", "ParamIndex", "param_keys", "compare_hashes", "HashComparison",
+           "StepCount", "StepDetail", "KINDS", "DEFAULT_COUNT_BUDGET"]

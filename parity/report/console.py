@@ -1,0 +1,369 @@
+"""The console rendering of a diff (``parity diff``): rich on a terminal, plain text otherwise.
+
+It renders a :class:`parity.diff.DiffResult` and computes no verdict. Every name that comes from
+the artifacts (FQNs, groups, paths) goes through ``Text`` objects, never markup, so a parameter
+called ``a[b]`` prints as such. Laid out for 100 columns; wider terminals get wider tables.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rich import box
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from parity.diff import DiffResult, ranges
+
+PLAIN_WIDTH = 100
+MAX_DIVERGENT_ROWS = 20
+MAX_STEP_ROWS = 12
+MAX_BUCKET_ROWS = 18
+MAX_PROBLEMS = 8
+_ABBR = {"all_gather": "AG", "reduce_scatter": "RS"}
+_KIND_COLL = {"grad": "reduce_scatter", "param": "all_gather"}
+_ORDER_TEXT = {
+    "identical": ("identical", "green"),
+    "order_differs": ("PAYLOAD ORDER DIFFERS", "bold red"),
+    "partition_differs": ("BUCKET PARTITION DIFFERS", "bold red"),
+    "layout_differs": ("LAYOUT DIFFERS (sizes, padding or dtype)", "bold yellow"),
+    "unavailable": ("not compared (no manifests on one side)", "yellow"),
+}
+
+
+def make_console(file=None, width: int | None = None, force_terminal: bool | None = None) -> Console:
+    """A console for reports: colours on a terminal, plain text (no ANSI codes) when piped,
+    100 columns when not a terminal and COLUMNS is unset."""
+    console = Console(file=file or sys.stdout, force_terminal=force_terminal, width=width,
+                      highlight=False, emoji=False, soft_wrap=False)
+    if width is None and not console.is_terminal and not os.environ.get("COLUMNS"):
+        console.width = PLAIN_WIDTH
+    return console
+
+
+def T(s, style: str | None = None) -> Text:
+    """Literal text (never markup)."""
+    return Text("" if s is None else str(s), style=style or "")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _steps_text(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return f"{len(steps)} ({ranges(steps)})"
+
+
+def _verdict_lines(r: DiffResult) -> list[Text]:
+    lines = []
+    n_steps, n_ranks, n_params = len(r.steps_compared), len(r.ranks_compared), r.params_compared
+    if r.verdict == "match":
+        line = T("PARITY HOLDS", "bold green")
+        what = list(r.kinds_compared) + (["loss"] if r.loss.captured else [])
+        line.append(f"  {n_steps} steps x {n_ranks} ranks x {n_params} parameters bitwise "
+                    f"identical ({', '.join(what)})")
+    elif r.verdict == "hash_mismatch":
+        fd = r.first_divergence
+        line = T("HASH MISMATCH", "bold red")
+        line.append(f"  first divergent step {r.first_divergent_step}")
+        if fd is not None:
+            bits = []
+            if fd.grads:
+                bits.append(_plural(fd.grads, "gradient"))
+            if fd.params:
+                bits.append(_plural(fd.params, "parameter"))
+            if bits:
+                line.append(f": {' and '.join(bits)} differ on rank(s) {ranges(fd.ranks)}")
+            elif fd.loss_differs:
+                line.append(": the loss differs")
+            line.append(f" ({fd.origin})")
+    else:
+        line = T("INCOMPLETE", "bold yellow")
+        line.append("  " + (r.incomplete[0] if r.incomplete else "data incomplete"))
+    lines.append(line)
+    if r.verdict != "incomplete" and r.incomplete:
+        lines.append(T(f"  and the data is incomplete: {r.incomplete[0]}", "yellow"))
+    o = r.order
+    text, style = _ORDER_TEXT.get(o.verdict, (o.verdict, ""))
+    line = T("Bucket layouts: ")
+    line.append(text, style=style)
+    fb = o.first_bucket
+    if fb:
+        line.append(f" from {fb['collective']} bucket {fb['index']}")
+        if fb.get("group"):
+            line.append(" (")
+            line.append(T(fb["group"]))
+            line.append(")")
+        if fb.get("position") is not None:
+            line.append(f" position {fb['position']}")
+    lines.append(line)
+    return lines
+
+
+def _summary(r: DiffResult) -> Panel:
+    g = Table.grid(padding=(0, 2))
+    g.add_column(style="bold", no_wrap=True)
+    g.add_column(overflow="fold")
+
+    def side(s, label):
+        t = T(s.path)
+        extra = []
+        if s.status and s.status != "ok":
+            extra.append(f"status {s.status}")
+        extra.append(f"manifests: {s.bucket_source or 'none'}")
+        t.append(f"  ({', '.join(extra)})", style="dim")
+        g.add_row(label, t)
+
+    side(r.a, "A (reference)")
+    side(r.b, "B (candidate)")
+    ranks = T(f"{r.world_size}")
+    if r.world_size is not None and len(r.ranks_compared) != r.world_size:
+        ranks.append(f"  compared: {ranges(r.ranks_compared) or 'none'}", style="yellow")
+    g.add_row("World size", ranks)
+    g.add_row("Steps compared", T(_steps_text(r.steps_compared)))
+    p = T(f"{r.params_compared}")
+    if r.params_only_in_a or r.params_only_in_b:
+        p.append(f"  ({len(r.params_only_in_a)} only in A, {len(r.params_only_in_b)} only in B)",
+                 style="yellow")
+    g.add_row("Parameters", p)
+    fd = r.first_divergence
+    if fd is None:
+        g.add_row("First divergence", T("none", "green"))
+    else:
+        t = T(f"step {fd.step}", "bold red")
+        t.append(f"  [{fd.origin}] ")
+        t.append(T(fd.explanation))
+        g.add_row("First divergence", t)
+        g.add_row("Grads before params", T("yes" if fd.grad_before_param else "no"))
+    loss = r.loss
+    if not loss.captured:
+        g.add_row("Loss", T("not captured", "dim"))
+    elif loss.first_divergent_step is None:
+        g.add_row("Loss", T("bitwise equal at every compared step", "green"))
+    else:
+        g.add_row("Loss", T(f"first differs at step {loss.first_divergent_step}", "red"))
+    o = r.order
+    t = T(_ORDER_TEXT.get(o.verdict, (o.verdict, ""))[0], _ORDER_TEXT.get(o.verdict, ("", ""))[1])
+    if o.compared:
+        parts = []
+        for c in o.compared:
+            cnt = {k: v for k, v in o.counts[c].items() if v}
+            parts.append(f"{_ABBR.get(c, c)}: " + ", ".join(f"{v} {k}" for k, v in cnt.items()))
+        t.append(f"  ({o.a_source} vs {o.b_source}, rank {o.rank}; {'; '.join(parts)})")
+    g.add_row("Bucket layouts", t)
+    return Panel(g, title=T("parity diff"), title_align="left", expand=True)
+
+
+def _bucket_cell(ref: dict | None, coll: str) -> Text:
+    if not ref:
+        return T("-", "dim")
+    return T(f"{_ABBR[coll]}#{ref['index']} @ {ref.get('offset')}")
+
+
+def _title(s: str) -> Text:
+    return T(s, "bold")
+
+
+def _divergent_table(r: DiffResult) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("kind", no_wrap=True)
+    t.add_column("parameter", overflow="fold")
+    t.add_column("ranks", overflow="fold", max_width=24)
+    t.add_column("A bucket @ offset", no_wrap=True)
+    t.add_column("B bucket @ offset", no_wrap=True)
+    shown = r.divergent[:MAX_DIVERGENT_ROWS]
+    for d in shown:
+        coll = _KIND_COLL[d.kind]
+        links = d.buckets.get(coll, {})
+        t.add_row(T(d.kind, "red" if d.kind == "grad" else "magenta"), T(d.fqn),
+                  T(ranges(d.ranks)), _bucket_cell(links.get("a"), coll),
+                  _bucket_cell(links.get("b"), coll))
+    if len(r.divergent) > len(shown):
+        t.add_row("", T(f"... and {len(r.divergent) - len(shown)} more (--json has all)", "dim"),
+                  "", "", "")
+    return t
+
+
+def _window(n: int, focus: int | None, size: int) -> list[int | None]:
+    """Row indices to show (None: an ellipsis row)."""
+    if n <= size:
+        return list(range(n))
+    if focus is None:
+        head = size // 2
+        return list(range(head)) + [None] + list(range(n - (size - head - 1), n))
+    start = max(0, min(focus - 3, n - size))
+    idx: list[int | None] = list(range(start, min(n, start + size)))
+    if start > 0:
+        idx = [0, None] + idx[2:] if start > 1 else idx
+    if idx[-1] is not None and idx[-1] < n - 1:
+        idx = idx[:-2] + [None, n - 1]
+    return idx
+
+
+def _per_step_table(r: DiffResult) -> Table:
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, caption_justify="left")
+    for c in ("step", "params", "grads", "ranks"):
+        t.add_column(c, justify="right")
+    rows = r.per_step
+    for i in _window(len(rows), None, MAX_STEP_ROWS):
+        if i is None:
+            t.add_row("...", "", "", "")
+            continue
+        c = rows[i]
+
+        def n(x):
+            return "?" if x is None else str(x)
+        t.add_row(str(c.step), n(c.params), n(c.grads), n(c.ranks) + ("" if c.exact else " *"))
+    if any(not c.exact for c in rows):
+        t.caption = "* roll-ups only (drill-down budget spent): parameter counts unknown"
+    return t
+
+
+def _loss_table(r: DiffResult) -> Table:
+    loss = r.loss
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("", no_wrap=True)
+    t.add_column("step", justify="right")
+    t.add_column("A", justify="right")
+    t.add_column("B", justify="right")
+    t.add_column("bitwise", no_wrap=True)
+    rows = loss.steps
+    focus = next((i for i, s in enumerate(rows) if s.step == loss.first_divergent_step), None)
+    for i in _window(len(rows), focus, MAX_STEP_ROWS):
+        if i is None:
+            t.add_row("", "...", "", "", "")
+            continue
+        s = rows[i]
+        first = i == focus
+        eq = ("equal" if s.equal else ("-" if s.equal is None else
+                                        f"DIFFERS ({_plural(s.ranks_differing, 'rank')})"))
+        style = "bold red" if first else ("red" if s.equal is False else None)
+        t.add_row(T(">" if first else ""), T(s.step), T(repr(s.a) if s.a is not None else "-"),
+                  T(repr(s.b) if s.b is not None else "-"), T(eq), style=style)
+    return t
+
+
+def _entry_cells(e: dict | None) -> tuple[Text, Text]:
+    if e is None:
+        return T("-", "dim"), T("")
+    return T(e.get("fqn")), T(f"{e.get('offset')} +{e.get('size')}")
+
+
+def _bucket_section(r: DiffResult) -> list:
+    o = r.order
+    out: list = []
+    fb = o.first_bucket
+    if fb:
+        what = ("payload order differs" if fb["verdict"] in ("order_differs", "partition_differs")
+                else "layout differs")
+        out.append(T(f"First bucket whose {what}: {fb['collective']} ({fb['verdict']})", "bold"))
+        rows = fb.get("rows") or []
+
+        def side(label, idx, group, key):
+            n = sum(1 for row in rows if row.get(key))
+            t = T(f"  {label}: bucket {idx}")
+            if group:
+                t.append(" (")
+                t.append(T(group))
+                t.append(")")
+            t.append(f", {_plural(n, 'parameter')}")
+            return t
+        out.append(side("A", fb.get("index"), fb.get("group"), "a"))
+        out.append(side("B", fb.get("b_index"), fb.get("b_group"), "b"))
+        if fb.get("a") or fb.get("b"):
+            line = T(f"  position {fb['position']}: A ")
+            a, b = fb.get("a") or {}, fb.get("b") or {}
+            line.append(T(a.get("fqn", "-"), "bold"))
+            line.append(f" @ {a.get('offset', '-')}  |  B ")
+            line.append(T(b.get("fqn", "-"), "bold"))
+            line.append(f" @ {b.get('offset', '-')}")
+            out.append(line)
+        if fb.get("detail"):
+            out.append(T("  " + fb["detail"], "dim"))
+        t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=True,
+                  caption="> first differing position   * differs", caption_justify="left")
+        t.add_column("", no_wrap=True, width=1)
+        t.add_column("pos", justify="right", no_wrap=True)
+        t.add_column("A parameter", overflow="fold", ratio=1)
+        t.add_column("A bytes", justify="right", no_wrap=True)
+        t.add_column("B parameter", overflow="fold", ratio=1)
+        t.add_column("B bytes", justify="right", no_wrap=True)
+        rows = fb.get("rows") or []
+        pos = fb.get("position")
+        focus = pos if isinstance(pos, int) and pos < len(rows) else None
+        for i in _window(len(rows), focus, MAX_BUCKET_ROWS):
+            if i is None:
+                t.add_row("", "...", "", "", "", "")
+                continue
+            row = rows[i]
+            first = i == focus
+            af, ao = _entry_cells(row.get("a"))
+            bf, bo = _entry_cells(row.get("b"))
+            style = "bold red" if first else (None if row.get("same") else "yellow")
+            mark = ">" if first else ("" if row.get("same") else "*")
+            t.add_row(T(mark), T(row["position"]), af, ao, bf, bo, style=style)
+        out.append(t)
+    others = [p for p in o.pairs if p.verdict != "identical"]
+    if len(others) > (1 if fb else 0):
+        out.append(T(f"Buckets that differ ({len(others)}):", "bold"))
+        for p in others[:MAX_PROBLEMS]:
+            line = T(f"  {_ABBR.get(p.collective, p.collective)} "
+                     f"A#{','.join(map(str, p.a)) or '-'} / B#{','.join(map(str, p.b)) or '-'} "
+                     f"{p.verdict}: ")
+            line.append(T(p.detail))
+            if p.verdict == "order_differs" and p.a_entry and p.b_entry:
+                line.append(f"; position {p.position}: A ")
+                line.append(T(p.a_entry["fqn"]))
+                line.append(f" @ {p.a_entry['offset']}, B ")
+                line.append(T(p.b_entry["fqn"]))
+                line.append(f" @ {p.b_entry['offset']}")
+            out.append(line)
+        if len(others) > MAX_PROBLEMS:
+            out.append(T(f"  ... and {len(others) - MAX_PROBLEMS} more (--json has all)", "dim"))
+    for side, msgs in o.rank_disagreements.items():
+        for m in msgs[:MAX_PROBLEMS]:
+            out.append(T(f"warning: {side.upper()}'s ranks disagree on bucket layouts: {m}",
+                         "yellow"))
+    for n in o.notes[:MAX_PROBLEMS]:
+        out.append(T(f"note: {n}", "dim"))
+    if len(o.notes) > MAX_PROBLEMS:
+        out.append(T(f"note: ... and {len(o.notes) - MAX_PROBLEMS} more", "dim"))
+    return out
+
+
+def print_diff(result: DiffResult, console: Console | None = None) -> None:
+    """Render ``result``: verdict, summary, divergent parameters, per-step counts, loss, the
+    first differing bucket side by side, warnings."""
+    c = console or make_console()
+    r = result
+    for line in _verdict_lines(r):
+        c.print(line)
+    c.print(_summary(r))
+    if r.divergent:
+        c.print(_title(f"Divergent at step {r.first_divergent_step} (grads: reduce-scatter "
+                       "bucket, params: all-gather bucket)"))
+        c.print(_divergent_table(r))
+    if len(r.per_step) > 1:
+        c.print(_title("Divergent per step (parameters whose hash differs on any rank)"))
+        c.print(_per_step_table(r))
+    if r.loss.captured and (r.loss.first_divergent_step is not None or r.verdict != "match"):
+        c.print(_title(f"Loss of rank {r.loss.rank}, side by side"))
+        c.print(_loss_table(r))
+    section = _bucket_section(r)
+    if section:
+        c.print(Group(*section))
+    warnings = [T(f"incomplete: {m}", "yellow") for m in r.incomplete]
+    probs = r.problems
+    for p in probs[:MAX_PROBLEMS]:
+        warnings.append(T(f"warning: {(p.side.upper() + ': ') if p.side else ''}{p.message}",
+                          "yellow"))
+    if len(probs) > MAX_PROBLEMS:
+        warnings.append(T(f"warning: ... and {len(probs) - MAX_PROBLEMS} more problems "
+                          "(--json has all)", "yellow"))
+    for w in warnings:
+        c.print(w)

@@ -1,0 +1,116 @@
+"""`parity gate`: exit codes over sweep reports (synthetic sweep.json files; no jobs run)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, ParityError
+from parity.sweep.gate import evaluate, gate
+from parity.sweep.runner import classify
+
+PARITY = [sys.executable, "-c", "import cli; cli.main()"]
+
+
+def diff(verdict="match", order="identical", step=None, divergent=(), incomplete=()):
+    return {"verdict": verdict, "first_divergent_step": step, "incomplete": list(incomplete),
+            "divergent": [{"step": step, "fqn": f, "kind": "param", "ranks": [0]} for f in divergent],
+            "order": {"verdict": order, "first_bucket": None if order in ("identical", "unavailable")
+                      else {"collective": "reduce_scatter", "index": 0, "group": "layers.0",
+                            "position": 1, "detail": "w2 before w1"}, "notes": []},
+            "problems": []}
+
+
+def cell(cid, status, d=None, reason=""):
+    return {"id": cid, "axes": {"k": cid}, "status": status, "reason": reason, "diff": d,
+            "sides": {}, "started": 1.0, "ended": 2.0, "wall": 1.0}
+
+
+def sweep(*cells_, complete=True):
+    return {"v": 1, "kind": "parity-sweep", "name": "g", "complete": complete,
+            "axes": [{"name": "k", "values": [c["id"] for c in cells_]}], "cells": list(cells_),
+            "counts": {}}
+
+
+MATCH = cell("m", "match", diff())
+ORDER = cell("o", "order_mismatch", diff(order="order_differs"))
+HASH = cell("h", "hash_mismatch", diff("hash_mismatch", step=2, divergent=["w"]))
+UNAVAIL = cell("u", "match", diff(order="unavailable"))
+FAILED = cell("f", "failed", None, "reference: exit code 1")
+SKIPPED = cell("s", "skipped", None, "requires cuda: no CUDA device here")
+
+
+@pytest.mark.parametrize("cells_,policy,code", [
+    ([MATCH], "hash", EXIT_OK),
+    ([MATCH, SKIPPED], "any", EXIT_OK),  # skipped cells never fail the gate
+    ([MATCH, ORDER], "hash", EXIT_OK),  # a consistent reorder is not a hash mismatch
+    ([MATCH, ORDER], "order", EXIT_MISMATCH),
+    ([MATCH, ORDER], "any", EXIT_MISMATCH),
+    ([MATCH, HASH], "hash", EXIT_MISMATCH),
+    ([MATCH, HASH], "order", EXIT_OK),
+    ([MATCH, FAILED], "hash", EXIT_INCOMPLETE),
+    ([HASH, FAILED], "hash", EXIT_MISMATCH),  # a proven mismatch outranks missing data
+    ([SKIPPED], "hash", EXIT_INCOMPLETE),  # nothing compared proves nothing
+    ([UNAVAIL], "hash", EXIT_OK),
+    ([UNAVAIL], "order", EXIT_INCOMPLETE),  # bucket order not comparable: unproven
+    ([UNAVAIL, ORDER], "any", EXIT_MISMATCH),
+])
+def test_exit_codes(cells_, policy, code):
+    got, lines = evaluate(sweep(*cells_), policy)
+    assert got == code, lines
+    assert lines[-1].startswith("gate ")
+
+
+def test_unfinished_sweep_is_incomplete():
+    assert evaluate(sweep(MATCH, complete=False), "hash")[0] == EXIT_INCOMPLETE
+
+
+def test_skipped_cells_are_listed(tmp_path, capsys):
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep(MATCH, SKIPPED)))
+    assert gate(tmp_path, "hash") == EXIT_OK
+    out = capsys.readouterr().out
+    assert "skipped  s: requires cuda" in out and "gate PASS" in out
+
+
+@pytest.mark.parametrize("content,needle", [
+    (None, "no such sweep directory"),
+    ("", "no sweep.json"),
+    ("{not json", "unreadable sweep report"),
+    ('{"kind": "other"}', "not a parity sweep report"),
+    ('{"kind": "parity-sweep", "v": 99, "cells": []}', "version 99"),
+    ('{"kind": "parity-sweep", "v": 1, "cells": [{"id": "x", "status": "weird"}]}', "malformed"),
+])
+def test_bad_input_is_exit_2(tmp_path, content, needle):
+    d = tmp_path / "sw"
+    if content is not None:
+        d.mkdir()
+        if content:
+            (d / "sweep.json").write_text(content)
+    with pytest.raises(ParityError, match=needle) as e:
+        gate(d)
+    assert e.value.exit_code == EXIT_USAGE
+
+
+def test_cli_gate_exit_codes(tmp_path):
+    for name, cs, code in [("ok", [MATCH], 0), ("bad", [HASH], 1), ("broken", [FAILED], 3)]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "sweep.json").write_text(json.dumps(sweep(*cs)))
+        r = subprocess.run(PARITY + ["gate", str(d)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == code, r.stderr
+    r = subprocess.run(PARITY + ["gate", str(tmp_path / "nothing")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == EXIT_USAGE and r.stderr.startswith("parity: error:")
+
+
+def test_classify_diff_results():
+    assert classify(diff()) == ("match", "bitwise identical")
+    status, reason = classify(diff("hash_mismatch", step=3, divergent=["a.w", "b.w"]))
+    assert status == "hash_mismatch" and reason == "first divergent step 3: a.w, b.w"
+    status, reason = classify(diff(order="partition_differs"))
+    assert status == "order_mismatch" and "partition_differs in reduce_scatter bucket 0" in reason
+    assert "w2 before w1" in reason
+    status, reason = classify(diff("incomplete", incomplete=["b: rank 1 missing"]))
+    assert status == "failed" and "incomplete data: b: rank 1 missing" in reason
+    assert classify(diff(order="unavailable"))[0] == "match"
