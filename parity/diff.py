@@ -422,6 +422,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         if only_b:
             parts.append(f"{len(only_b)} only in B: {_names(only_b)}")
         raise ParityError("parameter sets differ (normalized FQNs): " + "; ".join(parts))
+    if only_a or only_b:  # allowed: compare the common ones, but parity is not proven
+        incomplete.append(f"parameter sets differ ({len(only_a)} only in A, {len(only_b)} only "
+                          "in B); compared the common ones")
     index.ids_of(list(names_a))  # global ids in A's order
     aligns = [aligner.align(ka, kb) for ka, kb in zip(keys_a, keys_b)]
     del keys_a, keys_b

@@ -310,7 +310,12 @@ def _partition_pair(coll: str, abk: list[Bucket], bbk: list[Bucket]) -> BucketPa
     pair.moved = moved
     shown = ", ".join(f"{m['fqn']} (A#{m['a']} -> B#{m['b']})" for m in moved[:3])
     more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
-    pair.detail = "; ".join(parts) + (f"; moved: {shown}{more}" if moved else "")
+    lead = ""
+    if len(abk) > 1 and len(bbk) == 1:
+        lead = f"A buckets {', '.join(str(b.index) for b in abk)} merged into B bucket {bbk[0].index}: "
+    elif len(abk) == 1 and len(bbk) > 1:
+        lead = f"A bucket {abk[0].index} split into B buckets {', '.join(str(b.index) for b in bbk)}: "
+    pair.detail = lead + "; ".join(parts) + (f"; moved: {shown}{more}" if moved else "")
     a0 = abk[0] if abk else None
     b0 = None
     if a0 is not None and partner_of.get(a0.index) is not None:
