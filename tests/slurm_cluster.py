@@ -2,20 +2,22 @@
 
 Standard library only, so `.ci/slurm-up` can run it before any virtual environment exists:
 
-    python3 tests/slurm_cluster.py up   [--dir DIR] [--install]   # prints one line
-    python3 tests/slurm_cluster.py down [--dir DIR]               # prints one line
+    python3 tests/slurm_cluster.py up   [--dir DIR] [--no-install]  # prints one line
+    python3 tests/slurm_cluster.py down [--dir DIR] [--remove]      # prints one line
     python3 tests/slurm_cluster.py status [--dir DIR]
 
 From Python (tests): ``cluster = acquire()`` returns a running :class:`Cluster` or raises
 :class:`Unavailable` with the reason to skip; ``cluster.env`` has ``SLURM_CONF`` for clients.
 ``acquire`` reuses a cluster that is already up (``PARITY_SLURM_CONF``, or the default
-directory ``.ci/slurm-up`` uses) and otherwise starts a private one that ``release`` stops.
+directory ``.ci/slurm-up`` uses, ``$PARITY_SLURM_DIR`` or /tmp/parity-slurm) and otherwise starts
+a private one in a temporary directory that ``release`` stops. ``PARITY_SLURM=0`` disables.
 
 Everything (munge key/socket, state, spool, logs, pid files) lives under one directory. Daemons
 are stopped by their pid files, never by name. The two emulated nodes share this machine
 (Debian's Slurm is built with MULTIPLE_SLURMD): ``NodeHostname=localhost NodeAddr=127.0.0.1``
 and one port each; their names need not resolve (jobs read ``NodeAddr`` through scontrol), but
-``/etc/hosts`` gets ``127.0.0.1 node1 node2`` when it is writable, as on a real cluster.
+``up`` from the command line adds ``127.0.0.1 node1 node2`` to a writable ``/etc/hosts``, as on
+a real cluster (``acquire`` in a test run does not).
 """
 
 from __future__ import annotations
@@ -202,7 +204,7 @@ class Cluster:
             return False
         states = dict(line.split() for line in r.stdout.splitlines() if len(line.split()) == 2)
         return r.returncode == 0 and all(
-            states.get(n, "").rstrip("*") in ("idle", "mix", "alloc") for n in NODES)
+            states.get(n, "") in ("idle", "mix", "alloc", "comp") for n in NODES)  # idle* = lost
 
     def wait_ready(self, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
@@ -318,8 +320,11 @@ def existing(conf: str | os.PathLike | None = None) -> Cluster | None:
     return None
 
 
-def up(d: Path = DEFAULT_DIR, install: bool = True) -> Cluster:
-    """Start (or find running) a cluster in ``d``; raises Unavailable with a reason."""
+def up(d: Path = DEFAULT_DIR, install: bool = True, hosts: bool = True) -> Cluster:
+    """Start (or find running) a cluster in ``d``; raises Unavailable with a reason.
+
+    ``install``: apt-get the packages when missing; ``hosts``: add the node names to /etc/hosts
+    (as on a real cluster; parity's jobs do not need it)."""
     c = existing(d / "slurm.conf")
     if c is not None:
         c.note = f"already running ({c.conf})"
@@ -327,7 +332,7 @@ def up(d: Path = DEFAULT_DIR, install: bool = True) -> Cluster:
     how = install_packages() if install else "packages present"
     if _which_all():
         raise Unavailable(f"SLURM binaries missing: {', '.join(_which_all())}")
-    hosts = _ensure_hosts()
+    hosts = _ensure_hosts() if hosts else False
     c = Cluster(d, owned=True)
     try:
         c.start()
@@ -338,7 +343,7 @@ def up(d: Path = DEFAULT_DIR, install: bool = True) -> Cluster:
         c.stop()
         raise
     c.note = (f"{how}; munge + slurmctld + slurmd node1,node2 up in {c.started_in:.1f} s "
-              f"({c.conf}{'' if hosts else '; node names do not resolve'})")
+              f"({c.conf}{'; node1/node2 in /etc/hosts' if hosts else ''})")
     return c
 
 
@@ -346,7 +351,10 @@ _ACQUIRED: Cluster | None = None
 
 
 def acquire(install: bool | None = None) -> Cluster:
-    """A running cluster for tests (reused when one is up). Raises Unavailable with a reason."""
+    """A running cluster for tests (reused when one is up). Raises Unavailable with a reason.
+
+    Packages are installed only in CI (``CI=true``) or with ``PARITY_SLURM_INSTALL=1``; a test
+    run never edits /etc/hosts (``.ci/slurm-up`` does)."""
     global _ACQUIRED
     if _ACQUIRED is not None and _ACQUIRED.nodes_ready():
         return _ACQUIRED
@@ -355,10 +363,14 @@ def acquire(install: bool | None = None) -> Cluster:
     c = existing()
     if c is None:
         if install is None:
-            install = os.environ.get("PARITY_SLURM_INSTALL", "1") != "0"
+            install = os.environ.get("PARITY_SLURM_INSTALL",
+                                     "1" if os.environ.get("CI") == "true" else "0") == "1"
+        if not install and _which_all():
+            raise Unavailable(f"SLURM is not installed ({', '.join(_which_all())} missing); run "
+                              ".ci/slurm-up, or set PARITY_SLURM_INSTALL=1 to apt-get it")
         import tempfile
 
-        c = up(Path(tempfile.mkdtemp(prefix="parity-slurm-")), install=install)
+        c = up(Path(tempfile.mkdtemp(prefix="parity-slurm-")), install=install, hosts=False)
     _ACQUIRED = c
     return c
 

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -125,7 +124,7 @@ def test_fsdp2_artifacts_complete(base_run):
         for s in (1, 2, 3):
             assert diff_rows(hashes(run, r, s - 1, "param"), hashes(run, r, s, "param"))
     # rank 0 prints the losses: the recorded losses are the ones it saw
-    losses = [float(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("step")]
+    losses = [float(ln.split()[-1]) for ln in proc.stdout.splitlines() if ln.startswith("step")]
     rec = [run.ranks[0].steps[s]["loss"] for s in (1, 2, 3)]
     assert [round(x, 6) for x in rec] == losses
 
@@ -209,8 +208,8 @@ def test_parameter_without_gradient_changes_the_reduce_scatter_layout(tmp_path):
         g2 = hashes(run, r, 2, "grad")
         assert (g2[gate] == NO).all()  # no gradient at step 2
         assert not (hashes(run, r, 3, "grad")[gate] == NO).all()
-        rs = [b for b in rd.buckets if b["source"] == "fsdp2" and b["collective"] == "reduce_scatter"
-              and b["group"] == "layers.0"]
+        rs = [b for b in rd.buckets if b["source"] == "fsdp2"
+              and b["collective"] == "reduce_scatter" and b["group"] == "layers.0"]
         assert [b["step"] for b in rs] == [1, 2, 3]  # first seen, changed, changed back
         f1, f2, f3 = ([e["fqn"] for e in b["entries"]] for b in rs)
         assert "layers.0.gate" in f1 and "layers.0.gate" not in f2 and f3 == f1
@@ -264,7 +263,8 @@ def test_exit_code_is_passed_through(tmp_path):
 
 def test_sigterm_is_forwarded_to_the_command(tmp_path):
     code = ("import signal, sys, time\n"
-            "signal.signal(signal.SIGTERM, lambda *a: (print('got TERM', flush=True), sys.exit(5)))\n"
+            "def term(*a):\n    print('got TERM', flush=True)\n    sys.exit(5)\n"
+            "signal.signal(signal.SIGTERM, term)\n"
             "print('ready', flush=True)\ntime.sleep(60)\n")
     argv = [sys.executable, "-m", "cli", "exec", "--out", str(tmp_path / "run"), "--",
             sys.executable, "-c", code]
@@ -323,7 +323,8 @@ def test_single_process_options_and_hashes_match_in_process(tmp_path):
     assert ra.steps[5]["loss"] is not None
     assert ra.hashes(0).tobytes() == want_xxh3
     assert rb.meta["capture"]["hasher"] == "device" and rb.meta["capture"]["grads"] is False
-    assert rb.meta["capture"]["manifests"] == [] and rb.meta["capture"]["manifests_requested"] is False
+    assert rb.meta["capture"]["manifests"] == []
+    assert rb.meta["capture"]["manifests_requested"] is False
     assert rb.hashes(0).tobytes() == want_dev
     assert all(rec["grad_digest"] is None for rec in rb.steps.values())
 
@@ -346,6 +347,26 @@ def test_nested_and_sibling_optimizers_count_one_step(tmp_path, kind):
         assert np.array_equal(h[i], hr[ref.fqns.index(f)])
     # after the first step every parameter has moved
     assert len(diff_rows(rd.hashes(0), rd.hashes(1))) == 4
+
+
+@pytest.mark.parametrize("how", ["module", "fn"])
+def test_capture_causes_no_recompiles(tmp_path, how):
+    """torch.compile'd model, or a fullgraph function whose first module call dynamo traces."""
+    env = _env(PT_STEPS=4, PT_COMPILE=how, PT_PARAMETRIZE=1)
+    plain = subprocess.run([sys.executable, SINGLE_TRAINER], env=env, capture_output=True,
+                           text=True, timeout=TIMEOUT)
+    assert plain.returncode == 0, plain.stderr
+    p = parity_exec(tmp_path / "run", [sys.executable, SINGLE_TRAINER], env=env)
+    assert "compiles 1" in plain.stdout.splitlines()
+    assert "compiles 1" in p.stdout.splitlines()
+    # same losses with and without capture
+    assert [ln for ln in p.stdout.splitlines() if ln.startswith("step")] == \
+        [ln for ln in plain.stdout.splitlines() if ln.startswith("step")]
+    rd = read_run(tmp_path / "run").ranks[0]
+    assert sorted(rd.steps) == [0, 1, 2, 3, 4]
+    # names come from the model, without _orig_mod. or parametrizations.X.original
+    assert rd.fqns == ["0.weight", "0.bias", "2.bias", "2.weight"]
+    assert rd.params[3]["raw_fqn"].endswith("2.parametrizations.weight.original")
 
 
 def test_python_api(tmp_path):

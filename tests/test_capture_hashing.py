@@ -81,6 +81,14 @@ def test_device_digest_known_values_are_stable_across_runs():
         "71b176f2729371ea1e2e058d5234c95a"
 
 
+def test_device_digest_catches_a_change_that_cancels_in_the_linear_lanes():
+    t = torch.zeros(8, dtype=torch.int32)
+    u = t.clone()
+    u[0] += 2  # weight 1
+    u[1] -= 1  # weight 2: the linear lanes see 2*1 - 1*2 = 0; the quadratic ones 2 - 4
+    assert device_digest(u) != device_digest(t)
+
+
 def test_device_digest_depends_on_length_and_dtype():
     assert device_digest(torch.zeros(4)) != device_digest(torch.zeros(5))
     assert device_digest(torch.zeros(4)) != device_digest(torch.zeros(4, dtype=torch.int32))

@@ -8,10 +8,12 @@ artifacts, bit for bit, and so the same diff.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import json
+import shutil
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,6 +57,27 @@ def run_all(pairs, limit: float = 300) -> list[JobResult]:
     return results
 
 
+_LOCAL_PAIR: dict[str, Path] = {}  # mode -> run dir of the 1 node x 2 processes reference
+
+
+def run_with_local_pair(pairs) -> tuple[list[JobResult], dict[str, Path]]:
+    """Run ``pairs`` (launcher, job) and, the first time in this pytest session, alongside them
+    the local 1 node x 2 processes eager and compiled jobs that both multi-node tests compare
+    with (test_slurm.py reuses them). Returns the results of ``pairs`` and the local run dirs."""
+    extra = []
+    if not _LOCAL_PAIR:
+        root = Path(tempfile.mkdtemp(prefix="parity-local-pair-"))
+        atexit.register(shutil.rmtree, root, True)
+        extra = [(LocalLauncher(), make_job(root, f"1x2-{mode}", mode, 1, 2))
+                 for mode in ("eager", "compiled")]
+    results = run_all(list(pairs) + extra)
+    for (_, job), res in zip(extra, results[len(pairs):]):
+        assert res.status == OK, (job.side, res.reason, Path(job.console_log).read_text()[-2000:])
+        _LOCAL_PAIR[job.side] = job.run_dir
+    assert len(_LOCAL_PAIR) == 2
+    return results[:len(pairs)], dict(_LOCAL_PAIR)
+
+
 def step_table(run_dir: Path) -> list[tuple]:
     """(rank, step, param digest, grad digest, loss hash) of every captured step."""
     run = read_run(run_dir)
@@ -82,14 +105,19 @@ def digest_diff(a: Path, b: Path) -> list[tuple]:
     return out
 
 
-def diff_verdicts(a: Path, b: Path) -> dict | None:
-    """``parity.diff.diff_runs``'s verdicts under each --fail-on policy (None until it exists)."""
+def diff_summary(a: Path, b: Path) -> dict | None:
+    """``parity diff``'s result (``parity.diff.diff_runs``) without paths and timings, or None
+    where that module does not exist."""
     try:
         from parity.diff import diff_runs
     except ImportError:
         return None
-    result = diff_runs(a, b)
-    return {p: result.exit_code(p) for p in ("hash", "order", "any")}
+    d = diff_runs(a, b).to_dict()
+    d.pop("stats", None)
+    for side in ("a", "b"):
+        if isinstance(d.get(side), dict):
+            d[side].pop("path", None)
+    return d
 
 
 def assert_same_diff(one_node: dict[str, Path], two_nodes: dict[str, Path]) -> None:
@@ -99,8 +127,8 @@ def assert_same_diff(one_node: dict[str, Path], two_nodes: dict[str, Path]) -> N
         assert bucket_table(two_nodes[mode]) == bucket_table(one_node[mode]), mode
     assert (digest_diff(two_nodes["eager"], two_nodes["compiled"])
             == digest_diff(one_node["eager"], one_node["compiled"]))
-    assert (diff_verdicts(two_nodes["eager"], two_nodes["compiled"])
-            == diff_verdicts(one_node["eager"], one_node["compiled"]))
+    assert (diff_summary(two_nodes["eager"], two_nodes["compiled"])
+            == diff_summary(one_node["eager"], one_node["compiled"]))
 
 
 # ------------------------------------------------------------------------------ unit
@@ -189,24 +217,19 @@ def test_local_two_agents_timeout_kills_both(tmp_path):
 
 @pytest.mark.skipif(not CAPTURE, reason="parity exec (parity.capture.launch) not available yet")
 def test_two_nodes_by_one_equal_one_node_by_two(tmp_path):
-    multi, local = MultiNodeLauncher(), LocalLauncher()
-    jobs = {(layout, mode): make_job(tmp_path, f"{layout}-{mode}", mode, n, p)
-            for layout, n, p in (("2x1", 2, 1), ("1x2", 1, 2))
-            for mode in ("eager", "compiled")}
+    launcher = MultiNodeLauncher()
+    jobs = {mode: make_job(tmp_path, f"2x1-{mode}", mode, 2, 1) for mode in ("eager", "compiled")}
     t0 = time.monotonic()
-    results = run_all([(multi if layout == "2x1" else local, job)
-                       for (layout, _), job in jobs.items()])
-    print(f"4 jobs in {time.monotonic() - t0:.1f} s")
-    for (key, job), res in zip(jobs.items(), results):
-        assert res.status == OK, (key, res.reason, Path(job.console_log).read_text()[-2000:])
-    for mode in ("eager", "compiled"):
-        run = read_run(jobs["2x1", mode].run_dir)
+    results, local = run_with_local_pair([(launcher, job) for job in jobs.values()])
+    print(f"2x1 pair in {time.monotonic() - t0:.1f} s")
+    for (mode, job), res in zip(jobs.items(), results):
+        assert res.status == OK, (mode, res.reason, Path(job.console_log).read_text()[-2000:])
+        run = read_run(job.run_dir)
         assert sorted(run.ranks) == [0, 1] and run.run_meta["nnodes"] == 2
         assert run.run_meta["status"] == "ok"
+        assert [n["ranks"] for n in run.run_meta["nodes"]] == [[0], [1]]
     # rank 0 (the one that prints the losses) ran on node 0: --local-addr orders the rendezvous
-    res = results[list(jobs).index(("2x1", "eager"))]
-    by_rank = {e["rank"]: e for e in res.rank_logs}
+    by_rank = {e["rank"]: e for e in results[0].rank_logs}
     assert sorted(by_rank) == [0, 1] and "/node-0/" in by_rank[0]["stdout"]
     assert "step 1 loss" in Path(by_rank[0]["stdout"]).read_text()
-    assert_same_diff({m: jobs["1x2", m].run_dir for m in ("eager", "compiled")},
-                     {m: jobs["2x1", m].run_dir for m in ("eager", "compiled")})
+    assert_same_diff(local, {m: job.run_dir for m, job in jobs.items()})

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 import slurm_cluster
-from parity.sweep.launch_local import LocalLauncher
+from parity.artifacts import read_run
 from parity.sweep.launch_slurm import SlurmLauncher
 from parity.sweep.launcher import CANCELLED, OK, TIMEOUT
-from test_multinode import CAPTURE, assert_same_diff, make_job, run_all
+from test_multinode import CAPTURE, assert_same_diff, make_job, run_all, run_with_local_pair
 
 pytestmark = pytest.mark.slurm
 
@@ -63,18 +63,14 @@ def no_process_with(text: str) -> bool:
 def test_two_node_job_matches_local(cluster, tmp_path):
     """Eager vs compiled (bucket order registration, 2 steps) as 2-node SLURM jobs, submitted
     together, give the same artifacts and diff as a local 1 node x 2 processes run."""
-    slurm, local = SlurmLauncher(poll_interval=0.5), LocalLauncher()
-    jobs = {(where, mode): make_job(tmp_path, f"{where}-{mode}", mode, n, p, timeout=240)
-            for where, n, p in (("slurm", 2, 1), ("local", 1, 2))
+    launcher = SlurmLauncher(poll_interval=0.5)
+    jobs = {mode: make_job(tmp_path, f"slurm-{mode}", mode, 2, 1, timeout=240)
             for mode in ("eager", "compiled")}
     t0 = time.monotonic()
-    results = run_all([(slurm if where == "slurm" else local, job)
-                       for (where, _), job in jobs.items()])
-    print(f"4 jobs (2 SLURM 2-node, 2 local) in {time.monotonic() - t0:.1f} s")
-    for (key, job), res in zip(jobs.items(), results):
-        assert res.status == OK, (key, res.reason, Path(job.console_log).read_text()[-2000:])
-    for mode in ("eager", "compiled"):
-        job, res = jobs["slurm", mode], results[list(jobs).index(("slurm", mode))]
+    results, local = run_with_local_pair([(launcher, job) for job in jobs.values()])
+    print(f"SLURM 2-node pair in {time.monotonic() - t0:.1f} s")
+    for (mode, job), res in zip(jobs.items(), results):
+        assert res.status == OK, (mode, res.reason, Path(job.console_log).read_text()[-2000:])
         assert res.command[0] == "sbatch" and Path(res.console_log).name.startswith("slurm-")
         assert Path(job.console_log).resolve() == Path(res.console_log).resolve()
         assert "[rank0]:step 2 loss" in Path(res.console_log).read_text()
@@ -84,8 +80,10 @@ def test_two_node_job_matches_local(cluster, tmp_path):
         assert "step 2 loss" in Path(logs[0]["stdout"]).read_text()
         assert "step 2 loss" not in Path(logs[1]["stdout"]).read_text()
         assert (job.log_dir / "job.sbatch").exists() and (job.log_dir / "node.sh").exists()
-    assert_same_diff({m: jobs["local", m].run_dir for m in ("eager", "compiled")},
-                     {m: jobs["slurm", m].run_dir for m in ("eager", "compiled")})
+        run = read_run(job.run_dir)
+        assert run.run_meta["nnodes"] == 2 and run.run_meta["status"] == "ok"
+        assert sorted(r for n in run.run_meta["nodes"] for r in n["ranks"]) == [0, 1]
+    assert_same_diff(local, {m: job.run_dir for m, job in jobs.items()})
 
 
 def test_cancel_scancels_and_leaves_the_queue(cluster, tmp_path):

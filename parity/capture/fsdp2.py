@@ -116,9 +116,11 @@ class FSDP2Recorder:
         self._orig = {"foreach_all_gather": ag, "foreach_reduce": rs}
         recorder = self
 
+        is_compiling = torch.compiler.is_compiling
+
         def foreach_all_gather(*args, **kwargs):
             result = ag(*args, **kwargs)
-            if recorder.enabled:
+            if recorder.enabled and not is_compiling():  # traced FSDP: graph.py's business
                 t0 = time.perf_counter()
                 try:
                     recorder._on_all_gather(ag_get(args, kwargs, "fsdp_params"),
@@ -130,7 +132,7 @@ class FSDP2Recorder:
             return result
 
         def foreach_reduce(*args, **kwargs):
-            if recorder.enabled:
+            if recorder.enabled and not is_compiling():
                 t0 = time.perf_counter()
                 try:  # before the call: foreach_reduce clears unsharded_grads
                     recorder._on_reduce(rs_get(args, kwargs, "fsdp_params"),
@@ -232,7 +234,8 @@ class FSDP2Recorder:
             offset += size
         if payload_dtype is None:
             payload_dtype = torch.uint8 if len({e["dtype"] for e in entries}) > 1 else ds[0]
-        self._record("all_gather", self._group_fqn(fsdp_params, param_group), payload_dtype, world_size, entries)
+        self._record("all_gather", self._group_fqn(fsdp_params, param_group), payload_dtype,
+                     world_size, entries)
 
     def _on_reduce(self, fsdp_params, unsharded_grads, group, reduce_dtype, param_group) -> None:
         if not fsdp_params or not unsharded_grads:
@@ -257,4 +260,5 @@ class FSDP2Recorder:
                             "numel": numel, "dtype": _dtype_name(dtype),
                             "shape": list(getattr(fp, "sharded_size", ()) or ())})
             offset += size
-        self._record("reduce_scatter", self._group_fqn(fsdp_params, param_group), dtype, world_size, entries)
+        self._record("reduce_scatter", self._group_fqn(fsdp_params, param_group), dtype,
+                     world_size, entries)

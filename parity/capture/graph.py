@@ -64,26 +64,39 @@ _graph_ids = itertools.count()
 # ---------------------------------------------------------------------------
 
 _BRACKET_KEY = re.compile(r"\[\s*(?:'([^']*)'|\"([^\"]*)\"|(-?\d+))\s*\]")
-_WRAPPER_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "module_wrapped")
+_WRAPPER_PARTS = frozenset(
+    {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_fsdp_module", "module_wrapped"}
+)
 
 
 def normalize_fqn(fqn: str) -> str:
     """Drop wrapper components so compiled FQNs compare with eager ones.
 
-    ``_orig_mod.`` (torch.compile), ``_checkpoint_wrapped_module.`` (activation
-    checkpointing), ``_fsdp_wrapped_module.`` (FSDP1), and
-    ``parametrizations.<name>.original`` (``torch.nn.utils.parametrize``)
-    become nothing / ``<name>``.
+    Same rules as ``parity.capture.session.normalize_fqn`` (kept local so this
+    module imports nothing from the session): drops ``_orig_mod``
+    (torch.compile), ``_checkpoint_wrapped_module`` (activation checkpointing),
+    ``_fsdp_wrapped_module`` / ``_fsdp_module`` (FSDP1), a leading ``module``
+    (DDP), and rewrites ``parametrizations.X.original`` -> ``X``
+    (``originalN`` -> ``X.originalN``). Idempotent.
     """
-    parts = [p for p in fqn.split(".") if p and p not in _WRAPPER_PARTS]
+    parts = fqn.split(".")
     out: list[str] = []
     i = 0
-    while i < len(parts):
-        if parts[i] == "parametrizations" and i + 2 < len(parts) and parts[i + 2].startswith("original"):
-            out.append(parts[i + 1])
-            i += 3
+    n = len(parts)
+    while i < n:
+        part = parts[i]
+        if part in _WRAPPER_PARTS or (part == "module" and not out and i + 1 < n):
+            i += 1
             continue
-        out.append(parts[i])
+        if part == "parametrizations" and i + 2 < n and parts[i + 2].startswith("original"):
+            tail = parts[i + 2][len("original") :]
+            if tail == "" or tail.isdigit():
+                out.append(parts[i + 1])
+                if tail:
+                    out.append(parts[i + 2])
+                i += 3
+                continue
+        out.append(part)
         i += 1
     return ".".join(out)
 

@@ -26,7 +26,7 @@ import xxhash
 from parity.artifacts import NO_HASH
 
 __all__ = ["local_tensor", "host_digest", "device_digest", "device_digests", "digest_tensors",
-           "resolve_hasher", "HASHERS"]
+           "HASHERS"]
 
 HASHERS = ("auto", "xxh3", "device")
 
@@ -36,7 +36,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The data this rank holds: a DTensor's ``_local_tensor``, else the tensor itself (detached)."""
+    """The data this rank holds (a DTensor's ``_local_tensor``, else the tensor), detached."""
     if type(t) not in _PLAIN:
         inner = getattr(t, "_local_tensor", None)
         if inner is not None:
@@ -168,13 +168,6 @@ def device_digests(tensors: list[torch.Tensor]) -> list[bytes]:
         for i, row in zip(idx, stacked):
             host[i] = row
     return [_finish(host[i], t.numel() * t.element_size(), t.dtype) for i, t in enumerate(locals_)]
-
-
-def resolve_hasher(hasher: str, device: torch.device | str) -> str:
-    """The digest actually used for a tensor on ``device`` under option ``hasher``."""
-    if hasher == "auto":
-        return "device" if torch.device(device).type == "cuda" else "xxh3"
-    return hasher
 
 
 def digest_tensors(tensors: list[torch.Tensor | None], hasher: str = "auto") -> bytes:

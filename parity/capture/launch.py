@@ -96,29 +96,18 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
         write_json_atomic(out / "run.json", run)
 
     env = capture_env(out, every=every, grads=grads, manifests=manifests, hasher=hasher)
-    try:
-        proc = subprocess.Popen(list(command), env=env, start_new_session=True)
-    except (OSError, ValueError) as e:
-        if isinstance(e, FileNotFoundError):
-            reason = f"command not found: {command[0]}"
-        elif isinstance(e, PermissionError):
-            reason = f"command not executable: {command[0]}"
-        else:
-            reason = f"cannot run {command[0]}: {getattr(e, 'strerror', None) or e}"
-        finish(None, "failed", reason)
-        sys.stderr.write(f"parity: error: {reason}\n")
-        sys.stderr.flush()
-        return EXIT_USAGE
-
     received: list[int] = []
+    child: list[subprocess.Popen] = []
 
     def forward(signum, _frame):
         received.append(signum)
-        try:
-            os.killpg(proc.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if child:
+            try:
+                os.killpg(child[0].pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
 
+    # Handlers go in before the child starts: a signal in between is forwarded once it exists.
     old_handlers = {}
     if threading.current_thread() is threading.main_thread():
         for sig in FORWARDED_SIGNALS:
@@ -127,11 +116,30 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
             except (OSError, ValueError):
                 pass
     try:
+        try:
+            proc = subprocess.Popen(list(command), env=env, start_new_session=True)
+        except (OSError, ValueError) as e:
+            if isinstance(e, FileNotFoundError):
+                reason = f"command not found: {command[0]}"
+            elif isinstance(e, PermissionError):
+                reason = f"command not executable: {command[0]}"
+            else:
+                reason = f"cannot run {command[0]}: {getattr(e, 'strerror', None) or e}"
+            finish(None, "failed", reason)
+            sys.stderr.write(f"parity: error: {reason}\n")
+            sys.stderr.flush()
+            return EXIT_USAGE
+        child.append(proc)
+        for sig in list(received):  # arrived before the child existed
+            try:
+                os.killpg(proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
         while True:
             try:
                 rc = proc.wait()
                 break
-            except KeyboardInterrupt:  # a SIGINT that arrived before our handler was in place
+            except KeyboardInterrupt:  # SIGINT with Python's default handler (not main thread)
                 forward(signal.SIGINT, None)
     finally:
         for sig, h in old_handlers.items():

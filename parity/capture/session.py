@@ -246,7 +246,8 @@ class Session:
         if not isinstance(every, int) or every < 1:
             raise ParityError(f"capture: every must be an integer >= 1, got {every!r}")
         if hasher not in HASHERS:
-            raise ParityError(f"capture: hasher must be one of {', '.join(HASHERS)}, got {hasher!r}")
+            raise ParityError(f"capture: hasher must be one of {', '.join(HASHERS)}, "
+                              f"got {hasher!r}")
         self.out_dir = os.path.abspath(os.fspath(out_dir))
         self.every = every
         self.grads = bool(grads)
@@ -346,6 +347,10 @@ class Session:
                     self._fail(e)
             self.stopped = True
             self._uninstall()
+            try:
+                atexit.unregister(self._atexit)
+            except Exception:  # noqa: BLE001
+                pass
             if error is None:
                 error = self.error
             if status is None:
@@ -386,10 +391,6 @@ class Session:
             from parity.capture import fsdp2
 
             inject.cancel(fsdp2.GROUP_MODULE)
-        except Exception:  # noqa: BLE001
-            pass
-        try:
-            atexit.unregister(self._atexit)
         except Exception:  # noqa: BLE001
             pass
 
@@ -572,6 +573,8 @@ class Session:
             self._fail(e)
 
     def _emit_bucket(self, bucket: dict) -> None:
+        if os.getpid() != self.pid:  # a forked child (data-loader worker) inherited the hooks
+            return
         with self._lock:
             if self.writer is None:
                 if self.lazy:
@@ -655,6 +658,8 @@ class Session:
                         self._begin_step()
                     self.step_opts.add(id(opt))
                 if not self._table_final:
+                    # (A forward hook still installed here was only ever traced by dynamo, as a
+                    # no-op: removing it now would cost a recompile, so it stays.)
                     self._add_params(opt)
                 elif self._step_sampled:
                     self._check_params(opt)

@@ -12,6 +12,7 @@ import sys
 
 from rich import box
 from rich.console import Console, Group
+from rich.padding import Padding
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -49,6 +50,20 @@ def T(s, style: str | None = None) -> Text:
     return Text("" if s is None else str(s), style=style or "")
 
 
+def _ranks(ranks: list[int], limit: int = 32) -> str:
+    """Ranks as ranges, cut to ``limit`` characters for the console."""
+    s = ranges(ranks)
+    if len(s) <= limit:
+        return s
+    cut = s[:limit].rsplit(",", 1)[0]
+    return f"{cut}, ... ({len(ranks)} ranks)"
+
+
+def _indent(t: Text, n: int = 2) -> Padding:
+    """A hanging-indented paragraph (wrapped lines keep the indent)."""
+    return Padding(t, (0, 0, 0, n), expand=False)
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
@@ -59,7 +74,7 @@ def _steps_text(steps: list[int]) -> str:
     return f"{len(steps)} ({ranges(steps)})"
 
 
-def _verdict_lines(r: DiffResult) -> list[Text]:
+def _verdict_lines(r: DiffResult) -> list:
     lines = []
     n_steps, n_ranks, n_params = len(r.steps_compared), len(r.ranks_compared), r.params_compared
     if r.verdict == "match":
@@ -78,7 +93,7 @@ def _verdict_lines(r: DiffResult) -> list[Text]:
             if fd.params:
                 bits.append(_plural(fd.params, "parameter"))
             if bits:
-                line.append(f": {' and '.join(bits)} differ on rank(s) {ranges(fd.ranks)}")
+                line.append(f": {' and '.join(bits)} differ on rank(s) {_ranks(fd.ranks)}")
             elif fd.loss_differs:
                 line.append(": the loss differs")
             line.append(f" ({fd.origin})")
@@ -87,7 +102,7 @@ def _verdict_lines(r: DiffResult) -> list[Text]:
         line.append("  " + (r.incomplete[0] if r.incomplete else "data incomplete"))
     lines.append(line)
     if r.verdict != "incomplete" and r.incomplete:
-        lines.append(T(f"  and the data is incomplete: {r.incomplete[0]}", "yellow"))
+        lines.append(_indent(T(f"and the data is incomplete: {r.incomplete[0]}", "yellow")))
     o = r.order
     text, style = _ORDER_TEXT.get(o.verdict, (o.verdict, ""))
     line = T("Bucket layouts: ")
@@ -181,7 +196,7 @@ def _divergent_table(r: DiffResult) -> Table:
         coll = _KIND_COLL[d.kind]
         links = d.buckets.get(coll, {})
         t.add_row(T(d.kind, "red" if d.kind == "grad" else "magenta"), T(d.fqn),
-                  T(ranges(d.ranks)), _bucket_cell(links.get("a"), coll),
+                  T(_ranks(d.ranks)), _bucket_cell(links.get("a"), coll),
                   _bucket_cell(links.get("b"), coll))
     if len(r.divergent) > len(shown):
         t.add_row("", T(f"... and {len(r.divergent) - len(shown)} more (--json has all)", "dim"),
@@ -248,10 +263,13 @@ def _loss_table(r: DiffResult) -> Table:
     return t
 
 
-def _entry_cells(e: dict | None) -> tuple[Text, Text]:
+def _entry_cells(e: dict | None, sizes: bool) -> tuple[Text, Text]:
     if e is None:
         return T("-", "dim"), T("")
-    return T(e.get("fqn")), T(f"{e.get('offset')} +{e.get('size')}")
+    off = f"{e.get('offset')}" + (f" +{e.get('size')}" if sizes else "")
+    if sizes and e.get("dtype"):
+        off += f" {e['dtype']}"
+    return T(e.get("fqn")), T(off)
 
 
 def _bucket_section(r: DiffResult) -> list:
@@ -266,33 +284,37 @@ def _bucket_section(r: DiffResult) -> list:
 
         def side(label, idx, group, key):
             n = sum(1 for row in rows if row.get(key))
-            t = T(f"  {label}: bucket {idx}")
+            t = T(f"{label}: bucket {idx}")
             if group:
                 t.append(" (")
                 t.append(T(group))
                 t.append(")")
             t.append(f", {_plural(n, 'parameter')}")
-            return t
+            return _indent(t)
         out.append(side("A", fb.get("index"), fb.get("group"), "a"))
         out.append(side("B", fb.get("b_index"), fb.get("b_group"), "b"))
         if fb.get("a") or fb.get("b"):
-            line = T(f"  position {fb['position']}: A ")
-            a, b = fb.get("a") or {}, fb.get("b") or {}
-            line.append(T(a.get("fqn", "-"), "bold"))
-            line.append(f" @ {a.get('offset', '-')}  |  B ")
-            line.append(T(b.get("fqn", "-"), "bold"))
-            line.append(f" @ {b.get('offset', '-')}")
-            out.append(line)
+            head = f"position {fb['position']}: "
+            for label, e in (("A", fb.get("a")), ("B", fb.get("b"))):
+                line = T(head if label == "A" else " " * len(head))
+                line.append(f"{label} ")
+                if e:
+                    line.append(T(e.get("fqn"), "bold"))
+                    line.append(f" @ byte {e.get('offset')}")
+                else:
+                    line.append("(no parameter)", style="dim")
+                out.append(_indent(line))
         if fb.get("detail"):
-            out.append(T("  " + fb["detail"], "dim"))
+            out.append(_indent(T(fb["detail"], "dim")))
         t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=True,
                   caption="> first differing position   * differs", caption_justify="left")
         t.add_column("", no_wrap=True, width=1)
         t.add_column("pos", justify="right", no_wrap=True)
         t.add_column("A parameter", overflow="fold", ratio=1)
-        t.add_column("A bytes", justify="right", no_wrap=True)
+        sizes = fb["verdict"] == "layout_differs"  # otherwise offsets say enough
+        t.add_column("A offset" + (" +size" if sizes else ""), justify="right", no_wrap=True)
         t.add_column("B parameter", overflow="fold", ratio=1)
-        t.add_column("B bytes", justify="right", no_wrap=True)
+        t.add_column("B offset" + (" +size" if sizes else ""), justify="right", no_wrap=True)
         rows = fb.get("rows") or []
         pos = fb.get("position")
         focus = pos if isinstance(pos, int) and pos < len(rows) else None
@@ -302,8 +324,8 @@ def _bucket_section(r: DiffResult) -> list:
                 continue
             row = rows[i]
             first = i == focus
-            af, ao = _entry_cells(row.get("a"))
-            bf, bo = _entry_cells(row.get("b"))
+            af, ao = _entry_cells(row.get("a"), sizes)
+            bf, bo = _entry_cells(row.get("b"), sizes)
             style = "bold red" if first else (None if row.get("same") else "yellow")
             mark = ">" if first else ("" if row.get("same") else "*")
             t.add_row(T(mark), T(row["position"]), af, ao, bf, bo, style=style)
@@ -312,7 +334,7 @@ def _bucket_section(r: DiffResult) -> list:
     if len(others) > (1 if fb else 0):
         out.append(T(f"Buckets that differ ({len(others)}):", "bold"))
         for p in others[:MAX_PROBLEMS]:
-            line = T(f"  {_ABBR.get(p.collective, p.collective)} "
+            line = T(f"{_ABBR.get(p.collective, p.collective)} "
                      f"A#{','.join(map(str, p.a)) or '-'} / B#{','.join(map(str, p.b)) or '-'} "
                      f"{p.verdict}: ")
             line.append(T(p.detail))
@@ -322,9 +344,10 @@ def _bucket_section(r: DiffResult) -> list:
                 line.append(f" @ {p.a_entry['offset']}, B ")
                 line.append(T(p.b_entry["fqn"]))
                 line.append(f" @ {p.b_entry['offset']}")
-            out.append(line)
+            out.append(_indent(line, 4))
         if len(others) > MAX_PROBLEMS:
-            out.append(T(f"  ... and {len(others) - MAX_PROBLEMS} more (--json has all)", "dim"))
+            out.append(_indent(T(f"... and {len(others) - MAX_PROBLEMS} more (--json has all)",
+                                 "dim"), 4))
     for side, msgs in o.rank_disagreements.items():
         for m in msgs[:MAX_PROBLEMS]:
             out.append(T(f"warning: {side.upper()}'s ranks disagree on bucket layouts: {m}",

@@ -153,12 +153,9 @@ def shard_compiled(model: Transformer, mesh, args: argparse.Namespace, param_dty
 
 
 def perturb(model: torch.nn.Module, fqn: str) -> None:
-    params = dict(model.named_parameters())
-    if fqn not in params:
-        raise UsageError(f"--perturb-grad: no parameter {fqn!r}; known: {', '.join(params)}")
-    grad = params[fqn].grad
+    grad = dict(model.named_parameters())[fqn].grad
     if grad is None:
-        raise UsageError(f"--perturb-grad: {fqn} has no gradient")
+        raise RuntimeError(f"--perturb-grad: {fqn} has no gradient at this step")
     with torch.no_grad():
         local = grad.to_local() if hasattr(grad, "to_local") else grad
         local.add_(PERTURB_VALUE)
@@ -182,6 +179,10 @@ def run(args: argparse.Namespace) -> None:
     model_args = ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=args.heads, vocab_size=args.vocab_size)
     with torch.device(device):
         model = Transformer(model_args)
+    if perturb_spec is not None and perturb_spec[2] not in dict(model.named_parameters()):
+        # Checked on every rank before any collective, so no rank is left waiting.
+        names = ", ".join(name for name, _ in model.named_parameters())
+        raise UsageError(f"--perturb-grad: no parameter {perturb_spec[2]!r}; known: {names}")
     if args.mode == "eager":
         model = shard_eager(model, mesh, param_dtype, reduce_dtype)
         step_model = model

@@ -110,9 +110,9 @@ def main():
     mesh = init_device_mesh("cpu", (world,))
     steps = int(os.environ.get("PT_STEPS", "3"))
     accum = int(os.environ.get("PT_ACCUM", "1"))
-    perturb = os.environ.get("PT_PERTURB")
-    if perturb:
-        p_rank, p_step, p_fqn = perturb.split(":", 2)
+    perturb = None
+    if os.environ.get("PT_PERTURB"):
+        p_rank, p_step, p_fqn = os.environ["PT_PERTURB"].split(":", 2)
         perturb = (int(p_rank), int(p_step), p_fqn)
     no_grad = _pair("PT_NO_GRAD")
     kill = _pair("PT_KILL")
@@ -130,7 +130,8 @@ def main():
         if dump is not None:
             dump.step = step
         for i, block in enumerate(model.layers):
-            block.use_gate = not (no_grad is not None and no_grad[0] == step and int(no_grad[1]) == i)
+            skip = no_grad is not None and no_grad[0] == step and int(no_grad[1]) == i
+            block.use_gate = not skip
         for _ in range(accum):
             tokens = torch.randint(0, VOCAB, (2, 6), generator=gen)
             logits = model(tokens[:, :-1])

@@ -7,7 +7,10 @@ Knobs (environment):
   PT_OPT=plain|container|siblings
                      one AdamW; an Optimizer subclass that steps two inner optimizers (nested
                      step hooks); or two optimizers stepped one after the other
-  PT_COMPILE=1       torch.compile(model, backend="aot_eager")
+  PT_COMPILE=module|fn
+                     torch.compile(model) or a fullgraph torch.compile'd function calling it (the
+                     first module call is then traced by dynamo); a counting backend prints
+                     "compiles N" at the end
   PT_CHILD=1         start a Python child process after step 1 (it must not capture)
   PT_PARAMETRIZE=1   the last layer's weight goes through torch.nn.utils.parametrize
 """
@@ -54,8 +57,16 @@ def main():
 
         P.register_parametrization(model[2], "weight", Scale())
     step_model = model
-    if os.environ.get("PT_COMPILE") == "1":
-        step_model = torch.compile(model, backend="aot_eager")
+    compiles = [0]
+
+    def backend(gm, inputs):
+        compiles[0] += 1
+        return gm.forward
+
+    if os.environ.get("PT_COMPILE") == "module":
+        step_model = torch.compile(model, backend=backend)
+    elif os.environ.get("PT_COMPILE") == "fn":
+        step_model = torch.compile(lambda x: model(x), fullgraph=True, backend=backend)
     if kind == "plain":
         opts = [torch.optim.AdamW(model.parameters(), lr=1e-2)]
     else:
@@ -76,6 +87,8 @@ def main():
             code = "import os, torch; print('child', os.environ.get('PARITY_CAPTURE_ACTIVE'))"
             subprocess.run([sys.executable, "-c", code], check=True)
         print(f"step {step} loss {loss.item():.6f}", flush=True)
+    if os.environ.get("PT_COMPILE"):
+        print(f"compiles {compiles[0]}", flush=True)
     return 0
 
 
