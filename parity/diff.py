@@ -316,6 +316,9 @@ def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
     if step == 0 and param_div and not grad_div:
         return "init", ("the parameters differ before the first optimizer step: initialization, "
                         "loading or sharding")
+    if loss_div and not grad_div and grads_compared:
+        return "loss", (f"the loss of step {step} differs while its gradients match and "
+                         f"{before}: the loss computation or its reduction")
     if loss_div:
         return "forward", (f"the loss of step {step} differs while {before}: the forward pass "
                            "(all-gathers or compute) diverged")
@@ -482,13 +485,14 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
     divergent: list[Divergence] = []
     fd = None
     if first is not None:
-        det = hc.detail if hc.first_step == first else None
+        det = hc.detail  # the first step whose hashes differ (later than ``first`` if only the
+        at_first = det is not None and det.step == first  # loss differed before)
         loss_div = None
         for ls in loss.steps:
             if ls.step == first:
                 loss_div = None if ls.equal is None else not ls.equal
-        grad_div = bool(det and det.any("grad"))
-        param_div = bool(det and det.any("param"))
+        grad_div = bool(at_first and det.any("grad"))
+        param_div = bool(at_first and det.any("param"))
         prev_steps = [s for s in steps_compared if s < first]
         prev = prev_steps[-1] if prev_steps else None
         origin, why = _origin(first, prev, grad_div, param_div, loss_div, hc.grads_compared)
@@ -501,7 +505,11 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
             for gid, rks in grouped:
                 name = index.names[gid]
                 rank_set.update(rks)
-                divergent.append(Divergence(first, name, kind, rks, _links(name, loc_a, loc_b)))
+                divergent.append(Divergence(det.step, name, kind, rks,
+                                            _links(name, loc_a, loc_b)))
+        if not at_first:
+            n_kind = {"param": 0, "grad": 0}
+            rank_set = set()
         fd = FirstDivergence(first, origin, grad_div, prev, n_kind["param"],
                              n_kind["grad"] if hc.grads_compared else None, sorted(rank_set),
                              loss_div, why)

@@ -30,7 +30,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_DIR = Path(os.environ.get("PARITY_SLURM_DIR", "/tmp/parity-slurm"))
@@ -175,7 +175,6 @@ class Cluster:
     owned: bool = False  # started by this process: release() stops it
     started_in: float | None = None
     note: str = ""
-    _procs: list = field(default_factory=list, repr=False)
 
     @property
     def conf(self) -> Path:

@@ -14,8 +14,8 @@ Model of a run
   ``every``-th step plus the first and last, like capture does.
 * Parameter ``i`` (registration order) is ``layers.{i // params_per_layer}.<name>``, a 2-D tensor
   sharded on dim 0 (``Shard(dim=0)``) with uneven row counts so that shards are padded.
-* Hashes are random bytes drawn from ``numpy.random.default_rng([seed, step])`` for the whole
-  (kind, rank, parameter) grid of a step, so two runs with the same ``seed``, ``world_size`` and
+* Hashes are random bytes drawn from ``numpy.random.default_rng([seed, step, rank])`` for the
+  (kind, parameter) grid of one rank's step, so two runs with the same ``seed``, ``world_size`` and
   ``n_params`` are bitwise identical whatever their storage order (``param_order``), bucket layout
   or divergence elsewhere. A divergent entry is the base hash XOR a constant.
 * Divergence (``diverge_at=k``) changes the named (rank, parameter) entries of ``kind`` at step k;
@@ -33,8 +33,9 @@ Model of a run
   else. ``bucket_hook(bucket, rank)`` may edit (or drop, returning None) any record before it is
   written, per rank.
 
-Speed: a 256-rank x 25-step x 1,500-parameter run (params and grads, ~620 MB) takes seconds; the
-per-rank files are written in step-major order with one RankWriter per rank kept open.
+Speed: a 256-rank x 25-step x 1,500-parameter run (params and grads, ~830 MB) takes 8-15 s on the
+2-core dev machine (one RankWriter per rank kept open, step-major; identical bucket manifests
+encoded once; the writer's fsyncs skipped unless ``fsync=True``).
 """
 
 from __future__ import annotations
@@ -155,6 +156,29 @@ def bucket_records(fqns: Sequence[str], world_size: int, layout: str = "fsdp2", 
     return records
 
 
+def _divergence(n: int, ranks: list[int], params: list[int], kind: str, propagate: bool):
+    """Masks [param|grad, parameter] of what differs: from the step after the divergence on
+    (with propagation), and at the divergence step per rank; and the ranks whose loss differs
+    at that step."""
+    flip_all = np.ones((2, n), dtype=bool) if propagate else None
+    at: dict[int, np.ndarray] = {}
+    loss_ranks: set[int] = set()
+    for r in ranks:
+        m = at.setdefault(r, np.zeros((2, n), dtype=bool))
+        if kind == "grad":
+            m[1, params] = True
+            if propagate:
+                m[0, params] = True
+        elif kind == "param":
+            m[0, params] = True
+        else:  # loss: a forward divergence on this rank
+            loss_ranks.add(r)
+            if propagate:
+                m[1, :] = True
+                m[0, params] = True
+    return flip_all, at, loss_ranks
+
+
 @contextlib.contextmanager
 def _no_fsync():
     """Synthetic data need not survive a power cut: skip the writer's fsyncs while generating."""
@@ -247,89 +271,69 @@ def make_run(
                                  params_per_layer=params_per_layer, bucket_order=bucket_order)
     buckets += list(extra_buckets)
 
+    flip_all, flip_at, flip_loss_at = _divergence(n, div_ranks, div_params, kind, propagate)
+    meta = {"world_size": world_size, "host": "synth", "argv": ["synth"], "torch": "synthetic",
+            "parity": "0.1.0", "device": "cpu", "deterministic": True, "num_threads": 1,
+            "interop_threads": 1,
+            "capture": {"every": every, "grads": grads,
+                        "manifests": [bucket_layout] if bucket_layout else [],
+                        "hasher": "xxh3", "warnings": []}}
     with (contextlib.nullcontext() if fsync else _no_fsync()):
-        writers: dict[int, RankWriter] = {}
         shared_buckets: bytes | None = None
-        copy_buckets: list[Path] = []
-        for r in live:
-            w = RankWriter(out, r, {
-                "world_size": world_size, "local_rank": r, "host": "synth", "pid": 1000 + r,
-                "argv": ["synth"], "torch": "synthetic", "parity": "0.1.0", "device": "cpu",
-                "deterministic": True, "num_threads": 1, "interop_threads": 1,
-                "capture": {"every": every, "grads": grads,
-                            "manifests": [bucket_layout] if bucket_layout else [],
-                            "hasher": "xxh3", "warnings": []},
-            })
+        for r in live:  # rank-major: one writer (three files) open at a time
+            w = RankWriter(out, r, {**meta, "local_rank": r, "pid": 1000 + r})
             table = param_table(names, world_size, r)
             w.write_params([table[i] for i in order])
             if bucket_hook is not None or shared_buckets is None:
-                for b in buckets:
-                    rec = bucket_hook(copy.deepcopy(b), r) if bucket_hook else b
+                for bk in buckets:
+                    rec = bucket_hook(copy.deepcopy(bk), r) if bucket_hook else bk
                     if rec is not None:
                         w.write_bucket(rec)
                 if bucket_hook is None:
-                    # Every rank's lines are the same bytes: encode them once (the writer's own
-                    # output, copied; ~40% of the time of a large run otherwise).
+                    # every rank writes the same lines: encode them once, copy the bytes
                     shared_buckets = (w.dir / "buckets.jsonl").read_bytes()
+                bucket_bytes = None
             else:
-                copy_buckets.append(w.dir / "buckets.jsonl")
-            writers[r] = w
-
-        for s in recorded:
-            rng = np.random.default_rng([seed, s])
-            base = np.frombuffer(rng.bytes(2 * world_size * n * HASH_BYTES), dtype=np.uint8)
-            base = base.reshape(2, world_size, n, HASH_BYTES)
-            losses = 1.0 + np.random.default_rng([seed, s, 1]).random(world_size)
-            flip = np.zeros((2, world_size, n), dtype=bool)  # [param|grad, rank, param]
-            flip_loss = np.zeros(world_size, dtype=bool)
-            if diverge_at is not None and s >= diverge_at:
-                if s > diverge_at and propagate:
-                    flip[:] = True
-                    flip_loss[:] = True
-                elif s == diverge_at:
-                    rr = np.asarray(div_ranks)[:, None]
-                    pp = np.asarray(div_params)[None, :]
-                    if kind == "grad":
-                        flip[1, rr, pp] = True
-                        if propagate:
-                            flip[0, rr, pp] = True
-                    elif kind == "param":
-                        flip[0, rr, pp] = True
-                    else:  # loss: a forward divergence on those ranks
-                        flip_loss[div_ranks] = True
-                        if propagate:
-                            flip[1, div_ranks, :] = True
-                            flip[0, rr, pp] = True
-            if flip.any():
-                base = base.copy()
-                base[flip] ^= _FLIP
-            if no_grad_idx:
-                base = base.copy() if not base.flags.writeable else base
-                base[1, :, no_grad_idx] = 0
-            for r in live:
-                if r in stop and s > stop[r]:
-                    continue
-                ph = base[0, r][order].tobytes()
-                gh = base[1, r][order].tobytes() if (grads and s > 0) else None
+                bucket_bytes = shared_buckets
+            last = stop.get(r)
+            for s in recorded:
+                if last is not None and s > last:
+                    break
+                # hashes of (step, rank): [param|grad, parameter, 16 bytes], registration order
+                rng = np.random.default_rng([seed, s, r])
+                base = np.frombuffer(rng.bytes(2 * n * HASH_BYTES), dtype=np.uint8)
+                base = base.reshape(2, n, HASH_BYTES)
+                flip_loss = False
+                if diverge_at is not None and s >= diverge_at:
+                    if s == diverge_at:
+                        flip = flip_at.get(r)
+                        flip_loss = r in flip_loss_at
+                    else:
+                        flip = flip_all
+                        flip_loss = propagate
+                    if flip is not None and flip.any():
+                        base = base.copy()
+                        base[flip] ^= _FLIP
+                if no_grad_idx:
+                    base = base.copy() if not base.flags.writeable else base
+                    base[1, no_grad_idx] = 0
+                ph = base[0][order].tobytes()
+                gh = base[1][order].tobytes() if (grads and s > 0) else None
                 lv = lh = None
                 if loss and s > 0:
-                    lv = float(losses[r])
-                    if flip_loss[r]:
+                    lv = 1.0 + float(np.random.default_rng([seed, s, r, 1]).random())
+                    if flip_loss:
                         lv = float(np.nextafter(lv, np.inf))
                     lh = np.float64(lv).tobytes().hex().ljust(2 * HASH_BYTES, "0")
-                writers[r].write_step(s, ph, gh, loss=lv, loss_hash=lh)
-
-        for r, w in writers.items():
+                w.write_step(s, ph, gh, loss=lv, loss_hash=lh)
             w.close(status=status)
-        for path in copy_buckets:
-            with open(path, "ab") as f:
-                f.write(shared_buckets)
-        for r in torn_tail:
-            if r in writers:
-                d = rank_dir(out, r)
-                with open(d / "steps.jsonl", "ab") as f:
+            if bucket_bytes is not None:
+                with open(w.dir / "buckets.jsonl", "ab") as f:
+                    f.write(bucket_bytes)
+            if r in torn_tail:
+                with open(w.dir / "steps.jsonl", "ab") as f:
                     f.write(b'{"v": 1, "step": 99, "param_dig')
-                with open(d / "hashes.jsonl", "ab") as f:
+                with open(w.dir / "hashes.jsonl", "ab") as f:
                     f.write(b'{"v": 1, "step": 99, "kind": "pa')
         if run_json:
             from parity.artifacts import write_json_atomic

@@ -149,11 +149,10 @@ def test_drill_down_after_the_first_step_is_bounded(tmp_path):
 
 
 def test_count_budget_marks_counts_inexact(tmp_path):
-    a, b = pair(tmp_path, world_size=4, b={"diverge_at": 1, "diverge_rank": 0,
-                                            "diverge_param": [0, 1], "propagate": False})
-    b2 = make_run(tmp_path / "b2", world_size=4, steps=4, n_params=8, diverge_at=1,
-                  diverge_rank="all", diverge_param=0)
-    r = diff_runs(a, b2, count_budget=0)
+    a = make_run(tmp_path / "a", world_size=4, steps=4, n_params=8)
+    b = make_run(tmp_path / "b", world_size=4, steps=4, n_params=8, diverge_at=1,
+                 diverge_rank="all", diverge_param=0)
+    r = diff_runs(a, b, count_budget=0)
     assert r.per_step[0].exact  # the first divergent step is always complete
     assert all(not c.exact and c.params is None and c.ranks == 4 for c in r.per_step[1:])
 
@@ -242,11 +241,9 @@ def test_truncated_lines_are_warnings_and_the_rest_is_used(tmp_path):
 def test_corrupt_hash_line_is_incomplete_not_a_crash(tmp_path):
     a, b = pair(tmp_path, b={"diverge_at": 2, "diverge_rank": 0, "propagate": False})
     path = b / "rank-00000" / "hashes.jsonl"
-    lines = path.read_bytes().split(b"\n")
     steps = [json.loads(x) for x in (b / "rank-00000" / "steps.jsonl").read_text().splitlines()]
     off = next(s["grad_offset"] for s in steps if s["step"] == 2)
     data = path.read_bytes()
-    assert lines  # (the file was not empty)
     path.write_bytes(data[:off] + b"#" + data[off + 1:])  # break the JSON of that line
     r = diff_runs(a, b)
     assert any("could not be read" in m for m in r.incomplete)
@@ -367,3 +364,12 @@ def test_load_diff_json_rejects_other_files(tmp_path):
     p.write_text('{"schema_version": 99}')
     with pytest.raises(ParityError):
         load_diff_json(p)
+
+
+def test_loss_only_divergence(tmp_path):
+    a, b = pair(tmp_path, b={"diverge_at": 2, "diverge_rank": 0, "kind": "loss",
+                             "propagate": False})
+    r = diff_runs(a, b)
+    assert r.verdict == "hash_mismatch" and r.first_divergent_step == 2
+    assert r.first_divergence.origin == "loss" and r.divergent == []
+    assert r.loss.steps[1].equal is False and r.loss.steps[1].ranks_differing == 1

@@ -218,9 +218,6 @@ def test_graph_breaks_continue_and_recompiles_are_noted(tmp_path):
 
 
 def test_backward_regather_duplicates_are_ignored(tmp_path):
-    def regather(b, rank):
-        return b
-
     from synth import bucket_records
 
     recs = bucket_records(F, 2, "fsdp2")

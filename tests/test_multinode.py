@@ -21,8 +21,8 @@ import pytest
 
 from parity.artifacts import read_run
 from parity.sweep.launch_local import LocalLauncher
-from parity.sweep.launch_multinode import (NODES_DIR, MultiNodeLauncher, combine, merge_node_runs,
-                                           node_command)
+from parity.sweep.launch_multinode import (NODES_DIR, MultiNodeLauncher, combine, live_rank_dir,
+                                           merge_node_runs, node_command)
 from parity.sweep.launcher import CANCELLED, FAILED, OK, TIMEOUT, Job, JobResult
 
 CAPTURE = importlib.util.find_spec("parity.capture.launch") is not None
@@ -187,6 +187,19 @@ def test_node_command_shape(tmp_path):
     assert opts[opts.index("--rdzv-endpoint") + 1] == "127.0.0.1:1234"
     assert opts[opts.index("--log-dir") + 1] == str(tmp_path / "c" / "logs" / "node-1")
     assert opts[-2:] == ["--local-addr", "127.0.0.2"] and "--node-rank" not in opts
+
+
+def test_drop_in_for_local_and_live_rank_dir(tmp_path):
+    one = make_job(tmp_path, "one", "eager", 1, 2)
+    assert MultiNodeLauncher().command(one) == LocalLauncher().command(one)
+    two = make_job(tmp_path, "two", "eager", 2, 1)
+    argv = MultiNodeLauncher().command(two)
+    assert "127.0.0.1:PORT" in argv and argv[argv.index("--out") + 1].endswith("nodes/node-0")
+    assert live_rank_dir(tmp_path, 1) is None
+    (tmp_path / NODES_DIR / "node-1" / "rank-00001").mkdir(parents=True)
+    assert live_rank_dir(tmp_path, 1) == tmp_path / NODES_DIR / "node-1" / "rank-00001"
+    (tmp_path / "rank-00001").mkdir()
+    assert live_rank_dir(tmp_path, 1) == tmp_path / "rank-00001"
 
 
 def test_combine_worst_status_wins():

@@ -82,7 +82,8 @@ class FSDP2Recorder:
         self._module = None
         self._orig: dict[str, Callable] = {}
         self._index = {"all_gather": 0, "reduce_scatter": 0}
-        self._last: dict[tuple[str, int], tuple] = {}
+        self._last: dict[tuple[str, int], tuple] = {}  # layout last written per position
+        self._raw: dict[tuple[str, int], tuple] = {}  # cheap signature of its inputs
         self.enabled = True
         self.seconds = 0.0  # time spent recording
 
@@ -100,6 +101,11 @@ class FSDP2Recorder:
                 return False
         ag = getattr(mod, "foreach_all_gather", None)
         rs = getattr(mod, "foreach_reduce", None)
+        # Wrapped by an earlier recorder in this process: wrap the originals instead.
+        while getattr(ag, "__parity_wrapped__", False):
+            ag = ag.__wrapped__
+        while getattr(rs, "__parity_wrapped__", False):
+            rs = rs.__wrapped__
         for name, fn in (("foreach_all_gather", ag), ("foreach_reduce", rs)):
             if not callable(fn):
                 self._unavailable(f"{GROUP_MODULE}.{name} not found")
@@ -110,8 +116,6 @@ class FSDP2Recorder:
             bad = "foreach_all_gather" if ag_get is None else "foreach_reduce"
             self._unavailable(f"{GROUP_MODULE}.{bad} has an unexpected signature")
             return False
-        if getattr(ag, "__parity_wrapped__", False):
-            return True  # already wrapped (a second session in this process)
         self._module = mod
         self._orig = {"foreach_all_gather": ag, "foreach_reduce": rs}
         recorder = self
@@ -188,6 +192,16 @@ class FSDP2Recorder:
                 break
         return self._normalize(".".join(common))
 
+    def _unchanged(self, collective: str, raw: tuple) -> bool:
+        """Fast path: the same parameters and sizes as last time at this position (then the
+        position is consumed); otherwise remember ``raw`` and let the caller build the layout."""
+        key = (collective, self._index[collective])
+        if self._raw.get(key) == raw:
+            self._index[collective] += 1
+            return True
+        self._raw[key] = raw
+        return False
+
     def _record(self, collective: str, group: str | None, dtype: torch.dtype, world_size: int,
                 entries: list[dict]) -> None:
         index = self._index[collective]
@@ -218,6 +232,11 @@ class FSDP2Recorder:
         dtypes = getattr(result, "param_all_gather_input_dtypes", None)
         out = getattr(result, "all_gather_output", None)
         payload_dtype = out.dtype if isinstance(out, torch.Tensor) else None
+        raw = (id(param_group), tuple(map(id, fsdp_params)), world_size, payload_dtype,
+               tuple(getattr(result, "all_gather_input_split_sizes", None) or ()),
+               tuple(d for ds in dtypes for d in ds) if dtypes is not None else None)
+        if self._unchanged("all_gather", raw):
+            return
         entries = []
         offset = 0
         for i, fp in enumerate(fsdp_params):
@@ -242,6 +261,10 @@ class FSDP2Recorder:
             return
         world_size = group.size() if group is not None else 1
         dtype = reduce_dtype or unsharded_grads[0].dtype
+        raw = (id(param_group), tuple(map(id, fsdp_params)), world_size, dtype,
+               tuple(g.shape for g in unsharded_grads))
+        if self._unchanged("reduce_scatter", raw):
+            return
         itemsize = dtype.itemsize
         entries = []
         offset = 0

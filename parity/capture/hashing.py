@@ -44,15 +44,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A 1-D uint8 view of ``t``'s data (contiguous copy only if it is not contiguous)."""
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of ``t``'s data (a contiguous copy only if it is not contiguous)."""
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    if t.dim() == 0:
+        t = t.reshape(1)
+    return t.view(torch.uint8)  # C-contiguous: its buffer is the tensor's bytes in order
 
 
 def host_digest(t: torch.Tensor) -> bytes:
@@ -60,9 +62,9 @@ def host_digest(t: torch.Tensor) -> bytes:
     t = local_tensor(t)
     if t.numel() == 0:
         return _EMPTY
-    if t.device.type != "cpu":
+    if not t.is_cpu:
         t = t.cpu()
-    return _xxh3_128(_flat_bytes(t).numpy())
+    return _xxh3_128(_byte_view(t).numpy())
 
 
 # ------------------------------------------------------------------------------ device digest

@@ -271,6 +271,7 @@ class Session:
         self._fsdp = None
         self._graph = None
         self._graph_tried = False
+        self._fsdp_tried = False
         self._manifest_sources: list[str] = []  # sources hooked so far
         self._lock = threading.RLock()
 
@@ -502,9 +503,14 @@ class Session:
 
     # ------------------------------------------------------------------------- manifests
     def _install_fsdp2(self, _module=None) -> None:
-        if self._fsdp is not None or self.failed or self.stopped:
+        if self._fsdp is not None or self._fsdp_tried or self.failed or self.stopped:
             return
         from parity.capture import fsdp2
+
+        mod = sys.modules.get(fsdp2.GROUP_MODULE)
+        if mod is None or not inject._module_ready(mod):
+            return  # half-imported: the first forward tries again
+        self._fsdp_tried = True
 
         rec = fsdp2.FSDP2Recorder(emit=self._emit_bucket, step=lambda: self.done + 1,
                                   normalize=normalize_fqn, warn=self._manifest_warn("fsdp2"),

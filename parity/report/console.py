@@ -368,7 +368,7 @@ def print_diff(result: DiffResult, console: Console | None = None) -> None:
         c.print(line)
     c.print(_summary(r))
     if r.divergent:
-        c.print(_title(f"Divergent at step {r.first_divergent_step} (grads: reduce-scatter "
+        c.print(_title(f"Divergent at step {r.divergent[0].step} (grads: reduce-scatter "
                        "bucket, params: all-gather bucket)"))
         c.print(_divergent_table(r))
     if len(r.per_step) > 1:

@@ -30,7 +30,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from parity.artifacts import SCHEMA_VERSION, write_json_atomic

@@ -107,7 +107,10 @@ def slurm_time(options: dict, timeout: float | None) -> str | None:
 class SlurmLauncher(Launcher):
     """Jobs as ``sbatch`` scripts (see the module docstring). ``options``: the spec's
     ``[launcher]`` keys: partition, nodes, ntasks_per_node, gpus_per_node, time, account,
-    sbatch_options (a list of extra ``sbatch`` arguments, e.g. ``["--qos=debug"]``)."""
+    sbatch_options (a list of extra ``sbatch`` arguments, e.g. ``["--qos=debug"]``).
+
+    ``grace`` is accepted for the common interface; after ``scancel`` the cluster's ``KillWait``
+    decides when SIGKILL follows SIGTERM. ``poll_interval`` bounds how often ``squeue`` runs."""
 
     name = "slurm"
 
