@@ -361,15 +361,14 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
     problems += [Problem("a", m) for m in run_a.problems]
     problems += [Problem("b", m) for m in run_b.problems]
     for side, run in (("a", run_a), ("b", run_b)):
-        name = side.upper()
         if run.run_meta is not None and run.run_meta.get("status") not in ("ok", None):
-            problems.append(Problem(side, f"{name}: the job's status is "
+            problems.append(Problem(side, f"the job's status is "
                                           f"{run.run_meta.get('status')!r} (exit code "
                                           f"{run.run_meta.get('exit_code')!r})"))
         bad = [r for r, rd in sorted(run.ranks.items()) if rd.meta.get("status") not in ("ok", None)]
         if bad:
             st = run.ranks[bad[0]].meta
-            problems.append(Problem(side, f"{name}: rank(s) {ranges(bad)} did not end cleanly "
+            problems.append(Problem(side, f"rank(s) {ranges(bad)} did not end cleanly "
                                           f"(rank {bad[0]}: status {st.get('status')!r}"
                                           + (f", {st.get('error')}" if st.get("error") else "")
                                           + ")"))
@@ -386,11 +385,11 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         ok = [r for r, rd in sorted(run.ranks.items()) if rd.params and 0 <= r < ws]
         no_table = [r for r in sorted(run.ranks) if r not in ok and 0 <= r < ws]
         if no_table:
-            problems.append(Problem(side, f"{side.upper()}: rank(s) {ranges(no_table)} have no "
+            problems.append(Problem(side, f"rank(s) {ranges(no_table)} have no "
                                           "parameter table (params.json); not compared"))
         extra = [r for r in run.ranks if not 0 <= r < ws]
         if extra:
-            problems.append(Problem(side, f"{side.upper()}: rank directories {ranges(extra)} are "
+            problems.append(Problem(side, f"rank directories {ranges(extra)} are "
                                           f"outside the world size {ws}; ignored"))
         usable[side] = ok
     ranks = sorted(set(usable["a"]) & set(usable["b"]))
@@ -629,47 +628,72 @@ def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
                           f"(first: rank {ranks[rws[0]]})")
 
 
+_ENTRY_KEY = operator.itemgetter("fqn", "offset", "size", "numel", "dtype")
+MAX_LAYOUT_CHECKS = 16  # distinct per-rank manifests examined in detail, per side
+
+
+def _raw_signature(recs: list[dict]):
+    """What a rank's manifests say, cheaply (C-level tuples); None if entries lack keys."""
+    try:
+        return tuple((r.get("source"), r.get("collective"), r.get("graph"), r.get("graph_id"),
+                      r.get("index"), r.get("dtype"), r.get("total_bytes"),
+                      tuple(map(_ENTRY_KEY, r["entries"]))) for r in recs)
+    except (KeyError, TypeError):
+        return None
+
+
 def _compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks: list[int]):
-    """Layouts of the reference rank of each side and the order comparison."""
+    """Layouts of the reference rank of each side, the order comparison, and whether every
+    rank of a side has the reference rank's layout (ranks with byte-identical manifests share
+    one parsed list and are not re-examined)."""
     layouts: dict[str, Layout] = {}
     disagree: dict[str, list[str]] = {}
     for side, run, prefer in (("a", run_a, A_PREFERS), ("b", run_b, B_PREFERS)):
         present = [r for r in sorted(run.ranks) if r in usable[side]] or sorted(run.ranks)
         ref = ranks[0] if ranks else (present[0] if present else None)
-        by_list: dict[int, Layout] = {}
-        per_rank: dict[int, Layout] = {}
-        for r in present:
-            recs = run.ranks[r].buckets
-            lay = by_list.get(id(recs))
-            if lay is None:
-                lay = by_list[id(recs)] = select_layout(recs, prefer, r)
-            per_rank[r] = lay
-        if ref is None or ref not in per_rank:
+        disagree[side] = []
+        if ref is None or ref not in run.ranks:
             layouts[side] = Layout(None, None, {c: [] for c in COLLECTIVES})
-            disagree[side] = []
             continue
-        layouts[side] = per_rank[ref]
+        ref_recs = run.ranks[ref].buckets
+        layouts[side] = ref_layout = select_layout(ref_recs, prefer, ref)
+        by_list: dict[int, list[int]] = {}
+        for r in present:
+            by_list.setdefault(id(run.ranks[r].buckets), []).append(r)
         if len(by_list) == 1:
-            disagree[side] = []
-        else:
-            sig_cache: dict[int, tuple] = {}
-            distinct = {}
-            for r, lay in per_rank.items():
-                s = sig_cache.get(id(lay))
-                if s is None:
-                    s = sig_cache[id(lay)] = lay.signature()
-                distinct.setdefault(s, r)
-            if len(distinct) == 1:
-                disagree[side] = []
-            else:
-                reps = {r: per_rank[r] for r in distinct.values()}
-                reps[ref] = per_rank[ref]
-                msgs = check_ranks(reps, ref)
-                n_bad = sum(1 for r, lay in per_rank.items()
-                            if sig_cache[id(lay)] != sig_cache[id(per_rank[ref])])
-                if n_bad > len(msgs):
-                    msgs.append(f"{n_bad} rank(s) in all differ from rank {ref}")
-                disagree[side] = msgs
+            continue
+        ref_raw = _raw_signature(ref_recs)
+        ref_sig = ref_layout.signature()
+        bad: list[int] = []
+        examined: dict[tuple | None, bool] = {}
+        reps: dict[int, Layout] = {ref: ref_layout}
+        unexamined = 0
+        for key, rs in by_list.items():
+            recs = run.ranks[rs[0]].buckets
+            if recs is ref_recs:
+                continue
+            raw = _raw_signature(recs)
+            if raw is not None and raw == ref_raw:
+                continue
+            same = examined.get(raw) if raw is not None else None
+            if same is None:
+                if len(reps) > MAX_LAYOUT_CHECKS:
+                    unexamined += len(rs)
+                    continue
+                lay = select_layout(recs, prefer, rs[0])
+                same = lay.signature() == ref_sig
+                if raw is not None:
+                    examined[raw] = same
+                if not same:
+                    reps[rs[0]] = lay
+            if not same:
+                bad.extend(rs)
+        msgs = check_ranks(reps, ref) if len(reps) > 1 else []
+        if len(bad) > len(msgs):
+            msgs.append(f"{len(bad)} rank(s) in all differ from rank {ref}: {ranges(bad)}")
+        if unexamined:
+            msgs.append(f"{unexamined} more rank(s) record other manifests; not examined")
+        disagree[side] = msgs
     order = compare_layouts(layouts["a"], layouts["b"])
     order.rank_disagreements = disagree
     return layouts, order

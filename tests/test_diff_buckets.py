@@ -261,3 +261,20 @@ def test_align_buckets_unit():
                    ([2], [1], "identical"), ([], [2], "partition_differs")]
     assert "no B bucket" in pairs[1].detail and "has no A bucket" in pairs[3].detail
     assert notes == []
+
+
+def test_rank_specific_manifest_fields_are_not_disagreements(tmp_path):
+    """Ranks whose manifests differ only in fields the layout ignores (node names, local
+    shapes) agree; one with a real difference is named."""
+    def per_rank(b, rank):
+        b["node"] = f"node_{rank}_{b['index']}"
+        for e in b["entries"]:
+            e["shape"] = [rank, 16]
+        if rank == 5 and b["collective"] == "reduce_scatter" and b["index"] == 0:
+            b["entries"][0]["offset"] += 4
+        return b
+
+    r = run_pair(tmp_path, world_size=8, b={"bucket_hook": per_rank})
+    assert r.order.rank_disagreements["a"] == []
+    assert r.order.rank_disagreements["b"] == [
+        "rank 5: reduce_scatter bucket 0 (layers.1) differs from rank 0's"]

@@ -35,13 +35,17 @@ _EMPTY = xxhash.xxh3_128_digest(b"")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The data this rank holds (a DTensor's ``_local_tensor``, else the tensor), detached."""
+def _local(t: torch.Tensor) -> torch.Tensor:
     if type(t) not in _PLAIN:
         inner = getattr(t, "_local_tensor", None)
         if inner is not None:
-            t = inner
-    return t.detach()
+            return inner
+    return t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The data this rank holds (a DTensor's ``_local_tensor``, else the tensor), detached."""
+    return _local(t).detach()
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -57,14 +61,18 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)  # C-contiguous: its buffer is the tensor's bytes in order
 
 
-def host_digest(t: torch.Tensor) -> bytes:
-    """xxh3-128 (16 raw bytes) of the local bytes of ``t``. Zero-copy for contiguous CPU tensors."""
-    t = local_tensor(t)
+def _xxh3(t: torch.Tensor) -> bytes:
+    """host_digest of a local (non-DTensor) tensor."""
     if t.numel() == 0:
         return _EMPTY
     if not t.is_cpu:
         t = t.cpu()
-    return _xxh3_128(_byte_view(t).numpy())
+    return _xxh3_128(_byte_view(t.detach()).numpy())
+
+
+def host_digest(t: torch.Tensor) -> bytes:
+    """xxh3-128 (16 raw bytes) of the local bytes of ``t``. Zero-copy for contiguous CPU tensors."""
+    return _xxh3(_local(t))
 
 
 # ------------------------------------------------------------------------------ device digest
@@ -175,16 +183,18 @@ def device_digests(tensors: list[torch.Tensor]) -> list[bytes]:
 def digest_tensors(tensors: list[torch.Tensor | None], hasher: str = "auto") -> bytes:
     """Concatenated 16-byte digests in list order; ``None`` -> ``NO_HASH``."""
     if hasher == "xxh3":
-        return b"".join(NO_HASH if t is None else host_digest(t) for t in tensors)
+        return b"".join(NO_HASH if t is None else _xxh3(_local(t)) for t in tensors)
     out: list[bytes | None] = [None] * len(tensors)
     dev_idx = []
     for i, t in enumerate(tensors):
         if t is None:
             out[i] = NO_HASH
-        elif hasher == "device" or local_tensor(t).device.type == "cuda":
+            continue
+        lt = _local(t)
+        if hasher == "device" or lt.is_cuda:
             dev_idx.append(i)
         else:
-            out[i] = host_digest(t)
+            out[i] = _xxh3(lt)
     if dev_idx:
         for i, d in zip(dev_idx, device_digests([tensors[i] for i in dev_idx])):
             out[i] = d

@@ -22,6 +22,7 @@ once, removes the hooks and lets training go on.
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import gc
 import os
@@ -757,8 +758,8 @@ class Session:
     def _write_first(self) -> None:
         w = self._ensure_writer()
         if self._table_dirty:
-            dupes = {e["fqn"] for e in self.entries
-                     if sum(1 for x in self.entries if x["fqn"] == e["fqn"]) > 1}
+            counts = collections.Counter(e["fqn"] for e in self.entries)
+            dupes = {f for f, c in counts.items() if c > 1}
             if dupes:
                 self.warn(f"parameter names are not unique after normalization: "
                           f"{', '.join(sorted(dupes)[:5])}")
