@@ -31,7 +31,7 @@ def cli():
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Run directory for this job's artifacts (created).")
 @click.option("--every", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Record every N-th optimizer step (step 0 and the last step always).")
+              help="Record every N-th optimizer step (steps 0, 1 and the last step always).")
 @click.option("--grads/--no-grads", default=True, show_default=True,
               help="Hash the gradients consumed by each optimizer step.")
 @click.option("--manifests/--no-manifests", default=True, show_default=True,

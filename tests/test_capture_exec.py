@@ -372,14 +372,19 @@ def test_capture_causes_no_recompiles(tmp_path, how):
 def test_python_api(tmp_path):
     code = f"""
 import torch, torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 import parity.capture
 torch.manual_seed(0)
 m = nn.Linear(3, 2)
 s = parity.capture.start({str(tmp_path / 'run')!r}, every=1, hasher="xxh3")
 assert parity.capture.start({str(tmp_path / 'run')!r}) is s
 opt = torch.optim.SGD(m.parameters(), lr=0.1)
+x = torch.ones(1, 3, requires_grad=True)
 for _ in range(2):
-    m(torch.ones(1, 3)).sum().backward()
+    # a reentrant checkpoint calls torch.autograd.backward again inside the backward pass
+    loss = checkpoint(lambda t: m(t).sum(), x, use_reentrant=True) * 3
+    loss.backward()
+    print("loss", repr(loss.item()))
     opt.step()
     opt.zero_grad()
 s.stop()
@@ -392,6 +397,8 @@ print("ok")
     run = read_run(tmp_path / "run")
     rd = run.ranks[0]
     assert sorted(rd.steps) == [0, 1, 2] and rd.fqns == ["weight", "bias"]
+    losses = [float(ln.split()[1]) for ln in p.stdout.splitlines() if ln.startswith("loss")]
+    assert [rd.steps[1]["loss"], rd.steps[2]["loss"]] == losses
     assert rd.meta["status"] == "ok" and rd.meta["capture"]["source"] == "api"
     assert run.run_meta is None  # no parity exec
 

@@ -176,15 +176,30 @@ def _install_global_patches() -> None:
     orig_tensor_backward = torch.Tensor.backward
     orig_autograd_backward = torch.autograd.backward
 
+    # Only the outermost call counts: Tensor.backward calls torch.autograd.backward, and a
+    # reentrant activation checkpoint calls it again from inside the backward pass (possibly
+    # on an autograd device thread), with tensors that are not the loss.
+    depth = [0]
+
     def backward(self, *args, **kwargs):
-        if not torch.compiler.is_compiling():
-            _note_loss(self)
-        return orig_tensor_backward(self, *args, **kwargs)
+        if depth[0] or torch.compiler.is_compiling():
+            return orig_tensor_backward(self, *args, **kwargs)
+        _note_loss(self)
+        depth[0] += 1
+        try:
+            return orig_tensor_backward(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
 
     def autograd_backward(tensors, *args, **kwargs):
-        if not torch.compiler.is_compiling():
-            _note_loss(tensors)
-        return orig_autograd_backward(tensors, *args, **kwargs)
+        if depth[0] or torch.compiler.is_compiling():
+            return orig_autograd_backward(tensors, *args, **kwargs)
+        _note_loss(tensors)
+        depth[0] += 1
+        try:
+            return orig_autograd_backward(tensors, *args, **kwargs)
+        finally:
+            depth[0] -= 1
 
     for new, old in ((backward, orig_tensor_backward), (autograd_backward, orig_autograd_backward)):
         new.__wrapped__ = old
