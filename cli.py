@@ -84,8 +84,8 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="Sweep directory (default: reports/<spec name>).")
 @click.option("--only", default=None, help="Run only cells matching e.g. 'flash=true,batch_size=4'.")
-@click.option("--jobs", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Cells run at once (local launcher).")
+@click.option("--jobs", default=None, type=click.IntRange(min=1),
+              help="Jobs run at once [default: 1 with the local launcher, all with slurm].")
 @click.option("--resume", is_flag=True, help="Rerun only cells without a complete result.")
 @click.option("--steps", default=None, type=click.IntRange(min=1), help="Override the spec's steps.")
 @click.option("--dry-run", is_flag=True, help="Print the cells and commands; run nothing.")

@@ -82,6 +82,12 @@ class Launcher(ABC):
     def cancel(self, handle) -> None:
         """Stop the job and everything it started; ``poll`` then returns a 'cancelled' result."""
 
+    def cancel_many(self, handles: list) -> None:
+        """Stop several jobs at once (SLURM sends one scancel, so queued jobs cannot start
+        while earlier ones are being cancelled one by one)."""
+        for handle in handles:
+            self.cancel(handle)
+
     def command(self, job: Job) -> list[str]:
         """The command that would run ``job`` (for --dry-run and the record)."""
         return list(job.entry_argv)
@@ -253,9 +259,11 @@ def check_local_requirement(req: str, launcher_name: str) -> str | None:
 def make_launcher(name: str, options: dict | None = None, grace: float = 5.0) -> Launcher:
     """The launcher called ``name`` ("local" | "slurm"), configured from the spec's table."""
     if name == "local":
-        from parity.sweep.launch_local import LocalLauncher
+        # One launcher for one node or several: a multi-node job runs one torchrun agent per
+        # node on this machine (c10d rendezvous on 127.0.0.1), a one-node job as LocalLauncher.
+        from parity.sweep.launch_multinode import MultiNodeLauncher
 
-        return LocalLauncher(grace=grace)
+        return MultiNodeLauncher(grace=grace)
     if name == "slurm":
         try:
             from parity.sweep.launch_slurm import SlurmLauncher

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from parity.errors import ParityError, SpecError
 from parity.sweep import state as st
+from parity.sweep.launch_multinode import live_rank_dir
 from parity.sweep.launcher import (CANCELLED, OK, Job, JobResult, Launcher, make_launcher)
 from parity.sweep.spec import SIDES, Cell, Spec, load_spec, matches, parse_only, safe_component
 
@@ -29,7 +30,7 @@ _CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 
 def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str | None = None,
-              jobs: int = 1, resume: bool = False, steps: int | None = None,
+              jobs: int | None = None, resume: bool = False, steps: int | None = None,
               dry_run: bool = False, launcher: str | None = None, fail_on: str = "hash",
               grace: float = 5.0, poll_interval: float = 0.2, out=None, err=None) -> int:
     """Run (or with ``dry_run`` only print) a sweep; return the gate's exit code.
@@ -40,7 +41,7 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
     """
     out = out or sys.stdout
     err = err or sys.stderr
-    if jobs < 1:
+    if jobs is not None and jobs < 1:
         raise ParityError("--jobs must be at least 1")
     if spec is None and resume and out_dir and (Path(out_dir) / st.SPEC_COPY).is_file():
         spec = Path(out_dir) / st.SPEC_COPY
@@ -59,6 +60,8 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
         return _dry_run(sp, cells, selected, sweep_dir, launcher_name, n_steps, grace, out)
 
     lnch = make_launcher(launcher_name, sp.launcher.options, grace=grace)
+    if jobs is None:  # local: one job at a time (2 cores); slurm: all at once, the queue schedules
+        jobs = 1 if launcher_name == "local" else max(1, 2 * len(selected))
     st.prepare_sweep_dir(sweep_dir)
     lock = st.SweepLock(sweep_dir).acquire()
     try:
@@ -263,8 +266,9 @@ class _Run:
             for key, (handle, cell, side, job) in list(self.running.items()):
                 result = self.lnch.poll(handle)
                 if result is None:
-                    self.progress.job_tick(cell.id, side, _count_lines(
-                        job.run_dir / "rank-00000" / "steps.jsonl"))
+                    live = live_rank_dir(job.run_dir, 0)
+                    self.progress.job_tick(cell.id, side, _count_lines(live / "steps.jsonl")
+                                           if live else 0)
                     continue
                 del self.running[key]
                 self._side_done(cell, side, job, result)
@@ -341,8 +345,8 @@ class _Run:
         self.progress.cell_done(cell.id, status, reason)
 
     def _cancel_all(self) -> None:
+        self.lnch.cancel_many([handle for handle, _, _, _ in self.running.values()])
         for key, (handle, cell, side, job) in list(self.running.items()):
-            self.lnch.cancel(handle)
             res = self.lnch.poll(handle)
             del self.running[key]
             if res is not None:
