@@ -272,10 +272,10 @@ def _entry_cells(e: dict | None, sizes: bool) -> tuple[Text, Text]:
     return T(e.get("fqn")), T(off)
 
 
-def _bucket_section(r: DiffResult) -> list:
-    o = r.order
+def first_bucket_section(fb: dict | None) -> list:
+    """The first differing bucket side by side, from its JSON form (``order.first_bucket``), so
+    sweep reports can show it from a cell's stored diff without the run directories."""
     out: list = []
-    fb = o.first_bucket
     if fb:
         what = ("payload order differs" if fb["verdict"] in ("order_differs", "partition_differs")
                 else "layout differs")
@@ -330,6 +330,13 @@ def _bucket_section(r: DiffResult) -> list:
             mark = ">" if first else ("" if row.get("same") else "*")
             t.add_row(T(mark), T(row["position"]), af, ao, bf, bo, style=style)
         out.append(t)
+    return out
+
+
+def _bucket_section(r: DiffResult) -> list:
+    o = r.order
+    fb = o.first_bucket
+    out = first_bucket_section(fb)
     others = [p for p in o.pairs if p.verdict != "identical"]
     if len(others) > (1 if fb else 0):
         out.append(T(f"Buckets that differ ({len(others)}):", "bold"))

@@ -168,9 +168,33 @@ def print_sweep_console(sweep: dict, file=None, color: bool | None = None) -> No
             if logs:
                 shown = ", ".join(logs[:3]) + (f" (+{len(logs) - 3} more)" if len(logs) > 3 else "")
                 console.print(escape(_safe(f"  {c['id']}: logs: {shown}")), highlight=False)
+    _print_first_finding(console, sweep)
     if sweep.get("_dir"):
-        console.print(escape(f"report: {os.path.join(sweep['_dir'], 'sweep.json')}"),
+        d = sweep["_dir"]
+        console.print(escape(f"report: {os.path.join(d, 'sweep.json')}  (parity report {d} "
+                             "--format html|markdown|junit; parity gate " + d + ")"),
                       highlight=False)
+
+
+def _print_first_finding(console, sweep: dict) -> None:
+    """The first mismatching cell's finding in full: the bucket side by side, and how to diff it."""
+    from rich.markup import escape
+
+    from parity.report.console import first_bucket_section
+
+    for c in sweep.get("cells") or []:
+        if c.get("status") not in ("hash_mismatch", "order_mismatch"):
+            continue
+        diff = c.get("diff") or {}
+        console.print()
+        console.print(escape(_safe(f"First finding, cell {c['id']}:")), style="bold",
+                      highlight=False)
+        for part in first_bucket_section((diff.get("order") or {}).get("first_bucket")):
+            console.print(part)
+        a, b = (diff.get("a") or {}).get("path"), (diff.get("b") or {}).get("path")
+        if a and b:
+            console.print(escape(_safe(f"details: parity diff {a} {b}")), highlight=False)
+        return
 
 
 # ------------------------------------------------------------------------------------------ json
