@@ -48,6 +48,33 @@ _AG_OPS = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_ga
 _RS_OPS = ("_c10d_functional::reduce_scatter_tensor",)
 
 
+REQUIRED_INTERNALS = (
+    ("torch._inductor.fx_passes.bucketing", "merge_all_gather_bucket"),
+    ("torch._inductor.fx_passes.bucketing", "merge_reduce_scatter_bucket"),
+    ("torch._inductor.fx_passes.fsdp", "bucket_fsdp_all_gather"),
+    ("torch._inductor.fx_passes.fsdp", "bucket_fsdp_reduce_scatter"),
+    ("torch._inductor.fx_passes.overlap_manual_scheduling", "ManualOverlapScheduler"),
+    ("torch._inductor.pattern_matcher", "stable_topological_sort"),
+    ("torch._dynamo.backends.common", "aot_autograd"),
+    ("torch._functorch.partitioners", "min_cut_rematerialization_partition"),
+)
+
+
+def missing_internals() -> list[str]:
+    """The PyTorch internals the compiled mode needs that this torch lacks (checked up front,
+    so another torch version gets one clear line instead of an error deep inside compilation)."""
+    import importlib
+
+    missing = []
+    for module, name in REQUIRED_INTERNALS:
+        try:
+            if not hasattr(importlib.import_module(module), name):
+                missing.append(f"{module}.{name}")
+        except ImportError:
+            missing.append(f"{module}.{name}")
+    return missing
+
+
 def _op_name(node: fx.Node) -> str:
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return ""

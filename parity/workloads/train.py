@@ -236,6 +236,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("--device cuda requested but CUDA is not available", file=sys.stderr)
         return 2
 
+    if args.mode == "compiled":
+        from parity.workloads.bucketing import missing_internals
+
+        missing = missing_internals()
+        if missing:
+            print(f"compiled mode needs PyTorch internals missing from torch {torch.__version__}: "
+                  f"{', '.join(missing)}", file=sys.stderr)
+            return 2
+
     try:
         parse_perturb(args.perturb_grad)
     except UsageError as e:
