@@ -12,8 +12,6 @@ comparable, and assembles the result.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import operator
 import struct
@@ -23,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from parity.artifacts import RankData, Run, read_run, write_json_atomic
+from parity.artifacts import RankData, Run, gc_paused, read_run, write_json_atomic
 from parity.diff_buckets import (
     COLLECTIVES, UNAVAILABLE, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
     select_layout,
@@ -225,16 +223,6 @@ def load_diff_json(path: str | Path) -> dict:
 # ---------------------------------------------------------------------------------- the diff
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    # The runs are millions of small acyclic objects; the cyclic collector only costs time here.
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def ranges(xs: list[int]) -> str:
@@ -345,7 +333,7 @@ def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: boo
     different world sizes, or (unless ``allow_param_mismatch``) different parameter sets.
     """
     t0 = time.perf_counter()
-    with _gc_paused():
+    with gc_paused():
         run_a = read_run(a_dir)
         run_b = read_run(b_dir)
         t_read = time.perf_counter()

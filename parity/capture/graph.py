@@ -44,6 +44,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from parity.capture.names import normalize_fqn  # one definition, shared with the session
+
 
 __all__ = ["install", "uninstall", "is_installed", "extract_buckets", "normalize_fqn", "source_to_fqn"]
 
@@ -64,41 +66,6 @@ _graph_ids = itertools.count()
 # ---------------------------------------------------------------------------
 
 _BRACKET_KEY = re.compile(r"\[\s*(?:'([^']*)'|\"([^\"]*)\"|(-?\d+))\s*\]")
-_WRAPPER_PARTS = frozenset(
-    {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_fsdp_module", "module_wrapped"}
-)
-
-
-def normalize_fqn(fqn: str) -> str:
-    """Drop wrapper components so compiled FQNs compare with eager ones.
-
-    Same rules as ``parity.capture.session.normalize_fqn`` (kept local so this
-    module imports nothing from the session): drops ``_orig_mod``
-    (torch.compile), ``_checkpoint_wrapped_module`` (activation checkpointing),
-    ``_fsdp_wrapped_module`` / ``_fsdp_module`` (FSDP1), a leading ``module``
-    (DDP), and rewrites ``parametrizations.X.original`` -> ``X``
-    (``originalN`` -> ``X.originalN``). Idempotent.
-    """
-    parts = fqn.split(".")
-    out: list[str] = []
-    i = 0
-    n = len(parts)
-    while i < n:
-        part = parts[i]
-        if part in _WRAPPER_PARTS or (part == "module" and not out and i + 1 < n):
-            i += 1
-            continue
-        if part == "parametrizations" and i + 2 < n and parts[i + 2].startswith("original"):
-            tail = parts[i + 2][len("original") :]
-            if tail == "" or tail.isdigit():
-                out.append(parts[i + 1])
-                if tail:
-                    out.append(parts[i + 2])
-                i += 3
-                continue
-        out.append(part)
-        i += 1
-    return ".".join(out)
 
 
 def source_to_fqn(name: str) -> str | None:

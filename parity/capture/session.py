@@ -38,45 +38,13 @@ import torch
 from parity import __version__
 from parity.artifacts import RankWriter, rank_dir
 from parity.capture import inject
+from parity.capture.inject import _one_line, _say
+from parity.capture.names import WRAPPER_COMPONENTS, normalize_fqn  # noqa: F401 (re-exported)
 from parity.capture.hashing import HASHERS, digest_tensors, host_digest, local_tensor
 from parity.errors import ParityError
 
 __all__ = ["Session", "normalize_fqn", "activate_from_env", "current", "sampled"]
 
-# --------------------------------------------------------------------------- FQN normalization
-WRAPPER_COMPONENTS = frozenset(
-    {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_fsdp_module",
-     "module_wrapped"})
-
-
-def normalize_fqn(fqn: str) -> str:
-    """The wrapper-free name of a parameter, identical for eager and compiled jobs.
-
-    Drops ``_orig_mod`` (torch.compile), ``_checkpoint_wrapped_module`` (activation
-    checkpointing), ``_fsdp_wrapped_module`` / ``_fsdp_module`` (FSDP1), a leading ``module``
-    (DDP / DataParallel wrap the root), and rewrites ``parametrizations.X.original`` -> ``X``
-    (``originalN`` -> ``X.originalN``). Idempotent.
-    """
-    parts = fqn.split(".")
-    out: list[str] = []
-    i = 0
-    n = len(parts)
-    while i < n:
-        c = parts[i]
-        if c in WRAPPER_COMPONENTS or (c == "module" and not out and i + 1 < n):
-            i += 1
-            continue
-        if c == "parametrizations" and i + 2 < n and parts[i + 2].startswith("original"):
-            tail = parts[i + 2][len("original"):]
-            if tail == "" or tail.isdigit():
-                out.append(parts[i + 1])
-                if tail:
-                    out.append(parts[i + 2])
-                i += 3
-                continue
-        out.append(c)
-        i += 1
-    return ".".join(out)
 
 
 def sampled(step: int, every: int) -> bool:
@@ -86,17 +54,7 @@ def sampled(step: int, every: int) -> bool:
 
 
 # ------------------------------------------------------------------------------ small helpers
-def _one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{e.__class__.__name__}: {msg[0]}" if msg else e.__class__.__name__
 
-
-def _say(msg: str) -> None:
-    try:
-        sys.stderr.write(f"parity: {msg}\n")
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
