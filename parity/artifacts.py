@@ -36,15 +36,11 @@ def rank_dir(out_dir: str | os.PathLike, rank: int) -> Path:
     return Path(out_dir) / RANK_DIR.format(rank)
 
 
-def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 1) -> None:
-    """Write JSON to a temporary file beside ``path`` and rename it into place.
-
-    ``indent=None`` for large objects: an indent makes ``json`` use its pure-Python encoder
-    (~10x slower; 70 ms for a 1,500-parameter table).
-    """
+def write_text_atomic(path: str | os.PathLike, data: str) -> None:
+    """Write text to a temporary file beside ``path`` and rename it into place: a reader sees
+    the old file or the new one, never half of one; a full disk leaves the old file intact."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = json.dumps(obj, indent=indent, sort_keys=False) + "\n"
     try:
         with open(tmp, "w") as f:
             f.write(data)
@@ -57,6 +53,15 @@ def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 1) -> N
         except OSError:
             pass
         raise ArtifactError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 1) -> None:
+    """Write JSON atomically (see write_text_atomic).
+
+    ``indent=None`` for large objects: an indent makes ``json`` use its pure-Python encoder
+    (~10x slower; 70 ms for a 1,500-parameter table).
+    """
+    write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n")
 
 
 def rollup_digest(raw_hashes: bytes) -> str:

@@ -37,7 +37,7 @@ def render_sweep(sweep_dir, fmt: str = "console", output=None) -> None:
         from parity.report.html import write_sweep_html  # lazy: the HTML report is optional
 
         path = output or os.path.join(sweep["_dir"], "report.html")
-        write_sweep_html(_public(sweep), path)
+        write_sweep_html(dict(_public(sweep), _dir=sweep["_dir"]), path)
         sys.stdout.write(f"{path}\n")
         return
     if fmt == "console":
