@@ -344,6 +344,17 @@ def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: boo
     return result
 
 
+def _hashers(run: Run) -> set[str]:
+    """The digests a run's ranks used (meta.json ``capture.hasher``): xxh3 and the device
+    checksum never agree, so runs that differ here are not comparable."""
+    out = set()
+    for rd in run.ranks.values():
+        h = (rd.meta.get("capture") or {}).get("hasher")
+        if isinstance(h, str):
+            out.add(h)
+    return out
+
+
 def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int) -> DiffResult:
     problems: list[Problem] = []
     problems += [Problem("a", m) for m in run_a.problems]
@@ -366,6 +377,11 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         raise ParityError(f"world sizes differ: A ({run_a.path}) has {ws_a} ranks, "
                           f"B ({run_b.path}) has {ws_b}")
     ws = ws_a
+    h_a, h_b = _hashers(run_a), _hashers(run_b)
+    if h_a and h_b and h_a != h_b:
+        raise ParityError(f"the runs used different hashers (A {'/'.join(sorted(h_a))}, "
+                          f"B {'/'.join(sorted(h_b))}): their hashes cannot be compared; "
+                          "capture both with the same --hasher")
     incomplete: list[str] = []
 
     usable: dict[str, list[int]] = {}

@@ -1,0 +1,192 @@
+"""Bad input and faults (issue 6): fuzzed readers, a full disk, runs that cannot be compared.
+
+The readers must either parse or raise parity's own error type (ParityError), never anything
+else: a traceback is a bug.
+"""
+
+import errno
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parity import artifacts  # noqa: E402
+from parity.artifacts import RankWriter, read_run, write_json_atomic  # noqa: E402
+from parity.diff import diff_runs  # noqa: E402
+from parity.errors import ArtifactError, ParityError  # noqa: E402
+from parity.sweep.spec import load_spec  # noqa: E402
+from tests.synth import make_run  # noqa: E402
+
+FUZZ = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                       HealthCheck.too_slow])
+RANK_FILES = ["meta.json", "params.json", "steps.jsonl", "hashes.jsonl", "buckets.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def valid_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fuzz")
+    return make_run(base / "a", world_size=2, steps=3, n_params=6)
+
+
+def _mutate(src: Path, dst: Path, name: str, data: bytes) -> None:
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    (dst / "rank-00001" / name).write_bytes(data)
+
+
+def _read_and_diff(ref: Path, run: Path) -> None:
+    try:
+        read_run(run)
+        diff_runs(ref, run).to_dict()
+    except ParityError:
+        pass
+
+
+@FUZZ
+@given(name=st.sampled_from(RANK_FILES), cut=st.floats(0, 1), junk=st.binary(max_size=64))
+def test_truncated_or_extended_artifacts_parse_or_raise_parity_errors(valid_run, tmp_path, name,
+                                                                       cut, junk):
+    data = (valid_run / "rank-00001" / name).read_bytes()
+    _mutate(valid_run, tmp_path / "b", name, data[: int(len(data) * cut)] + junk)
+    _read_and_diff(valid_run, tmp_path / "b")
+
+
+@FUZZ
+@given(name=st.sampled_from(RANK_FILES), data=st.binary(max_size=512))
+def test_random_bytes_in_artifacts_parse_or_raise_parity_errors(valid_run, tmp_path, name, data):
+    _mutate(valid_run, tmp_path / "b", name, data)
+    _read_and_diff(valid_run, tmp_path / "b")
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                    | st.text(max_size=8),
+                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c,
+                                                                        max_size=4),
+                    max_leaves=12)
+
+
+@FUZZ
+@given(name=st.sampled_from(RANK_FILES), obj=JSON, keep_v=st.booleans())
+def test_random_json_records_parse_or_raise_parity_errors(valid_run, tmp_path, name, obj, keep_v):
+    if keep_v and isinstance(obj, dict):
+        obj = {"v": 1, **obj}
+    line = json.dumps(obj) + "\n"
+    data = (valid_run / "rank-00001" / name).read_bytes()
+    payload = data + line.encode() if name.endswith(".jsonl") else line.encode()
+    _mutate(valid_run, tmp_path / "b", name, payload)
+    _read_and_diff(valid_run, tmp_path / "b")
+
+
+SPEC_WORDS = st.sampled_from(["name", "steps", "seed", "timeout", "nproc_per_node", "axes",
+                              "reference", "candidate", "builtin", "args", "argv", "values",
+                              "flags", "requires", "env", "launcher", "type", "{steps}",
+                              "{batch_size}", "[axes.flash]", "[reference]", "=", "\n", "[",
+                              "]", '"', "true", "1", "-1", "[[x]]", "{", "}"])
+
+
+@FUZZ
+@given(text=st.lists(SPEC_WORDS, max_size=40).map(" ".join))
+def test_random_spec_text_loads_or_raises_parity_errors(tmp_path, text):
+    path = tmp_path / "spec.toml"
+    path.write_text(text)
+    try:
+        load_spec(path)
+    except ParityError:
+        pass
+
+
+@FUZZ
+@given(data=st.binary(max_size=256))
+def test_random_spec_bytes_load_or_raise_parity_errors(tmp_path, data):
+    path = tmp_path / "spec.toml"
+    path.write_bytes(data)
+    try:
+        load_spec(path)
+    except ParityError:
+        pass
+
+
+# ------------------------------------------------------------------------------- disk full
+
+
+class _FullDisk:
+    """A file object whose writes fail as on a full disk."""
+
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+def test_disk_full_mid_run_names_the_path_and_keeps_earlier_steps(tmp_path):
+    w = RankWriter(tmp_path, 0, {"world_size": 1})
+    w.write_params([{"fqn": "w", "shape": [2], "dtype": "float32"}])
+    for step in range(3):
+        w.write_step(step, b"\x01" * 16, loss=1.0)
+    w._hashes._f = _FullDisk(w._hashes._f)  # the disk fills up
+    with pytest.raises(ArtifactError) as e:
+        w.write_step(3, b"\x02" * 16)
+    assert "hashes.jsonl" in str(e.value) and "No space left" in str(e.value)
+    run = read_run(tmp_path)
+    assert sorted(run.ranks[0].steps) == [0, 1, 2]
+    assert run.ranks[0].hashes(2).tobytes() == b"\x01" * 16
+
+
+def test_disk_full_on_an_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "cell.json"
+    write_json_atomic(path, {"v": 1, "status": "match"})
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(artifacts.os, "fsync", full)
+    with pytest.raises(ArtifactError) as e:
+        write_json_atomic(path, {"v": 1, "status": "hash_mismatch"})
+    assert str(path) in str(e.value)
+    assert json.loads(path.read_text())["status"] == "match"
+    assert [p.name for p in tmp_path.iterdir()] == ["cell.json"]  # no temporary left behind
+
+
+# ------------------------------------------------------------------- runs that cannot be compared
+
+
+def _set_hasher(run: Path, hasher: str) -> None:
+    for meta in run.glob("rank-*/meta.json"):
+        m = json.loads(meta.read_text())
+        m.setdefault("capture", {})["hasher"] = hasher
+        meta.write_text(json.dumps(m))
+
+
+def test_runs_with_different_hashers_are_refused(tmp_path):
+    a = make_run(tmp_path / "a", world_size=2, steps=2, n_params=4)
+    b = make_run(tmp_path / "b", world_size=2, steps=2, n_params=4)
+    _set_hasher(a, "xxh3")
+    _set_hasher(b, "device")
+    with pytest.raises(ParityError) as e:
+        diff_runs(a, b)
+    assert e.value.exit_code == 2 and "different hashers" in str(e.value)
+
+
+def test_runs_with_different_world_sizes_or_parameters_name_the_difference(tmp_path):
+    a = make_run(tmp_path / "a", world_size=2, steps=2, n_params=4)
+    b = make_run(tmp_path / "b", world_size=4, steps=2, n_params=4)
+    with pytest.raises(ParityError) as e:
+        diff_runs(a, b)
+    assert e.value.exit_code == 2 and "world sizes differ" in str(e.value)
+    c = make_run(tmp_path / "c", world_size=2, steps=2, n_params=5)
+    with pytest.raises(ParityError) as e:
+        diff_runs(a, c)
+    assert e.value.exit_code == 2 and "layers.1" in str(e.value)
