@@ -190,3 +190,44 @@ def test_runs_with_different_world_sizes_or_parameters_name_the_difference(tmp_p
     with pytest.raises(ParityError) as e:
         diff_runs(a, c)
     assert e.value.exit_code == 2 and "layers.1" in str(e.value)
+
+
+# --------------------------------------------------------------- a rank killed in a sweep cell
+
+
+def test_sigkilled_rank_fails_the_cell_keeps_logs_and_diffs_the_steps_it_finished(tmp_path):
+    """Candidate rank 1 SIGKILLs itself after optimizer step 2 of 4: the cell is failed, every
+    rank's log is kept, and the steps both sides finished are diffed (verdict incomplete)."""
+    import subprocess
+
+    trainer = Path(__file__).resolve().parent / "trainers" / "plain_fsdp2.py"
+    spec = tmp_path / "kill.toml"
+    spec.write_text(f'''name = "kill"
+steps = 4
+nproc_per_node = 2
+timeout = 240
+[axes]
+x = [1]
+[reference]
+argv = ["{trainer}"]
+env = {{PT_STEPS = "4"}}
+[candidate]
+argv = ["{trainer}"]
+env = {{PT_STEPS = "4", PT_KILL = "1:2"}}
+''')
+    out = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "sweep", str(spec),
+                           "--out", str(out)], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    cell = json.loads((out / "sweep.json").read_text())["cells"][0]
+    assert cell["status"] == "failed"
+    assert "candidate" in cell["reason"] and "diffed steps 0-2" in cell["reason"]
+    assert cell["diff"]["verdict"] == "incomplete"
+    logs = cell["sides"]["candidate"]["rank_logs"]
+    assert {entry.get("rank") for entry in logs} >= {0, 1}
+    for entry in logs:
+        for key in ("stdout", "stderr"):
+            if entry.get(key):
+                assert (out / entry[key]).is_file()

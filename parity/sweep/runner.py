@@ -327,12 +327,29 @@ class _Run:
             for other in SIDES:  # a queued other side is not run (the queue checks the status)
                 if other not in s["sides"]:
                     s["sides"][other] = {"status": "not_run", "reason": f"not run: {side} failed"}
+            self._diff_partial(cell)
             st.write_cell(self.dir, s)
             return
         st.write_cell(self.dir, s)
         if s["status"] != st.FAILED and all(
                 s["sides"].get(x, {}).get("status") == OK for x in SIDES):
             self._finish_cell(cell)
+
+    def _diff_partial(self, cell: Cell) -> None:
+        """A failed cell whose other side finished still gets a diff of what the failed side
+        wrote (steps up to the last complete one): the cell stays failed, and its reason says
+        how far the comparison got and whether it already diverged."""
+        s = self.states[cell.id]
+        if not all(s["sides"].get(x, {}).get("status") not in (None, "not_run") for x in SIDES):
+            return
+        cdir = st.cell_dir(self.dir, cell.id)
+        _, why, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json")
+        if not diff:
+            return
+        steps = diff.get("steps_compared") or []
+        reached = f"steps {steps[0]}-{steps[-1]}" if steps else "no step"
+        s.update(diff=diff, diff_json=st.rel(cdir / "diff.json", self.dir),
+                 reason=f"{s['reason']}; diffed {reached} ({diff.get('verdict')}: {why})")
 
     def _finish_cell(self, cell: Cell) -> None:
         s = self.states[cell.id]
