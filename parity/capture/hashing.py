@@ -48,14 +48,20 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return _local(t).detach()
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A uint8 view of ``t``'s data (a contiguous copy only if it is not contiguous)."""
+def _materialized(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its lazy conjugate/negation applied and contiguous (a copy only if needed)."""
     if t.is_conj():
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
+    return t
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of ``t``'s data (a contiguous copy only if it is not contiguous)."""
+    t = _materialized(t)
     if t.dim() == 0:
         t = t.reshape(1)
     return t.view(torch.uint8)  # C-contiguous: its buffer is the tensor's bytes in order
@@ -90,13 +96,7 @@ _MASK = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}
 
 def _words(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """The elements as int64 words: unsigned values of their width, or raw 64-bit (``True``)."""
-    t = local_tensor(t)
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
+    t = _materialized(local_tensor(t))
     flat = t.reshape(-1)
     size = flat.element_size()
     if size in _INT_OF_SIZE:
