@@ -645,54 +645,46 @@ def _emit(gm: Any, graph_kind: str, comp: _Compilation, pre: dict | None) -> Non
         _warn_once(f"{type(e).__name__}: {e} (in the manifest callback)")
 
 
-def _wrap_aot_module_simplified(original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrap_entry(original: Callable[..., Any], input_fqns: Callable[[dict], list], *,
+                apply_defaults: bool = False) -> Callable[..., Any]:
+    """Wrap an AOTAutograd entry point so that its forward/backward (and inference) compilers
+    report the final graphs. ``input_fqns(arguments)`` names the graph inputs: from the dynamo
+    graph for ``aot_module_simplified``; empty for ``aot_compile_joint_with_descriptors``, whose
+    inputs carry their FQN (``ParamAOTInput(target=fqn)``). Any failure here falls back to the
+    unwrapped call: capture must never break compilation."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
-    def aot_module_simplified(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             bound = signature.bind(*args, **kwargs)
+            if apply_defaults:  # the joint API's compilers may come from its defaults
+                bound.apply_defaults()
             params = bound.arguments
-            comp = _Compilation(_dynamo_input_fqns(params.get("mod")))
+            comp = _Compilation(input_fqns(params))
             fw = params.get("fw_compiler")
             bw = params.get("bw_compiler") or fw
-            inference = params.get("inference_compiler") or fw
             params["fw_compiler"] = _wrap_compiler(fw, "forward", comp)
             params["bw_compiler"] = _wrap_compiler(bw, "backward", comp)
             if "inference_compiler" in signature.parameters:
+                inference = params.get("inference_compiler") or fw
                 params["inference_compiler"] = _wrap_compiler(inference, "forward", comp)
             call_args, call_kwargs = bound.args, bound.kwargs
         except Exception as e:
-            _warn_once(f"{type(e).__name__}: {e} (wrapping aot_module_simplified)")
+            _warn_once(f"{type(e).__name__}: {e} (wrapping {original.__name__})")
             return original(*args, **kwargs)
         return original(*call_args, **call_kwargs)
 
-    aot_module_simplified._parity_original = original  # type: ignore[attr-defined]
-    return aot_module_simplified
+    wrapper._parity_original = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _wrap_aot_module_simplified(original: Callable[..., Any]) -> Callable[..., Any]:
+    return _wrap_entry(original, lambda params: _dynamo_input_fqns(params.get("mod")))
 
 
 def _wrap_aot_compile_joint(original: Callable[..., Any]) -> Callable[..., Any]:
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def aot_compile_joint_with_descriptors(*args: Any, **kwargs: Any) -> Any:
-        try:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            params = bound.arguments
-            comp = _Compilation([])  # inputs here are ParamAOTInput(target=fqn)
-            fw = params.get("fw_compiler")
-            bw = params.get("bw_compiler") or fw
-            params["fw_compiler"] = _wrap_compiler(fw, "forward", comp)
-            params["bw_compiler"] = _wrap_compiler(bw, "backward", comp)
-            call_args, call_kwargs = bound.args, bound.kwargs
-        except Exception as e:
-            _warn_once(f"{type(e).__name__}: {e} (wrapping aot_compile_joint_with_descriptors)")
-            return original(*args, **kwargs)
-        return original(*call_args, **call_kwargs)
-
-    aot_compile_joint_with_descriptors._parity_original = original  # type: ignore[attr-defined]
-    return aot_compile_joint_with_descriptors
+    return _wrap_entry(original, lambda params: [], apply_defaults=True)
 
 
 def install(on_graph: OnGraph, *, disable_caches: bool = True) -> str | None:
