@@ -321,7 +321,7 @@ def test_unknown_fail_on_policy(tmp_path):
 
 
 def run_cli(args, capsys):
-    import cli
+    from parity import cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(args)

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(
 
 def _parity() -> list[str]:
     exe = shutil.which("parity", path=os.path.dirname(sys.executable)) or shutil.which("parity")
-    return [exe] if exe else [sys.executable, "-c", "import cli; cli.main()"]
+    return [exe] if exe else [sys.executable, "-m", "parity"]
 
 
 def _torchrun() -> list[str]:

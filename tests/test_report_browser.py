@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.browser,
 
 def _parity(*args, **kw):
     env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="120")
-    return subprocess.run([sys.executable, "-c", "import cli; cli.main()", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "parity", *args], cwd=ROOT,
                           env=env, capture_output=True, text=True, **kw)
 
 

@@ -6,7 +6,7 @@ import sys
 
 from parity.errors import EXIT_INCOMPLETE, EXIT_OK
 
-PARITY = [sys.executable, "-c", "import cli; cli.main()"]
+PARITY = [sys.executable, "-m", "parity"]
 
 
 def test_default_sweep_two_cells(tmp_path):

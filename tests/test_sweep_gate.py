@@ -10,7 +10,7 @@ from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, P
 from parity.sweep.gate import evaluate, gate
 from parity.sweep.runner import classify
 
-PARITY = [sys.executable, "-c", "import cli; cli.main()"]
+PARITY = [sys.executable, "-m", "parity"]
 
 
 def diff(verdict="match", order="identical", step=None, divergent=(), incomplete=()):

@@ -22,7 +22,7 @@ from parity.sweep.state import SweepLock
 TRAINERS = Path(__file__).resolve().parent / "trainers"
 CRASH = str(TRAINERS / "crash.py")
 HANG = str(TRAINERS / "hang.py")
-PARITY = [sys.executable, "-c", "import cli; cli.main()"]
+PARITY = [sys.executable, "-m", "parity"]
 
 
 def parity(*args, cwd, timeout=600):
