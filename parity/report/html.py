@@ -291,12 +291,12 @@ def render_sweep_html(sweep: dict) -> str:
             f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>\n")
 
 
-def write_sweep_html(sweep: dict, path: str | os.PathLike) -> None:
+def write_sweep_html(sweep: dict, path: str | os.PathLike, fail_on: str | None = None) -> None:
     """Write the sweep's report (``sweep`` is the sweep JSON, with ``_dir`` when known)."""
     write_text_atomic(path, render_sweep_html(sweep))
 
 
-def write_diff_html(result, path: str | os.PathLike) -> None:
+def write_diff_html(result, path: str | os.PathLike, fail_on: str = "hash") -> None:
     """The same page for one ``parity diff``: a one-cell matrix, its bucket, its parameters."""
     d = result.to_dict()
     status = "match" if d.get("verdict") == "match" else d.get("verdict", "?")
