@@ -102,9 +102,10 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, command):
 @click.argument("a_dir", type=click.Path())
 @click.argument("b_dir", type=click.Path())
 @click.option("--json", "json_file", type=click.Path(dir_okay=False),
-              help="Also write the result as JSON (schema: parity/schemas/diff.schema.json).")
+              help="Also write the result as JSON to FILE (schema: "
+                   "parity/schemas/diff.schema.json) [default: not written].")
 @click.option("--html", "html_file", type=click.Path(dir_okay=False),
-              help="Also write a self-contained HTML page to FILE.")
+              help="Also write a self-contained HTML page to FILE [default: not written].")
 @click.option("--fail-on", type=FAIL_ON, default=DEFAULT_POLICY, show_default=True,
               help=POLICY_HELP)
 def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):

@@ -154,7 +154,10 @@ def _summary(r: DiffResult) -> Panel:
     if r.world_size is not None and len(r.ranks_compared) != r.world_size:
         ranks.append(f"  compared: {ranges(r.ranks_compared) or 'none'}", style="yellow")
     g.add_row("World size", ranks)
-    g.add_row("Steps compared", T(_steps_text(r.steps_compared)))
+    steps = T(_steps_text(r.steps_compared))
+    if 0 in r.steps_compared:
+        steps.append("  step 0: initial parameters; step N: after optimizer step N", style="dim")
+    g.add_row("Steps compared", steps)
     p = T(f"{r.params_compared}")
     if r.params_only_in_a or r.params_only_in_b:
         p.append(f"  ({len(r.params_only_in_a)} only in A, {len(r.params_only_in_b)} only in B)",
@@ -168,7 +171,9 @@ def _summary(r: DiffResult) -> Panel:
         t.append(f"  [{fd.origin}] ")
         t.append(T(fd.explanation))
         g.add_row("First divergence", t)
-        g.add_row("Grads before params", T("yes" if fd.grad_before_param else "no"))
+        g.add_row("Diverged first in", T(
+            "gradients (the backward pass differs before any parameter)" if fd.grad_before_param
+            else "parameters (no gradient differed before)"))
     loss = r.loss
     if not loss.captured:
         g.add_row("Loss", T("not captured", "dim"))
@@ -182,7 +187,8 @@ def _summary(r: DiffResult) -> Panel:
         parts = []
         for c in o.compared:
             cnt = {k: v for k, v in o.counts[c].items() if v}
-            parts.append(f"{_ABBR.get(c, c)}: " + ", ".join(f"{v} {k}" for k, v in cnt.items()))
+            parts.append(f"{c.replace('_', '-')}: " + ", ".join(
+                f"{v} {k.replace('_', ' ')}" for k, v in cnt.items()))
         t.append(f"  ({o.a_source} vs {o.b_source}, rank {o.rank}; {'; '.join(parts)})")
     g.add_row("Bucket layouts", t)
     return Panel(g, title=T("parity diff"), title_align="left", expand=True)
