@@ -1,5 +1,8 @@
 """The `parity` command line: parse, call the library, map errors to exit codes.
 
+Installed as the ``parity`` script; also ``python -m parity`` and, from a checkout, the
+repository's top-level ``cli.py``. Verdicts and their words come from :mod:`parity.policy`.
+
 Exit codes (the README has the full table):
   0 parity holds / the command did its job     1 parity does not hold (under --fail-on)
   2 bad input or usage                         3 incomplete data or a failed sweep cell

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 from parity import policy
-from parity.errors import EXIT_MISMATCH
+from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH
 from parity.sweep import state as st
 
 POLICIES = tuple(policy.POLICIES)
@@ -22,7 +22,7 @@ POLICIES = tuple(policy.POLICIES)
 def cell_verdict(cell: dict, fail_on: str) -> str | None:
     """'mismatch', 'incomplete' or None (holds, or not compared) for one cell under ``fail_on``."""
     code = policy.cell_code(cell, fail_on)
-    return {EXIT_MISMATCH: "mismatch", 3: "incomplete"}.get(code)
+    return {EXIT_MISMATCH: "mismatch", EXIT_INCOMPLETE: "incomplete"}.get(code)
 
 
 def cell_fails(cell: dict, fail_on: str) -> bool:
