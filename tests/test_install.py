@@ -77,3 +77,18 @@ def test_wheel_installs_only_the_parity_package(tmp_path):
     assert {t for t in tops if not t.endswith((".dist-info", ".data"))} == {"parity"}
     names = zipfile.ZipFile(wheel).namelist()
     assert "parity/__main__.py" in names and "parity/cli.py" in names
+
+
+def test_installing_keeps_the_installed_torch(tmp_path):
+    """pip's own resolver, dry run: with this venv's torch (in the range) nothing but parity
+    itself would be installed."""
+    import json
+
+    report = tmp_path / "report.json"
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-build-isolation",
+                        "-q", "--report", str(report), "-e", str(ROOT)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"pip cannot resolve here: {p.stderr.strip().splitlines()[-1:]}")
+    names = [i["metadata"]["name"] for i in json.loads(report.read_text())["install"]]
+    assert "torch" not in names and names == ["fsdp-parity"], names
