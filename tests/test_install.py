@@ -68,8 +68,15 @@ def test_python_dash_m_parity_and_repo_entry_point():
 
 
 def test_wheel_installs_only_the_parity_package(tmp_path):
+    import shutil
+
+    src = tmp_path / "src"  # a copy, so the build leaves nothing in the checkout
+    shutil.copytree(ROOT / "parity", src / "parity",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md", "cli.py"):
+        shutil.copy(ROOT / name, src / name)
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                        "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True)
+                        "-q", "-w", str(tmp_path), str(src)], capture_output=True, text=True)
     if p.returncode != 0:
         pytest.skip(f"cannot build a wheel here: {p.stderr.strip().splitlines()[-1:]}")
     wheel = next(tmp_path.glob("fsdp_parity-*.whl"))
