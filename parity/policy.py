@@ -198,11 +198,11 @@ def judge_sweep(sweep: dict, policy: str) -> tuple[Verdict, list[str]]:
     (failing, failed, unproven, tolerated, skipped)."""
     check(policy)
     cells = [c for c in sweep.get("cells") or [] if isinstance(c, dict)]
-    compared = [c for c in cells if cell_code(c, policy) is not None]
-    failing = [c for c in compared if cell_code(c, policy) == EXIT_MISMATCH]
-    unproven = [c for c in compared if cell_code(c, policy) == EXIT_INCOMPLETE]
-    tolerated = [c for c in compared if cell_code(c, policy) == EXIT_OK
-                 and c.get("status") != MATCH]
+    codes = [cell_code(c, policy) for c in cells]
+    compared = [c for c, k in zip(cells, codes) if k is not None]
+    failing = [c for c, k in zip(cells, codes) if k == EXIT_MISMATCH]
+    unproven = [c for c, k in zip(cells, codes) if k == EXIT_INCOMPLETE]
+    tolerated = [c for c, k in zip(cells, codes) if k == EXIT_OK and c.get("status") != MATCH]
     failed = [c for c in cells if c.get("status") == "failed"]
     skipped = [c for c in cells if c.get("status") == "skipped"]
     other = [c for c in cells if c not in compared and c not in failed and c not in skipped]
