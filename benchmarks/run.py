@@ -171,7 +171,7 @@ def bench_capture(quick: bool, tmp: Path) -> dict:
     for i in range(rounds):  # interleaved, so drift in machine load hits both sides alike
         base.append(_mean_step_ms(_train_cmd(steps), ROOT))
         out = tmp / f"capture-{i}"
-        capt.append(_mean_step_ms([sys.executable, "-c", "import cli; cli.main()", "exec",
+        capt.append(_mean_step_ms([sys.executable, "-m", "parity", "exec",
                                    "--out", str(out), "--"] + _train_cmd(steps), ROOT))
         shutil.rmtree(out, ignore_errors=True)
     b, c = statistics.median(base), statistics.median(capt)
@@ -203,7 +203,7 @@ def bench_diff(quick: bool, tmp: Path) -> dict:
     b2 = make_run(tmp / "b2", world_size=ranks, steps=steps, n_params=params, diverge_at=2,
                   diverge_rank=3, diverge_param=17)
     gen = time.perf_counter() - t0
-    base = [sys.executable, "-c", "import cli; cli.main()", "diff"]
+    base = [sys.executable, "-m", "parity", "diff"]
     # Baseline in the same run: the diff of identical runs (all roll-ups equal, no drill-down).
     t_same, m_same, rc_same = _timed_child(base + [str(a), str(a)])
     t20, m20, rc20 = _timed_child(base + [str(a), str(b20), "--json", str(tmp / "d20.json")])
@@ -230,7 +230,7 @@ def bench_diff(quick: bool, tmp: Path) -> dict:
 def bench_sweep(quick: bool, tmp: Path) -> dict:
     out = tmp / "sweep"
     only = "flash=false,cudagraphs=false,batch_size=1" if quick else "cudagraphs=false"
-    cmd = [sys.executable, "-c", "import cli; cli.main()", "sweep", "--out", str(out),
+    cmd = [sys.executable, "-m", "parity", "sweep", "--out", str(out),
            "--only", only, "--steps", "2" if quick else "3"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=_env_one_thread(), capture_output=True, text=True,

@@ -409,5 +409,11 @@ def read_run(path: str | os.PathLike) -> Run:
                 f"{path}: the run recorded no rank data (run status {status!r}, "
                 f"exit code {run_meta.get('exit_code')!r})"
             )
-        raise ArtifactError(f"{path}: not a parity run directory (no rank-NNNNN/ folders)")
+        hint = ""  # a sweep's cell or the sweep itself given where a run was expected
+        if (Path(path) / "cell.json").is_file():
+            hint = (f"; it is a sweep cell: compare its sides with `parity diff "
+                    f"{Path(path) / 'reference'} {Path(path) / 'candidate'}`")
+        elif (Path(path) / "sweep.json").is_file():
+            hint = f"; it is a sweep directory: `parity report {path}` or `parity gate {path}`"
+        raise ArtifactError(f"{path}: not a parity run directory (no rank-NNNNN/ folders){hint}")
     return Run(path, run_meta, ranks, problems)

@@ -23,19 +23,20 @@ import numpy as np
 
 from parity.artifacts import RankData, Run, gc_paused, read_run, write_json_atomic
 from parity.diff_buckets import (
-    COLLECTIVES, UNAVAILABLE, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
+    COLLECTIVES, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
     select_layout,
 )
 from parity.diff_hashes import (
     DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, StepCount, compare_hashes, param_keys,
 )
-from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, ParityError
+from parity import policy
+from parity.errors import ParityError
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "diff.schema.json"
 VERDICTS = ("match", "hash_mismatch", "incomplete")
-FAIL_ON = ("hash", "order", "any")
-ORDER_FAILURES = ("order_differs", "partition_differs", "layout_differs")
+FAIL_ON = tuple(policy.POLICIES)
+ORDER_FAILURES = policy.ORDER_FAILURES
 A_PREFERS = ("fsdp2", "graph")
 B_PREFERS = ("graph", "fsdp2")
 _SHOW = 5  # names shown in one-line messages
@@ -127,20 +128,24 @@ class DiffResult:
     stats: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
 
-    # -- policy
+    # -- policy (parity.policy owns the rule and the words)
     def exit_code(self, fail_on: str = "hash") -> int:
         """0 parity holds under ``fail_on``, 1 it does not, 3 data incomplete (docs/diff.md)."""
-        if fail_on not in FAIL_ON:
-            raise ParityError(f"--fail-on: expected one of {', '.join(FAIL_ON)}, not {fail_on!r}")
-        if fail_on in ("hash", "any") and self.verdict == "hash_mismatch":
-            return EXIT_MISMATCH
-        if fail_on in ("order", "any") and self.order.verdict in ORDER_FAILURES:
-            return EXIT_MISMATCH
-        if self.incomplete:
-            return EXIT_INCOMPLETE
-        if fail_on in ("order", "any") and self.order.verdict == UNAVAILABLE:
-            return EXIT_INCOMPLETE
-        return EXIT_OK
+        return policy.pair_code(self.verdict, self.order.verdict, bool(self.incomplete), fail_on)
+
+    def judge(self, fail_on: str = "hash") -> policy.Verdict:
+        """The verdict line's parts under ``fail_on`` (rendered by every report alike)."""
+        fd = self.first_divergence
+        return policy.judge_pair({
+            "verdict": self.verdict, "incomplete": self.incomplete,
+            "kinds_compared": self.kinds_compared, "loss": {"captured": self.loss.captured},
+            "steps_compared": self.steps_compared, "ranks_compared": self.ranks_compared,
+            "params_compared": self.params_compared, "first_divergent_step":
+            self.first_divergent_step, "first_divergence": None if fd is None else
+            {"ranks": list(fd.ranks), "origin": fd.origin},
+            "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket},
+            "params_only_in_a": self.params_only_in_a, "params_only_in_b": self.params_only_in_b,
+        }, fail_on)
 
     # -- serialization
     def to_dict(self) -> dict:
@@ -148,6 +153,7 @@ class DiffResult:
         return {
             "schema_version": self.schema_version,
             "verdict": self.verdict,
+            "status": policy.status(self.verdict, self.order.verdict),
             "incomplete": list(self.incomplete),
             "a": _side_dict(self.a),
             "b": _side_dict(self.b),

@@ -35,7 +35,7 @@ def _env(**extra):
 
 
 def parity_exec(out, command, *opts, env=None, check=True):
-    argv = [sys.executable, "-m", "cli", "exec", "--out", str(out), *opts, "--", *command]
+    argv = [sys.executable, "-m", "parity", "exec", "--out", str(out), *opts, "--", *command]
     p = subprocess.run(argv, env=env or _env(), capture_output=True, text=True, timeout=TIMEOUT)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}")
@@ -266,7 +266,7 @@ def test_sigterm_is_forwarded_to_the_command(tmp_path):
             "def term(*a):\n    print('got TERM', flush=True)\n    sys.exit(5)\n"
             "signal.signal(signal.SIGTERM, term)\n"
             "print('ready', flush=True)\ntime.sleep(60)\n")
-    argv = [sys.executable, "-m", "cli", "exec", "--out", str(tmp_path / "run"), "--",
+    argv = [sys.executable, "-m", "parity", "exec", "--out", str(tmp_path / "run"), "--",
             sys.executable, "-c", code]
     p = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "ready"

@@ -40,7 +40,8 @@ def test_identical_runs_match(tmp_path):
     assert r.loss.captured and r.loss.first_divergent_step is None
     assert r.incomplete == [] and r.problems == []
     assert r.order.verdict == "identical"
-    assert {p: r.exit_code(p) for p in ("hash", "order", "any")} == {"hash": 0, "order": 0, "any": 0}
+    assert {p: r.exit_code(p) for p in ("hash", "order-only", "any")} == {
+        "hash": 0, "order-only": 0, "any": 0}
     assert r.stats["cells_drilled"] == 0  # equal roll-ups: no hash line read
 
 
@@ -81,7 +82,7 @@ def test_grad_divergence_reported_at_its_step_with_rank_and_buckets(tmp_path):
     assert [(c.step, c.params, c.grads, c.ranks, c.exact) for c in r.per_step] == [
         (2, 1, 1, 1, True), (3, 8, 8, 2, True), (4, 8, 8, 2, True)]
     assert r.loss.first_divergent_step == 3
-    assert r.exit_code("hash") == 1 and r.exit_code("any") == 1 and r.exit_code("order") == 0
+    assert r.exit_code("hash") == 1 and r.exit_code("any") == 1 and r.exit_code("order-only") == 0
 
 
 def test_param_divergence_points_at_the_optimizer(tmp_path):
@@ -210,7 +211,7 @@ def test_mismatch_in_the_common_prefix_wins_over_incomplete(tmp_path):
     r = diff_runs(a, b)
     assert r.verdict == "hash_mismatch" and r.incomplete
     assert r.exit_code("hash") == 1
-    assert r.exit_code("order") == 3  # no order failure; the data is still incomplete
+    assert r.exit_code("order-only") == 3  # no order failure; the data is still incomplete
 
 
 def test_missing_ranks_are_incomplete(tmp_path):
@@ -321,7 +322,7 @@ def test_unknown_fail_on_policy(tmp_path):
 
 
 def run_cli(args, capsys):
-    import cli
+    from parity import cli
 
     with pytest.raises(SystemExit) as e:
         cli.main(args)
@@ -335,14 +336,23 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     out = tmp_path / "d.json"
     code, stdout, _ = run_cli(["diff", str(a), str(b), "--json", str(out)], capsys)
     assert code == 1 and "HASH MISMATCH" in stdout
+    assert stdout.startswith("PARITY FAILS under --fail-on hash (exit 1): hash mismatch from step 2")
     assert load_diff_json(out)["first_divergent_step"] == 2
+    assert load_diff_json(out)["status"] == "hash_mismatch"
     assert not list(tmp_path.glob(".d.json*"))  # atomic: no temporary left behind
-    assert run_cli(["diff", str(a), str(b), "--fail-on", "order"], capsys)[0] == 1
+    assert run_cli(["diff", str(a), str(b), "--fail-on", "order-only"], capsys)[0] == 1
     c = make_run(tmp_path / "c", world_size=2, steps=4, n_params=8, bucket_layout="graph",
                  bucket_order="reversed-rs")
-    assert run_cli(["diff", str(a), str(c)], capsys)[0] == 0
-    assert run_cli(["diff", str(a), str(c), "--fail-on", "order"], capsys)[0] == 1
-    assert run_cli(["diff", str(a), str(c), "--fail-on", "any"], capsys)[0] == 1
+    code, stdout, _ = run_cli(["diff", str(a), str(c)], capsys)
+    assert code == 0 and stdout.startswith("PARITY HOLDS under --fail-on hash (exit 0)")
+    assert "tolerated: bucket" in stdout.splitlines()[0]
+    code, stdout, _ = run_cli(["diff", str(a), str(c), "--fail-on", "any"], capsys)
+    # never HOLDS with a non-zero exit: the line names what failed it
+    assert code == 1 and stdout.startswith("PARITY FAILS under --fail-on any (exit 1): bucket")
+    assert "HOLDS" not in stdout
+    assert run_cli(["diff", str(a), str(c), "--fail-on", "order-only"], capsys)[0] == 1
+    code, _, stderr = run_cli(["diff", str(a), str(c), "--fail-on", "order"], capsys)
+    assert code == 2 and "order-only" in stderr
 
 
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
@@ -356,7 +366,7 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
 def test_cli_incomplete_exit_3(tmp_path, capsys):
     a, b = pair(tmp_path, b={"stop_after": 2})
     code, stdout, _ = run_cli(["diff", str(a), str(b)], capsys)
-    assert code == 3 and "INCOMPLETE" in stdout
+    assert code == 3 and stdout.startswith("PARITY INCOMPLETE under --fail-on hash (exit 3)")
 
 
 def test_load_diff_json_rejects_other_files(tmp_path):

@@ -31,7 +31,7 @@ def test_identical_layouts_fsdp2_vs_graph(tmp_path):
     assert (o.verdict, o.a_source, o.b_source, o.rank) == ("identical", "fsdp2", "graph", 0)
     assert o.compared == ["all_gather", "reduce_scatter"] and o.first_bucket is None
     assert o.counts["all_gather"]["identical"] == 2 and o.counts["reduce_scatter"]["identical"] == 2
-    assert r.exit_code("order") == 0 and r.exit_code("any") == 0
+    assert r.exit_code("order-only") == 0 and r.exit_code("any") == 0
 
 
 def test_same_source_on_both_sides(tmp_path):
@@ -57,7 +57,7 @@ def test_reduce_scatter_in_backward_order_is_named_with_offsets(tmp_path):
     assert [row["b"]["fqn"] for row in rows] == F[4:8][::-1]
     assert [row["b"]["offset"] for row in rows] == [0, 192, 320, 512]
     assert not any(row["same"] for row in rows)
-    assert r.exit_code("hash") == 0 and r.exit_code("order") == 1 and r.exit_code("any") == 1
+    assert r.exit_code("hash") == 0 and r.exit_code("order-only") == 1 and r.exit_code("any") == 1
 
 
 def test_first_differing_position_inside_a_bucket(tmp_path):
@@ -135,7 +135,7 @@ def test_padding_and_dtype_are_layout_differences(tmp_path):
     assert (fb["collective"], fb["index"], fb["position"], fb["verdict"]) == (
         "all_gather", 1, 1, "layout_differs")
     assert "size 192 vs 256" in fb["detail"] and "numel 48 vs 64" in fb["detail"]
-    assert r.exit_code("order") == 1
+    assert r.exit_code("order-only") == 1
 
     def bf16(b, rank):
         if b["collective"] == "reduce_scatter":
@@ -188,7 +188,7 @@ def test_no_manifests_on_one_side_is_unavailable(tmp_path):
     r = run_pair(tmp_path, b={"bucket_layout": None})
     assert r.order.verdict == "unavailable" and r.order.first_bucket is None
     assert r.b.bucket_source is None
-    assert r.exit_code("hash") == 0 and r.exit_code("order") == 3 and r.exit_code("any") == 3
+    assert r.exit_code("hash") == 0 and r.exit_code("order-only") == 3 and r.exit_code("any") == 3
 
 
 def test_one_collective_missing_on_one_side(tmp_path):

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(
 
 def _parity() -> list[str]:
     exe = shutil.which("parity", path=os.path.dirname(sys.executable)) or shutil.which("parity")
-    return [exe] if exe else [sys.executable, "-c", "import cli; cli.main()"]
+    return [exe] if exe else [sys.executable, "-m", "parity"]
 
 
 def _torchrun() -> list[str]:
@@ -75,7 +75,8 @@ def test_registration_order_matches_with_identical_layouts(runs):
     assert (r.order.a_source, r.order.b_source) == ("fsdp2", "graph")
     assert r.order.verdict == "identical", _render(r)
     assert r.order.compared == ["all_gather", "reduce_scatter"]
-    assert {p: r.exit_code(p) for p in ("hash", "order", "any")} == {"hash": 0, "order": 0, "any": 0}
+    assert {p: r.exit_code(p) for p in ("hash", "order-only", "any")} == {
+        "hash": 0, "order-only": 0, "any": 0}
 
 
 def test_graph_order_matches_hashes_but_names_the_reduce_scatter_reorder(runs):
@@ -91,7 +92,7 @@ def test_graph_order_matches_hashes_but_names_the_reduce_scatter_reorder(runs):
     assert first_rs.position is not None
     assert first_rs.a_entry["fqn"] != first_rs.b_entry["fqn"]
     assert isinstance(first_rs.a_entry["offset"], int) and isinstance(first_rs.b_entry["offset"], int)
-    assert r.exit_code("hash") == 0 and r.exit_code("order") == 1
+    assert r.exit_code("hash") == 0 and r.exit_code("order-only") == 1
     text = _render(r)
     assert "PAYLOAD ORDER DIFFERS" in text and fb["a"]["fqn"] in text
 

@@ -216,7 +216,7 @@ argv = ["{trainer}"]
 env = {{PT_STEPS = "4", PT_KILL = "1:2"}}
 ''')
     out = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "sweep", str(spec),
+    proc = subprocess.run([sys.executable, "-m", "parity", "sweep", str(spec),
                            "--out", str(out)], cwd=Path(__file__).resolve().parents[1],
                           capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))

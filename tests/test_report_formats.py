@@ -55,13 +55,27 @@ def test_junit_one_testcase_per_cell(sweep_dir):
     render_sweep(sweep_dir, "junit", str(out))
     root = ET.parse(out).getroot()  # parses: everything is escaped, control chars removed
     suite = root.find("testsuite")
-    assert suite.get("tests") == "5" and suite.get("failures") == "2"
+    # under the sweep's policy (default hash), as the gate: the order mismatch is tolerated
+    assert suite.get("tests") == "5" and suite.get("failures") == "1"
     assert suite.get("errors") == "1" and suite.get("skipped") == "1"
+    props = {p.get("name"): p.get("value") for p in suite.find("properties")}
+    assert props["parity.fail_on"] == "hash" and props["parity.exit_code"] == "1"
+    assert props["parity.verdict"].startswith("PARITY FAILS under --fail-on hash (exit 1)")
     cases = {tc.get("name"): tc for tc in suite.findall("testcase")}
     assert set(cases) == {"tm", "th", "to", "ff", "fs"}
     assert list(cases["tm"]) == []
-    assert cases["th"].find("failure").get("type") == "hash_mismatch"
-    assert "<script>" in cases["th"].find("failure").get("message")  # round-trips as text
+    fail = cases["th"].find("failure")
+    assert fail.get("type") == "hash_mismatch"
+    assert "<script>" in fail.get("message")  # round-trips as text
+    # the body is the cell's console text, not the diff JSON
+    assert fail.text.startswith("PARITY FAILS under --fail-on hash (exit 1): hash mismatch")
+    assert "{" not in fail.text.splitlines()[0]
+    assert cases["to"].find("failure") is None
+    assert "tolerated under --fail-on hash: order_mismatch" in cases["to"].find("system-out").text
+    render_sweep(sweep_dir, "junit", str(out), fail_on="any")
+    suite = ET.parse(out).getroot().find("testsuite")
+    assert suite.get("failures") == "2"
+    cases = {tc.get("name"): tc for tc in suite.findall("testcase")}
     assert cases["to"].find("failure").get("type") == "order_mismatch"
     err = cases["ff"].find("error")
     assert "rank 1: boom" in err.get("message") and "cells/f/r1.err" in err.text
@@ -82,6 +96,47 @@ def test_markdown_escapes_and_tabulates(sweep_dir, capsys):
     assert "<script>" not in md and "&lt;script&gt;" in md and "<b>" not in md
     assert "\x01" not in md
     assert "`cells/f/r1.err`" in md and "<details>" in md
+    # the gate's verdict first, ranks per cell, where the HTML page is
+    assert md.splitlines()[2].startswith("❌ **PARITY FAILS under \\-\\-fail\\-on hash \\(exit 1\\)**")
+    assert rows[0].split(" | ")[3] == "ranks"
+    assert "HTML report: [" in md and "report.html" in md
+
+
+def test_markdown_and_junit_agree_with_the_gate(sweep_dir, capsys):
+    from parity.sweep.gate import evaluate
+    from parity.sweep.state import load_sweep
+
+    for pol in ("hash", "any", "order-only"):
+        code, lines = evaluate(load_sweep(sweep_dir), pol)
+        render_sweep(sweep_dir, "markdown", fail_on=pol)
+        md = capsys.readouterr().out
+        assert md_escape(lines[-1].split(":")[0]) in md
+        render_sweep(sweep_dir, "junit", fail_on=pol)
+        root = ET.fromstring(capsys.readouterr().out)
+        props = {p.get("name"): p.get("value") for p in root.iter("property")}
+        assert props["parity.verdict"] == lines[-1] and props["parity.exit_code"] == str(code)
+
+
+def test_first_finding_is_the_most_severe():
+    sw = sweep_dict()
+    sw["cells"] = [c for c in sw["cells"] if c["status"] != "failed"]
+    sw["cells"].sort(key=lambda c: c["status"] != "order_mismatch")  # order mismatch first
+    buf = io.StringIO()
+    print_sweep_console(dict(sw, _dir="/sw"), buf, color=False)
+    text = buf.getvalue()
+    assert "First finding (most severe), cell th: hash_mismatch" in text
+    assert text.rstrip().splitlines()[-1].startswith("PARITY FAILS under --fail-on hash (exit 1)")
+
+
+def test_paths_are_relative_to_where_the_sweep_is_now(tmp_path):
+    sw = sweep_dict()
+    sw["cells"] = [c for c in sw["cells"] if c["status"] != "failed"]
+    sw["cells"][1]["diff"].update(a={"path": "cells/th/reference"}, b={"path": "cells/th/candidate"})
+    buf = io.StringIO()
+    print_sweep_console(dict(sw, _dir="copied/sw"), buf, color=False)
+    lines = buf.getvalue().splitlines()
+    # one unwrapped, copyable line
+    assert "details: parity diff copied/sw/cells/th/reference copied/sw/cells/th/candidate" in lines
 
 
 def test_md_escape():
@@ -111,7 +166,7 @@ def test_json_and_console_to_file(sweep_dir, tmp_path):
 def test_html_dispatches_lazily(sweep_dir, tmp_path, monkeypatch):
     seen = {}
     mod = types.ModuleType("parity.report.html")
-    mod.write_sweep_html = lambda sweep, path: seen.update(sweep=sweep, path=path)
+    mod.write_sweep_html = lambda sweep, path, **kw: seen.update(sweep=sweep, path=path)
     monkeypatch.setitem(sys.modules, "parity.report.html", mod)
     render_sweep(sweep_dir, "html", str(tmp_path / "r.html"))
     assert seen["path"] == str(tmp_path / "r.html") and seen["sweep"]["name"] == "fmt"

@@ -9,7 +9,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from parity.diff import diff_runs  # noqa: E402
-from parity.report.html import render_sweep_html, write_diff_html  # noqa: E402
+from parity.report.html import (bucket_svg, render_sweep_html, segment_widths,  # noqa: E402
+                                write_diff_html)
 from tests.synth import make_run  # noqa: E402
 
 EVIL = 'layers.0.<script>alert("x")</script>&w'
@@ -64,3 +65,67 @@ def test_sweep_html_matrix_states(tmp_path, mismatch_diff):
     assert "step 3: not compared (failed)" in page
     assert "skipped (requires cuda)" in page
     assert re.search(r"step 2: \d+ parameters, \d+ gradients differ", page)
+
+
+def _order_cell(cid, axes, d):
+    return {"id": cid, "axes": axes, "status": "order_mismatch", "reason": "hashes identical",
+            "diff": d}
+
+
+def test_sweep_page_groups_findings_keeps_spec_order_and_collapses_runs(tmp_path, mismatch_diff):
+    result, _ = mismatch_diff
+    d = result.to_dict()
+    side = {"status": "ok", "run_dir": "cells/x/reference", "console_log": "cells/x/logs/ref.log",
+            "rank_logs": [{"rank": 0, "stderr": "cells/x/logs/r0.err"}],
+            "command": [sys.executable, "-c", "boot", "/src", "exec", "--out", "cells/x/reference",
+                        "--", "torchrun", "-m", "trainer", "--steps", "3"]}
+    cells = [dict(_order_cell("zeta=true,alpha=1", {"zeta": True, "alpha": 1}, d),
+                  sides={"reference": side}),
+             _order_cell("zeta=false,alpha=1", {"zeta": False, "alpha": 1}, d)]
+    sweep = {"name": "g", "steps": 4, "fail_on": "hash", "_dir": str(tmp_path / "sw"),
+             "axes": [{"name": "zeta", "values": [True, False]}, {"name": "alpha", "values": [1]}],
+             "cells": cells}
+    page = render_sweep_html(sweep, page_dir=str(tmp_path / "sw"))
+    _no_external(page)
+    # one picture for the finding both cells share, naming both cells
+    assert page.count('aria-label="bucket layout"') == 1
+    assert "The same finding in 2 cell(s)" in page
+    # axes in the spec's order, values as the spec writes them
+    assert page.index("<th>zeta</th>") < page.index("<th>alpha</th>")
+    assert "<td>true</td>" in page and "<td>True</td>" not in page
+    # the gate's verdict, policy named; runs collapsed, the trainer's command, logs as links
+    assert "PARITY" in page and "under --fail-on hash" in page
+    assert "<details><summary>" in page and 'href="cells/x/logs/r0.err"' in page
+    assert "torchrun -m trainer --steps 3" in page and "boot" not in page
+    assert "Sweep matrix" not in page
+
+
+def test_every_moved_position_is_marked(mismatch_diff):
+    result, _ = mismatch_diff
+    fb = result.order.first_bucket
+    moved = [r["position"] for r in fb["rows"] if not r["same"]]
+    assert len(moved) >= 2
+    svg = bucket_svg(fb)
+    assert svg.count('class="moved"') == 2 * len(moved)
+    assert svg.count('class="marker"') == 2 * len(moved)
+    assert 'viewBox="' in svg and "width=" not in svg.split(">", 1)[0].replace("stroke-width", "")
+
+
+def test_segment_widths_keep_small_payloads_visible():
+    w = segment_widths([128, 24576, 24576, 128], width=1000, min_w=34)
+    assert abs(sum(w) - 1000) < 1e-6 and min(w) >= 34
+    assert w[1] > w[0] * 10
+
+
+def test_diff_page_has_its_own_wording_and_the_consoles_content(mismatch_diff):
+    result, tmp = mismatch_diff
+    out = tmp / "own.html"
+    write_diff_html(result, out, fail_on="hash")
+    page = out.read_text()
+    for sweep_word in ("Sweep matrix", "sweep directory", "cell: diff", "<td>diff</td>"):
+        assert sweep_word not in page
+    assert "<h1>parity diff</h1>" in page
+    assert "PARITY FAILS under --fail-on hash (exit 1)" in page
+    assert "Loss of rank" in page and "Divergent per step" in page
+    assert "step 0: initial parameters" in page
+    assert "First divergence" in page and ("[backward]" in page or "[forward]" in page)

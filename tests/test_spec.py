@@ -13,7 +13,7 @@ from parity.sweep.spec import (BUILTIN_ENTRY, cell_id, default_spec_path, load_s
                                parse_only, parse_spec, safe_component)
 
 REPO = Path(__file__).resolve().parents[1]
-PARITY = [sys.executable, "-c", "import cli; cli.main()"]
+PARITY = [sys.executable, "-m", "parity"]
 
 MINIMAL = """
 name = "t"

@@ -10,7 +10,7 @@ from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, P
 from parity.sweep.gate import evaluate, gate
 from parity.sweep.runner import classify
 
-PARITY = [sys.executable, "-c", "import cli; cli.main()"]
+PARITY = [sys.executable, "-m", "parity"]
 
 
 def diff(verdict="match", order="identical", step=None, divergent=(), incomplete=()):
@@ -45,21 +45,22 @@ SKIPPED = cell("s", "skipped", None, "requires cuda: no CUDA device here")
     ([MATCH], "hash", EXIT_OK),
     ([MATCH, SKIPPED], "any", EXIT_OK),  # skipped cells never fail the gate
     ([MATCH, ORDER], "hash", EXIT_OK),  # a consistent reorder is not a hash mismatch
-    ([MATCH, ORDER], "order", EXIT_MISMATCH),
+    ([MATCH, ORDER], "order-only", EXIT_MISMATCH),
     ([MATCH, ORDER], "any", EXIT_MISMATCH),
     ([MATCH, HASH], "hash", EXIT_MISMATCH),
-    ([MATCH, HASH], "order", EXIT_OK),
+    ([MATCH, HASH], "order-only", EXIT_OK),
     ([MATCH, FAILED], "hash", EXIT_INCOMPLETE),
     ([HASH, FAILED], "hash", EXIT_MISMATCH),  # a proven mismatch outranks missing data
     ([SKIPPED], "hash", EXIT_INCOMPLETE),  # nothing compared proves nothing
     ([UNAVAIL], "hash", EXIT_OK),
-    ([UNAVAIL], "order", EXIT_INCOMPLETE),  # bucket order not comparable: unproven
+    ([UNAVAIL], "order-only", EXIT_INCOMPLETE),  # bucket order not comparable: unproven
     ([UNAVAIL, ORDER], "any", EXIT_MISMATCH),
 ])
 def test_exit_codes(cells_, policy, code):
     got, lines = evaluate(sweep(*cells_), policy)
     assert got == code, lines
-    assert lines[-1].startswith("gate ")
+    word = {EXIT_OK: "HOLDS", EXIT_MISMATCH: "FAILS", EXIT_INCOMPLETE: "INCOMPLETE"}[code]
+    assert lines[-1].startswith(f"PARITY {word} under --fail-on {policy} (exit {code})"), lines
 
 
 def test_unfinished_sweep_is_incomplete():
@@ -70,7 +71,7 @@ def test_skipped_cells_are_listed(tmp_path, capsys):
     (tmp_path / "sweep.json").write_text(json.dumps(sweep(MATCH, SKIPPED)))
     assert gate(tmp_path, "hash") == EXIT_OK
     out = capsys.readouterr().out
-    assert "skipped  s: requires cuda" in out and "gate PASS" in out
+    assert "skipped   s: requires cuda" in out and "PARITY HOLDS" in out
 
 
 @pytest.mark.parametrize("content,needle", [
@@ -114,3 +115,22 @@ def test_classify_diff_results():
     status, reason = classify(diff("incomplete", incomplete=["b: rank 1 missing"]))
     assert status == "failed" and "incomplete data: b: rank 1 missing" in reason
     assert classify(diff(order="unavailable"))[0] == "match"
+
+
+def test_gate_names_tolerated_order_mismatches():
+    code, lines = evaluate(sweep(MATCH, ORDER), "hash")
+    assert code == EXIT_OK
+    assert any(line.startswith("tolerated o: order_mismatch") for line in lines)
+    assert "tolerated: 1 order_mismatch (o)" in lines[-1]
+
+
+def test_gate_defaults_to_the_sweeps_policy():
+    sw = dict(sweep(MATCH, ORDER), fail_on="any")
+    assert evaluate(sw)[0] == EXIT_MISMATCH
+    assert evaluate(sw, "hash")[0] == EXIT_OK
+
+
+def test_order_policy_name_is_refused_with_its_new_name():
+    with pytest.raises(ParityError, match="order-only") as e:
+        evaluate(sweep(MATCH), "order")
+    assert e.value.exit_code == EXIT_USAGE

@@ -6,6 +6,7 @@ themselves (``capture = false``), so each job costs only torchrun's own start-up
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from parity.sweep.state import SweepLock
 TRAINERS = Path(__file__).resolve().parent / "trainers"
 CRASH = str(TRAINERS / "crash.py")
 HANG = str(TRAINERS / "hang.py")
-PARITY = [sys.executable, "-c", "import cli; cli.main()"]
+PARITY = [sys.executable, "-m", "parity"]
 
 
 def parity(*args, cwd, timeout=600):
@@ -108,7 +109,7 @@ def test_crashing_cell_fails_with_its_rank_logs_and_the_others_still_run(tmp_pat
     # per-cell state and the gate agree
     assert json.loads((out / "cells" / "crash=true" / "cell.json").read_text())["status"] == "failed"
     g = parity("gate", out, cwd=tmp_path)
-    assert g.returncode == EXIT_INCOMPLETE and "FAILED   crash=true" in g.stdout
+    assert g.returncode == EXIT_INCOMPLETE and "FAILED    crash=true" in g.stdout
     # timing: the sweep's own overhead is recorded (wall minus the jobs' summed wall)
     t = sweep["timing"]
     assert t["jobs_run"] == 3 and t["jobs_wall"] > 0 and t["overhead"] is not None
@@ -307,6 +308,19 @@ def test_hash_mismatch_cell_sets_the_exit_code_and_jobs_run_concurrently(tmp_pat
     assert parity("gate", out, cwd=tmp_path).returncode == EXIT_MISMATCH
     # the order policy cannot prove anything here: these trainers record no bucket layouts
     assert parity("gate", out, "--fail-on", "any", cwd=tmp_path).returncode == EXIT_MISMATCH
+    # one verdict language: the sweep ends with the gate's line; diff.json's status is the cell's
+    assert r.stdout.rstrip().splitlines()[-1].startswith(
+        "PARITY FAILS under --fail-on hash (exit 1): 1 hash_mismatch (perturb=true)")
+    for cid, cell in c.items():
+        d = json.loads((out / cell["diff_json"]).read_text())
+        assert d["status"] == cell["status"]
+        assert d["a"]["path"] == os.path.join("cells", cid, "reference")  # relative to the sweep
+    moved = tmp_path / "downloaded"  # a CI artifact unpacked elsewhere: paths follow the folder
+    shutil.copytree(out, moved, ignore=shutil.ignore_patterns(".parity-sweep.lock"))
+    shutil.rmtree(out)
+    rep = parity("report", moved, cwd=tmp_path)
+    cdir = moved / "cells" / "perturb=true"
+    assert f"details: parity diff {cdir / 'reference'} {cdir / 'candidate'}" in rep.stdout.splitlines()
 
 
 def test_dry_run_prints_commands_and_creates_nothing(tmp_path):

@@ -17,6 +17,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from parity import policy
 from parity.diff import DiffResult, ranges
 
 PLAIN_WIDTH = 100
@@ -74,18 +75,31 @@ def _steps_text(steps: list[int]) -> str:
     return f"{len(steps)} ({ranges(steps)})"
 
 
-def _verdict_lines(r: DiffResult) -> list:
-    lines = []
+_WORD_STYLE = {"HOLDS": "bold green", "FAILS": "bold red", "INCOMPLETE": "bold yellow"}
+
+
+def verdict_text(v: policy.Verdict) -> Text:
+    """The one verdict line (parity.policy words it), styled; never wrapped mid-line by us."""
+    t = T(v.head(), _WORD_STYLE.get(v.word, "bold"))
+    body = v.body()
+    if body:
+        t.append(": " + body)
+    return t
+
+
+def _verdict_lines(r: DiffResult, fail_on: str = "hash") -> list:
+    lines = [verdict_text(r.judge(fail_on))]
     n_steps, n_ranks, n_params = len(r.steps_compared), len(r.ranks_compared), r.params_compared
+    line = T("Hashes: ")
     if r.verdict == "match":
-        line = T("PARITY HOLDS", "bold green")
         what = list(r.kinds_compared) + (["loss"] if r.loss.captured else [])
-        line.append(f"  {n_steps} steps x {n_ranks} ranks x {n_params} parameters bitwise "
-                    f"identical ({', '.join(what)})")
+        line.append("bitwise identical", "green")
+        line.append(f" over {n_steps} steps x {n_ranks} ranks x {n_params} parameters "
+                    f"({', '.join(what)})")
     elif r.verdict == "hash_mismatch":
         fd = r.first_divergence
-        line = T("HASH MISMATCH", "bold red")
-        line.append(f"  first divergent step {r.first_divergent_step}")
+        line.append("HASH MISMATCH", "bold red")
+        line.append(f" from step {r.first_divergent_step}")
         if fd is not None:
             bits = []
             if fd.grads:
@@ -98,8 +112,8 @@ def _verdict_lines(r: DiffResult) -> list:
                 line.append(": the loss differs")
             line.append(f" ({fd.origin})")
     else:
-        line = T("INCOMPLETE", "bold yellow")
-        line.append("  " + (r.incomplete[0] if r.incomplete else "data incomplete"))
+        line.append("INCOMPLETE", "bold yellow")
+        line.append(" " + (r.incomplete[0] if r.incomplete else "data incomplete"))
     lines.append(line)
     if r.verdict != "incomplete" and r.incomplete:
         lines.append(_indent(T(f"and the data is incomplete: {r.incomplete[0]}", "yellow")))
@@ -140,7 +154,10 @@ def _summary(r: DiffResult) -> Panel:
     if r.world_size is not None and len(r.ranks_compared) != r.world_size:
         ranks.append(f"  compared: {ranges(r.ranks_compared) or 'none'}", style="yellow")
     g.add_row("World size", ranks)
-    g.add_row("Steps compared", T(_steps_text(r.steps_compared)))
+    steps = T(_steps_text(r.steps_compared))
+    if 0 in r.steps_compared:
+        steps.append("  step 0: initial parameters; step N: after optimizer step N", style="dim")
+    g.add_row("Steps compared", steps)
     p = T(f"{r.params_compared}")
     if r.params_only_in_a or r.params_only_in_b:
         p.append(f"  ({len(r.params_only_in_a)} only in A, {len(r.params_only_in_b)} only in B)",
@@ -154,7 +171,9 @@ def _summary(r: DiffResult) -> Panel:
         t.append(f"  [{fd.origin}] ")
         t.append(T(fd.explanation))
         g.add_row("First divergence", t)
-        g.add_row("Grads before params", T("yes" if fd.grad_before_param else "no"))
+        g.add_row("Diverged first in", T(
+            "gradients (the backward pass differs before any parameter)" if fd.grad_before_param
+            else "parameters (no gradient differed before)"))
     loss = r.loss
     if not loss.captured:
         g.add_row("Loss", T("not captured", "dim"))
@@ -168,7 +187,8 @@ def _summary(r: DiffResult) -> Panel:
         parts = []
         for c in o.compared:
             cnt = {k: v for k, v in o.counts[c].items() if v}
-            parts.append(f"{_ABBR.get(c, c)}: " + ", ".join(f"{v} {k}" for k, v in cnt.items()))
+            parts.append(f"{c.replace('_', '-')}: " + ", ".join(
+                f"{v} {k.replace('_', ' ')}" for k, v in cnt.items()))
         t.append(f"  ({o.a_source} vs {o.b_source}, rank {o.rank}; {'; '.join(parts)})")
     g.add_row("Bucket layouts", t)
     return Panel(g, title=T("parity diff"), title_align="left", expand=True)
@@ -366,12 +386,14 @@ def _bucket_section(r: DiffResult) -> list:
     return out
 
 
-def print_diff(result: DiffResult, console: Console | None = None) -> None:
-    """Render ``result``: verdict, summary, divergent parameters, per-step counts, loss, the
+def print_diff(result: DiffResult, console: Console | None = None, fail_on: str = "hash") -> None:
+    """Render ``result``: the verdict line under ``fail_on``, summary, divergent parameters, per-step counts, loss, the
     first differing bucket side by side, warnings."""
     c = console or make_console()
     r = result
-    for line in _verdict_lines(r):
+    lines = _verdict_lines(r, fail_on)
+    c.print(lines[0], soft_wrap=True)  # the verdict: one line, never wrapped (grep, CI logs)
+    for line in lines[1:]:
         c.print(line)
     c.print(_summary(r))
     if r.divergent:

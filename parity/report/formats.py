@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from parity import policy
+from parity.diff import ranges
 from parity.errors import ParityError
 
 FORMATS = ("console", "json", "markdown", "junit", "html")
@@ -26,28 +29,34 @@ STATUS_ICON = {"match": "✅", "hash_mismatch": "❌", "order_mismatch": "⚠️
                "skipped": "⏭️"}
 
 
-def render_sweep(sweep_dir, fmt: str = "console", output=None) -> None:
-    """Render the sweep in ``sweep_dir`` (or its sweep.json) to ``output`` (a path) or stdout."""
+def render_sweep(sweep_dir, fmt: str = "console", output=None, fail_on: str | None = None) -> None:
+    """Render the sweep in ``sweep_dir`` (or its sweep.json) to ``output`` (a path) or stdout,
+    under ``fail_on`` (default: the policy the sweep ran under), as ``parity gate`` judges it."""
+    from parity.sweep.gate import sweep_policy
     from parity.sweep.state import load_sweep
 
     if fmt not in FORMATS:
         raise ParityError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
     sweep = load_sweep(sweep_dir)
+    pol = sweep_policy(sweep, fail_on)
     if fmt == "html":
         from parity.report.html import write_sweep_html  # lazy: the HTML report is optional
 
         path = output or os.path.join(sweep["_dir"], "report.html")
-        write_sweep_html(dict(_public(sweep), _dir=sweep["_dir"]), path)
+        write_sweep_html(dict(_public(sweep), _dir=sweep["_dir"]), path, fail_on=pol)
         sys.stdout.write(f"{path}\n")
         return
     if fmt == "console":
         if output:
             with _open_out(output) as f:
-                print_sweep_console(sweep, f, color=False)
+                print_sweep_console(sweep, f, color=False, fail_on=pol)
         else:
-            print_sweep_console(sweep, sys.stdout)
+            print_sweep_console(sweep, sys.stdout, fail_on=pol)
         return
-    text = {"json": sweep_json, "markdown": sweep_markdown, "junit": sweep_junit}[fmt](sweep)
+    if fmt == "json":
+        text = sweep_json(sweep)
+    else:
+        text = {"markdown": sweep_markdown, "junit": sweep_junit}[fmt](sweep, pol)
     if output:
         with _open_out(output) as f:
             f.write(text)
@@ -121,6 +130,91 @@ def _failure_logs(c: dict) -> list[str]:
     return out
 
 
+SEVERITY = {"failed": 0, "hash_mismatch": 1, "order_mismatch": 2}  # the first finding shown
+
+
+def first_finding(sweep: dict) -> dict | None:
+    """The most severe cell (failed, then hash mismatch, then order mismatch), first in matrix
+    order among equals."""
+    cells = [c for c in sweep.get("cells") or [] if c.get("status") in SEVERITY]
+    return min(cells, key=lambda c: SEVERITY[c["status"]]) if cells else None
+
+
+def side_path(sweep: dict, path) -> str | None:
+    """A path recorded in the sweep (relative to the sweep directory) as seen from here: joined
+    to the directory the sweep was read from, so a moved or downloaded folder still works."""
+    if not path:
+        return None
+    path = str(path)
+    if os.path.isabs(path):
+        return path
+    return os.path.join(sweep.get("_dir") or ".", path)
+
+
+def diff_command(sweep: dict, cell: dict) -> str | None:
+    """``parity diff REF CAND`` for a compared cell, shell-quoted, to be printed unwrapped."""
+    diff = cell.get("diff") or {}
+    a = side_path(sweep, (diff.get("a") or {}).get("path"))
+    b = side_path(sweep, (diff.get("b") or {}).get("path"))
+    if not (a and b):
+        return None
+    return f"parity diff {shlex.quote(a)} {shlex.quote(b)}"
+
+
+def cell_ranks(cell: dict) -> str:
+    """The ranks a cell's finding is on: divergent ranks of a hash mismatch, else the rank whose
+    bucket layouts were compared."""
+    diff = cell.get("diff") if isinstance(cell.get("diff"), dict) else {}
+    fd = diff.get("first_divergence") if isinstance(diff.get("first_divergence"), dict) else {}
+    if cell.get("status") == "hash_mismatch" and fd.get("ranks"):
+        return ranges(fd["ranks"])
+    if cell.get("status") == "order_mismatch":
+        r = (diff.get("order") or {}).get("rank")
+        return "" if r is None else str(r)
+    return ""
+
+
+def cell_text(sweep: dict, cell: dict, fail_on: str, width: int = 110) -> str:
+    """A cell as the console shows it (JUnit failure bodies): verdict line, reason, divergent
+    parameters, per-step counts, the first differing bucket, the diff command."""
+    import io
+
+    from rich.console import Console
+
+    from parity.report.console import first_bucket_section
+
+    buf = io.StringIO()
+    con = Console(file=buf, width=width, no_color=True, force_terminal=False, highlight=False,
+                  emoji=False, soft_wrap=False)
+    diff = cell.get("diff") if isinstance(cell.get("diff"), dict) else None
+    say = lambda text: con.print(_safe(text), markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+    if diff:
+        say(policy.judge_pair(diff, fail_on).line())
+    say(f"{cell.get('status')}: {cell.get('reason') or ''}")
+    if diff:
+        div = [d for d in diff.get("divergent") or [] if isinstance(d, dict)]
+        if div:
+            step = div[0].get("step")
+            say(f"divergent at step {step} (kind, parameter, ranks):")
+            for d in div[:12]:
+                say(f"  {d.get('kind')}  {d.get('fqn')}  ranks {ranges(d.get('ranks') or [])}")
+            if len(div) > 12:
+                say(f"  ... and {len(div) - 12} more (diff.json has all)")
+        per = [x for x in diff.get("per_step") or [] if isinstance(x, dict)]
+        if len(per) > 1:
+            say("divergent per step: " + ", ".join(
+                f"step {x.get('step')}: {x.get('params')} params, {x.get('grads')} grads"
+                for x in per[:8]))
+        for part in first_bucket_section((diff.get("order") or {}).get("first_bucket")):
+            con.print(part)
+    cmd = diff_command(sweep, cell)
+    if cmd:
+        say(f"details: {cmd}")
+    for p in _failure_logs(cell)[:3]:
+        say(f"log: {side_path(sweep, p)}")
+    return buf.getvalue()
+
+
 # --------------------------------------------------------------------------------------- console
 
 
@@ -130,8 +224,10 @@ def _safe(text) -> str:
 
 
 
-def print_sweep_console(sweep: dict, file=None, color: bool | None = None) -> None:
-    """The matrix: one row per cell, its axis values, status and the reason."""
+def print_sweep_console(sweep: dict, file=None, color: bool | None = None,
+                        fail_on: str | None = None) -> None:
+    """The matrix: one row per cell, its axis values, status and the reason; the most severe
+    finding; and last the gate's verdict line under ``fail_on`` (default: the sweep's)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
@@ -164,37 +260,45 @@ def print_sweep_console(sweep: dict, file=None, color: bool | None = None) -> No
     console.print(escape(_safe(_summary(sweep))), highlight=False)
     for c in sweep.get("cells") or []:
         if c.get("status") == "failed":
-            logs = _failure_logs(c)
+            logs = [side_path(sweep, p) for p in _failure_logs(c)]
             if logs:
                 shown = ", ".join(logs[:3]) + (f" (+{len(logs) - 3} more)" if len(logs) > 3 else "")
                 console.print(escape(_safe(f"  {c['id']}: logs: {shown}")), highlight=False)
     _print_first_finding(console, sweep)
     if sweep.get("_dir"):
-        d = sweep["_dir"]
-        console.print(escape(f"report: {os.path.join(d, 'sweep.json')}  (parity report {d} "
-                             "--format html|markdown|junit; parity gate " + d + ")"),
-                      highlight=False)
+        d = shlex.quote(sweep["_dir"])
+        console.print(_safe(f"report: {os.path.join(d, 'sweep.json')}  (parity report {d} "
+                            f"--format html|markdown|junit; parity gate {d})"), markup=False,
+                      highlight=False, soft_wrap=True)
+    from parity.report.console import verdict_text
+    from parity.sweep.gate import sweep_policy
+
+    verdict, _ = policy.judge_sweep(sweep, sweep_policy(sweep, fail_on))
+    console.print(verdict_text(verdict), soft_wrap=True)
 
 
 def _print_first_finding(console, sweep: dict) -> None:
-    """The first mismatching cell's finding in full: the bucket side by side, and how to diff it."""
-    from rich.markup import escape
-
+    """The most severe cell's finding in full (failed, hash mismatch, order mismatch): the
+    reason, the bucket side by side, and how to diff it (one unwrapped, copyable line)."""
     from parity.report.console import first_bucket_section
 
-    for c in sweep.get("cells") or []:
-        if c.get("status") not in ("hash_mismatch", "order_mismatch"):
-            continue
-        diff = c.get("diff") or {}
-        console.print()
-        console.print(escape(_safe(f"First finding, cell {c['id']}:")), style="bold",
-                      highlight=False)
-        for part in first_bucket_section((diff.get("order") or {}).get("first_bucket")):
-            console.print(part)
-        a, b = (diff.get("a") or {}).get("path"), (diff.get("b") or {}).get("path")
-        if a and b:
-            console.print(escape(_safe(f"details: parity diff {a} {b}")), highlight=False)
+    c = first_finding(sweep)
+    if c is None:
         return
+    diff = c.get("diff") or {}
+    console.print()
+    console.print(_safe(f"First finding (most severe), cell {c['id']}: {c['status']}"),
+                  style="bold", markup=False, highlight=False, soft_wrap=True)
+    console.print(_safe(f"  {c.get('reason') or ''}"), markup=False, highlight=False)
+    if c.get("status") == "failed":
+        for p in _failure_logs(c)[:3]:
+            console.print(_safe(f"  log: {side_path(sweep, p)}"), markup=False, highlight=False,
+                          soft_wrap=True)
+    for part in first_bucket_section((diff.get("order") or {}).get("first_bucket")):
+        console.print(part)
+    cmd = diff_command(sweep, c)
+    if cmd:
+        console.print(_safe(f"details: {cmd}"), markup=False, highlight=False, soft_wrap=True)
 
 
 # ------------------------------------------------------------------------------------------ json
@@ -217,25 +321,32 @@ def md_escape(text) -> str:
     return _MD_SPECIAL.sub(r"\\\1", s)
 
 
-def sweep_markdown(sweep: dict) -> str:
-    """A report fit for a CI job summary ($GITHUB_STEP_SUMMARY)."""
+def sweep_markdown(sweep: dict, fail_on: str | None = None) -> str:
+    """A report fit for a CI job summary ($GITHUB_STEP_SUMMARY): the gate's verdict line first,
+    the matrix with ranks, the most severe finding's diff command, where the HTML page is."""
+    from parity.sweep.gate import sweep_policy
+
     axes = _axis_names(sweep)
+    verdict, _ = policy.judge_sweep(sweep, sweep_policy(sweep, fail_on))
+    icon = {"HOLDS": "✅", "FAILS": "❌"}.get(verdict.word, "⚠️")
     lines = [f"## parity sweep `{_code(sweep.get('name', '?'))}`", ""]
+    lines += [f"{icon} **{md_escape(verdict.head())}**: {md_escape(verdict.body())}", ""]
     if sweep.get("description"):
         lines += [md_escape(sweep["description"]), ""]
-    lines += [f"**{md_escape(_summary(sweep))}**", ""]
+    lines += [md_escape(_summary(sweep)), ""]
     sides = sweep.get("sides") or {}
     if sides:
         lines.append(" vs ".join(f"{md_escape(k)}: {md_escape(v.get('label', k))}"
                                  for k, v in sides.items() if isinstance(v, dict)))
         lines.append("")
-    header = [*(md_escape(a) for a in axes), "status", "detail", "time"]
+    header = [*(md_escape(a) for a in axes), "status", "ranks", "detail", "time"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] * len(header)) + "|")
     for c in sweep.get("cells") or []:
         status = c.get("status", "?")
         row = [md_escape(_value((c.get("axes") or {}).get(a))) for a in axes]
         row.append(f"{STATUS_ICON.get(status, '')} {md_escape(STATUS_TEXT.get(status, status))}")
+        row.append(md_escape(cell_ranks(c)))
         row.append(md_escape(c.get("reason") or ""))
         row.append(md_escape(_secs(_cell_time(c))))
         lines.append("| " + " | ".join(row) + " |")
@@ -247,8 +358,24 @@ def sweep_markdown(sweep: dict) -> str:
             lines.append(f"- {md_escape(c['id'])}: " + (", ".join(f"`{_code(p)}`" for p in logs)
                                                         or "no logs"))
         lines += ["", "</details>"]
+    first = first_finding(sweep)
+    cmd = diff_command(sweep, first) if first else None
+    if cmd:
+        lines += ["", f"Most severe finding ({md_escape(first['id'])}): `{_code(cmd)}`"]
+    if sweep.get("_dir"):
+        html = os.path.join(sweep["_dir"], "report.html")
+        lines += ["", f"HTML report: [{md_escape(html)}]({_link(html)})"
+                  + ("" if os.path.exists(html) else
+                     f" (write it with `parity report {_code(sweep['_dir'])} --format html`)")]
     lines.append("")
     return "\n".join(lines)
+
+
+def _link(path: str) -> str:
+    """A relative link target: no spaces or parentheses left to end it early."""
+    from urllib.parse import quote
+
+    return quote(path.replace(os.sep, "/"), safe="/=,.-_")
 
 
 def _code(text) -> str:
@@ -266,8 +393,14 @@ def _x(text) -> str:
     return _XML_BAD.sub("?", str(text))
 
 
-def sweep_junit(sweep: dict) -> str:
-    """JUnit XML: one testcase per cell; mismatch -> failure, failed -> error, skipped -> skipped."""
+def sweep_junit(sweep: dict, fail_on: str | None = None) -> str:
+    """JUnit XML, as ``parity gate`` judges under ``fail_on`` (default: the sweep's policy): one
+    testcase per cell; failing the policy -> failure (body: the cell's console text), failed or
+    unproven -> error, skipped -> skipped; a tolerated finding passes and says so."""
+    from parity.sweep.gate import sweep_policy
+
+    pol = sweep_policy(sweep, fail_on)
+    verdict, _ = policy.judge_sweep(sweep, pol)
     name = f"parity.{sweep.get('name', 'sweep')}"
     cells = sweep.get("cells") or []
     counts = {"tests": len(cells), "failures": 0, "errors": 0, "skipped": 0}
@@ -280,10 +413,19 @@ def sweep_junit(sweep: dict) -> str:
         case = ET.SubElement(suite, "testcase", classname=_x(name), name=_x(c.get("id", "?")),
                              time=f"{t:.3f}")
         reason = _x(c.get("reason") or "")
-        if status in ("hash_mismatch", "order_mismatch"):
+        code = policy.cell_code(c, pol)
+        tolerated = ""
+        if code == 1:
             counts["failures"] += 1
             el = ET.SubElement(case, "failure", message=_x(f"{status}: {reason}"), type=status)
-            el.text = _x(json.dumps(c.get("diff"), indent=1)[:20000]) if c.get("diff") else reason
+            el.text = _x(cell_text(sweep, c, pol))
+        elif code == 3:
+            counts["errors"] += 1
+            el = ET.SubElement(case, "error", message=_x(f"unproven under --fail-on {pol}: "
+                                                         f"{reason}"), type="unproven")
+            el.text = _x(cell_text(sweep, c, pol))
+        elif code == 0 and status != "match":
+            tolerated = f"tolerated under --fail-on {pol}: {status}: {reason}\n"
         elif status == "failed":
             counts["errors"] += 1
             el = ET.SubElement(case, "error", message=reason or "failed", type="failed")
@@ -291,13 +433,20 @@ def sweep_junit(sweep: dict) -> str:
         elif status == "skipped":
             counts["skipped"] += 1
             ET.SubElement(case, "skipped", message=reason)
-        out = []
+        out = [tolerated + cell_text(sweep, c, pol)] if tolerated else []
         for side, s in (c.get("sides") or {}).items():
             if isinstance(s, dict) and s.get("run_dir"):
-                out.append(f"{side}: run {s.get('run_dir')} logs {s.get('log_dir')} "
-                           f"console {s.get('console_log')}")
+                out.append(f"{side}: run {side_path(sweep, s.get('run_dir'))} logs "
+                           f"{side_path(sweep, s.get('log_dir'))} console "
+                           f"{side_path(sweep, s.get('console_log'))}")
         if out:
             ET.SubElement(case, "system-out").text = _x("\n".join(out))
+    props = ET.Element("properties")
+    ET.SubElement(props, "property", name="parity.fail_on", value=pol)
+    ET.SubElement(props, "property", name="parity.verdict", value=_x(verdict.line()))
+    ET.SubElement(props, "property", name="parity.exit_code", value=str(verdict.code))
+    suite.insert(0, props)
+    ET.SubElement(suite, "system-out").text = _x(verdict.line())
     for k, v in counts.items():
         suite.set(k, str(v))
     suite.set("time", f"{total_time:.3f}")

@@ -1,11 +1,16 @@
-"""One self-contained HTML file for a sweep or a diff: a heatmap of cells by steps, and the first
-differing bucket of each cell drawn as two byte-offset bars.
+"""One self-contained HTML file for a sweep or a diff: the verdict, a strip of steps per cell, and
+each differing bucket drawn as two bars of parameters (reference above, candidate below).
 
-Why pictures: a bucket-order bug is two rows of byte ranges where the same parameters sit at
-different offsets, and a sweep verdict is a matrix that stays green until the first divergence.
-Hand-made inline SVG keeps the file self-contained (no network, no scripts, no assets) and crisp
-at any zoom. Every piece of text goes through ``html.escape``: parameter names and axis values
-are user data.
+Why pictures: a bucket-order bug is two rows where the same parameters sit at different
+positions, and a sweep verdict is a matrix that stays green until the first divergence. Hand-made
+inline SVG keeps the file self-contained (no network, no scripts, no assets) and crisp at any
+zoom; every SVG scales to the page width (viewBox, width 100%). A parameter of 128 B in a 100 KB
+bucket would be under a pixel at true scale, so the bars give every parameter a minimum width and
+share the rest by size (true offsets and sizes are in the tooltips and the table), and every
+position whose parameter differs is outlined and marked, not only the first.
+
+The verdict line comes from parity.policy, as on the console; every piece of text goes through
+``html.escape`` (parameter names, axis values and paths are user data).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import shlex
 import time
 from pathlib import Path
 
+from parity import policy
 from parity.artifacts import write_text_atomic
 
 STATE_COLOURS = {
@@ -26,25 +32,39 @@ STATE_COLOURS = {
 }
 STATUS_COLOURS = {
     "match": "#2e9d58", "hash_mismatch": "#d0392b", "order_mismatch": "#e08a1e",
-    "failed": "#5b1a1a", "skipped": "#8c8c8c",
+    "failed": "#5b1a1a", "skipped": "#8c8c8c", "incomplete": "#5b1a1a",
 }
-BAR_WIDTH = 960
+WORD_COLOURS = {"HOLDS": "#2e9d58", "FAILS": "#d0392b", "INCOMPLETE": "#b07100"}
+MARK = "#c00"
+BAR_WIDTH = 1000  # SVG user units; the SVG itself is as wide as the page
+MIN_SEGMENT = 34  # user units: the smallest parameter stays visible and labelled by hover
 CSS = """
-body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1d1d1f;
-max-width:1200px}
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;
+color:#1d1d1f;max-width:1200px;padding:0 16px}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd}
 h3{font-size:15px;margin:18px 0 6px}table{border-collapse:collapse;margin:6px 0}
 th,td{padding:3px 10px;border-bottom:1px solid #eee;text-align:left;vertical-align:top}
-th{background:#f6f6f6}td.mono{word-break:break-all;max-width:420px}code,.mono{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px}
+th{background:#f6f6f6}td.mono{word-break:break-all;max-width:460px}
+code,.mono{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px}
 .badge{color:#fff;border-radius:4px;padding:1px 7px;font-size:12px;white-space:nowrap}
-.muted{color:#777}.legend span{display:inline-block;margin-right:14px}
+.muted{color:#666}.legend span{display:inline-block;margin-right:14px}
 .legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-1px}
-.verdict{font-size:16px;font-weight:600;margin:6px 0 14px}
+.verdict{font-size:15px;margin:10px 0 14px;padding:8px 12px;border-left:6px solid;
+background:#fafafa}.verdict b{font-size:16px}
+svg.bars{width:100%;height:auto;display:block;max-width:1200px}
+.wide{overflow-x:auto}td.detail{min-width:300px}details{margin:8px 0}summary{cursor:pointer;font-weight:600}
 """
 
 
 def _e(x) -> str:
     return html.escape("" if x is None else str(x), quote=True)
+
+
+def _value(v) -> str:
+    """An axis value as the spec and the console write it (true/false, not True/False)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return "" if v is None else str(v)
 
 
 def _colour(fqn: str) -> str:
@@ -58,7 +78,14 @@ def _short(fqn: str) -> str:
     return ".".join(parts[-2:]) if len(parts) > 2 else fqn
 
 
-# ------------------------------------------------------------------------------------- heatmap
+def _verdict_block(v: policy.Verdict) -> str:
+    colour = WORD_COLOURS.get(v.word, "#444")
+    body = v.body()
+    return (f'<div class=verdict style="border-color:{colour}"><b style="color:{colour}">'
+            f'{_e(v.head())}</b>{": " + _e(body) if body else ""}</div>')
+
+
+# ------------------------------------------------------------------------------------- strips
 
 
 def _step_states(cell: dict, steps: list[int]) -> list[tuple[str, str]]:
@@ -107,78 +134,129 @@ def _legend() -> str:
 # ---------------------------------------------------------------------------------- bucket bars
 
 
+def segment_widths(sizes: list[int], width: float = BAR_WIDTH,
+                   min_w: float = MIN_SEGMENT) -> list[float]:
+    """Widths of consecutive segments filling ``width``: each at least ``min_w``, the rest shared
+    in proportion to size (so a 128 B norm next to 24 KB matrices is still a visible box)."""
+    n = len(sizes)
+    if n == 0:
+        return []
+    min_w = min(min_w, width / n)
+    spare = width - n * min_w
+    total = sum(max(0, s) for s in sizes) or 1
+    return [min_w + spare * max(0, s) / total for s in sizes]
+
+
 def bucket_svg(fb: dict, ref_label: str = "reference", cand_label: str = "candidate") -> str:
-    """Two horizontal byte-offset bars (A above, B below), one segment per parameter."""
+    """Two bars of the bucket's parameters in payload order (A above, B below). Every position
+    whose parameter differs between the sides is outlined and marked with a triangle; the first
+    one gets a filled triangle. Not to byte scale below ``MIN_SEGMENT`` (see module doc)."""
     rows = fb.get("rows") or []
-    entries = {"a": [r["a"] for r in rows if r.get("a")], "b": [r["b"] for r in rows if r.get("b")]}
-    total = max([int(e.get("offset") or 0) + int(e.get("size") or 0)
-                 for side in entries.values() for e in side] or [1]) or 1
-    left, bar_h, top = 160, 34, 22
-    width = left + BAR_WIDTH + 20
-    scale = BAR_WIDTH / total
     first = fb.get("position")
-    parts = [f'<text x="{left}" y="14" class="mono" font-size="11" fill="#555">byte 0</text>',
-             f'<text x="{left + BAR_WIDTH}" y="14" class="mono" font-size="11" fill="#555" '
-             f'text-anchor="end">{total:,} bytes</text>']
-    for k, (side, label) in enumerate((("a", f"A {ref_label}"), ("b", f"B {cand_label}"))):
-        y = top + k * (bar_h + 26)
-        parts.append(f'<text x="0" y="{y + bar_h / 2 + 4}" font-size="12">{_e(label[:24])}'
-                     f'<title>{_e(label)}</title></text>')
-        for pos, e in enumerate(entries[side]):
+    bar_h, label_h, gap = 34, 28, 24
+    height = 2 * (label_h + bar_h) + gap + 26
+    parts = []
+    for k, (side, label) in enumerate((("a", f"A: {ref_label}"), ("b", f"B: {cand_label}"))):
+        y0 = k * (label_h + bar_h + gap)
+        y = y0 + label_h
+        ents = [(r.get("position"), r[side], r.get("same", True)) for r in rows if r.get(side)]
+        total = sum(int(e.get("size") or 0) for _, e, _ in ents)
+        parts.append(f'<text x="0" y="{y0 + 13}" font-size="13" font-weight="600">{_e(label)}'
+                     f'</text><text x="{BAR_WIDTH}" y="{y0 + 13}" font-size="11" fill="#555" '
+                     f'text-anchor="end">{len(ents)} parameters, {total:,} bytes</text>')
+        x = 0.0
+        for (pos, e, same), w in zip(ents, segment_widths([int(e.get("size") or 0)
+                                                           for _, e, _ in ents])):
             off, size = int(e.get("offset") or 0), int(e.get("size") or 0)
-            x, w = left + off * scale, max(size * scale, 1.0)
             fqn = str(e.get("fqn"))
-            marked = pos == first
-            stroke = ' stroke="#c00" stroke-width="3"' if marked else ' stroke="#fff" stroke-width="1"'
             tip = (f"{fqn}\nposition {pos}, offset {off:,} B, size {size:,} B, "
-                   f"{e.get('numel', '?')} elements, {e.get('dtype', '?')}")
-            parts.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{bar_h}" '
+                   f"{e.get('numel', '?')} elements, {e.get('dtype', '?')}"
+                   + ("" if same else "\ndiffers from the other side at this position"))
+            stroke = (f' stroke="{MARK}" stroke-width="3"' if not same
+                      else ' stroke="#fff" stroke-width="1"')
+            moved = f' class="moved" data-position="{_e(pos)}"' if not same else ""
+            parts.append(f'<rect{moved} x="{x:.2f}" y="{y}" width="{w:.2f}" height="{bar_h}" '
                          f'fill="{_colour(fqn)}"{stroke}><title>{_e(tip)}</title></rect>')
-            if w > 46:
+            if w > 40:
                 parts.append(f'<text x="{x + 3:.2f}" y="{y + bar_h / 2 + 4}" font-size="10.5" '
-                             f'clip-path="inset(0)" pointer-events="none">'
-                             f'{_e(_short(fqn)[: int(w / 6.2)])}</text>')
-            if marked:
-                parts.append(f'<path d="M{x + w / 2:.2f},{y - 2} l-5,-8 h10 z" fill="#c00"/>')
-    height = top + 2 * bar_h + 30
-    return (f'<svg width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" '
-            f'aria-label="bucket layout">{"".join(parts)}</svg>')
+                             f'pointer-events="none">{_e(_short(fqn)[: int(w / 6.2)])}</text>')
+            if not same:
+                cx = x + w / 2
+                fill = MARK if pos == first else "#fff"
+                parts.append(f'<path class="marker" d="M{cx:.2f},{y - 1} l-6,-9 h12 z" '
+                             f'fill="{fill}" stroke="{MARK}" stroke-width="1.5"/>')
+            x += w
+    parts.append(f'<text x="0" y="{height - 6}" font-size="11" fill="#555">payload order, left to '
+                 f'right; widths: at least {MIN_SEGMENT}/{BAR_WIDTH} of the bar, the rest by size '
+                 f'(true offsets in the table)</text>')
+    return (f'<svg class="bars" viewBox="-2 -2 {BAR_WIDTH + 4} {height + 4}" role="img" '
+            f'preserveAspectRatio="xMinYMin meet" aria-label="bucket layout">'
+            f'{"".join(parts)}</svg>')
 
 
-def _bucket_section(cell: dict, anchor: str, labels: tuple[str, str]) -> str:
-    diff = cell.get("diff") or {}
-    fb = (diff.get("order") or {}).get("first_bucket")
-    if not fb:
-        return ""
+def _fingerprint(fb: dict) -> str:
+    """Cells whose first differing bucket is the same finding share one picture."""
+    key = {k: fb.get(k) for k in ("collective", "verdict", "index", "b_index", "group", "b_group",
+                                  "position")}
+    key["rows"] = [[(r.get(s) or {}).get(f) for s in ("a", "b") for f in ("fqn", "offset", "size")]
+                   for r in fb.get("rows") or []]
+    return hashlib.blake2b(json.dumps(key, sort_keys=True, default=str).encode(),
+                           digest_size=8).hexdigest()
+
+
+def _bucket_section(fb: dict, anchor: str, labels: tuple[str, str], cells: list[dict]) -> str:
     a, b = fb.get("a") or {}, fb.get("b") or {}
     head = (f"{_e(fb.get('collective'))} bucket {_e(fb.get('index'))} "
             f"({_e(fb.get('group') or 'root')}) vs candidate bucket {_e(fb.get('b_index'))}: "
             f"{_e(fb.get('verdict'))}")
+    moved = [r for r in fb.get("rows") or [] if not r.get("same", True)]
     where = ""
     if a or b:
-        where = (f"<p>first differing position <b>{_e(fb.get('position'))}</b>: A "
+        where = (f"<p>{len(moved)} position(s) differ, first <b>{_e(fb.get('position'))}</b>: A "
                  f"<code>{_e(a.get('fqn'))}</code> @ byte {_e(a.get('offset'))}, B "
                  f"<code>{_e(b.get('fqn'))}</code> @ byte {_e(b.get('offset'))}. "
                  f"<span class=muted>{_e(fb.get('detail'))}</span></p>")
-    table = ["<table><tr><th>pos</th><th>A parameter</th><th>A offset</th><th>B parameter</th>"
-             "<th>B offset</th><th>size</th><th>dtype</th></tr>"]
+    seen = ""
+    if cells and cells[0].get("id") is not None:
+        ids = ", ".join(f"<code>{_e(c.get('id'))}</code>" for c in cells)
+        seen = f"<p class=muted>The same finding in {len(cells)} cell(s): {ids}</p>"
+    table = ["<div class=wide><table><tr><th>pos</th><th>A parameter</th><th>A offset</th>"
+             "<th>B parameter</th><th>B offset</th><th>size</th><th>dtype</th></tr>"]
     for r in fb.get("rows") or []:
         ra, rb = r.get("a") or {}, r.get("b") or {}
-        style = ' style="background:#fde2e0"' if r.get("position") == fb.get("position") else (
-            "" if r.get("same") else ' style="background:#fff4d6"')
+        style = ' style="background:#fde2e0"' if not r.get("same", True) else ""
         table.append(f"<tr{style}><td>{_e(r.get('position'))}</td><td class=mono>{_e(ra.get('fqn'))}"
                      f"</td><td>{_e(ra.get('offset'))}</td><td class=mono>{_e(rb.get('fqn'))}</td>"
                      f"<td>{_e(rb.get('offset'))}</td><td>{_e(ra.get('size', rb.get('size')))}</td>"
                      f"<td>{_e(ra.get('dtype', rb.get('dtype')))}</td></tr>")
-    table.append("</table>")
-    return (f'<section id="{anchor}"><h3>{_e(cell.get("id"))}: {head}</h3>{where}'
-            f'{bucket_svg(fb, *labels)}{"".join(table)}</section>')
+    table.append("</table></div>")
+    return (f'<section id="{anchor}"><h3>{head}</h3>{seen}{where}{bucket_svg(fb, *labels)}'
+            f'{"".join(table)}</section>')
 
 
-# ------------------------------------------------------------------------------------ the page
+def _bucket_findings(cells: list[dict], labels: tuple[str, str]) -> tuple[str, dict]:
+    """One section per distinct finding (cells grouped); {cell id: anchor}."""
+    groups: dict[str, list[dict]] = {}
+    fbs: dict[str, dict] = {}
+    for c in cells:
+        fb = ((c.get("diff") or {}).get("order") or {}).get("first_bucket")
+        if isinstance(fb, dict):
+            key = _fingerprint(fb)
+            groups.setdefault(key, []).append(c)
+            fbs.setdefault(key, fb)
+    anchors, sections = {}, []
+    for i, (key, cs) in enumerate(groups.items()):
+        anchor = f"bucket-{i}"
+        for c in cs:
+            anchors[c.get("id")] = anchor
+        sections.append(_bucket_section(fbs[key], anchor, labels, cs))
+    return "".join(sections), anchors
 
 
-def _divergent_table(cells: list[tuple[dict, str]]) -> str:
+# ------------------------------------------------------------------------------------ tables
+
+
+def _divergent_table(cells: list[tuple[dict, str]], show_cell: bool = True) -> str:
     rows = []
     for cell, anchor in cells:
         for d in (cell.get("diff") or {}).get("divergent") or []:
@@ -192,14 +270,17 @@ def _divergent_table(cells: list[tuple[dict, str]]) -> str:
                             where.append(f"{side.upper()} {coll} #{loc.get('index')} @ "
                                          f"{loc.get('offset')}")
             link = f'<a href="#{anchor}">bucket picture</a>' if anchor else ""
-            rows.append(f"<tr><td>{_e(cell.get('id'))}</td><td>{_e(d.get('step'))}</td>"
+            first = f"<td>{_e(cell.get('id'))}</td>" if show_cell else ""
+            rows.append(f"<tr>{first}<td>{_e(d.get('step'))}</td>"
                         f"<td>{_e(d.get('kind'))}</td><td class=mono>{_e(d.get('fqn'))}</td>"
                         f"<td>{_e(','.join(map(str, d.get('ranks') or [])))}</td>"
                         f"<td class=mono>{_e('; '.join(where))}</td><td>{link}</td></tr>")
     if not rows:
         return "<p class=muted>No divergent parameters: every compared hash is equal.</p>"
-    return ("<table><tr><th>cell</th><th>step</th><th>kind</th><th>parameter</th><th>ranks</th>"
-            "<th>bucket @ byte offset</th><th></th></tr>" + "".join(rows[:500]) + "</table>")
+    head = "<th>cell</th>" if show_cell else ""
+    return (f"<div class=wide><table><tr>{head}<th>step</th><th>kind</th><th>parameter</th>"
+            "<th>ranks</th><th>bucket @ byte offset</th><th></th></tr>" + "".join(rows[:500])
+            + "</table></div>")
 
 
 def _run_meta(run_dir: str | None) -> dict:
@@ -211,101 +292,231 @@ def _run_meta(run_dir: str | None) -> dict:
         return {}
 
 
-def _metadata(sweep: dict) -> str:
+def trainer_command(cmd) -> str:
+    """The job's own command: parity's bootstrap prefix (``... exec --out DIR --``) removed."""
+    if not isinstance(cmd, list):
+        return str(cmd or "")
+    cmd = [str(x) for x in cmd]
+    if "exec" in cmd and "--" in cmd[cmd.index("exec"):]:
+        cmd = cmd[cmd.index("--", cmd.index("exec")) + 1:]
+    return shlex.join(cmd)
+
+
+def _href(path: str, page_dir: str | None) -> str:
+    """A link from the page to ``path`` (relative when the page's folder is known)."""
+    if page_dir:
+        try:
+            path = os.path.relpath(path, page_dir)
+        except ValueError:
+            pass
+    return html.escape(path.replace(os.sep, "/").replace(" ", "%20"), quote=True)
+
+
+def _runs(sweep: dict, page_dir: str | None) -> str:
     base = sweep.get("_dir") or ""
     rows = []
+
+    def here(p):
+        return os.path.join(base, p) if p and base and not os.path.isabs(p) else p
+
     for cell in sweep.get("cells") or []:
         for side, s in (cell.get("sides") or {}).items():
-            if not isinstance(s, dict):
+            if not isinstance(s, dict) or s.get("status") == "not_run":
                 continue
-            run_dir = s.get("run_dir")
-            if run_dir and base and not os.path.isabs(run_dir):
-                run_dir = os.path.join(base, run_dir)
-            meta = _run_meta(run_dir)
-            cmd = s.get("command")
-            cmd = shlex.join(map(str, cmd)) if isinstance(cmd, list) else (cmd or "")
-            logs = [s.get("console_log")] + [r.get("stdout") for r in s.get("rank_logs") or []
-                                             if isinstance(r, dict)] + [
-                r.get("stderr") for r in s.get("rank_logs") or [] if isinstance(r, dict)]
-            logs = [l for l in logs if l]
+            meta = _run_meta(here(s.get("run_dir")))
+            logs = [s.get("console_log")] + [r.get(k) for r in s.get("rank_logs") or []
+                                             if isinstance(r, dict) for k in ("stdout", "stderr")]
+            links = " ".join(f'<a href="{_href(here(p), page_dir)}">{_e(os.path.basename(p))}</a>'
+                             for p in logs if p)
             rows.append(f"<tr><td>{_e(cell.get('id'))}</td><td>{_e(side)}</td>"
                         f"<td>{_e(s.get('status'))}</td><td>{_e(meta.get('torch'))}</td>"
-                        f"<td>{_e(meta.get('world_size'))}</td><td class=mono>{_e(cmd)}</td>"
-                        f"<td class=mono>{'<br>'.join(_e(l) for l in logs)}</td></tr>")
+                        f"<td>{_e(meta.get('world_size'))}</td>"
+                        f"<td class=mono>{_e(trainer_command(s.get('command')))}</td>"
+                        f"<td>{links}</td></tr>")
     if not rows:
         return ""
-    return ("<h2>Runs</h2><table><tr><th>cell</th><th>side</th><th>status</th><th>torch</th>"
-            "<th>world size</th><th>command</th><th>logs</th></tr>" + "".join(rows) + "</table>")
+    return ("<h2>Runs</h2><details><summary>" + f"{len(rows)} jobs: torch version, world size, "
+            "the trainer's command, logs</summary><div class=wide><table><tr><th>cell</th>"
+            "<th>side</th><th>status</th><th>torch</th><th>world size</th><th>command</th>"
+            "<th>logs</th></tr>" + "".join(rows) + "</table></div></details>")
 
 
-def render_sweep_html(sweep: dict) -> str:
+def _page(title: str, body: list[str]) -> str:
+    return ("<!doctype html><html lang=en><head><meta charset=utf-8>"
+            '<meta name="viewport" content="width=device-width, initial-scale=1">'
+            f"<title>{_e(title)}</title><style>{CSS}</style></head><body>{''.join(body)}"
+            "</body></html>\n")
+
+
+def _axes(sweep: dict) -> list[str]:
+    """Axis names in the spec's order."""
+    axes = sweep.get("axes")
+    if isinstance(axes, list):
+        names = [a["name"] for a in axes if isinstance(a, dict) and "name" in a]
+    elif isinstance(axes, dict):
+        names = list(axes)
+    else:
+        names = []
+    for c in sweep.get("cells") or []:
+        for k in c.get("axes") or {}:
+            if k not in names:
+                names.append(k)
+    return names
+
+
+# ------------------------------------------------------------------------------------ the pages
+
+
+def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | None = None) -> str:
+    """The sweep page: the gate's verdict line, the matrix, each distinct bucket finding once,
+    divergent parameters, the runs (collapsed)."""
     cells = sweep.get("cells") or []
-    axes = list(sweep.get("axes") or {}) if isinstance(sweep.get("axes"), dict) else []
-    if not axes:
-        axes = sorted({a for c in cells for a in (c.get("axes") or {})})
+    axes = _axes(sweep)
     n_steps = sweep.get("steps")
     all_steps = sorted({s for c in cells for s in ((c.get("diff") or {}).get("steps_compared") or [])})
     steps = list(range(0, int(n_steps) + 1)) if isinstance(n_steps, int) else all_steps or [0]
     sides = sweep.get("sides") or {}
     labels = (str((sides.get("reference") or {}).get("label") or "reference"),
               str((sides.get("candidate") or {}).get("label") or "candidate"))
-
-    anchors = {}
-    for i, c in enumerate(cells):
-        if ((c.get("diff") or {}).get("order") or {}).get("first_bucket"):
-            anchors[c.get("id")] = f"bucket-{i}"
+    pol = policy.check(fail_on or sweep.get("fail_on") or policy.DEFAULT)
+    verdict, _ = policy.judge_sweep(sweep, pol)
+    findings, anchors = _bucket_findings(cells, labels)
     head = "".join(f"<th>{_e(a)}</th>" for a in axes)
     rows = []
     for c in cells:
         status = c.get("status", "?")
         diff = c.get("diff") or {}
-        vals = "".join(f"<td>{_e((c.get('axes') or {}).get(a))}</td>" for a in axes)
+        vals = "".join(f"<td>{_e(_value((c.get('axes') or {}).get(a)))}</td>" for a in axes)
         anchor = anchors.get(c.get("id"))
         layout = f'<a href="#{anchor}">layout</a>' if anchor else ""
+        code = policy.cell_code(c, pol)
+        tol = " <span class=muted>(tolerated)</span>" if code == 0 and status != "match" else ""
+        fd = diff.get("first_divergence") if isinstance(diff.get("first_divergence"), dict) else {}
+        where = ""
+        if diff.get("first_divergent_step") is not None:
+            where = f"step {diff['first_divergent_step']}"
+            if fd.get("ranks"):
+                where += f", rank {','.join(map(str, fd['ranks']))}"
         rows.append(
             f"<tr>{vals}<td><span class=badge style=\"background:{STATUS_COLOURS.get(status, '#444')}"
-            f"\">{_e(status)}</span></td><td>{_e(diff.get('first_divergent_step', ''))}</td>"
-            f"<td>{_strip(c, steps)}</td><td>{layout}</td><td class=muted>{_e(c.get('reason'))}</td></tr>")
-    counts = sweep.get("counts") or {}
-    verdict = ", ".join(f"{v} {k}" for k, v in counts.items() if v) or f"{len(cells)} cells"
-    buckets = "".join(_bucket_section(c, anchors[c.get("id")], labels) for c in cells
-                      if c.get("id") in anchors)
+            f"\">{_e(status)}</span>{tol}</td><td>{_e(where)}</td>"
+            f"<td>{_strip(c, steps)}</td><td>{layout}</td>"
+            f"<td class=\"muted detail\">{_e(c.get('reason'))}</td></tr>")
+    counts: dict[str, int] = {}
+    for c in cells:
+        counts[c.get("status", "?")] = counts.get(c.get("status", "?"), 0) + 1
+    summary = ", ".join(f"{v} {k}" for k, v in counts.items())
+    name = sweep.get("name", "sweep")
     body = [
-        f"<h1>parity: {_e(sweep.get('name', 'report'))}</h1>",
+        f"<h1>parity sweep: {_e(name)}</h1>",
         f"<div class=muted>{_e(sweep.get('description'))}</div>",
-        f"<div class=verdict>{_e(verdict)}</div>",
-        "<h2>Sweep matrix</h2>", _legend(),
-        f"<table><tr>{head}<th>status</th><th>first divergent step</th>"
-        f"<th>steps {_e(steps[0])}-{_e(steps[-1])}</th><th></th><th>reason</th></tr>",
-        "".join(rows), "</table>",
-        "<h2>First differing bucket per cell</h2>",
-        buckets or "<p class=muted>Every compared bucket layout is identical.</p>",
+        _verdict_block(verdict),
+        f"<p>{len(cells)} cells: {_e(summary)}</p>",
+        "<h2>Cells</h2>", _legend(),
+        f"<div class=wide><table><tr>{head}<th>status</th><th>diverges at</th>"
+        f"<th title=\"step 0: initial parameters\">steps {_e(steps[0])}-{_e(steps[-1])}</th>"
+        f"<th></th><th>detail</th></tr>",
+        "".join(rows), "</table></div>",
+        "<h2>Bucket layout findings</h2>",
+        findings or "<p class=muted>Every compared bucket layout is identical.</p>",
         "<h2>Divergent parameters</h2>",
         _divergent_table([(c, anchors.get(c.get("id"), "")) for c in cells]),
-        _metadata(sweep),
-        f"<p class=muted>written by parity {time.strftime('%Y-%m-%d %H:%M:%S')}; "
-        f"sweep directory <code>{_e(sweep.get('_dir', ''))}</code></p>",
+        _runs(sweep, page_dir),
+        f"<p class=muted>written by parity {time.strftime('%Y-%m-%d %H:%M:%S')}"
+        + (f"; sweep directory <code>{_e(sweep['_dir'])}</code>" if sweep.get("_dir") else "")
+        + "</p>",
     ]
-    return ("<!doctype html><html lang=en><head><meta charset=utf-8>"
-            f"<title>parity: {_e(sweep.get('name', 'report'))}</title>"
-            f"<style>{CSS}</style></head><body>{''.join(body)}</body></html>\n")
+    return _page(f"parity sweep: {name}", body)
 
 
-def write_sweep_html(sweep: dict, path: str | os.PathLike) -> None:
-    """Write the sweep's report (``sweep`` is the sweep JSON, with ``_dir`` when known)."""
-    write_text_atomic(path, render_sweep_html(sweep))
+def render_diff_html(d: dict, fail_on: str = "hash") -> str:
+    """The page of one ``parity diff`` (``DiffResult.to_dict()``): what the console shows, the
+    verdict line, summary, loss side by side, per-step counts, divergent parameters, and the
+    first differing bucket as a picture."""
+    verdict = policy.judge_pair(d, fail_on)
+    a, b = d.get("a") or {}, d.get("b") or {}
+    steps = d.get("steps_compared") or []
+    fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else None
+    order = d.get("order") or {}
+    status = policy.status(d.get("verdict"), order.get("verdict"))
+    summary = [
+        ("Status", f'<span class=badge style="background:{STATUS_COLOURS.get(status, "#444")}">'
+                   f"{_e(status)}</span>"),
+        ("A (reference)", f"<code>{_e(a.get('path'))}</code> "
+                          f"<span class=muted>manifests: {_e(a.get('bucket_source') or 'none')}</span>"),
+        ("B (candidate)", f"<code>{_e(b.get('path'))}</code> "
+                          f"<span class=muted>manifests: {_e(b.get('bucket_source') or 'none')}</span>"),
+        ("World size", _e(d.get("world_size"))),
+        ("Ranks compared", _e(",".join(map(str, d.get("ranks_compared") or [])))),
+        ("Steps compared", f"{len(steps)} ({_e(steps[0] if steps else '-')}-"
+                           f"{_e(steps[-1] if steps else '-')}) <span class=muted>step 0: initial "
+                           "parameters; step N: after optimizer step N</span>"),
+        ("Parameters", f"{_e(d.get('params_compared'))} "
+                       f"<span class=muted>({_e(', '.join(d.get('kinds_compared') or []))})</span>"),
+    ]
+    if fd:
+        first = "gradients (the backward pass differs first)" if fd.get("grad_before_param") \
+            else "parameters"
+        summary.append(("First divergence", f"step {_e(fd.get('step'))} [{_e(fd.get('origin'))}] "
+                                            f"on rank(s) {_e(','.join(map(str, fd.get('ranks') or [])))}: "
+                                            f"{_e(fd.get('explanation'))}"))
+        summary.append(("Diverged first in", _e(first)))
+    else:
+        summary.append(("First divergence", "none"))
+    summary.append(("Bucket layouts", _e(order.get("verdict")) + (
+        f" <span class=muted>({_e(order.get('a_source'))} vs {_e(order.get('b_source'))}, rank "
+        f"{_e(order.get('rank'))})</span>" if order.get("compared") else "")))
+    table = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in summary)
+    loss = d.get("loss") or {}
+    loss_rows = []
+    for s in loss.get("steps") or []:
+        if not isinstance(s, dict):
+            continue
+        eq = s.get("equal")
+        style = ' style="background:#fde2e0"' if eq is False else ""
+        loss_rows.append(f"<tr{style}><td>{_e(s.get('step'))}</td><td class=mono>"
+                         f"{_e(repr(s.get('a')))}</td><td class=mono>{_e(repr(s.get('b')))}</td>"
+                         f"<td>{'equal' if eq else ('-' if eq is None else 'DIFFERS')}</td></tr>")
+    loss_rows = "".join(loss_rows)
+    loss_html = (f"<h2>Loss of rank {_e(loss.get('rank'))}, side by side</h2><table><tr><th>step"
+                 f"</th><th>A</th><th>B</th><th>bitwise</th></tr>{loss_rows}</table>"
+                 if loss.get("captured") and loss_rows else "<p class=muted>Loss not captured.</p>")
+    per = [p for p in d.get("per_step") or [] if isinstance(p, dict)]
+    per_html = ""
+    if per:
+        per_html = ("<h2>Divergent per step</h2><p class=muted>parameters and gradients whose hash "
+                    "differs on any rank</p><table><tr><th>step</th><th>params</th><th>grads</th>"
+                    "<th>ranks</th></tr>" + "".join(
+                        f"<tr><td>{_e(p.get('step'))}</td><td>{_e(p.get('params'))}</td>"
+                        f"<td>{_e(p.get('grads'))}</td><td>{_e(p.get('ranks'))}</td></tr>"
+                        for p in per) + "</table>")
+    cell = {"id": None, "status": status, "diff": d}
+    findings, anchors = _bucket_findings([cell], ("reference", "candidate"))
+    strip_steps = list(range(0, (max(steps) if steps else 0) + 1))
+    body = [
+        "<h1>parity diff</h1>",
+        f"<div class=muted>A <code>{_e(a.get('path'))}</code> vs B <code>{_e(b.get('path'))}</code>"
+        "</div>",
+        _verdict_block(verdict),
+        f"<table>{table}</table>",
+        f"<p>Steps: {_strip(cell, strip_steps)}</p>", _legend(),
+        loss_html, per_html,
+        "<h2>Divergent parameters</h2>",
+        _divergent_table([(cell, anchors.get(None, ""))], show_cell=False),
+        "<h2>First differing bucket</h2>",
+        findings or "<p class=muted>Every compared bucket layout is identical.</p>",
+        f"<p class=muted>written by parity {time.strftime('%Y-%m-%d %H:%M:%S')}</p>",
+    ]
+    return _page("parity diff", body)
 
 
-def write_diff_html(result, path: str | os.PathLike) -> None:
-    """The same page for one ``parity diff``: a one-cell matrix, its bucket, its parameters."""
-    d = result.to_dict()
-    status = "match" if d.get("verdict") == "match" else d.get("verdict", "?")
-    if status == "match" and (d.get("order") or {}).get("verdict") not in (None, "identical",
-                                                                             "unavailable"):
-        status = "order_mismatch"
-    steps = d.get("steps_compared") or [0]
-    cell = {"id": "diff", "axes": {}, "status": status, "diff": d,
-            "reason": f"A {(d.get('a') or {}).get('path')} vs B {(d.get('b') or {}).get('path')}"}
-    sweep = {"name": "diff", "description": cell["reason"], "cells": [cell],
-             "steps": max(steps), "counts": {status: 1}}
-    write_text_atomic(path, render_sweep_html(sweep))
+def write_sweep_html(sweep: dict, path: str | os.PathLike, fail_on: str | None = None) -> None:
+    """Write the sweep's page (``sweep`` is the sweep JSON, with ``_dir`` when known); links to
+    logs are relative to the page's folder."""
+    page_dir = os.path.dirname(os.path.abspath(path))
+    write_text_atomic(path, render_sweep_html(sweep, fail_on, page_dir))
+
+
+def write_diff_html(result, path: str | os.PathLike, fail_on: str = "hash") -> None:
+    """The page of one ``parity diff`` under ``fail_on`` (its own wording, not a sweep's)."""
+    write_text_atomic(path, render_diff_html(result.to_dict(), fail_on))

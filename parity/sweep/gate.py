@@ -1,95 +1,47 @@
-"""The CI verdict over a sweep report.
+"""The CI verdict over a sweep report: ``parity gate`` and the last line of ``parity sweep``.
 
-Exit codes: 0 every compared cell holds under the policy; 1 a compared cell does not (this wins
-over 3: parity demonstrably fails); 3 no mismatch but a cell failed, the sweep did not finish,
-or nothing at all was compared; 2 the directory is not a readable sweep (raised). Skipped cells
-never fail the gate; they are listed.
-
-Policies (``--fail-on``), as ``parity diff`` applies them to one pair: ``hash`` a cell whose
-hashes differ; ``order`` a cell whose bucket order/partition/layout differs from the reference
-(whatever its hashes); ``any`` either. Under ``order``/``any`` a cell whose bucket order could
-not be compared (a side recorded no layouts) is unproven: exit 3 unless something mismatches.
+The rule and its words live in :mod:`parity.policy` (the same ``--fail-on`` policies
+``parity diff`` applies to one pair). Exit codes: 0 every compared cell holds under the policy;
+1 a compared cell fails it (this wins over 3: parity demonstrably fails); 3 no failure but a cell
+failed, the sweep did not finish, nothing was compared, or (under ``any``/``order-only``) a cell's
+bucket layouts could not be compared; 2 the directory is not a readable sweep (raised). Skipped
+cells never fail the gate; tolerated findings (an order mismatch under ``hash``) are listed.
 """
 
 from __future__ import annotations
 
 import sys
 
-from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, ParityError
+from parity import policy
+from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH
 from parity.sweep import state as st
 
-POLICIES = ("hash", "order", "any")
-
-
-ORDER_FAILURES = ("order_differs", "partition_differs", "layout_differs")  # as parity.diff
+POLICIES = tuple(policy.POLICIES)
 
 
 def cell_verdict(cell: dict, fail_on: str) -> str | None:
-    """'mismatch', 'incomplete' or None for a compared cell, with parity.diff's policy
-    (DiffResult.exit_code): under order/any, a bucket order the diff could not compare
-    ('unavailable') is incomplete data, not a pass."""
-    status = cell.get("status")
-    diff = cell.get("diff") if isinstance(cell.get("diff"), dict) else {}
-    order = diff.get("order") if isinstance(diff.get("order"), dict) else {}
-    oval = order.get("verdict")
-    if fail_on in ("hash", "any") and status == st.HASH_MISMATCH:
-        return "mismatch"
-    if fail_on in ("order", "any") and (status == st.ORDER_MISMATCH or oval in ORDER_FAILURES):
-        return "mismatch"
-    if fail_on in ("order", "any") and oval not in ("identical", *ORDER_FAILURES):
-        return "incomplete"
-    return None
+    """'mismatch', 'incomplete' or None (holds, or not compared) for one cell under ``fail_on``."""
+    code = policy.cell_code(cell, fail_on)
+    return {EXIT_MISMATCH: "mismatch", EXIT_INCOMPLETE: "incomplete"}.get(code)
 
 
 def cell_fails(cell: dict, fail_on: str) -> bool:
     """Does this compared cell break parity under ``fail_on``?"""
-    return cell_verdict(cell, fail_on) == "mismatch"
+    return policy.cell_code(cell, fail_on) == EXIT_MISMATCH
 
 
-def evaluate(sweep: dict, fail_on: str = "hash") -> tuple[int, list[str]]:
-    """(exit code, report lines) for a loaded sweep report."""
-    if fail_on not in POLICIES:
-        raise ParityError(f"--fail-on {fail_on!r}: one of {', '.join(POLICIES)}")
-    cells = sweep.get("cells") or []
-    compared = [c for c in cells if c["status"] in st.COMPARED]
-    failing = [c for c in compared if cell_verdict(c, fail_on) == "mismatch"]
-    unproven = [c for c in compared if cell_verdict(c, fail_on) == "incomplete"]
-    failed = [c for c in cells if c["status"] == st.FAILED]
-    skipped = [c for c in cells if c["status"] == st.SKIPPED]
-    lines = []
-    for c in failing:
-        lines.append(f"MISMATCH {c['id']}: {c['status']}: {c.get('reason') or ''}".rstrip(": "))
-    for c in failed:
-        lines.append(f"FAILED   {c['id']}: {c.get('reason') or 'failed'}")
-    for c in unproven:
-        order = (c.get("diff") or {}).get("order") or {}
-        lines.append(f"UNPROVEN {c['id']}: bucket order {order.get('verdict') or 'not recorded'} "
-                     f"(--fail-on {fail_on} needs both sides' bucket layouts)")
-    for c in skipped:
-        lines.append(f"skipped  {c['id']}: {c.get('reason') or ''}".rstrip(": "))
-    problems = []
-    if not sweep.get("complete", True):
-        problems.append("the sweep did not finish")
-    if not compared:
-        problems.append("no cell was compared")
-    if failing:
-        code = EXIT_MISMATCH
-    elif failed or unproven or problems:
-        code = EXIT_INCOMPLETE
-    else:
-        code = EXIT_OK
-    held = len(compared) - len(failing) - len(unproven)
-    verdict = {EXIT_OK: "PASS", EXIT_MISMATCH: "FAIL", EXIT_INCOMPLETE: "INCOMPLETE"}[code]
-    summary = (f"gate {verdict} (exit {code}, --fail-on {fail_on}): {held}/{len(compared)} "
-               f"compared cells hold, {len(failing)} mismatch, {len(unproven)} unproven, "
-               f"{len(failed)} failed, "
-               f"{len(skipped)} skipped")
-    if problems:
-        summary += "; " + "; ".join(problems)
-    return code, lines + [summary]
+def sweep_policy(sweep: dict, fail_on: str | None = None) -> str:
+    """``fail_on`` if given, else the policy the sweep ran under (else the default)."""
+    return policy.check(fail_on or sweep.get("fail_on") or policy.DEFAULT)
 
 
-def gate(sweep_dir, fail_on: str = "hash", out=None) -> int:
+def evaluate(sweep: dict, fail_on: str | None = None) -> tuple[int, list[str]]:
+    """(exit code, report lines ending with the verdict line) for a loaded sweep report."""
+    verdict, lines = policy.judge_sweep(sweep, sweep_policy(sweep, fail_on))
+    return verdict.code, lines + [verdict.line()]
+
+
+def gate(sweep_dir, fail_on: str | None = None, out=None) -> int:
     sweep = st.load_sweep(sweep_dir)
     code, lines = evaluate(sweep, fail_on)
     out = out or sys.stdout

@@ -110,15 +110,15 @@ class Launcher(ABC):
 def parity_command() -> list[str]:
     """How to run `parity` as a child process, robust in a venv and from a source checkout.
 
-    The same interpreter runs the same ``cli`` module this process imported: its directory goes
-    first on ``sys.path`` (replacing the current directory, so a job's working directory that
-    happens to hold a ``cli.py`` cannot shadow it).
+    The same interpreter runs the same ``parity`` package this process imported: the directory
+    holding it goes first on ``sys.path`` (replacing the current directory, so a job's working
+    directory that happens to hold a ``parity/`` folder cannot shadow it).
     """
-    spec = importlib.util.find_spec("cli")
-    cli_dir = str(Path(spec.origin).resolve().parent) if spec and spec.origin else ""
+    spec = importlib.util.find_spec("parity")
+    pkg_dir = str(Path(spec.origin).resolve().parent.parent) if spec and spec.origin else ""
     boot = ("import sys; d = sys.argv.pop(1); sys.path[:1] = [d] if d else sys.path[:1]; "
-            "sys.argv[0] = 'parity'; import cli; cli.main()")
-    return [sys.executable, "-c", boot, cli_dir]
+            "sys.argv[0] = 'parity'; from parity.cli import main; main()")
+    return [sys.executable, "-c", boot, pkg_dir]
 
 
 def exec_prefix(job: Job) -> list[str]:

@@ -19,6 +19,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from parity import policy
 from parity.errors import ParityError, SpecError
 from parity.sweep import state as st
 from parity.sweep.launch_multinode import live_rank_dir
@@ -75,7 +76,7 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
     from parity.report.formats import print_sweep_console
     from parity.sweep.gate import evaluate
 
-    print_sweep_console(sweep, out)
+    print_sweep_console(sweep, out, fail_on=fail_on)  # ends with the gate's verdict line
     code, _ = evaluate(sweep, fail_on)
     return code
 
@@ -343,7 +344,7 @@ class _Run:
         if not all(s["sides"].get(x, {}).get("status") not in (None, "not_run") for x in SIDES):
             return
         cdir = st.cell_dir(self.dir, cell.id)
-        _, why, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json")
+        _, why, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json", self.dir)
         if not diff:
             return
         steps = diff.get("steps_compared") or []
@@ -355,7 +356,7 @@ class _Run:
         s = self.states[cell.id]
         cdir = st.cell_dir(self.dir, cell.id)
         s.setdefault("started", time.time())
-        status, reason, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json")
+        status, reason, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json", self.dir)
         s.update(status=status, reason=reason, diff=diff, ended=time.time(),
                  diff_json=st.rel(cdir / "diff.json", self.dir) if diff else None)
         st.write_cell(self.dir, s)
@@ -384,14 +385,17 @@ class _Run:
         return sweep
 
 
-def _compare(ref: Path, cand: Path, diff_path: Path) -> tuple[str, str, dict | None]:
-    """Diff one cell: (status, reason, diff dict). Never raises."""
+def _compare(ref: Path, cand: Path, diff_path: Path, root: Path) -> tuple[str, str, dict | None]:
+    """Diff one cell: (status, reason, diff dict). Never raises. The sides' paths are stored
+    relative to the sweep directory ``root`` (like every path in cell.json and sweep.json), so a
+    copied or downloaded sweep folder prints paths that exist where it now is."""
     try:
         from parity.diff import diff_runs
     except ImportError as e:
         return st.FAILED, f"diff engine unavailable ({e})", None
     try:
         result = diff_runs(ref, cand)
+        result.a.path, result.b.path = st.rel(ref, root), st.rel(cand, root)
         d = result.to_dict()
         result.write_json(diff_path)
     except ParityError as e:
@@ -401,21 +405,23 @@ def _compare(ref: Path, cand: Path, diff_path: Path) -> tuple[str, str, dict | N
     return (*classify(d), d)
 
 
-ORDER_FAILURES = ("order_differs", "partition_differs", "layout_differs")  # as parity.diff
+ORDER_FAILURES = policy.ORDER_FAILURES
 
 
 def classify(d: dict) -> tuple[str, str]:
-    """A cell status and a one-line reason from a diff result's JSON (parity.diff.DiffResult)."""
+    """A cell status (parity.policy.status, as diff.json's ``status``; an incomplete diff makes
+    the cell ``failed``) and a one-line reason from a diff result's JSON."""
     verdict = d.get("verdict")
     order = d.get("order") if isinstance(d.get("order"), dict) else {}
     oval = order.get("verdict")
+    status = policy.status(verdict, oval)
     order_note = ""
     if oval in ORDER_FAILURES:
         order_note = f"bucket order: {oval}{_where(order.get('first_bucket'))}"
     elif oval and oval != "identical":
         notes = [str(n) for n in order.get("notes") or []][:1]
         order_note = f"bucket order {oval}" + (f" ({notes[0]})" if notes else "")
-    if verdict == "hash_mismatch":
+    if status == policy.HASH_MISMATCH:
         step = d.get("first_divergent_step")
         div = [x for x in d.get("divergent") or [] if isinstance(x, dict)]
         first = [x for x in div if x.get("step") == step] or div
@@ -428,9 +434,9 @@ def classify(d: dict) -> tuple[str, str]:
         if order_note and oval in ORDER_FAILURES:
             reason += f"; {order_note}"
         return st.HASH_MISMATCH, reason
-    if verdict == "match":
-        if oval in ORDER_FAILURES:
-            return st.ORDER_MISMATCH, f"hashes identical; {order_note}"
+    if status == policy.ORDER_MISMATCH:
+        return st.ORDER_MISMATCH, f"hashes identical; {order_note}"
+    if status == policy.MATCH:
         return st.MATCH, "bitwise identical" + (f"; {order_note}" if order_note else "")
     why = [str(x) for x in d.get("incomplete") or []][:2]
     why += [str(p.get("message")) for p in d.get("problems") or [] if isinstance(p, dict)][:1]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -249,6 +250,22 @@ def write_sweep(sweep_dir: Path, sweep: dict) -> Path:
     return path
 
 
+def _what_else(p: Path) -> str:
+    """A hint that fits the directory given instead of a sweep directory."""
+    q = shlex.quote
+    if (p / "cell.json").is_file():
+        return (f"it is one cell of a sweep (its sweep directory is {q(str(p.parent.parent))}); "
+                f"compare its sides with `parity diff {q(str(p / 'reference'))} "
+                f"{q(str(p / 'candidate'))}`")
+    if (p / "run.json").is_file() or any(p.glob("rank-[0-9]*")):
+        return ("it is a run directory (`parity exec --out`); compare two runs with "
+                f"`parity diff REFERENCE_RUN {q(str(p))}`")
+    if (p / SPEC_COPY).is_file() or (p / CELLS_DIR).is_dir():
+        return (f"the sweep there never wrote its report; complete it with "
+                f"`parity sweep {q(str(p / SPEC_COPY))} --resume --out {q(str(p))}`")
+    return "not a sweep directory (`parity sweep --out DIR` writes one)"
+
+
 def load_sweep(where) -> dict:
     """Read a sweep report: SWEEP_DIR or SWEEP_DIR/sweep.json. Bad input raises (exit 2)."""
     p = Path(where)
@@ -258,8 +275,7 @@ def load_sweep(where) -> dict:
     try:
         obj = json.loads(path.read_text())
     except FileNotFoundError:
-        raise ParityError(f"{p}: no {SWEEP_JSON} (not a sweep directory, or the sweep never "
-                          "started; run `parity sweep --resume --out DIR`)") from None
+        raise ParityError(f"{p}: no {SWEEP_JSON}: {_what_else(p)}") from None
     except (OSError, ValueError, UnicodeDecodeError) as e:
         raise ParityError(f"{path}: unreadable sweep report ({e.__class__.__name__})") from None
     if not isinstance(obj, dict) or obj.get("kind") != "parity-sweep":

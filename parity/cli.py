@@ -1,0 +1,235 @@
+"""The `parity` command line: parse, call the library, map errors to exit codes.
+
+Installed as the ``parity`` script; also ``python -m parity`` and, from a checkout, the
+repository's top-level ``cli.py``. Verdicts and their words come from :mod:`parity.policy`.
+
+Exit codes (the README has the full table):
+  0 parity holds / the command did its job     1 parity does not hold (under --fail-on)
+  2 bad input or usage                         3 incomplete data or a failed sweep cell
+  4 internal error in parity (a bug: rerun with PARITY_DEBUG=1 for the traceback)
+  130 interrupted
+Heavy modules (torch, pandas) are imported inside the commands so `parity --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from parity import __version__
+from parity.errors import EXIT_USAGE, ParityError
+from parity.policy import DEFAULT as DEFAULT_POLICY
+from parity.policy import POLICIES
+
+EXIT_INTERNAL = 4
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+POLICY_HELP = ("What fails the verdict (exit 1): 'hash' a hash mismatch (bucket layout "
+               "differences are reported, tolerated); 'any' a hash mismatch or a bucket layout "
+               "difference; 'order-only' only a bucket layout difference (hash mismatches "
+               "tolerated).")
+FAIL_ON = click.Choice(list(POLICIES))
+
+
+def _exits(*rows: str) -> str:
+    """An epilog listing a command's exit codes (kept as written: \b stops rewrapping)."""
+    return "\b\nExit codes:\n" + "\n".join(f"  {r}" for r in rows)
+
+
+EXIT_DIFF = _exits(
+    "0  parity holds under --fail-on", "1  it does not (the verdict line says what failed it)",
+    "2  bad input: unreadable or foreign directories, runs that cannot be compared",
+    "3  incomplete: a side lacks ranks or steps, or --fail-on needs layouts a side lacks",
+    "4  internal error in parity (PARITY_DEBUG=1 shows the "
+    "traceback)")
+EXIT_SWEEP = _exits(
+    "0  every compared cell holds under --fail-on (skipped cells are listed)",
+    "1  a compared cell does not", "2  bad spec, --only or directory",
+    "3  a cell failed (crash, timeout) or nothing was compared", "4  internal error in parity",
+    "130  interrupted: finished cells are kept, --resume completes the rest")
+
+
+@click.group(context_settings=CONTEXT, epilog="\b\n" + "\n".join([
+    "Exit codes: 0 holds, 1 does not hold, 2 bad input or usage, 3 incomplete or failed,",
+    "4 internal error, 130 interrupted (each command's --help has its own).",
+    "Shell completion (bash; zsh/fish: zsh_source/fish_source):",
+    '  eval "$(_PARITY_COMPLETE=bash_source parity)"',
+    "Docs: README.md, docs/diff.md, docs/sweep.md, docs/reliability.md."]))
+@click.version_option(version=__version__, message="parity %(version)s")
+def cli():
+    """Prove a compiled distributed training job is bitwise identical to eager FSDP2.
+
+    \b
+    Typical use:
+      parity exec --out runs/eager -- torchrun ... your_trainer.py   (and again for the candidate)
+      parity diff runs/eager runs/compiled
+      parity sweep                 the built-in CPU sweep; then parity report / parity gate
+    """
+
+
+@cli.command("exec", context_settings={**CONTEXT, "ignore_unknown_options": True},
+             short_help="Run a trainer (any command) with capture active in every rank.",
+             epilog=_exits("N  COMMAND's own exit code", "2  COMMAND cannot be started"))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Run directory for this job's artifacts (created; must not hold another run).")
+@click.option("--every", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Record every N-th optimizer step (steps 0, 1 and the last step always).")
+@click.option("--grads/--no-grads", default=True, show_default=True,
+              help="Hash the gradients consumed by each optimizer step.")
+@click.option("--manifests/--no-manifests", default=True, show_default=True,
+              help="Record FSDP2 and compiled-graph bucket layouts (needed by --fail-on any).")
+@click.option("--hasher", type=click.Choice(["auto", "xxh3", "device"]), default="auto",
+              show_default=True,
+              help="auto: device digest for CUDA tensors, xxh3 on the host otherwise.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def exec_cmd(out_dir, every, grads, manifests, hasher, command):
+    """Run COMMAND with capture active in every Python process it starts.
+
+    \b
+    Example:
+      parity exec --out runs/eager -- torchrun --standalone --nproc_per_node 2 \\
+          -m parity.workloads.train --mode eager
+    The trainer needs no change. Step 0 is the initial parameters; step N the parameters after
+    the N-th optimizer step (and the gradients that step consumed).
+    """
+    from parity.capture.launch import exec_command
+
+    sys.exit(exec_command(out_dir, list(command), every=every, grads=grads,
+                          manifests=manifests, hasher=hasher))
+
+
+@cli.command("diff", context_settings=CONTEXT,
+             short_help="Compare a candidate run with a reference run; one verdict line.",
+             epilog=EXIT_DIFF)
+@click.argument("a_dir", type=click.Path())
+@click.argument("b_dir", type=click.Path())
+@click.option("--json", "json_file", type=click.Path(dir_okay=False),
+              help="Also write the result as JSON to FILE (schema: "
+                   "parity/schemas/diff.schema.json) [default: not written].")
+@click.option("--html", "html_file", type=click.Path(dir_okay=False),
+              help="Also write a self-contained HTML page to FILE [default: not written].")
+@click.option("--fail-on", type=FAIL_ON, default=DEFAULT_POLICY, show_default=True,
+              help=POLICY_HELP)
+def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
+    """Compare run B_DIR against reference run A_DIR (usually eager), both written by
+    `parity exec --out`: first divergent step, divergent parameters and ranks, first differing
+    bucket layout."""
+    from parity.diff import diff_runs
+    from parity.report.console import make_console, print_diff
+
+    result = diff_runs(a_dir, b_dir)
+    print_diff(result, make_console(), fail_on)
+    if json_file:
+        result.write_json(json_file)
+    if html_file:
+        from parity.report.html import write_diff_html
+
+        write_diff_html(result, html_file, fail_on=fail_on)
+    sys.exit(result.exit_code(fail_on))
+
+
+@cli.command("sweep", context_settings=CONTEXT,
+             short_help="Run reference/candidate job pairs over a matrix, diff every cell.",
+             epilog=EXIT_SWEEP)
+@click.argument("spec", required=False, type=click.Path(dir_okay=False))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="Sweep directory [default: reports/<spec name>].")
+@click.option("--only", default=None, metavar="AXIS=V[|V2],...",
+              help="Run only the cells matching every AXIS=VALUE given; '|' separates the "
+                   "values of one axis, e.g. --only 'flash=true,batch_size=1|4' [default: all].")
+@click.option("--jobs", default=None, type=click.IntRange(min=1),
+              help="Jobs run at once [default: 1 with the local launcher, all with slurm].")
+@click.option("--resume", is_flag=True,
+              help="Keep cells with a complete result in --out; run the others.")
+@click.option("--steps", default=None, type=click.IntRange(min=1),
+              help="Optimizer steps per job [default: the spec's steps].")
+@click.option("--dry-run", is_flag=True, help="Print the cells and commands; run nothing.")
+@click.option("--launcher", type=click.Choice(["local", "slurm"]), default=None,
+              help="Where jobs run [default: the spec's [launcher] type, else local].")
+@click.option("--fail-on", type=FAIL_ON, default=DEFAULT_POLICY, show_default=True,
+              help=POLICY_HELP + " Recorded in sweep.json: report and gate default to it.")
+def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_on):
+    """Run paired reference/candidate jobs over a matrix, diff every cell, end with the gate's
+    verdict line.
+
+    With no SPEC, runs the embedded CPU default (sweeps/cpu-default.toml: eager FSDP2 vs a
+    compiled SimpleFSDP-style job, 2 ranks each). docs/sweep.md has the spec format.
+    """
+    from parity.sweep.runner import run_sweep
+
+    sys.exit(run_sweep(spec, out_dir=out_dir, only=only, jobs=jobs, resume=resume, steps=steps,
+                       dry_run=dry_run, launcher=launcher, fail_on=fail_on))
+
+
+@cli.command("report", context_settings=CONTEXT,
+             short_help="Render a sweep: console, JSON, markdown, JUnit or HTML.",
+             epilog=_exits("0  rendered (the verdict is the gate's exit code, not this one)",
+                           "2  not a sweep directory, or --output cannot be written",
+                           "4  internal error in parity"))
+@click.argument("sweep_dir", type=click.Path())
+@click.option("--format", "fmt", type=click.Choice(["console", "json", "markdown", "junit", "html"]),
+              default="console", show_default=True,
+              help="console: the matrix and the verdict; json: sweep.json as is; markdown: for a "
+                   "CI job summary; junit: one testcase per cell; html: one self-contained page.")
+@click.option("--output", type=click.Path(dir_okay=False),
+              help="Write to FILE [default: stdout; html: SWEEP_DIR/report.html].")
+@click.option("--fail-on", type=FAIL_ON, default=None,
+              help="Policy for the verdict, JUnit failures and markdown [default: the sweep's "
+                   "own --fail-on, recorded in sweep.json].")
+def report_cmd(sweep_dir, fmt, output, fail_on):
+    """Render the sweep in SWEEP_DIR (written by `parity sweep --out`)."""
+    from parity.report.formats import render_sweep
+
+    render_sweep(sweep_dir, fmt, output, fail_on=fail_on)
+
+
+@cli.command("gate", context_settings=CONTEXT,
+             short_help="The CI verdict over a sweep directory: exit 0, 1 or 3.",
+             epilog=_exits("0  every compared cell holds under --fail-on (tolerated and skipped "
+                           "cells are listed)", "1  a compared cell fails it",
+                           "2  not a sweep directory",
+                           "3  a cell failed, the sweep did not finish, or nothing was compared",
+                           "4  internal error in parity"))
+@click.argument("sweep_dir", type=click.Path())
+@click.option("--fail-on", type=FAIL_ON, default=None,
+              help=POLICY_HELP + " [default: the sweep's own --fail-on, recorded in sweep.json]")
+def gate_cmd(sweep_dir, fail_on):
+    """Print one line per notable cell and the verdict line; exit with the verdict."""
+    from parity.sweep.gate import gate
+
+    sys.exit(gate(sweep_dir, fail_on))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: one line on stderr and a documented exit code for every failure."""
+    try:
+        cli.main(args=argv, prog_name="parity", standalone_mode=False)
+    except SystemExit as e:
+        raise
+    except ParityError as e:
+        click.echo(f"parity: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("parity: interrupted", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        click.echo("parity: interrupted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(EXIT_USAGE)
+    except BrokenPipeError:
+        sys.exit(0)
+    except Exception as e:  # a bug in parity: still one line unless asked for more
+        if os.environ.get("PARITY_DEBUG"):
+            raise
+        msg = str(e).splitlines()[0] if str(e) else ""
+        click.echo(f"parity: internal error: {e.__class__.__name__}: {msg} "
+                   "(rerun with PARITY_DEBUG=1 for the traceback)", err=True)
+        sys.exit(EXIT_INTERNAL)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""The fail-on policy, a compared pair's status and the verdict line: one place, everyone asks it.
+
+``parity diff``, ``parity sweep``, ``parity gate`` and every report (console, markdown, JUnit,
+HTML) say the same thing about the same data because they all call this module: it decides the
+exit code under a policy and words the one verdict line that states the policy, what was
+compared, what failed it, what it tolerated and what was not compared. A verdict never says
+HOLDS with a non-zero exit code.
+
+Policies (``--fail-on``). Each fails on at least what its name says:
+
+- ``hash`` (default): a hash mismatch (parameter, gradient or loss) fails; a bucket layout
+  difference is reported and tolerated.
+- ``any``: a hash mismatch or a bucket layout difference (order, partition, sizes) fails; a side
+  without bucket layouts leaves the layouts unproven (exit 3 unless something failed).
+- ``order-only``: only a bucket layout difference fails; a hash mismatch is reported and
+  tolerated (for jobs whose numerics are expected to differ, e.g. another reduction order).
+
+Statuses of a compared pair (a sweep cell's ``status`` and diff.json's ``status`` alike):
+``match``, ``hash_mismatch`` (wins over an order difference), ``order_mismatch`` (hashes equal,
+layouts differ), ``incomplete`` (no difference in what was compared, but data is missing; a sweep
+shows such a cell as ``failed``). This module imports nothing from the rest of parity but errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, ParityError
+
+POLICIES = {
+    "hash": "a hash mismatch fails; bucket layout differences are reported, tolerated",
+    "any": "a hash mismatch or a bucket layout difference fails",
+    "order-only": "only a bucket layout difference fails; hash mismatches are reported, tolerated",
+}
+DEFAULT = "hash"
+ORDER_FAILURES = ("order_differs", "partition_differs", "layout_differs")
+UNAVAILABLE = "unavailable"
+
+MATCH, HASH_MISMATCH, ORDER_MISMATCH, INCOMPLETE = (
+    "match", "hash_mismatch", "order_mismatch", "incomplete")
+
+WORDS = {EXIT_OK: "HOLDS", EXIT_MISMATCH: "FAILS", EXIT_INCOMPLETE: "INCOMPLETE"}
+
+
+def check(policy: str) -> str:
+    """``policy`` if it is one, else a usage error naming the choices."""
+    if policy not in POLICIES:
+        hint = " (renamed order-only: it tolerates hash mismatches)" if policy == "order" else ""
+        raise ParityError(f"--fail-on {policy!r}: one of {', '.join(POLICIES)}{hint}",
+                          exit_code=EXIT_USAGE)
+    return policy
+
+
+def fails_on_hash(policy: str) -> bool:
+    return check(policy) in ("hash", "any")
+
+
+def fails_on_order(policy: str) -> bool:
+    return check(policy) in ("any", "order-only")
+
+
+def status(hash_verdict: str | None, order_verdict: str | None) -> str:
+    """The status of a compared pair from the diff's hash verdict and bucket-order verdict."""
+    if hash_verdict == "hash_mismatch":
+        return HASH_MISMATCH
+    if hash_verdict == "match":
+        return ORDER_MISMATCH if order_verdict in ORDER_FAILURES else MATCH
+    return INCOMPLETE
+
+
+def pair_code(hash_verdict: str | None, order_verdict: str | None, incomplete: bool,
+              policy: str) -> int:
+    """Exit code of one pair: 1 a failure under the policy in the compared data (even when data
+    is incomplete: parity demonstrably fails), else 3 when data is missing or the policy needs
+    bucket layouts a side did not record, else 0."""
+    if fails_on_hash(policy) and hash_verdict == "hash_mismatch":
+        return EXIT_MISMATCH
+    if fails_on_order(policy) and order_verdict in ORDER_FAILURES:
+        return EXIT_MISMATCH
+    if incomplete or hash_verdict not in ("match", "hash_mismatch"):
+        return EXIT_INCOMPLETE
+    if fails_on_order(policy) and order_verdict not in ("identical", *ORDER_FAILURES):
+        return EXIT_INCOMPLETE
+    return EXIT_OK
+
+
+@dataclass
+class Verdict:
+    """One verdict line's parts. Facts are short phrases; a caller may append more (e.g. what a
+    side did not record) before rendering, and every format renders the same ``line()``."""
+
+    code: int
+    policy: str
+    subject: str = "PARITY"
+    failed: list[str] = field(default_factory=list)  # what failed it under the policy
+    held: list[str] = field(default_factory=list)  # what was compared and is equal
+    tolerated: list[str] = field(default_factory=list)  # findings the policy does not fail on
+    not_compared: list[str] = field(default_factory=list)  # missing, skipped, unproven
+
+    @property
+    def word(self) -> str:
+        return WORDS.get(self.code, "ERROR")
+
+    def head(self) -> str:
+        return f"{self.subject} {self.word} under --fail-on {self.policy} (exit {self.code})"
+
+    def body(self) -> str:
+        parts = [*self.failed, *self.held]
+        if self.tolerated:
+            parts.append("tolerated: " + ", ".join(self.tolerated))
+        if self.not_compared:
+            parts.append("not compared: " + ", ".join(self.not_compared))
+        return "; ".join(parts)
+
+    def line(self) -> str:
+        body = self.body()
+        return self.head() + (f": {body}" if body else "")
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _ids(cells: list[dict], show: int = 3) -> str:
+    ids = [str(c.get("id")) for c in cells]
+    return ", ".join(ids[:show]) + (f" +{len(ids) - show} more" if len(ids) > show else "")
+
+
+def order_phrase(order_verdict: str | None, first_bucket: dict | None = None) -> str:
+    """'bucket order differs (all_gather bucket 0)' and the like."""
+    what = {"order_differs": "bucket order differs", "partition_differs":
+            "bucket partition differs", "layout_differs": "bucket layout (sizes) differs"
+            }.get(order_verdict or "", f"bucket layouts {order_verdict or 'not recorded'}")
+    fb = first_bucket if isinstance(first_bucket, dict) else {}
+    if fb.get("collective"):
+        where = f"{fb['collective']} bucket {fb.get('index')}"
+        if fb.get("position") is not None:
+            where += f" position {fb['position']}"
+        what += f" ({where})"
+    return what
+
+
+def judge_pair(d: dict, policy: str) -> Verdict:
+    """The verdict on one pair from its diff result (``DiffResult.to_dict()`` or a cell's
+    diff.json): what the console, the JSON and the HTML page of ``parity diff`` say."""
+    check(policy)
+    hv = d.get("verdict")
+    order = d.get("order") if isinstance(d.get("order"), dict) else {}
+    ov = order.get("verdict")
+    incomplete = [str(x) for x in d.get("incomplete") or []]
+    v = Verdict(pair_code(hv, ov, bool(incomplete), policy), policy)
+    kinds = list(d.get("kinds_compared") or [])
+    if (d.get("loss") or {}).get("captured"):
+        kinds.append("loss")
+    scope = (f"{_plural(len(d.get('steps_compared') or []), 'step')} x "
+             f"{_plural(len(d.get('ranks_compared') or []), 'rank')} x "
+             f"{_plural(int(d.get('params_compared') or 0), 'parameter')}")
+    if hv == "hash_mismatch":
+        fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else {}
+        what = f"hash mismatch from step {d.get('first_divergent_step')}"
+        ranks = fd.get("ranks") or []
+        if ranks:
+            what += f" on rank {', '.join(str(r) for r in ranks[:8])}"
+        if fd.get("origin"):
+            what += f" ({fd['origin']})"
+        (v.failed if fails_on_hash(policy) else v.tolerated).append(what)
+    elif hv == "match":
+        v.held.append(f"hashes bitwise identical over {scope} ({', '.join(kinds)})")
+    if ov in ORDER_FAILURES:
+        phrase = order_phrase(ov, order.get("first_bucket"))
+        (v.failed if fails_on_order(policy) else v.tolerated).append(phrase)
+    elif ov == "identical":
+        v.held.append("bucket layouts identical")
+    else:
+        v.not_compared.append(order_phrase(ov))
+    v.not_compared += [f"incomplete data: {m}" for m in incomplete[:2]]
+    only_a, only_b = d.get("params_only_in_a") or [], d.get("params_only_in_b") or []
+    if only_a or only_b:
+        v.not_compared.append(f"{len(only_a)} parameters only in A, {len(only_b)} only in B")
+    return v
+
+
+def cell_code(cell: dict, policy: str) -> int | None:
+    """Exit code of a compared sweep cell under ``policy`` (None for a cell not compared)."""
+    if cell.get("status") not in (MATCH, HASH_MISMATCH, ORDER_MISMATCH):
+        return None
+    diff = cell.get("diff") if isinstance(cell.get("diff"), dict) else {}
+    order = diff.get("order") if isinstance(diff.get("order"), dict) else {}
+    hv = HASH_MISMATCH if cell["status"] == HASH_MISMATCH else MATCH
+    ov = order.get("verdict")
+    if cell["status"] == ORDER_MISMATCH and ov not in ORDER_FAILURES:
+        ov = "order_differs"
+    return pair_code(hv, ov, False, policy)
+
+
+def judge_sweep(sweep: dict, policy: str) -> tuple[Verdict, list[str]]:
+    """The gate's verdict on a loaded sweep report, and one line per cell worth naming
+    (failing, failed, unproven, tolerated, skipped)."""
+    check(policy)
+    cells = [c for c in sweep.get("cells") or [] if isinstance(c, dict)]
+    codes = [cell_code(c, policy) for c in cells]
+    compared = [c for c, k in zip(cells, codes) if k is not None]
+    failing = [c for c, k in zip(cells, codes) if k == EXIT_MISMATCH]
+    unproven = [c for c, k in zip(cells, codes) if k == EXIT_INCOMPLETE]
+    tolerated = [c for c, k in zip(cells, codes) if k == EXIT_OK and c.get("status") != MATCH]
+    failed = [c for c in cells if c.get("status") == "failed"]
+    skipped = [c for c in cells if c.get("status") == "skipped"]
+    other = [c for c in cells if c not in compared and c not in failed and c not in skipped]
+    problems = []
+    if not sweep.get("complete", True):
+        problems.append("the sweep did not finish")
+    if not compared:
+        problems.append("no cell was compared")
+    if failing:
+        code = EXIT_MISMATCH
+    elif failed or unproven or problems or other:
+        code = EXIT_INCOMPLETE
+    else:
+        code = EXIT_OK
+    v = Verdict(code, policy, subject="PARITY")
+    by_status: dict[str, list[dict]] = {}
+    for c in failing:
+        by_status.setdefault(c["status"], []).append(c)
+    for s, cs in by_status.items():
+        v.failed.append(f"{len(cs)} {s} ({_ids(cs)})")
+    if failed:
+        v.failed.append(f"{len(failed)} failed ({_ids(failed)})")
+    held = len(compared) - len(failing) - len(unproven)
+    v.held.append(f"{held}/{len(compared)} compared cells hold")
+    by_status = {}
+    for c in tolerated:
+        by_status.setdefault(c["status"], []).append(c)
+    for s, cs in by_status.items():
+        v.tolerated.append(f"{len(cs)} {s} ({_ids(cs)})")
+    if unproven:
+        v.not_compared.append(f"{len(unproven)} without bucket layouts ({_ids(unproven)})")
+    if skipped:
+        v.not_compared.append(f"{len(skipped)} skipped")
+    if other:
+        v.not_compared.append(f"{len(other)} pending")
+    v.not_compared += problems
+    lines = []
+    for c in failing:
+        lines.append(f"FAILS     {c['id']}: {c['status']}: {c.get('reason') or ''}".rstrip(": "))
+    for c in failed:
+        lines.append(f"FAILED    {c['id']}: {c.get('reason') or 'failed'}")
+    for c in unproven:
+        order = (c.get("diff") or {}).get("order") or {}
+        lines.append(f"UNPROVEN  {c['id']}: bucket layouts {order.get('verdict') or 'not recorded'}"
+                     f" (--fail-on {policy} needs both sides' bucket layouts)")
+    for c in tolerated:
+        lines.append(f"tolerated {c['id']}: {c['status']}: {c.get('reason') or ''}".rstrip(": "))
+    for c in skipped:
+        lines.append(f"skipped   {c['id']}: {c.get('reason') or ''}".rstrip(": "))
+    return v, lines
