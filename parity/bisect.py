@@ -350,9 +350,11 @@ def _describe(rec: dict | None) -> dict | None:
 def _inputs_verdict(a: dict, b: dict, a_recs: list[dict]) -> dict:
     a_in, b_in = a.get("in"), b.get("in")
     if a.get("kind") == "grad":
-        return {"differed": None, "detail": "a gradient as the optimizer consumes it: what "
-                "produced it is the backward graph plus the reduce-scatter (communication is not "
-                "compared op by op)"}
+        return {"differed": None, "detail": "it is a gradient as the optimizer consumes it, "
+                "and every aligned forward/backward op before it matched: the difference enters "
+                "between the backward computation and the optimizer, i.e. in the reduce-scatter "
+                "or its bucketing (communication is not compared op by op; `parity diff` shows "
+                "the bucket layouts)"}
     if a_in is None or b_in is None:
         return {"differed": None, "detail": "inputs were not hashed"}
     if a_in == b_in:
@@ -387,7 +389,8 @@ def analyse_rank(a_recs: list[dict], b_recs: list[dict]) -> dict:
                  "communication": {"a": al.a_comm, "b": al.b_comm},
                  "unaligned_groups": _groups(al.a_only, al.b_only)}
     if not differing:
-        out.update(verdict="unaligned" if (al.a_only or al.b_only) else "match", first=None)
+        out.update(verdict="no_aligned_difference" if (al.a_only or al.b_only) else "match",
+                   first=None)
         return out
     a, b = differing[0]
     last = None
@@ -531,7 +534,9 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
     report.update(per_rank[rank])
     for r, res in per_rank.items():
         f = res.get("first")
-        report["ranks"][str(r)] = ({"verdict": res["verdict"], "op": f["a"]["op"],
+        report["ranks"][str(r)] = ({"verdict": res["verdict"],
+                                    "op": (f"gradient of {f['a']['param']}"
+                                           if f["a"].get("param") else f["a"]["op"]),
                                     "module": f["a"]["module"], "phase": f["a"]["phase"],
                                     "index": f["a"]["index"]} if f else
                                    {"verdict": res["verdict"]})
@@ -539,7 +544,7 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
         report["warnings"].append("a side's op record is incomplete (the job ended inside "
                                   f"step {step})")
     write_json_atomic(out / "bisect.json", report)
-    code = EXIT_MISMATCH if report["verdict"] in ("differs", "unaligned") else EXIT_OK
+    code = EXIT_MISMATCH if report["verdict"] == "differs" else EXIT_OK
     return code, report
 
 
@@ -581,8 +586,8 @@ def format_report(rep: dict) -> str:
     elif rep["verdict"] == "match":
         lines.append("no difference: every aligned op has identical outputs on both sides")
     else:
-        lines.append("no aligned op differs: the difference is among the ops that could not be "
-                     "aligned (below)")
+        lines.append("no aligned op differs; a difference among the ops that could not be "
+                     "aligned (below) would not be seen")
     lines.append(f"aligned {rep['aligned']} ops ({rep['equal']} equal); not aligned: "
                  f"A {rep['not_aligned']['a']}, B {rep['not_aligned']['b']}; communication "
                  f"(compared through the gradients only): A {rep['communication']['a']}, "

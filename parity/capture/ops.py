@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import os
 import re
 import sys
@@ -106,8 +107,18 @@ def _tensors(tree) -> list:
 _BRACKET = re.compile(r"\[\s*(?:'([^']*)'|\"([^\"]*)\"|(-?\d+))\s*\]")
 
 
+_OWNER = re.compile(r"type\((\s*[LG](?:\.self|\['self'\])[^)]*)\)")
+
+
 def stack_module(path: str) -> str:
-    """``L['self'].layers[1].ffn_norm`` (an ``nn_module_stack`` path) -> ``layers.1.ffn_norm``."""
+    """``L['self'].layers[1].ffn_norm`` (an ``nn_module_stack`` path) -> ``layers.1.ffn_norm``.
+
+    A module reached through a parameter property (SimpleFSDP's all-gather parametrization:
+    ``dict(type(L.self.norm).__dict__).weight.fget.__closure__...``) is named by its owner."""
+    m = _OWNER.search(path)
+    if m:
+        path = m.group(1).strip()
+    path = re.sub(r"^[LG]\.self\b", "", path)
     path = re.sub(r"^\s*[LG]\[[^\]]*\]", "", path)
     path = _BRACKET.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
     parts = [p for p in path.split(".") if p and p not in ("_modules", "_parameters")]
@@ -150,7 +161,7 @@ class _Interpreter(torch.fx.Interpreter):
         self.graph_label = graph
 
     def run_node(self, n):
-        if n.op != "call_function":
+        if n.op != "call_function" or n.target is operator.getitem:
             return super().run_node(n)
         name = str(n.target) if hasattr(n.target, "_schema") else getattr(n.target, "__name__",
                                                                            str(n.target))
@@ -161,9 +172,8 @@ class _Interpreter(torch.fx.Interpreter):
         else:
             ins = None
         out = super().run_node(n)
-        if name != "<built-in function getitem>":
-            self.rec.add(name, kind, ins, out, _node_module(n), self.graph_label.split("#")[0],
-                         f"{self.graph_label}:{n.name}")
+        self.rec.add(name, kind, ins, out, _node_module(n), self.graph_label.split("#")[0],
+                     f"{self.graph_label}:{n.name}")
         return out
 
 
@@ -244,7 +254,10 @@ class OpRecorder:
             return
         self.in_optimizer = True
         try:
-            self._grads()
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():  # the hashing's own copies are not the job's ops
+                self._grads()
         except Exception as e:  # noqa: BLE001
             self.warnings.append(f"gradients not recorded: {_one_line(e)}")
         if self.mode is None:  # compiled process: the optimizer runs eagerly, record it
