@@ -142,6 +142,9 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path):
     (tmp_path / "sweep" / "cells").mkdir(parents=True)
     p = _cli("bisect", tmp_path / "sweep", "--cell", "nope")
     assert p.returncode == 2 and "no cell 'nope'" in p.stderr
+    (tmp_path / "sweep" / "cells" / "c1" / "reference").mkdir(parents=True)
+    p = _cli("bisect", tmp_path / "sweep", "--cell", "c1")
+    assert p.returncode == 2 and "reference" in p.stderr and "no command recorded" in p.stderr
 
 
 # ------------------------------------------------------------------ integration: real reruns
