@@ -387,6 +387,8 @@ def analyse_rank(a_recs: list[dict], b_recs: list[dict]) -> dict:
                  "not_aligned": {"a": len(al.a_only), "b": len(al.b_only)},
                  "not_compared": {"a": al.a_skipped, "b": al.b_skipped},
                  "communication": {"a": al.a_comm, "b": al.b_comm},
+                 "opaque_graph_runs": {"a": sum(1 for r in a_recs if r.get("kind") == "opaque"),
+                                       "b": sum(1 for r in b_recs if r.get("kind") == "opaque")},
                  "unaligned_groups": _groups(al.a_only, al.b_only)}
     if not differing:
         out.update(verdict="no_aligned_difference" if (al.a_only or al.b_only) else "match",
@@ -594,6 +596,11 @@ def format_report(rep: dict) -> str:
                  f"B {rep['communication']['b']}; views/allocations not compared: "
                  f"A {rep['not_compared']['a'] - rep['communication']['a']}, "
                  f"B {rep['not_compared']['b'] - rep['communication']['b']}")
+    opaque = rep.get("opaque_graph_runs") or {}
+    if opaque.get("a") or opaque.get("b"):
+        lines.append(f"NOT RECORDED: compiled graph runs that do not execute their FX graph as is "
+                     f"(inductor, CUDA graphs): A {opaque.get('a', 0)}, B {opaque.get('b', 0)}; "
+                     "their ops are not compared (use an aot_eager-style backend to bisect)")
     groups = rep.get("unaligned_groups") or []
     if groups:
         shown = "; ".join(f"{g['op']} in {g['module'] or '(root)'} ({g['phase']}) A {g['a']} / "

@@ -93,6 +93,23 @@ def test_count_mismatch_is_not_guessed():
     assert analyse_rank(a, a)["verdict"] == "match"
 
 
+def test_only_graphs_run_as_is_are_interpreted():
+    import torch
+    import torch.fx as fx
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    from parity.capture.ops import runs_graph_as_is
+
+    gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    assert runs_graph_as_is(gm, boxed_nop(gm, [])) and runs_graph_as_is(gm, gm)
+    other = boxed_nop(fx.symbolic_trace(torch.nn.Linear(2, 2)), [])
+
+    def wrapper(args):  # holds the graph AND another runner (like a CUDA-graph wrapper)
+        return other(args) if gm else None
+
+    assert not runs_graph_as_is(gm, wrapper) and not runs_graph_as_is(gm, other)
+
+
 def test_base_op():
     assert base_op("aten.mul_.Tensor") == "mul"
     assert base_op("aten._to_copy.default") == "_to_copy"

@@ -177,6 +177,27 @@ class _Interpreter(torch.fx.Interpreter):
         return out
 
 
+def _calls_gm(gm, f) -> bool:
+    return f is gm or getattr(f, "__self__", None) is gm or getattr(f, "gm", None) is gm
+
+
+def runs_graph_as_is(gm, compiled) -> bool:
+    """Whether ``compiled`` only calls ``gm`` (aot_eager-style: ``boxed_nop``'s runner,
+    ``make_boxed_func(gm.forward)``, ``AOTEagerOutputCode``, ``gm`` itself): only then is
+    interpreting ``gm`` node by node the same computation. Deliberately strict: a wrapper that
+    holds anything else callable (inductor's compiled module, a CUDA-graph runner) is not."""
+    if _calls_gm(gm, compiled):
+        return True
+    cells = []
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:
+            continue
+    gm_cells = [c for c in cells if _calls_gm(gm, c)]
+    return bool(gm_cells) and all(c in gm_cells or not callable(c) for c in cells)
+
+
 class OpRecorder:
     def __init__(self, session, step: int, exit_after: bool):
         self.session = session
@@ -320,6 +341,23 @@ class OpRecorder:
     def _wrap_compiled(self, gm, graph_kind: str, graph_id: int, compiled):
         label = f"{graph_kind}#{graph_id}"
         boxed = getattr(compiled, "_boxed_call", False)
+        if not runs_graph_as_is(gm, compiled):
+            # Inductor kernels, CUDA graphs...: interpreting the FX graph would record values
+            # the job never computed. Say so instead (one record per run, and a warning).
+            self.warnings.append(f"{label}: the compiled callable ({type(compiled).__name__}) "
+                                 "does not run its FX graph node by node (inductor or a runtime "
+                                 "wrapper): its ops are not recorded")
+
+            def opaque(*args):
+                if self.recording and not self.in_optimizer and os.getpid() == self.pid:
+                    self._append({"op": "compiled graph (not recorded)", "kind": "opaque",
+                                  "phase": graph_kind, "module": "", "in": None, "out": [],
+                                  "node": label})
+                return compiled(*args)
+
+            if boxed:
+                opaque._boxed_call = True  # type: ignore[attr-defined]
+            return opaque
 
         def recording() -> bool:
             return self.recording and not self.in_optimizer and os.getpid() == self.pid
