@@ -181,9 +181,10 @@ def _calls_gm(gm, f) -> bool:
     return f is gm or getattr(f, "__self__", None) is gm or getattr(f, "gm", None) is gm
 
 
-def runs_graph_as_is(gm, compiled) -> bool:
+def runs_graph_as_is(gm, compiled, depth: int = 2) -> bool:
     """Whether ``compiled`` only calls ``gm`` (aot_eager-style: ``boxed_nop``'s runner,
-    ``make_boxed_func(gm.forward)``, ``AOTEagerOutputCode``, ``gm`` itself): only then is
+    ``make_boxed_func(gm.forward)``, ``AOTEagerOutputCode``, ``gm`` itself, any of these under
+    ``torch._dynamo.disable``): only then is
     interpreting ``gm`` node by node the same computation. Deliberately strict: a wrapper that
     holds anything else callable (inductor's compiled module, a CUDA-graph runner) is not."""
     if _calls_gm(gm, compiled):
@@ -195,7 +196,14 @@ def runs_graph_as_is(gm, compiled) -> bool:
         except ValueError:
             continue
     gm_cells = [c for c in cells if _calls_gm(gm, c)]
-    return bool(gm_cells) and all(c in gm_cells or not callable(c) for c in cells)
+    if gm_cells:
+        return all(c in gm_cells or not callable(c) for c in cells)
+    # torch._dynamo.disable(fn) (how aot_autograd hands back a backward): recurse into fn.
+    contexts = [c for c in cells if type(c).__name__ in ("DisableContext", "_TorchDynamoContext")]
+    rest = [c for c in cells if c not in contexts and callable(c)]
+    if depth > 0 and contexts and len(rest) == 1:
+        return runs_graph_as_is(gm, rest[0], depth - 1)
+    return False
 
 
 class OpRecorder:
