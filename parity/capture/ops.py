@@ -54,6 +54,7 @@ ENV_STEP = "PARITY_OPS_STEP"
 ENV_EXIT = "PARITY_OPS_EXIT"
 OPS_DIR = "ops"
 GRAD_OP = "parity.grad"
+PROPERTY_MODULE = "(parameter property)"
 
 # Communication and bucket plumbing: recorded (so the streams show them) but never hashed or
 # aligned op by op; their effect is compared through the gradients they produce.
@@ -114,10 +115,11 @@ def stack_module(path: str) -> str:
     """``L['self'].layers[1].ffn_norm`` (an ``nn_module_stack`` path) -> ``layers.1.ffn_norm``.
 
     A module reached through a parameter property (SimpleFSDP's all-gather parametrization:
-    ``dict(type(L.self.norm).__dict__).weight.fget.__closure__...``) is named by its owner."""
-    m = _OWNER.search(path)
-    if m:
-        path = m.group(1).strip()
+    ``dict(type(L.self.norm).__dict__).weight.fget.__closure__...``) is one object shared by
+    many parameters, named by dynamo after the first access: it is reported as
+    ``(parameter property)``, not as a module it does not belong to."""
+    if _OWNER.search(path) or "__closure__" in path:
+        return PROPERTY_MODULE
     path = re.sub(r"^[LG]\.self\b", "", path)
     path = re.sub(r"^\s*[LG]\[[^\]]*\]", "", path)
     path = _BRACKET.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
