@@ -219,3 +219,18 @@ def test_swapped_bucket_order_is_found_at_the_gradient(tmp_path):
         "layers.1.attention_norm.weight", "layers.1.ffn_norm.weight")
     assert "reduce-scatter" in rep["inputs"]["detail"]
     assert rep["equal"] == rep["aligned"] - rep["differing_pairs"]
+
+
+def test_op_capture_is_not_loaded_unless_bisect_asks(tmp_path):
+    """Zero cost in normal runs: a rank's activation imports ops.py only with PARITY_OPS_STEP."""
+    code = ("import sys, torch; from parity.capture import inject; inject._activate(torch); "
+            "print('parity.capture.ops' in sys.modules)")
+    env = _env()
+    env["PARITY_CAPTURE_DIR"] = str(tmp_path / "run")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert p.stdout.strip() == "False", p.stderr
+    env["PARITY_OPS_STEP"] = "2"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert p.stdout.strip() == "True", p.stderr
