@@ -234,3 +234,11 @@ def test_op_capture_is_not_loaded_unless_bisect_asks(tmp_path):
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=TIMEOUT)
     assert p.stdout.strip() == "True", p.stderr
+
+
+def test_reorder_op_must_name_an_rmsnorm():
+    p = subprocess.run([sys.executable, "-m", "parity.workloads.train", "--steps", "1",
+                        "--reorder-op", "layers.0.attention"], env=_env(), capture_output=True,
+                       text=True, timeout=TIMEOUT)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "is not an RMSNorm module; known: layers.0.attention_norm" in p.stderr
