@@ -498,6 +498,8 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
         say(f"  {plan.side.upper()}: {' '.join(plan.argv)}")
         rc, run_dir, log = rerun(plan, out, step)
         runs[plan.side] = (rc, run_dir, log)
+        if rc == 130:  # Ctrl-C, forwarded to the job by parity exec
+            raise KeyboardInterrupt
         if rc != 0:
             raise ParityError(f"the rerun of {plan.side.upper()} ({plan.run_dir}) exited with "
                               f"code {rc}; its output is in {log}", EXIT_INCOMPLETE)
