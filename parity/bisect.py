@@ -387,6 +387,9 @@ def analyse_rank(a_recs: list[dict], b_recs: list[dict]) -> dict:
                  "not_aligned": {"a": len(al.a_only), "b": len(al.b_only)},
                  "not_compared": {"a": al.a_skipped, "b": al.b_skipped},
                  "communication": {"a": al.a_comm, "b": al.b_comm},
+                 "communication_ops": {side: dict(collections.Counter(
+                     r["op"] for r in recs if r.get("kind") == "comm").most_common())
+                     for side, recs in (("a", a_recs), ("b", b_recs))},
                  "opaque_graph_runs": {"a": sum(1 for r in a_recs if r.get("kind") == "opaque"),
                                        "b": sum(1 for r in b_recs if r.get("kind") == "opaque")},
                  "unaligned_groups": _groups(al.a_only, al.b_only)}
@@ -598,6 +601,11 @@ def format_report(rep: dict) -> str:
                  f"B {rep['communication']['b']}; views/allocations not compared: "
                  f"A {rep['not_compared']['a'] - rep['communication']['a']}, "
                  f"B {rep['not_compared']['b'] - rep['communication']['b']}")
+    comm = rep.get("communication_ops") or {}
+    for side in SIDES:
+        if comm.get(side):
+            lines.append(f"  communication {side.upper()}: " + ", ".join(
+                f"{op} x{n}" for op, n in comm[side].items()))
     opaque = rep.get("opaque_graph_runs") or {}
     if opaque.get("a") or opaque.get("b"):
         lines.append(f"NOT RECORDED: compiled graph runs that do not execute their FX graph as is "
