@@ -236,15 +236,16 @@ class OpRecorder:
 
         @functools.wraps(orig_compile)
         def compile(*args, **kwargs):
-            self.compiled = True
+            if not self.compiled:  # hooked here, not at start: eager jobs never import dynamo
+                self.compiled = True
+                from parity.capture import graph
+
+                reason = graph.set_runtime_hook(self._wrap_compiled)
+                if reason:
+                    self.warnings.append(f"compiled graphs cannot be recorded: {reason}")
             return orig_compile(*args, **kwargs)
 
         torch.compile = compile
-        from parity.capture import graph
-
-        reason = graph.set_runtime_hook(self._wrap_compiled)
-        if reason:
-            self.warnings.append(f"compiled graphs cannot be recorded: {reason}")
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(register_optimizer_step_post_hook(self._opt_post))
         if self.step == 1:
