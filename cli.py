@@ -98,8 +98,8 @@ def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
     \b
     parity bisect A_DIR B_DIR [--step K] [--rank R]
     parity bisect SWEEP_DIR --cell ID
-    Exit 1: a differing op (or an unaligned difference) was found; 0: none at that step;
-    2: a side cannot be rerun (named); 3: a rerun failed. docs/bisect.md explains the output.
+    Exit 1: a differing op is named; 0: no aligned op differs at that step; 2: a side
+    cannot be rerun (the line names why); 3: a rerun failed. docs/bisect.md explains the output.
     """
     from pathlib import Path
 
