@@ -35,6 +35,7 @@ from pathlib import Path
 from parity.artifacts import write_json_atomic
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, ParityError
 
+SCHEMA_VERSION = 1  # bisect.json: parity/schemas/bisect.schema.json
 OPS_DIR = "ops"  # same as parity.capture.ops.OPS_DIR (not imported: that module imports torch)
 GRAD_OP = "parity.grad"
 SIDES = ("a", "b")
@@ -487,7 +488,7 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
     if step is None:
         step, div_ranks, verdict = _first_divergence(a_dir, b_dir)
         if step is None:
-            return EXIT_OK, {"verdict": "nothing_to_bisect", "diff_verdict": verdict,
+            return EXIT_OK, {"schema_version": SCHEMA_VERSION, "verdict": "nothing_to_bisect", "diff_verdict": verdict,
                              "detail": "the runs do not diverge at any compared step (give "
                              "--step K to look at a step anyway)"}
         why = "first divergent step"
@@ -515,7 +516,7 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
     if rank not in ranks:
         raise ParityError(f"--rank {rank}: ops recorded for ranks {ranks} only", EXIT_USAGE)
 
-    report: dict = {"step": step, "step_source": why, "rank": rank, "out": str(out),
+    report: dict = {"schema_version": SCHEMA_VERSION, "step": step, "step_source": why, "rank": rank, "out": str(out),
                     "a": {"run": str(a_dir), "rerun": str(runs["a"][1])},
                     "b": {"run": str(b_dir), "rerun": str(runs["b"][1])},
                     "warnings": [], "ranks": {}}

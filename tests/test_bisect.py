@@ -166,7 +166,14 @@ def test_cli_refusal_is_one_line_exit_2(tmp_path):
 
 # ------------------------------------------------------------------ integration: real reruns
 def _report(out: Path) -> dict:
-    return json.loads((out / "bisect.json").read_text())
+    import jsonschema
+
+    rep = json.loads((out / "bisect.json").read_text())
+    schema = json.loads((Path(__file__).resolve().parents[1] / "parity" / "schemas" /
+                         "bisect.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.Draft202012Validator(schema).validate(rep)
+    return rep
 
 
 def test_eager_vs_eager_planted_reorder_found_from_recorded_runs(tmp_path):
