@@ -79,10 +79,20 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
     sys.exit(result.exit_code(fail_on))
 
 
-@cli.command("bisect")
+EXIT_BISECT = ("\b\nExit codes:\n"
+               "  0  no aligned op differs at that step (or the runs do not diverge)\n"
+               "  1  a differing op is named\n"
+               "  2  a side cannot be rerun (the line names why), bad usage, unknown cell\n"
+               "  3  a rerun failed or recorded no ops at that step\n"
+               "  4  internal error in parity\n"
+               "  130  interrupted")
+
+
+@cli.command("bisect", epilog=EXIT_BISECT)
 @click.argument("a_dir", type=click.Path())
 @click.argument("b_dir", required=False, type=click.Path())
-@click.option("--cell", default=None, help="With a sweep directory: the cell to bisect.")
+@click.option("--cell", default=None,
+              help="With a sweep directory: the cell to bisect [default: none, give A_DIR B_DIR].")
 @click.option("--step", type=click.IntRange(min=0), default=None,
               help="Step to look at [default: the first divergent step].")
 @click.option("--rank", type=click.IntRange(min=0), default=None,
@@ -91,15 +101,14 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
               help="Where the reruns and bisect.json go [default: ./parity-bisect, or "
                    "CELL_DIR/bisect].")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False),
-              help="Also write the report (bisect.json) to FILE.")
+              help="Also write the report (bisect.json) to FILE [default: only OUT/bisect.json].")
 def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
     """Rerun A and B up to the divergent step and name the first operation whose output differs.
 
     \b
     parity bisect A_DIR B_DIR [--step K] [--rank R]
     parity bisect SWEEP_DIR --cell ID
-    Exit 1: a differing op is named; 0: no aligned op differs at that step; 2: a side
-    cannot be rerun (the line names why); 3: a rerun failed. docs/bisect.md explains the output.
+    docs/bisect.md explains the output.
     """
     from pathlib import Path
 
