@@ -129,6 +129,62 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
     sys.exit(result.exit_code(fail_on))
 
 
+EXIT_BISECT = ("\b\nExit codes:\n"
+               "  0  no aligned op differs at that step (or the runs do not diverge)\n"
+               "  1  a differing op is named\n"
+               "  2  a side cannot be rerun (the line names why), bad usage, unknown cell\n"
+               "  3  a rerun failed or recorded no ops at that step\n"
+               "  4  internal error in parity\n"
+               "  130  interrupted")
+
+
+@cli.command("bisect", context_settings=CONTEXT,
+             short_help="Rerun both sides to the divergent step; name the first differing op.",
+             epilog=EXIT_BISECT)
+@click.argument("a_dir", type=click.Path())
+@click.argument("b_dir", required=False, type=click.Path())
+@click.option("--cell", default=None,
+              help="With a sweep directory: the cell to bisect [default: none, give A_DIR B_DIR].")
+@click.option("--step", type=click.IntRange(min=0), default=None,
+              help="Step to look at [default: the first divergent step].")
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="Rank to report in detail [default: the first divergent rank].")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Where the reruns and bisect.json go [default: ./parity-bisect, or "
+                   "CELL_DIR/bisect].")
+@click.option("--json", "json_file", type=click.Path(dir_okay=False),
+              help="Also write the report (bisect.json) to FILE [default: only OUT/bisect.json].")
+def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
+    """Rerun A and B up to the divergent step and name the first operation whose output differs.
+
+    \b
+    parity bisect A_DIR B_DIR [--step K] [--rank R]
+    parity bisect SWEEP_DIR --cell ID
+    docs/bisect.md explains the output.
+    """
+    from pathlib import Path
+
+    from parity.bisect import bisect, format_report, sweep_sides
+
+    envs = ({}, {})
+    if cell is not None:
+        if b_dir is not None:
+            raise ParityError("bisect: give SWEEP_DIR --cell ID, or A_DIR B_DIR, not both")
+        a_dir, b_dir, side_env = sweep_sides(Path(a_dir), cell)
+        envs = (side_env.get("reference", {}), side_env.get("candidate", {}))
+        out_dir = out_dir or str(Path(a_dir).parent / "bisect")
+    elif b_dir is None:
+        raise ParityError("bisect: give A_DIR B_DIR, or SWEEP_DIR --cell ID")
+    code, report = bisect(a_dir, b_dir, out_dir=out_dir or "parity-bisect", step=step, rank=rank,
+                          envs=envs, say=lambda m: click.echo(m, err=True))
+    click.echo(format_report(report))
+    if json_file:
+        from parity.artifacts import write_json_atomic
+
+        write_json_atomic(json_file, report)
+    sys.exit(code)
+
+
 @cli.command("sweep", context_settings=CONTEXT,
              short_help="Run reference/candidate job pairs over a matrix, diff every cell.",
              epilog=EXIT_SWEEP)

@@ -57,6 +57,7 @@ _state: dict[str, Any] = {
     "patches": [],  # (module, attribute, original)
     "config": [],  # (config module, attribute, original)
     "warned": False,
+    "runtime": None,  # set_runtime_hook(): wraps what each compiler returns (parity bisect)
 }
 _graph_ids = itertools.count()
 
@@ -597,6 +598,9 @@ def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
             _warn_once(f"{type(e).__name__}: {e} (before {graph_kind} passes)")
         result = compiler(gm, example_inputs, *args, **kwargs)
         _emit(gm, graph_kind, comp, pre)
+        runtime = _state["runtime"]
+        if runtime is not None and hasattr(gm, "graph"):
+            result = runtime(gm, graph_kind, comp.graph_id, result)
         return result
 
     try:
@@ -747,6 +751,15 @@ def install(on_graph: OnGraph, *, disable_caches: bool = True) -> str | None:
         return None
 
 
+def set_runtime_hook(hook: Callable[[Any, str, int, Any], Any] | None) -> str | None:
+    """Also pass every compiled graph through ``hook(gm, graph_kind, graph_id, compiled)``, whose
+    return value replaces the compiled callable (op capture for ``parity bisect``, ops.py).
+    Installs the entry-point patches if the manifests have not; keeps their callback. Returns
+    None when installed, else the reason."""
+    _state["runtime"] = hook
+    return install(_state["on_graph"])
+
+
 def uninstall() -> None:
     """Restore every patched attribute and config value; stop calling the callback."""
     with _lock:
@@ -760,6 +773,7 @@ def uninstall() -> None:
                 pass
         _state["config"] = []
         _state["on_graph"] = None
+        _state["runtime"] = None
 
 
 def is_installed() -> bool:

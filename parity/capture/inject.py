@@ -191,7 +191,11 @@ def _say(msg: str) -> None:
 def _activate(_torch_module) -> None:
     from parity.capture import session
 
-    session.activate_from_env()
+    s = session.activate_from_env()
+    if os.environ.get("PARITY_OPS_STEP"):  # only `parity bisect` reruns set it (ops.py)
+        from parity.capture import ops
+
+        ops.activate_from_env(s)
 
 
 def boot() -> None:

@@ -39,10 +39,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    # Set by train.py --reorder-op: the same three values multiplied in another order,
+    # x * (r * w) instead of (x * r) * w, a planted single-operation difference for `parity bisect`.
+    reorder = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 whatever the compute dtype, as Llama does.
         x_fp32 = x.float()
-        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        r = torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.reorder:
+            return (x_fp32 * (r * self.weight)).type_as(x)
+        normed = x_fp32 * r
         return normed.type_as(x) * self.weight
 
 

@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"on RANK, before optimizer step STEP (1-based), add {PERTURB_VALUE} to FQN's local gradient shard",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--reorder-op",
+        metavar="MODULE",
+        default=None,
+        help="plant a one-op difference: the RMSNorm MODULE (e.g. layers.1.ffn_norm) multiplies in another order",
+    )
     return p
 
 
@@ -183,6 +189,12 @@ def run(args: argparse.Namespace) -> None:
         # Checked on every rank before any collective, so no rank is left waiting.
         names = ", ".join(name for name, _ in model.named_parameters())
         raise UsageError(f"--perturb-grad: no parameter {perturb_spec[2]!r}; known: {names}")
+    if args.reorder_op is not None:
+        norm = dict(model.named_modules()).get(args.reorder_op)
+        if not hasattr(norm, "reorder"):
+            norms = ", ".join(n for n, m in model.named_modules() if hasattr(m, "reorder"))
+            raise UsageError(f"--reorder-op: {args.reorder_op!r} is not an RMSNorm module; known: {norms}")
+        norm.reorder = True
     if args.mode == "eager":
         model = shard_eager(model, mesh, param_dtype, reduce_dtype)
         step_model = model

@@ -1,0 +1,459 @@
+"""Op-level capture for ``parity bisect``: a hash of every operation's output at ONE step.
+
+Only ``parity bisect`` turns this on, in the jobs it reruns: it sets ``PARITY_OPS_STEP=K``
+(and ``PARITY_OPS_EXIT=1``) next to the usual ``parity exec`` variables; inject.py then calls
+:func:`activate_from_env` after the capture session has started. Without that variable this
+module is never imported, so a normal run pays nothing.
+
+What is recorded during training step K (from the first module call after step K-1's
+optimizer step to the end of step K's optimizer step), one line per operation, in execution
+order, to ``RUN_DIR/ops/rank-NNNNN.jsonl``:
+
+* eager processes: a ``TorchDispatchMode`` sees every ATen op (forward, backward, optimizer);
+  ``ModTracker`` names the module whose forward or backward is running.
+* compiled processes (``torch.compile`` was called): a TorchDispatchMode around a compiled call
+  breaks it ("non-infra torch dispatch mode present"), so no mode runs during forward/backward.
+  Instead the compiled graphs, hooked where graph.py already wraps aot_autograd's compilers
+  (``graph.set_runtime_hook``), are run at step K by an ``fx.Interpreter`` that hashes every
+  node's output. That is exact for aot_eager-style graphs (the nodes ARE the ops that run);
+  for inductor the interpreter would run different kernels than the job, so the record says
+  which backend ran (it cannot tell: docs/bisect.md states the aot_eager requirement). The
+  module of a node is its ``nn_module_stack`` (forward) or ``fwd_nn_module_stack`` (backward).
+  The optimizer step runs eagerly and is recorded by the dispatch mode in both kinds.
+* at the start of step K's optimizer step, one ``parity.grad`` record per parameter: the hash
+  of the gradient the optimizer consumes, i.e. after the reduce-scatter. Collectives are not
+  hashed (their outputs are not ready before the wait, and eager and compiled jobs bucket them
+  differently); these records are where a communication difference shows.
+
+Nothing here runs inside a trace, issues a collective, or recompiles: the interpreter runs the
+very graph the compiler returned. With ``PARITY_OPS_EXIT=1`` the job is ended right after step K
+(``SystemExit(0)`` from the optimizer post-hook, on every rank at the same point), since later
+steps cannot tell bisect anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import operator
+import os
+import re
+import sys
+import threading
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from parity.capture.hashing import host_digest
+from parity.capture.inject import _one_line, _say
+from parity.capture.names import normalize_fqn
+
+ENV_STEP = "PARITY_OPS_STEP"
+ENV_EXIT = "PARITY_OPS_EXIT"
+OPS_DIR = "ops"
+GRAD_OP = "parity.grad"
+PROPERTY_MODULE = "(parameter property)"
+
+# Communication and bucket plumbing: recorded (so the streams show them) but never hashed or
+# aligned op by op; their effect is compared through the gradients they produce.
+COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "fsdp", "bucketing", "_dtensor")
+COMM_OPS = ("aten._chunk_cat", "aten.chunk_cat", "aten.split_with_sizes_copy")
+
+_ACTIVE: "OpRecorder | None" = None
+
+
+def ops_path(run_dir: str | os.PathLike, rank: int) -> str:
+    return os.path.join(os.fspath(run_dir), OPS_DIR, f"rank-{rank:05d}.jsonl")
+
+
+def op_kind(name: str, schema=None) -> str:
+    """compute | view | comm for an op named ``ns.op.overload``."""
+    ns = name.split(".", 1)[0]
+    base = ".".join(name.split(".")[:2])
+    if ns in COMM_NAMESPACES or base in COMM_OPS or "wait_tensor" in name:
+        return "comm"
+    if schema is not None:
+        for r in schema.returns:
+            ai = r.alias_info
+            if ai is not None and not ai.is_write:
+                return "view"
+    return "compute"
+
+
+def _hex(t) -> str | None:
+    try:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return None
+        if type(t) is not torch.Tensor:
+            t = getattr(t, "_local_tensor", t)
+        # A copy: exposing a tensor's own storage to numpy makes it non-resizable, and FSDP2
+        # frees its unsharded parameters with storage().resize_(0).
+        return host_digest(t.detach().clone(memory_format=torch.contiguous_format)).hex()
+    except Exception:  # noqa: BLE001 - an unhashable tensor (fake, sparse...): no hash
+        return None
+
+
+def _sig(t) -> dict:
+    lt = getattr(t, "_local_tensor", t) if type(t) is not torch.Tensor else t
+    return {"shape": list(lt.shape), "dtype": str(lt.dtype).removeprefix("torch.")}
+
+
+def _tensors(tree) -> list:
+    flat, _ = tree_flatten(tree)
+    return [x for x in flat if isinstance(x, torch.Tensor)]
+
+
+_BRACKET = re.compile(r"\[\s*(?:'([^']*)'|\"([^\"]*)\"|(-?\d+))\s*\]")
+
+
+_OWNER = re.compile(r"type\((\s*[LG](?:\.self|\['self'\])[^)]*)\)")
+
+
+def stack_module(path: str) -> str:
+    """``L['self'].layers[1].ffn_norm`` (an ``nn_module_stack`` path) -> ``layers.1.ffn_norm``.
+
+    A module reached through a parameter property (SimpleFSDP's all-gather parametrization:
+    ``dict(type(L.self.norm).__dict__).weight.fget.__closure__...``) is one object shared by
+    many parameters, named by dynamo after the first access: it is reported as
+    ``(parameter property)``, not as a module it does not belong to."""
+    if _OWNER.search(path) or "__closure__" in path:
+        return PROPERTY_MODULE
+    path = re.sub(r"^[LG]\.self\b", "", path)
+    path = re.sub(r"^\s*[LG]\[[^\]]*\]", "", path)
+    path = _BRACKET.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
+    parts = [p for p in path.split(".") if p and p not in ("_modules", "_parameters")]
+    return normalize_fqn(".".join(parts))
+
+
+def _node_module(node) -> str:
+    meta = node.meta
+    stack = meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    last = list(stack.values())[-1]
+    path = last[0] if isinstance(last, (tuple, list)) else str(last)
+    return stack_module(path) if isinstance(path, str) else ""
+
+
+class _Mode(TorchDispatchMode):
+    """Hashes every op's inputs and output as it runs (outside compiled calls only)."""
+
+    def __init__(self, rec: "OpRecorder"):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        kind = op_kind(name, getattr(func, "_schema", None))
+        ins = [_hex(t) for t in _tensors((args, kwargs))] if kind == "compute" else None
+        out = func(*args, **kwargs)
+        self.rec.add(name, kind, ins, out, self.rec.module(), self.rec.phase(), None)
+        return out
+
+
+class _Interpreter(torch.fx.Interpreter):
+    """Runs a compiled graph node by node, hashing each call_function node's output."""
+
+    def __init__(self, gm, rec: "OpRecorder", graph: str):
+        super().__init__(gm)
+        self.rec = rec
+        self.graph_label = graph
+
+    def run_node(self, n):
+        if n.op != "call_function" or n.target is operator.getitem:
+            return super().run_node(n)
+        name = str(n.target) if hasattr(n.target, "_schema") else getattr(n.target, "__name__",
+                                                                           str(n.target))
+        kind = op_kind(name, getattr(n.target, "_schema", None))
+        if kind == "compute":
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            ins = [_hex(t) for t in _tensors((args, kwargs))]
+        else:
+            ins = None
+        out = super().run_node(n)
+        self.rec.add(name, kind, ins, out, _node_module(n), self.graph_label.split("#")[0],
+                     f"{self.graph_label}:{n.name}")
+        return out
+
+
+def _calls_gm(gm, f) -> bool:
+    return f is gm or getattr(f, "__self__", None) is gm or getattr(f, "gm", None) is gm
+
+
+def runs_graph_as_is(gm, compiled, depth: int = 2) -> bool:
+    """Whether ``compiled`` only calls ``gm`` (aot_eager-style: ``boxed_nop``'s runner,
+    ``make_boxed_func(gm.forward)``, ``AOTEagerOutputCode``, ``gm`` itself, any of these under
+    ``torch._dynamo.disable``): only then is
+    interpreting ``gm`` node by node the same computation. Deliberately strict: a wrapper that
+    holds anything else callable (inductor's compiled module, a CUDA-graph runner) is not."""
+    if _calls_gm(gm, compiled):
+        return True
+    cells = []
+    for cell in getattr(compiled, "__closure__", None) or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:
+            continue
+    gm_cells = [c for c in cells if _calls_gm(gm, c)]
+    if gm_cells:
+        return all(c in gm_cells or not callable(c) for c in cells)
+    # torch._dynamo.disable(fn) (how aot_autograd hands back a backward): recurse into fn.
+    contexts = [c for c in cells if type(c).__name__ in ("DisableContext", "_TorchDynamoContext")]
+    rest = [c for c in cells if c not in contexts and callable(c)]
+    if depth > 0 and contexts and len(rest) == 1:
+        return runs_graph_as_is(gm, rest[0], depth - 1)
+    return False
+
+
+class OpRecorder:
+    def __init__(self, session, step: int, exit_after: bool):
+        self.session = session
+        self.step = step
+        self.exit_after = exit_after
+        self.records: list[dict] = []
+        self.compiled = False  # torch.compile was called in this process
+        self.recording = False
+        self.in_optimizer = False
+        self.done = False
+        self.mode: _Mode | None = None
+        self.tracker = None
+        self.graphs_run = 0
+        self.warnings: list[str] = []
+        self._fwd_handle = None
+        self._handles = []
+        self._lock = threading.RLock()
+        self.pid = os.getpid()
+
+    # ------------------------------------------------------------------------------ hooks
+    def install(self) -> None:
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
+
+        orig_compile = torch.compile
+
+        @functools.wraps(orig_compile)
+        def compile(*args, **kwargs):
+            if not self.compiled:  # hooked here, not at start: eager jobs never import dynamo
+                self.compiled = True
+                from parity.capture import graph
+
+                reason = graph.set_runtime_hook(self._wrap_compiled)
+                if reason:
+                    self.warnings.append(f"compiled graphs cannot be recorded: {reason}")
+            return orig_compile(*args, **kwargs)
+
+        torch.compile = compile
+        self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
+        self._handles.append(register_optimizer_step_post_hook(self._opt_post))
+        if self.step == 1:
+            self._arm()
+
+    def _arm(self) -> None:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        self.recording = True
+        self._fwd_handle = register_module_forward_pre_hook(self._first_forward)
+
+    def _first_forward(self, module, args):
+        # One shot: removed at its first call, before any compiled frame is entered.
+        if torch.compiler.is_compiling():
+            return None
+        h, self._fwd_handle = self._fwd_handle, None
+        if h is not None:
+            h.remove()
+        if self.compiled or type(module).__name__ == "OptimizedModule":
+            self.compiled = True
+            return None  # forward/backward come from the compiled graphs
+        try:
+            from torch.distributed._tools.mod_tracker import ModTracker
+
+            self.tracker = ModTracker()
+            self.tracker.__enter__()
+            self.tracker._fw_pre_hook(module, args)  # this call's own pre-hook has passed
+        except Exception as e:  # noqa: BLE001
+            self.tracker = None
+            self.warnings.append(f"module names unavailable: {_one_line(e)}")
+        self.mode = _Mode(self)
+        self.mode.__enter__()
+        return None
+
+    def _opt_pre(self, opt, args, kwargs):
+        s = self.session
+        if not self.recording or self.in_optimizer or s.depth != 1 or s.k != self.step:
+            return
+        self.in_optimizer = True
+        try:
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():  # the hashing's own copies are not the job's ops
+                self._grads()
+        except Exception as e:  # noqa: BLE001
+            self.warnings.append(f"gradients not recorded: {_one_line(e)}")
+        if self.mode is None:  # compiled process: the optimizer runs eagerly, record it
+            self.mode = _Mode(self)
+            self.mode.__enter__()
+
+    def _opt_post(self, opt, args, kwargs):
+        s = self.session
+        if s.depth != 0 or os.getpid() != self.pid:
+            return
+        if not self.recording and not self.done and s.done == self.step - 1:
+            self._arm()
+            return
+        if self.recording and s.done == self.step:
+            self._finish(complete=True)
+            if self.exit_after:
+                raise SystemExit(0)
+
+    def _grads(self) -> None:
+        s = self.session
+        for p, entry in zip(s.table, s.entries):
+            g = p.grad
+            rec = {"op": GRAD_OP, "kind": "grad", "phase": "backward",
+                   "module": entry["fqn"].rsplit(".", 1)[0] if "." in entry["fqn"] else "",
+                   "param": entry["fqn"], "in": None}
+            rec["out"] = [dict(_sig(g), hash=_hex(g))] if g is not None else []
+            self._append(rec)
+
+    # ------------------------------------------------------------------------- recording
+    def phase(self) -> str:
+        if self.in_optimizer:
+            return "optimizer"
+        if self.tracker is not None and self.tracker.is_bw:
+            return "backward"
+        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+
+    def module(self) -> str:
+        if self.tracker is None:
+            return ""
+        names = [p for p in self.tracker.parents if p != "Global"]
+        if not names:
+            return ""
+        best = max(sorted(names), key=lambda n: n.count("."))
+        return normalize_fqn(best.split(".", 1)[1]) if "." in best else ""
+
+    def add(self, name, kind, ins, out, module, phase, node) -> None:
+        outs = _tensors(out)
+        rec = {"op": name, "kind": kind, "phase": phase, "module": module, "in": ins,
+               "out": [dict(_sig(t), hash=_hex(t) if kind == "compute" else None) for t in outs]}
+        if node:
+            rec["node"] = node
+        self._append(rec)
+
+    def _append(self, rec: dict) -> None:
+        with self._lock:
+            rec["i"] = len(self.records)
+            self.records.append(rec)
+
+    # ------------------------------------------------------------------------ compiled
+    def _wrap_compiled(self, gm, graph_kind: str, graph_id: int, compiled):
+        label = f"{graph_kind}#{graph_id}"
+        boxed = getattr(compiled, "_boxed_call", False)
+        if not runs_graph_as_is(gm, compiled):
+            # Inductor kernels, CUDA graphs...: interpreting the FX graph would record values
+            # the job never computed. Say so instead (one record per run, and a warning).
+            self.warnings.append(f"{label}: the compiled callable ({type(compiled).__name__}) "
+                                 "does not run its FX graph node by node (inductor or a runtime "
+                                 "wrapper): its ops are not recorded")
+
+            def opaque(*args):
+                if self.recording and not self.in_optimizer and os.getpid() == self.pid:
+                    self._append({"op": "compiled graph (not recorded)", "kind": "opaque",
+                                  "phase": graph_kind, "module": "", "in": None, "out": [],
+                                  "node": label})
+                return compiled(*args)
+
+            if boxed:
+                opaque._boxed_call = True  # type: ignore[attr-defined]
+            return opaque
+
+        def recording() -> bool:
+            return self.recording and not self.in_optimizer and os.getpid() == self.pid
+
+        if boxed:
+            def run(args):
+                if not recording():
+                    return compiled(args)
+                self.graphs_run += 1
+                return _Interpreter(gm, self, label).boxed_run(args)
+
+            run._boxed_call = True  # type: ignore[attr-defined]
+        else:
+            def run(*args):
+                if not recording():
+                    return compiled(*args)
+                self.graphs_run += 1
+                return _Interpreter(gm, self, label).run(*args)
+        return run
+
+    # --------------------------------------------------------------------------- output
+    def _finish(self, complete: bool) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.recording = False
+        self.in_optimizer = False
+        for ctx in (self.mode, self.tracker):
+            if ctx is not None:
+                try:
+                    ctx.__exit__(None, None, None)
+                except Exception:  # noqa: BLE001
+                    pass
+        self.mode = self.tracker = None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        rank = self.session.rank
+        path = ops_path(self.session.out_dir, rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        meta = {"meta": {"step": self.step, "rank": rank, "complete": complete,
+                         "process": "compiled" if self.compiled else "eager",
+                         "graphs_run": self.graphs_run, "ops": len(self.records),
+                         "warnings": self.warnings, "time": time.time()}}
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(json.dumps(meta) + "\n")
+            for r in self.records:
+                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+        os.replace(tmp, path)
+
+
+def activate_from_env(session) -> OpRecorder | None:
+    """Start op capture if ``PARITY_OPS_STEP`` asks for it (called by inject.py); fails soft."""
+    global _ACTIVE
+    raw = os.environ.get(ENV_STEP)
+    if not raw or session is None or _ACTIVE is not None:
+        return _ACTIVE
+    try:
+        step = int(raw)
+        if step < 1:
+            raise ValueError(f"{ENV_STEP} must be >= 1, got {raw!r}")
+        rec = OpRecorder(session, step, os.environ.get(ENV_EXIT, "0") == "1")
+        rec.install()
+        _ACTIVE = rec
+
+        import atexit
+
+        atexit.register(lambda: rec._finish(complete=False) if not rec.done and rec.records
+                        else None)
+        return rec
+    except Exception as e:  # noqa: BLE001
+        _say(f"op capture disabled: {_one_line(e)}")
+        return None
+
+
+def read_ops(path: str | os.PathLike) -> tuple[dict, list[dict]]:
+    """(meta, records) of one rank's ops file."""
+    with open(path) as f:
+        lines = f.read().splitlines()
+    if not lines:
+        raise ValueError(f"{path}: empty")
+    meta = json.loads(lines[0]).get("meta") or {}
+    return meta, [json.loads(x) for x in lines[1:] if x.strip()]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("parity.capture.ops is activated by `parity bisect`, not run directly")
