@@ -45,6 +45,8 @@ def main():
         "float64_transposed": torch.randn(3, 4, generator=g, dtype=torch.float64).t(),
         "complex64": torch.randn(6, generator=g, dtype=torch.complex64),
         "scalar": torch.tensor(2.5),
+        "unaligned_view": torch.randn(50, generator=g)[1:],  # address not 16-byte aligned
+        "exactly_two_chunks": torch.randn(2 * BLOCK * ITERS, generator=g),  # no tail row
         "empty": torch.zeros(0),
         "flip_first_bit": flip(x, 0, 0),
         "flip_last_bit": flip(x, 4 * 37 - 1, 7),
@@ -55,15 +57,18 @@ def main():
     ref = hashing.device_lanes_torch(tensors)
     got = kernel(tensors)  # one call for all: the table mixes widths and tensors
     out = {n: [r, k] for n, r, k in zip(names, ref, got)}
+    _, launches = next(reversed(hashing_triton._tables.values()))
+    out["launches"] = [[w, a, m] for w, a, m, _, _ in launches]
 
     # Positions near 2**31 (where a_i restarts at 1): a hand-made table row whose address is
     # moved back by `first` elements, so that element index `first + k` reads element k.
     e = hashing._elements(torch.randn(40, generator=g))
-    first = 2**31 - 20
+    first = 2**31 - 32  # a multiple of the chunk, as every row's first element is
     rows = [[e.data_ptr() - first * 4, first + 40, first + s, 0] for s in range(0, 40, BLOCK * ITERS)]
     lanes = torch.zeros(1, 4, dtype=torch.int64)
-    hashing_triton._kernel()[(len(rows),)](torch.tensor(rows), lanes, WIDTH=4, BLOCK=BLOCK,
-                                           ITERS=ITERS, B_MULT=hashing_triton.B_MULT)
+    hashing_triton._kernel()[(len(rows),)](torch.tensor(rows), lanes, WIDTH=4, ALIGNED=False,
+                                           MASKED=True, BLOCK=BLOCK, ITERS=ITERS,
+                                           B_MULT=hashing_triton.B_MULT)
     out["positions_past_2**31"] = [[v & 0xFFFFFFFF for v in e.tolist()], first,
                                    [v & (2**64 - 1) for v in lanes[0].tolist()]]
     print(json.dumps(out))

@@ -17,9 +17,12 @@ Shape of the work:
   read in place) are cut into chunks of ``BLOCK * ITERS`` elements. A table row per chunk holds
   (address, element count, first element, output slot); the table crosses to the device in one
   host-to-device copy and is cached by its contents (parameters keep their addresses).
-* One launch per element width present (at most four), one program per chunk; each program keeps
-  its partial lanes in registers and adds them to its tensor's four output lanes with one atomic
-  add per lane (uint64 wrapping arithmetic, which is what the definition's "mod 2**64" is).
+* One launch per (element width, 16-byte aligned or not, full chunks or tails) present: usually
+  two to four launches per step whatever the number of tensors. One program per chunk; each
+  keeps its partial lanes in registers and adds them to its tensor's output lanes with one
+  atomic add per lane (uint64 wrapping arithmetic, which is what the definition's "mod 2**64"
+  is). Full chunks of aligned tensors load without a mask and with alignment hints, so that
+  Triton can emit vector loads (an address loaded from a table carries no alignment otherwise).
 * The output (tensors x 4 int64) crosses to the host in one device-to-host copy.
 
 Nothing here runs inside a trace or issues a collective; it runs on the current stream after the
@@ -80,13 +83,20 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    def digest_lanes(table_ptr, out_ptr, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
-                     ITERS: tl.constexpr, B_MULT: tl.constexpr):
+    def digest_lanes(table_ptr, out_ptr, WIDTH: tl.constexpr, ALIGNED: tl.constexpr,
+                     MASKED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                     B_MULT: tl.constexpr):
+        # One program = one table row = up to BLOCK * ITERS elements of one tensor. Rows of full
+        # chunks (MASKED False) load without a mask and, for 16-byte aligned tensors (ALIGNED),
+        # with the alignment and contiguity hints that let Triton emit vector loads; a loaded
+        # address or length carries no such information by itself.
         row = table_ptr + tl.program_id(0) * 4
         addr = tl.load(row)
         n = tl.load(row + 1)
         start = tl.load(row + 2)
         slot = tl.load(row + 3)
+        if ALIGNED:
+            addr = tl.multiple_of(addr, 16)
         if WIDTH == 1:
             ptr = addr.to(tl.pointer_type(tl.uint8))
         elif WIDTH == 2:
@@ -102,16 +112,26 @@ def _kernel():
         lane = tl.arange(0, BLOCK)
         for it in tl.static_range(ITERS):
             idx = start + it * BLOCK + lane  # int64 element index
-            v = tl.load(ptr + idx, mask=idx < n, other=0).to(tl.uint64)
-            q1 = ((idx & 0x7FFFFFFF) + 1).to(tl.uint64)  # a_i, in [1, 2**31]
-            b = (((q1 * B_MULT) & 0xFFFFFFFF) >> 1) | 1
-            lo = v & 0xFFFFFFFF
-            acc_a_lo += lo * q1
-            acc_b_lo += lo * b
+            idx = tl.max_contiguous(tl.multiple_of(idx, BLOCK), BLOCK)
+            if MASKED:
+                v = tl.load(ptr + idx, mask=idx < n, other=0)
+            else:
+                v = tl.load(ptr + idx)
+            # a_i = (i mod 2**31) + 1 and b_i in uint32 (the truncation is the "mod 2**32"
+            # whatever type the product was computed in); products as 32x32 -> 64-bit.
+            q1 = (idx & 0x7FFFFFFF).to(tl.uint32) + 1
+            b = (((q1 * B_MULT).to(tl.uint32)) >> 1) | 1
+            a64 = q1.to(tl.uint64)
+            b64 = b.to(tl.uint64)
             if WIDTH == 8:
-                hi = v >> 32
-                acc_a_hi += hi * q1
-                acc_b_hi += hi * b
+                lo = (v & 0xFFFFFFFF).to(tl.uint32).to(tl.uint64)
+                hi = (v >> 32).to(tl.uint32).to(tl.uint64)
+                acc_a_hi += hi * a64
+                acc_b_hi += hi * b64
+            else:
+                lo = v.to(tl.uint32).to(tl.uint64)
+            acc_a_lo += lo * a64
+            acc_b_lo += lo * b64
         out = out_ptr + slot * 4
         tl.atomic_add(out, tl.sum(acc_a_lo, axis=0).to(tl.int64, bitcast=True))
         tl.atomic_add(out + 2, tl.sum(acc_b_lo, axis=0).to(tl.int64, bitcast=True))
@@ -124,7 +144,12 @@ def _kernel():
 
 
 def _table(elems: list[torch.Tensor], dev: torch.device, chunk: int):
-    """(table on ``dev``, [(width, first row, rows)]) for ``elems``, cached by its contents."""
+    """(table on ``dev``, [(width, aligned, masked, first row, rows)]) for ``elems``, cached by
+    its contents (a pure function of the addresses, lengths and widths).
+
+    Each tensor gives one row per full chunk (launched without a mask) and one row for its tail
+    (masked); rows are grouped by element width, 16-byte alignment of the address, and mask.
+    """
     key = (dev, chunk, tuple((e.data_ptr(), e.numel(), e.element_size()) for e in elems))
     hit = _tables.get(key)
     if hit is not None:
@@ -133,14 +158,22 @@ def _table(elems: list[torch.Tensor], dev: torch.device, chunk: int):
     rows: list[tuple[int, int, int, int]] = []
     launches = []
     for width in _WIDTHS:
-        first = len(rows)
-        for slot, e in enumerate(elems):
-            if e.element_size() != width:
-                continue
-            n, addr = e.numel(), e.data_ptr()
-            rows.extend((addr, n, s, slot) for s in range(0, n, chunk))
-        if len(rows) > first:
-            launches.append((width, first, len(rows) - first))
+        for aligned in (True, False):
+            for masked in (False, True):
+                first = len(rows)
+                for slot, e in enumerate(elems):
+                    addr = e.data_ptr()
+                    if e.element_size() != width or (addr % 16 == 0) != aligned:
+                        continue
+                    n = e.numel()
+                    full = n - n % chunk
+                    if masked:
+                        if full < n:
+                            rows.append((addr, n, full, slot))
+                    else:
+                        rows.extend((addr, n, s, slot) for s in range(0, full, chunk))
+                if len(rows) > first:
+                    launches.append((width, aligned, masked, first, len(rows) - first))
     table = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int64)
     if dev.type == "cuda":
         table = table.pin_memory().to(dev, non_blocking=True)
@@ -172,9 +205,9 @@ def device_lanes(elems: list[torch.Tensor], block: int = BLOCK,
         kernel = _kernel()
         table, launches = _table(elems, dev, block * iters)
         out = torch.zeros(len(elems), 4, dtype=torch.int64, device=dev)
-        for width, first, rows in launches:
-            kernel[(rows,)](table[first:], out, WIDTH=width, BLOCK=block, ITERS=iters,
-                            B_MULT=B_MULT)
+        for width, aligned, masked, first, rows in launches:
+            kernel[(rows,)](table[first:], out, WIDTH=width, ALIGNED=aligned, MASKED=masked,
+                            BLOCK=block, ITERS=iters, B_MULT=B_MULT)
         host = out.cpu().tolist()
     except Exception as e:  # a compile or launch failure: fall back, never lose the step
         _state["failed"] = f"{type(e).__name__}: {e}"
