@@ -95,8 +95,6 @@ def _kernel():
         n = tl.load(row + 1)
         start = tl.load(row + 2)
         slot = tl.load(row + 3)
-        if ALIGNED:
-            addr = tl.multiple_of(addr, 16)
         if WIDTH == 1:
             ptr = addr.to(tl.pointer_type(tl.uint8))
         elif WIDTH == 2:
@@ -105,11 +103,18 @@ def _kernel():
             ptr = addr.to(tl.pointer_type(tl.uint32))
         else:
             ptr = addr.to(tl.pointer_type(tl.uint64))
+        if ALIGNED:
+            ptr = tl.multiple_of(ptr, 16)
         acc_a_lo = tl.zeros([BLOCK], dtype=tl.uint64)
         acc_b_lo = tl.zeros([BLOCK], dtype=tl.uint64)
         acc_a_hi = tl.zeros([BLOCK], dtype=tl.uint64)
         acc_b_hi = tl.zeros([BLOCK], dtype=tl.uint64)
+        if ALIGNED:  # on the pointer itself: a hint on the integer is lost in the cast
+            ptr = tl.multiple_of(ptr, 16)
         lane = tl.arange(0, BLOCK)
+        # a_i = (i mod 2**31) + 1. A row starts at a multiple of BLOCK * ITERS, which divides
+        # 2**31, so i mod 2**31 does not wrap inside a row: a scalar base plus the lane.
+        q_base = ((start & 0x7FFFFFFF) + 1).to(tl.uint32)
         for it in tl.static_range(ITERS):
             idx = start + it * BLOCK + lane  # int64 element index
             idx = tl.max_contiguous(tl.multiple_of(idx, BLOCK), BLOCK)
@@ -117,9 +122,9 @@ def _kernel():
                 v = tl.load(ptr + idx, mask=idx < n, other=0)
             else:
                 v = tl.load(ptr + idx)
-            # a_i = (i mod 2**31) + 1 and b_i in uint32 (the truncation is the "mod 2**32"
-            # whatever type the product was computed in); products as 32x32 -> 64-bit.
-            q1 = (idx & 0x7FFFFFFF).to(tl.uint32) + 1
+            # b_i in uint32 (the truncation is the "mod 2**32" whatever type the product was
+            # computed in); products as 32x32 -> 64-bit.
+            q1 = q_base + it * BLOCK + lane.to(tl.uint32)
             b = (((q1 * B_MULT).to(tl.uint32)) >> 1) | 1
             a64 = q1.to(tl.uint64)
             b64 = b.to(tl.uint64)
