@@ -181,3 +181,28 @@ def test_workload_runs_on_cuda_single_rank(extra):
     proc = _python("-m", "parity.workloads.train", "--device", "cuda", "--steps", "2", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2 loss" in proc.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_capture_on_cuda_eager_vs_compiled_two_ranks_sharing_a_gpu(tmp_path):
+    """The issue-12 check: 2 ranks over gloo on GPU 0 (or NCCL on 2 GPUs), captured by `parity
+    exec` with device digests; eager FSDP2 and compiled registration order hash the same."""
+    import json
+
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    runs = {}
+    for name, mode in (("eager", ["--mode", "eager"]),
+                       ("compiled", ["--mode", "compiled", "--bucket-order", "registration"])):
+        out = tmp_path / name
+        proc = _python("-c", "import cli; cli.main()", "exec", "--out", str(out), "--",
+                       sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc_per_node", "2", "-m", "parity.workloads.train", "--device",
+                       "cuda", "--backend", backend, "--steps", "3", *mode)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = out
+        meta = json.loads((out / "rank-00000" / "meta.json").read_text())
+        assert meta["capture"]["hasher"] == "device"
+        assert meta["capture"]["device_digest"] in ("triton", "torch")
+        assert meta["gpu"]["name"] and meta["gpu"]["cuda"]
+    proc = _python("-c", "import cli; cli.main()", "diff", str(runs["eager"]), str(runs["compiled"]))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

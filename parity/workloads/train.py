@@ -293,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Pinned before any work: a different intra-op thread count changes
     # reduction order in CPU kernels and breaks bitwise parity.
     torch.set_num_threads(1)
+    if args.device == "cuda":
+        # Deterministic cuBLAS needs a fixed workspace; read when cuBLAS first initializes,
+        # which is later (torchtitan's deterministic mode sets the same).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     created = init_distributed(default_backend(args))
     try:
