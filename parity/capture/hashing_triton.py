@@ -35,6 +35,7 @@ import os
 import sys
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 __all__ = ["usable", "device_lanes", "BLOCK", "ITERS"]
@@ -160,26 +161,35 @@ def _table(elems: list[torch.Tensor], dev: torch.device, chunk: int):
     if hit is not None:
         _tables.move_to_end(key)
         return hit
-    rows: list[tuple[int, int, int, int]] = []
+    addr = np.array([e.data_ptr() for e in elems], dtype=np.int64)
+    n = np.array([e.numel() for e in elems], dtype=np.int64)
+    width = np.array([e.element_size() for e in elems], dtype=np.int64)
+    slot = np.arange(len(elems), dtype=np.int64)
+    aligned = addr % 16 == 0
+    full = n - n % chunk
+    parts: list[np.ndarray] = []
     launches = []
-    for width in _WIDTHS:
-        for aligned in (True, False):
-            for masked in (False, True):
-                first = len(rows)
-                for slot, e in enumerate(elems):
-                    addr = e.data_ptr()
-                    if e.element_size() != width or (addr % 16 == 0) != aligned:
-                        continue
-                    n = e.numel()
-                    full = n - n % chunk
-                    if masked:
-                        if full < n:
-                            rows.append((addr, n, full, slot))
-                    else:
-                        rows.extend((addr, n, s, slot) for s in range(0, full, chunk))
-                if len(rows) > first:
-                    launches.append((width, aligned, masked, first, len(rows) - first))
-    table = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int64)
+    rows = 0
+    for w in _WIDTHS:
+        for al in (True, False):
+            sel = (width == w) & (aligned == al)
+            if not sel.any():
+                continue
+            # full chunks: one row per chunk, no mask
+            per = full[sel] // chunk
+            if per.sum() > 0:
+                idx = np.repeat(np.flatnonzero(sel), per)
+                starts = (np.arange(len(idx)) - np.repeat(np.cumsum(per) - per, per)) * chunk
+                parts.append(np.stack([addr[idx], n[idx], starts, slot[idx]], axis=1))
+                launches.append((w, al, False, rows, len(idx)))
+                rows += len(idx)
+            # tails: one masked row per tensor that has one
+            tail = np.flatnonzero(sel & (full < n))
+            if len(tail):
+                parts.append(np.stack([addr[tail], n[tail], full[tail], slot[tail]], axis=1))
+                launches.append((w, al, True, rows, len(tail)))
+                rows += len(tail)
+    table = torch.from_numpy(np.concatenate(parts) if parts else np.zeros((1, 4), np.int64))
     if dev.type == "cuda":
         table = table.pin_memory().to(dev, non_blocking=True)
     else:
