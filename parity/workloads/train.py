@@ -126,7 +126,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(backend: str) -> bool:
+def init_distributed(device: str, backend: str | None = None) -> bool:
     """Initialize the default group; returns True if this call created it."""
     if dist.is_initialized():
         return False
@@ -137,7 +137,7 @@ def init_distributed(backend: str) -> bool:
         os.environ["RANK"] = "0"
         os.environ["WORLD_SIZE"] = "1"
         os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend or ("nccl" if device == "cuda" else "gloo"))
     return True
 
 
@@ -298,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # which is later (torchtitan's deterministic mode sets the same).
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    created = init_distributed(default_backend(args))
+    created = init_distributed(args.device, default_backend(args))
     try:
         run(args)
     except UsageError as e:
