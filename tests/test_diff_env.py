@@ -57,6 +57,16 @@ def test_diff_warns_but_keeps_the_verdict(tmp_path):
     assert any(m.startswith("GPU differs (A 'NVIDIA H100 80GB HBM3', B 'NVIDIA A100") for m in msgs)
     assert any(m.startswith("cuDNN differs") for m in msgs)
     assert res.exit_code() == 0
+    # and the console report shows them as warnings
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", "import cli; cli.main()", "diff", str(a), str(b)],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warning: GPU differs (A 'NVIDIA H100 80GB HBM3', B 'NVIDIA A100" in " ".join(proc.stdout.split())
 
 
 def test_collect_without_cuda_is_none():
