@@ -31,6 +31,7 @@ optimizer step, like the rest of capture.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections import OrderedDict
@@ -220,9 +221,11 @@ def device_lanes(elems: list[torch.Tensor], block: int = BLOCK,
         kernel = _kernel()
         table, launches = _table(elems, dev, block * iters)
         out = torch.zeros(len(elems), 4, dtype=torch.int64, device=dev)
-        for width, aligned, masked, first, rows in launches:
-            kernel[(rows,)](table[first:], out, WIDTH=width, ALIGNED=aligned, MASKED=masked,
-                            BLOCK=block, ITERS=iters, B_MULT=B_MULT)
+        # Triton launches on the current device: make it the tensors' one
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            for width, aligned, masked, first, rows in launches:
+                kernel[(rows,)](table[first:], out, WIDTH=width, ALIGNED=aligned,
+                                MASKED=masked, BLOCK=block, ITERS=iters, B_MULT=B_MULT)
         host = out.cpu().tolist()
     except Exception as e:  # a compile or launch failure: fall back, never lose the step
         _state["failed"] = f"{type(e).__name__}: {e}"
