@@ -96,7 +96,8 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
 def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_on):
     """Run paired reference/candidate jobs over a matrix and diff every cell.
 
-    With no SPEC, runs the embedded CPU default (sweeps/cpu-default.toml).
+    With no SPEC, runs the embedded default: sweeps/cuda-default.toml on a machine with a CUDA
+    device, sweeps/cpu-default.toml elsewhere.
     """
     from parity.sweep.runner import run_sweep
 
