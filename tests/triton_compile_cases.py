@@ -29,7 +29,7 @@ def main():
         ptx = compiled.asm["ptx"]
         out[f"{width},{int(aligned)},{int(masked)}"] = {
             "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
-            "mul_wide": len(re.findall(r"mul\.wide\.u32", ptx)),
+            "mul_wide": len(re.findall(r"m(?:ul|ad)\.wide\.u32", ptx)),
             "atomics": len(re.findall(r"atom\.global", ptx)),
         }
     print(json.dumps(out))
