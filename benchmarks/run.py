@@ -1,6 +1,6 @@
 """parity's benchmarks: every figure is a ratio against a baseline measured in the same run.
 
-    python benchmarks/run.py [--quick] [--json FILE] [--only hash,capture,diff,sweep]
+    python benchmarks/run.py [--quick] [--json FILE] [--only hash,capture,diff,sweep,cuda]
 
 Figures (targets from the performance issue; a figure that misses its target is marked MISS,
 the run still exits 0 so CI tracks numbers rather than machine noise):
@@ -13,6 +13,15 @@ the run still exits 0 so CI tracks numbers rather than machine noise):
   diff_seconds_step20 <= 10 s, diff_peak_gib < 4   256-rank x 25-step x 1,500-parameter pair
   diff_seconds_step2                  the same pair diverging at step 2 (should cost much less)
   sweep_overhead                      wall time of a small sweep / sum of its jobs' wall times
+  cuda_* (only with CUDA; otherwise the line "cuda  no CUDA: skipped")
+    cuda_digest_gbps, cuda_read_gbps, cuda_d2h_xxh3_gbps, cuda_torch_digest_gbps
+                                      the device digest as capture runs it (Triton kernel where
+                                      Triton imports) vs a plain on-device read (t.sum() of every
+                                      tensor) vs copy to host + xxh3 vs the torch-ops digest, on
+                                      the same fp32 / bf16 state
+    cuda_digest_vs_read >= 0.8        (fp32 and bf16 separately)
+    cuda_capture_overhead             the built-in workload on CUDA (a larger model than on CPU)
+                                      with device digests every step / without capture
 
 `--quick` (run by .ci/run) uses smaller sizes and fewer repetitions and finishes in about two
 minutes on 2 cores; the figures are noisier but the code paths are the same.
@@ -42,6 +51,8 @@ sys.path.insert(0, str(ROOT))
 from parity.capture.hashing import digest_tensors  # noqa: E402
 
 TARGETS = {
+    "cuda_digest_vs_read_fp32": (">=", 0.8),
+    "cuda_digest_vs_read_bf16": (">=", 0.8),
     "hash_vs_read": (">=", 0.9),
     "hash_vs_sha256": (">=", 15.0),
     "capture_overhead": ("<=", 1.05),
@@ -224,6 +235,101 @@ def bench_diff(quick: bool, tmp: Path) -> dict:
     }
 
 
+# ---------------------------------------------------------------------------------------- cuda
+
+
+def cuda_state(total_mib: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Model-like CUDA tensors of ``dtype``: many mixed sizes (a few non-contiguous views)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dim = 4096
+    shapes = [(dim, dim)] * 4 + [(3 * dim, dim), (dim, 3 * dim), (3 * dim, dim), (dim,), (dim,)]
+    tensors, used, i = [], 0, 0
+    budget = total_mib * 2**20
+    while used < budget:
+        t = torch.randn(*shapes[i % len(shapes)], device="cuda", generator=g).to(dtype)
+        tensors.append(t.t() if i % 17 == 16 and t.dim() == 2 else t)
+        used += t.numel() * t.element_size()
+        i += 1
+    return tensors
+
+
+def _best_cuda(fn, reps: int) -> float:
+    fn()  # warm-up: kernel compilation, table cache, allocator
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _cuda_read(tensors) -> None:
+    for t in tensors:
+        t.sum(dtype=torch.float32)
+
+
+def bench_cuda(quick: bool, tmp: Path) -> dict:
+    if not torch.cuda.is_available():
+        return {"cuda": "no CUDA: skipped"}
+    from parity.capture import hashing, hashing_triton
+
+    out: dict = {"cuda_device": torch.cuda.get_device_name(0),
+                 "cuda_digest_backend": hashing.device_backend()}
+    gb = 1e9
+    reps = 3 if quick else 10
+    for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        tensors = cuda_state(1024 if quick else 4096, dtype)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        t_read = _best_cuda(lambda: _cuda_read(tensors), reps)
+        t_dig = _best_cuda(lambda: digest_tensors(tensors, "device"), reps)
+        # D2H + xxh3 and the torch-ops digest are slow: measured on a slice of the state
+        part = tensors[: max(4, len(tensors) // 8)]
+        pbytes = sum(t.numel() * t.element_size() for t in part)
+        t_xxh = _best_cuda(lambda: digest_tensors(part, "xxh3"), 1)
+        os.environ[hashing_triton.ENV_BACKEND] = "torch"
+        try:
+            t_tops = _best_cuda(lambda: digest_tensors(part, "device"), 1)
+        finally:
+            os.environ.pop(hashing_triton.ENV_BACKEND, None)
+        out.update({
+            f"cuda_bytes_{label}": nbytes, f"cuda_tensors_{label}": len(tensors),
+            f"cuda_read_gbps_{label}": nbytes / t_read / gb,
+            f"cuda_digest_gbps_{label}": nbytes / t_dig / gb,
+            f"cuda_d2h_xxh3_gbps_{label}": pbytes / t_xxh / gb,
+            f"cuda_torch_digest_gbps_{label}": pbytes / t_tops / gb,
+        })
+        out[f"cuda_digest_vs_read_{label}"] = out[f"cuda_digest_gbps_{label}"] / out[f"cuda_read_gbps_{label}"]
+        del tensors, part
+        torch.cuda.empty_cache()
+    out.update(_cuda_capture(quick, tmp))
+    return out
+
+
+def _cuda_capture(quick: bool, tmp: Path) -> dict:
+    """Capture overhead of the built-in workload on CUDA: 2 ranks (NCCL with 2+ GPUs, else gloo
+    sharing one GPU), a model big enough that a step is GPU work, device digests every step."""
+    steps = 20 if quick else 60
+    gpus = torch.cuda.device_count()
+    nproc = 2
+    backend = "nccl" if gpus >= 2 else "gloo"
+    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+             str(nproc), "-m", "parity.workloads.train", "--mode", "eager", "--device", "cuda",
+             "--backend", backend, "--steps", str(steps), "--dim", "1024", "--layers", "8",
+             "--heads", "16", "--vocab-size", "32768", "--seq-len", "512", "--batch-size", "4"]
+    env_extra = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    os.environ.update(env_extra)
+    base = _mean_step_ms(train, ROOT)
+    out = tmp / "cuda-capture"
+    capt = _mean_step_ms([sys.executable, "-c", "import cli; cli.main()", "exec", "--out",
+                          str(out), "--"] + train, ROOT)
+    shutil.rmtree(out, ignore_errors=True)
+    return {"cuda_step_ms_no_capture": base, "cuda_step_ms_capture": capt,
+            "cuda_capture_overhead": capt / base, "cuda_capture_backend": backend}
+
+
 # --------------------------------------------------------------------------------------- sweep
 
 
@@ -264,8 +370,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes; about two minutes")
     ap.add_argument("--json", dest="json_file", help="write every figure to this JSON file")
-    ap.add_argument("--only", default="hash,capture,diff,sweep",
-                    help="comma-separated subset of: hash, capture, diff, sweep")
+    ap.add_argument("--only", default="hash,capture,diff,sweep,cuda",
+                    help="comma-separated subset of: hash, capture, diff, sweep, cuda")
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     figures: dict = {"quick": args.quick, "torch": torch.__version__, "cpus": os.cpu_count()}
@@ -274,7 +380,8 @@ def main(argv=None) -> int:
     benches = {"hash": lambda: bench_hash(args.quick),
                "capture": lambda: bench_capture(args.quick, tmp),
                "diff": lambda: bench_diff(args.quick, tmp / "diff"),
-               "sweep": lambda: bench_sweep(args.quick, tmp)}
+               "sweep": lambda: bench_sweep(args.quick, tmp),
+               "cuda": lambda: bench_cuda(args.quick, tmp)}
     try:
         for name in wanted:
             if name not in benches:

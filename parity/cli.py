@@ -209,8 +209,9 @@ def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_
     """Run paired reference/candidate jobs over a matrix, diff every cell, end with the gate's
     verdict line.
 
-    With no SPEC, runs the embedded CPU default (sweeps/cpu-default.toml: eager FSDP2 vs a
-    compiled SimpleFSDP-style job, 2 ranks each). docs/sweep.md has the spec format.
+    With no SPEC, runs the embedded default: sweeps/cuda-default.toml on a machine with a CUDA
+    device, sweeps/cpu-default.toml elsewhere (eager FSDP2 vs a compiled SimpleFSDP-style job,
+    2 ranks each). docs/sweep.md has the spec format.
     """
     from parity.sweep.runner import run_sweep
 

@@ -26,6 +26,7 @@ from parity.diff_buckets import (
     COLLECTIVES, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
     select_layout,
 )
+from parity.diff_env import numerics_env_differences
 from parity.diff_hashes import (
     DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, StepCount, compare_hashes, param_keys,
 )
@@ -388,6 +389,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         raise ParityError(f"the runs used different hashers (A {'/'.join(sorted(h_a))}, "
                           f"B {'/'.join(sorted(h_b))}): their hashes cannot be compared; "
                           "capture both with the same --hasher")
+    problems += [Problem(None, m) for m in numerics_env_differences(
+        run_a.ranks[min(run_a.ranks)].meta if run_a.ranks else None,
+        run_b.ranks[min(run_b.ranks)].meta if run_b.ranks else None)]
     incomplete: list[str] = []
 
     usable: dict[str, list[int]] = {}

@@ -76,16 +76,20 @@ def test_device_digest_swaps_and_stability(dtype):
 def test_device_digest_known_values_are_stable_across_runs():
     # Pinned: a change here changes every recorded device digest (say so in docs/capture.md).
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    assert device_digest(t).hex() == "a870578821e5f1e1fd24b98866a2a067"
+    assert device_digest(t).hex() == "b80ced7751c09763e00b5634ca118ba5"
     assert device_digest(torch.arange(5, dtype=torch.bfloat16)).hex() == \
-        "71b176f2729371ea1e2e058d5234c95a"
+        "60533efd51bd7364623fab5f1f1dd919"
 
 
 def test_device_digest_catches_a_change_that_cancels_in_the_linear_lanes():
-    t = torch.zeros(8, dtype=torch.int32)
+    from parity.capture import hashing
+
+    t = torch.full((8,), 5, dtype=torch.int32)
     u = t.clone()
-    u[0] += 2  # weight 1
-    u[1] -= 1  # weight 2: the linear lanes see 2*1 - 1*2 = 0; the quadratic ones 2 - 4
+    u[0] += 2  # weight a_0 = 1
+    u[1] -= 1  # weight a_1 = 2: the linear lane sees 2*1 - 1*2 = 0; the b lane 2*b_0 - b_1
+    la, lb = hashing.device_lanes_torch([t, u])
+    assert la[0] == lb[0] and la[2] != lb[2]
     assert device_digest(u) != device_digest(t)
 
 
@@ -158,3 +162,48 @@ def test_normalize_fqn(raw, norm):
 def test_sampling_rule():
     assert [s for s in range(11) if sampled(s, 3)] == [0, 1, 3, 6, 9]
     assert all(sampled(s, 1) for s in range(5))
+
+
+# ------------------------------------------------------------------ the device digest's definition
+M64 = (1 << 64) - 1
+
+
+def spec_lanes(values: list[int], first: int = 0) -> list[int]:
+    """docs/capture.md's definition written out with Python ints: ``values`` are the elements as
+    unsigned ints, ``first`` the position of the first one."""
+    lanes = [0, 0, 0, 0]
+    for k, v in enumerate(values):
+        q1 = ((first + k) % 2**31) + 1
+        b = (((q1 * 0x9E3779B1) % 2**32) >> 1) | 1
+        lo, hi = v & 0xFFFFFFFF, v >> 32
+        for lane, (word, weight) in enumerate(((lo, q1), (hi, q1), (lo, b), (hi, b))):
+            lanes[lane] = (lanes[lane] + word * weight) & M64
+    return lanes
+
+
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float8_e4m3fn], ids=str)
+def test_torch_ops_lanes_follow_the_definition(dtype):
+    from parity.capture import hashing
+
+    t = _tensor(dtype if dtype != torch.float8_e4m3fn else torch.float32, n=301).to(dtype)
+    size = t.element_size()
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    values = [v & ((1 << (8 * size)) - 1) for v in t.view(bits).tolist()]
+    assert hashing.device_lanes_torch([t]) == [spec_lanes(values)]
+
+
+def test_torch_ops_lanes_wrap_and_carry_like_uint64(monkeypatch):
+    from parity.capture import hashing
+
+    # int64 words near 2**64 make every lane wrap; small chunks exercise the carry folding and
+    # the weights of chunks that do not start at position 0
+    monkeypatch.setattr(hashing, "_CHUNK", 16)
+    monkeypatch.setattr(hashing, "_WEIGHTS", {})
+    t = torch.tensor([-1, -2, 2**63 - 1, -(2**63)] * 13, dtype=torch.int64)
+    values = [v & M64 for v in t.tolist()]
+    assert hashing.device_lanes_torch([t]) == [spec_lanes(values)]
+    assert max(spec_lanes(values)) >= 2**63
+    # the positions restart at 2**31: a_i = (i mod 2**31) + 1
+    assert spec_lanes([7], first=2**31) == spec_lanes([7], first=0)
+    assert hashing.B_MULT == 0x9E3779B1
+

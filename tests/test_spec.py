@@ -59,12 +59,35 @@ def test_default_spec_expands_to_the_documented_matrix():
     ref, cand = c.sides["reference"].entry_argv, c.sides["candidate"].entry_argv
     assert ref[:2] == BUILTIN_ENTRY and cand[:2] == BUILTIN_ENTRY
     assert "--bucket-order" in cand and cand[cand.index("--bucket-order") + 1] == "graph"
-    assert ref[-3:] == ["--attention", "flash", "--cudagraphs"]
+    assert ref[-2:] == ["--attention", "flash"] and "--cudagraphs" not in ref  # candidate only
+    assert cand[-3:] == ["--attention", "flash", "--cudagraphs"]
     assert cand[cand.index("--batch-size") + 1] == "4" and "--steps" in cand
     assert c.sides["reference"].env == {"OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize("name", ["cpu-default", "torchtitan-llama3-8gpu", "torchtitan-dsv3-16gpu"])
+def test_cuda_default_spec_runs_cuda_graphs_on_the_candidate_only():
+    p = default_spec_path(cuda=True)
+    assert p.name == "cuda-default.toml" and p.is_file()
+    assert (REPO / "sweeps" / "cuda-default.toml").resolve() == p.resolve()
+    assert default_spec_path(cuda=False).name == "cpu-default.toml"
+    sp = load_spec(p)
+    assert sp.name == "cuda-default" and sp.env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    assert [a.name for a in sp.axes] == ["flash", "cudagraphs", "batch_size"]
+    for c in sp.cells():
+        ref, cand = c.sides["reference"].entry_argv, c.sides["candidate"].entry_argv
+        assert "cuda" in c.requires
+        assert ref[ref.index("--device") + 1] == "cuda" == cand[cand.index("--device") + 1]
+        assert "--cudagraphs" not in ref
+        assert ("--cudagraphs" in cand) == c.axes["cudagraphs"]
+        backend = "nccl" if c.axes["cudagraphs"] else "gloo"  # CUDA graphs cannot capture gloo
+        assert ref[ref.index("--backend") + 1] == backend == cand[cand.index("--backend") + 1]
+        assert ("gpus:2" in c.requires) == c.axes["cudagraphs"]
+        if c.axes["flash"]:  # FLASH on CUDA has no float32 kernel
+            assert ref[ref.index("--param-dtype") + 1] == "bfloat16" == cand[cand.index("--param-dtype") + 1]
+
+
+@pytest.mark.parametrize("name", ["cpu-default", "cuda-default", "torchtitan-llama3-8gpu",
+                                  "torchtitan-dsv3-16gpu"])
 def test_shipped_specs_validate(name):
     sp = load_spec(REPO / "sweeps" / f"{name}.toml")
     assert sp.name == name and len(sp.cells()) == 8

@@ -331,3 +331,29 @@ def test_dry_run_prints_commands_and_creates_nothing(tmp_path):
     assert "4 of 8 cells" in r.stdout and "SKIPPED: requires cuda" in r.stdout
     assert "parity exec --out" in r.stdout and "--bucket-order graph" in r.stdout
     assert "--rdzv-backend c10d" in r.stdout and "--redirects 3" in r.stdout
+
+
+def test_a_rank_that_refused_before_training_is_not_a_clean_finish(tmp_path):
+    """A nonzero exit is tolerated only after every rank recorded a finished run; a rank that
+    exited 2 on a refused configuration closes its record as "ok" with no step (seen on a GPU
+    sweep whose reference was given --cudagraphs)."""
+    import json
+
+    from parity.sweep.runner import _clean_finish
+
+    def rank(r, steps, lines):
+        d = tmp_path / f"rank-{r:05d}"
+        d.mkdir(exist_ok=True)
+        meta = {"status": "ok", "capture": {"steps": steps}} if steps is not None else {"status": "ok"}
+        (d / "meta.json").write_text(json.dumps(meta))
+        (d / "steps.jsonl").write_text("{}\n" * lines)
+
+    rank(0, 3, 4)
+    rank(1, 3, 4)
+    assert _clean_finish(tmp_path, 2)
+    rank(1, 0, 0)
+    assert not _clean_finish(tmp_path, 2)
+    rank(1, None, 0)  # no capture meta (a trainer writing its own artifacts): steps.jsonl counts
+    assert not _clean_finish(tmp_path, 2)
+    rank(1, None, 2)
+    assert _clean_finish(tmp_path, 2)

@@ -106,3 +106,103 @@ def test_library_main_single_rank():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2 loss" in proc.stdout
+
+
+# ------------------------------------------------------------------ CUDA configuration (pure logic)
+def _ns(*argv):
+    from parity.workloads.train import build_parser
+
+    return build_parser().parse_args(list(argv))
+
+
+def test_cuda_device_is_local_rank_modulo_device_count():
+    from parity.workloads.train import cuda_index
+
+    assert [cuda_index(r, 1) for r in range(3)] == [0, 0, 0]
+    assert [cuda_index(r, 2) for r in range(4)] == [0, 1, 0, 1]
+    assert cuda_index(5, 8) == 5
+
+
+@pytest.mark.parametrize("argv,cuda,gpus,local,world,want", [
+    (("--mode", "eager"), False, 0, 2, 2, None),
+    (("--device", "cuda"), True, 1, 1, 1, None),
+    (("--device", "cuda", "--mode", "compiled", "--cudagraphs"), True, 1, 1, 1, None),
+    (("--device", "cuda", "--backend", "gloo"), True, 1, 2, 2, None),  # two ranks share a GPU
+    (("--device", "cuda"), True, 1, 2, 2, "cannot put two ranks on one GPU"),
+    (("--device", "cuda", "--cudagraphs"), True, 1, 1, 1, "requires --mode compiled"),
+    (("--device", "cuda", "--mode", "compiled", "--cudagraphs", "--backend", "gloo"), True, 1, 2, 2,
+     "cannot capture gloo collectives"),
+    (("--device", "cuda", "--attention", "flash"), True, 1, 1, 1, "--param-dtype bfloat16"),
+    (("--device", "cuda", "--attention", "flash", "--param-dtype", "bfloat16"), True, 1, 1, 1, None),
+    (("--attention", "flash",), False, 0, 1, 1, None),  # CPU FLASH runs in float32
+    (("--backend", "nccl",), True, 1, 1, 1, "needs --device cuda"),
+    (("--device", "cuda",), False, 0, 1, 1, "CUDA is not available"),
+])
+def test_refusals_are_one_line(monkeypatch, argv, cuda, gpus, local, world, want):
+    from parity.workloads.train import refusal
+
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    why = refusal(_ns(*argv), cuda, gpus, local)
+    if want is None:
+        assert why is None
+    else:
+        assert want in why and "\n" not in why
+
+
+def test_default_backend_follows_the_device():
+    from parity.workloads.train import default_backend
+
+    assert default_backend(_ns()) == "gloo"
+    assert default_backend(_ns("--device", "cuda")) == "nccl"
+    assert default_backend(_ns("--device", "cuda", "--backend", "gloo")) == "gloo"
+
+
+def test_roofline_estimate_is_replaced_only_where_it_cannot_work():
+    from torch._inductor.fx_passes import overlap_scheduling
+
+    from parity.workloads import bucketing
+
+    has = hasattr(overlap_scheduling, "estimate_roofline_runtime_ms")
+    if not torch.cuda.is_available():
+        assert bucketing._roofline_needs_replacing() == has
+    original = getattr(overlap_scheduling, "estimate_roofline_runtime_ms", None)
+    with bucketing._no_roofline_estimate():
+        pass
+    assert getattr(overlap_scheduling, "estimate_roofline_runtime_ms", None) is original
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("extra", [
+    ("--mode", "eager"),
+    ("--mode", "compiled", "--bucket-order", "registration"),
+    ("--mode", "compiled", "--cudagraphs", "--attention", "flash", "--param-dtype", "bfloat16"),
+], ids=["eager", "compiled", "compiled-cudagraphs-flash-bf16"])
+def test_workload_runs_on_cuda_single_rank(extra):
+    proc = _python("-m", "parity.workloads.train", "--device", "cuda", "--steps", "2", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 2 loss" in proc.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_capture_on_cuda_eager_vs_compiled_two_ranks_sharing_a_gpu(tmp_path):
+    """The issue-12 check: 2 ranks over gloo on GPU 0 (or NCCL on 2 GPUs), captured by `parity
+    exec` with device digests; eager FSDP2 and compiled registration order hash the same."""
+    import json
+
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    runs = {}
+    for name, mode in (("eager", ["--mode", "eager"]),
+                       ("compiled", ["--mode", "compiled", "--bucket-order", "registration"])):
+        out = tmp_path / name
+        proc = _python("-c", "import cli; cli.main()", "exec", "--out", str(out), "--",
+                       sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc_per_node", "2", "-m", "parity.workloads.train", "--device",
+                       "cuda", "--backend", backend, "--steps", "3", *mode)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[name] = out
+        meta = json.loads((out / "rank-00000" / "meta.json").read_text())
+        assert meta["capture"]["hasher"] == "device"
+        assert meta["capture"]["device_digest"] in ("triton", "torch")
+        assert meta["gpu"]["name"] and meta["gpu"]["cuda"]
+    proc = _python("-c", "import cli; cli.main()", "diff", str(runs["eager"]), str(runs["compiled"]))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -37,10 +37,11 @@ import torch
 
 from parity import __version__
 from parity.artifacts import RankWriter, rank_dir
-from parity.capture import inject
+from parity.capture import gpu_facts, inject
 from parity.capture.inject import _one_line, _say
 from parity.capture.names import WRAPPER_COMPONENTS, normalize_fqn  # noqa: F401 (re-exported)
-from parity.capture.hashing import HASHERS, digest_tensors, host_digest, local_tensor
+from parity.capture.hashing import (HASHERS, device_backend, digest_tensors, host_digest,
+                                    local_tensor)
 from parity.errors import ParityError
 
 __all__ = ["Session", "normalize_fqn", "activate_from_env", "current", "sampled"]
@@ -422,6 +423,7 @@ class Session:
         return {"every": self.every, "grads": self.grads, "manifests": list(self._manifest_sources),
                 "manifests_requested": self.manifests,
                 "hasher": self._resolved_hasher or self.hasher, "hasher_option": self.hasher,
+                "device_digest": device_backend() if self._resolved_hasher == "device" else None,
                 "source": self.source, "warnings": list(self.warnings), "disabled": self.failed,
                 "recorded_steps": self.recorded_steps, "steps": self.done,
                 "seconds": round(self.capture_seconds
@@ -448,7 +450,8 @@ class Session:
                if k in os.environ}
         return {"device": dev, "deterministic": det["use_deterministic_algorithms"],
                 "determinism": det, "num_threads": torch.get_num_threads(),
-                "interop_threads": torch.get_num_interop_threads(), "env": env}
+                "interop_threads": torch.get_num_interop_threads(), "env": env,
+                "gpu": gpu_facts.collect(dev) if dev.startswith("cuda") else None}
 
     def _ensure_writer(self) -> RankWriter:
         if self.writer is not None:

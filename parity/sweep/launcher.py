@@ -219,7 +219,8 @@ def _gpu_device_nodes() -> bool:
             or (dev / "kfd").exists() or not dev.is_dir())
 
 
-def _local_cuda_devices() -> int:
+def local_cuda_devices() -> int:
+    """CUDA devices on this machine (0 without a GPU driver, without importing torch)."""
     global _cuda_count
     if _cuda_count is None and not _gpu_device_nodes():
         _cuda_count = 0
@@ -237,9 +238,9 @@ def check_local_requirement(req: str, launcher_name: str) -> str | None:
     """The reason ``req`` is not met on this machine, or None. Vocabulary: docs/sweep.md."""
     head, _, arg = req.partition(":")
     if req == "cuda":
-        return None if _local_cuda_devices() > 0 else "requires cuda: no CUDA device here"
+        return None if local_cuda_devices() > 0 else "requires cuda: no CUDA device here"
     if head == "gpus":
-        n = _local_cuda_devices()
+        n = local_cuda_devices()
         return None if n >= int(arg) else f"requires {arg} CUDA devices per node: {n} here"
     if head == "module":
         try:

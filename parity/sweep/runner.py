@@ -156,9 +156,17 @@ def _clean_finish(run_dir: Path, world_size: int) -> bool:
         return False
     for m in metas:
         try:
-            if json.loads(m.read_text()).get("status") != "ok":
-                return False
+            meta = json.loads(m.read_text())
         except (OSError, ValueError):
+            return False
+        if meta.get("status") != "ok":
+            return False
+        # A rank that refused its configuration (exit 2 before training) still closes its
+        # record as "ok": it did not finish a run unless it recorded a step.
+        steps = (meta.get("capture") or {}).get("steps")
+        if not isinstance(steps, int):
+            steps = _count_lines(m.parent / "steps.jsonl")
+        if steps < 1:
             return False
     return True
 

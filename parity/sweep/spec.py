@@ -47,11 +47,17 @@ _SIMPLE_REQUIREMENTS = ("cuda",)
 _PREFIX_REQUIREMENTS = ("gpus", "module", "command", "env", "launcher")
 
 
-def default_spec_path() -> Path:
-    """The CPU default spec, shipped as package data (``sweeps/cpu-default.toml`` links to it)."""
+def default_spec_path(cuda: bool | None = None) -> Path:
+    """The default spec, shipped as package data (``sweeps/*-default.toml`` link to it): the CUDA
+    variant where this machine has a CUDA device (``cuda`` None: detect), the CPU one elsewhere."""
     from importlib.resources import files
 
-    return Path(str(files("parity") / "sweeps" / "cpu-default.toml"))
+    if cuda is None:
+        from parity.sweep.launcher import local_cuda_devices
+
+        cuda = local_cuda_devices() > 0
+    name = "cuda-default.toml" if cuda else "cpu-default.toml"
+    return Path(str(files("parity") / "sweeps" / name))
 
 
 def value_key(value) -> str:

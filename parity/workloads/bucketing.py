@@ -221,15 +221,35 @@ def reduce_scatter_fqn(node: fx.Node, input_fqns: list[str | None]) -> str | Non
 # ---------------------------------------------------------------------------
 
 
+def _roofline_needs_replacing() -> bool:
+    """True where the roofline estimate exists and cannot work: no CUDA or no triton.
+
+    torch 2.11 has no ``estimate_roofline_runtime_ms`` (nothing to replace); on a GPU install
+    with triton the estimate works and is left alone.
+    """
+    import importlib.util
+
+    from torch._inductor.fx_passes import overlap_scheduling
+
+    if not hasattr(overlap_scheduling, "estimate_roofline_runtime_ms"):
+        return False
+    return not torch.cuda.is_available() or importlib.util.find_spec("triton") is None
+
+
 @contextlib.contextmanager
 def _no_roofline_estimate() -> Iterator[None]:
-    """Replace ``overlap_scheduling.estimate_roofline_runtime_ms`` with 0.
+    """Replace ``overlap_scheduling.estimate_roofline_runtime_ms`` with 0 where it cannot work.
 
     The scheduler's constructor estimates every compute node's runtime and the
-    roofline model calls ``get_gpu_dram_gbps`` which imports triton: on a
-    CPU-only install that raises ``No module named 'triton'``. The manual
-    scheduler does not use these estimates (it orders by the bucket plan).
+    roofline model calls ``get_gpu_dram_gbps`` which needs triton and a GPU: on a
+    CPU-only install that raises ``No module named 'triton'`` (and with triton
+    installed but no GPU, a driver error). The manual scheduler does not use these
+    estimates (it orders by the bucket plan). Feature-detected: see
+    ``_roofline_needs_replacing``.
     """
+    if not _roofline_needs_replacing():
+        yield
+        return
     from torch._inductor.fx_passes import overlap_scheduling
 
     original = overlap_scheduling.estimate_roofline_runtime_ms

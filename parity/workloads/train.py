@@ -32,10 +32,12 @@ from parity.workloads.bucketing import BUCKET_ORDERS, BUCKETINGS
 from parity.workloads.model import ModelArgs, Transformer
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 PERTURB_VALUE = 1e-5
 CUDAGRAPHS_NO_CUDA = "cudagraphs requested but CUDA is not available"
+FLASH_FP32_ON_CUDA = ("--attention flash on CUDA needs half precision: FLASH SDPA has no float32 "
+                      "kernel; add --param-dtype bfloat16 (or float16), or use --attention math")
 
 
 class UsageError(Exception):
@@ -67,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"on RANK, before optimizer step STEP (1-based), add {PERTURB_VALUE} to FQN's local gradient shard",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: rank uses device LOCAL_RANK %% device_count()")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="process group backend (default: nccl on cuda, gloo on cpu); gloo lets "
+                        "several ranks share one GPU")
     p.add_argument(
         "--reorder-op",
         metavar="MODULE",
@@ -75,6 +81,40 @@ def build_parser() -> argparse.ArgumentParser:
         help="plant a one-op difference: the RMSNorm MODULE (e.g. layers.1.ffn_norm) multiplies in another order",
     )
     return p
+
+
+def default_backend(args: argparse.Namespace) -> str:
+    return args.backend or ("nccl" if args.device == "cuda" else "gloo")
+
+
+def cuda_index(local_rank: int, device_count: int) -> int:
+    """The GPU of a rank: LOCAL_RANK modulo the visible GPUs, so that more ranks than GPUs
+    (gloo only) share them round-robin instead of asking for a device that does not exist."""
+    return local_rank % max(device_count, 1)
+
+
+def refusal(args: argparse.Namespace, cuda: bool, device_count: int, local_world: int) -> str | None:
+    """The one-line reason this configuration cannot run here (main() exits 2), or None."""
+    backend = default_backend(args)
+    if args.cudagraphs and not cuda:
+        return CUDAGRAPHS_NO_CUDA
+    if args.cudagraphs and args.mode != "compiled":
+        return "--cudagraphs requires --mode compiled (CUDA graphs are the compiled side's)"
+    if args.device == "cuda" and not cuda:
+        return "--device cuda requested but CUDA is not available"
+    if args.device == "cpu" and backend == "nccl":
+        return "--backend nccl needs --device cuda"
+    if args.cudagraphs and args.device != "cuda":
+        return "--cudagraphs needs --device cuda"
+    if args.device == "cuda" and backend == "nccl" and local_world > device_count:
+        return (f"--backend nccl cannot put two ranks on one GPU ({local_world} local ranks, "
+                f"{device_count} GPU(s)): use --backend gloo or fewer ranks per node")
+    if args.cudagraphs and backend == "gloo" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return ("--cudagraphs cannot capture gloo collectives: use --backend nccl "
+                "(one GPU per rank) or a single rank")
+    if args.attention == "flash" and args.device == "cuda" and args.param_dtype == "float32":
+        return FLASH_FP32_ON_CUDA
+    return None
 
 
 def parse_perturb(spec: str | None) -> tuple[int, int, str] | None:
@@ -92,7 +132,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: str) -> bool:
+def init_distributed(device: str, backend: str | None = None) -> bool:
     """Initialize the default group; returns True if this call created it."""
     if dist.is_initialized():
         return False
@@ -103,7 +143,7 @@ def init_distributed(device: str) -> bool:
         os.environ["RANK"] = "0"
         os.environ["WORLD_SIZE"] = "1"
         os.environ.setdefault("LOCAL_RANK", "0")
-    dist.init_process_group(backend="nccl" if device == "cuda" else "gloo")
+    dist.init_process_group(backend=backend or ("nccl" if device == "cuda" else "gloo"))
     return True
 
 
@@ -170,8 +210,10 @@ def perturb(model: torch.nn.Module, fqn: str) -> None:
 def run(args: argparse.Namespace) -> None:
     rank = dist.get_rank()
     world_size = dist.get_world_size()
-    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if args.device == "cuda" else None)
+    device = torch.device("cpu")
     if args.device == "cuda":
+        device = torch.device("cuda", cuda_index(int(os.environ.get("LOCAL_RANK", "0")),
+                                                 torch.cuda.device_count()))
         torch.cuda.set_device(device)
     mesh = init_device_mesh(args.device, (world_size,))
     param_dtype = DTYPES[args.param_dtype]
@@ -238,14 +280,11 @@ def run(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.cudagraphs and not torch.cuda.is_available():
-        print(CUDAGRAPHS_NO_CUDA, file=sys.stderr)
-        return 2
-    if args.cudagraphs and args.mode != "compiled":
-        print("--cudagraphs requires --mode compiled", file=sys.stderr)
-        return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda requested but CUDA is not available", file=sys.stderr)
+    cuda = torch.cuda.is_available()
+    why = refusal(args, cuda, torch.cuda.device_count() if cuda else 0,
+                  int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if why is not None:
+        print(why, file=sys.stderr)
         return 2
 
     if args.mode == "compiled":
@@ -266,8 +305,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Pinned before any work: a different intra-op thread count changes
     # reduction order in CPU kernels and breaks bitwise parity.
     torch.set_num_threads(1)
+    if args.device == "cuda":
+        # Deterministic cuBLAS needs a fixed workspace; read when cuBLAS first initializes,
+        # which is later (torchtitan's deterministic mode sets the same).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    created = init_distributed(args.device)
+    created = init_distributed(args.device, default_backend(args))
     try:
         run(args)
     except UsageError as e:
