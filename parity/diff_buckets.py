@@ -128,8 +128,10 @@ def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None
         return layout
     graph = source == "graph"
     for coll in COLLECTIVES:
+        # a graph recorded before its passes (``stage``) is context, not the layout that runs
         recs = [r for r in records if r.get("source") == source and r.get("collective") == coll
-                and (not graph or r.get("graph") in (_GRAPH_OF[coll], None))]
+                and (not graph or r.get("graph") in (_GRAPH_OF[coll], None))
+                and r.get("stage") != "before_passes"]
         # group by graph (compiled: one list per graph, in order of first appearance)
         by_graph: dict = {}
         for r in recs:
