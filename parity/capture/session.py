@@ -215,7 +215,7 @@ def _install_global_patches() -> None:
         if s is not None:
             # No global module hook of ours may be traced into a compiled model: dynamo would
             # guard on it and recompile once it is gone (and warns about global hooks).
-            s._forget_forward_hook(args[0] if args else kwargs.get("model"))
+            s._forget_forward_hook()
             if s.manifests:
                 s._install_graph()
         return orig_compile(*args, **kwargs)
@@ -590,11 +590,7 @@ class Session:
             return
         from parity.capture.eager_collectives import EagerCollectives
 
-        def roots():
-            first = self._root_ref() if self._root_ref is not None else None
-            return [first] if first is not None else _module_roots()
-
-        rec = EagerCollectives(self._emit_bucket, lambda: self.done, roots, _tracing,
+        rec = EagerCollectives(self._emit_bucket, lambda: self.done, _module_roots, _tracing,
                                normalize_fqn)
         reason = rec.install()
         if reason:
@@ -660,13 +656,9 @@ class Session:
             self._fail(e)
         return None
 
-    def _forget_forward_hook(self, module=None) -> None:
-        """Remove the forward pre-hook before it can be traced; a module about to be compiled
-        is the best guess of the model (names then also come from the gc scan)."""
-        if self._fwd_handle is None:
-            return
-        if self._root_ref is None and isinstance(module, torch.nn.Module):
-            self._root_ref = weakref.ref(module)
+    def _forget_forward_hook(self) -> None:
+        """Remove the forward pre-hook before it can be traced (names then come from the gc
+        scan of root modules, see _names)."""
         self._remove_forward_hook()
 
     def _remove_forward_hook(self) -> None:
