@@ -24,7 +24,7 @@ import numpy as np
 from parity.artifacts import RankData, Run, gc_paused, read_run, write_json_atomic
 from parity.diff_buckets import (
     COLLECTIVES, UNAVAILABLE, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
-    select_layout,
+    describe_eager, eager_collectives, explain_eager, select_layout,
 )
 from parity.diff_hashes import (
     DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, StepCount, compare_hashes, param_keys,
@@ -185,6 +185,7 @@ class DiffResult:
                 "pairs": [_pair_dict(p) for p in o.pairs],
                 "counts": o.counts, "notes": list(o.notes),
                 "rank_disagreements": {k: list(v) for k, v in o.rank_disagreements.items()},
+                "eager": {k: [dict(x) for x in v] for k, v in o.eager.items()},
             },
             "problems": [{"side": p.side, "message": p.message} for p in self.problems],
             "stats": dict(self.stats),
@@ -513,6 +514,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         if not at_first:
             n_kind = {"param": 0, "grad": 0}
             rank_set = set()
+        why = _explain_eager(why, divergent, run_a, ranks, layouts, order)
         fd = FirstDivergence(first, origin, grad_div, prev, n_kind["param"],
                              n_kind["grad"] if hc.grads_compared else None, sorted(rank_set),
                              loss_div, why)
@@ -539,6 +541,25 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
         problems=problems, stats={"cells_drilled": hc.cells_drilled},
     )
+
+
+def _explain_eager(why: str, divergent: list[Divergence], run_a: Run, ranks: list[int],
+                   layouts: dict[str, Layout], order: OrderComparison) -> str:
+    """Append to the first divergence's explanation the eager collectives behind a divergent
+    gradient (e.g. lm_head under a chunked loss: 8 reduce-scatters against FSDP2's one)."""
+    ea, eb = order.eager.get("a") or [], order.eager.get("b") or []
+    if not (ea or eb) or not ranks or ranks[0] not in run_a.ranks:
+        return why
+    shapes = {p["fqn"]: "x".join(str(d) for d in (p.get("global_shape") or p.get("shape") or []))
+              for p in run_a.ranks[ranks[0]].params}
+    lines = []
+    for d in divergent:
+        if d.kind != "grad" or len(lines) >= 3:
+            continue
+        line = explain_eager(d.fqn, shapes.get(d.fqn), layouts["a"], layouts["b"], ea, eb)
+        if line and line not in lines:
+            lines.append(line)
+    return " ".join([why, *lines]) if lines else why
 
 
 def _n_compared(aligns) -> int:
@@ -700,6 +721,12 @@ def _compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks
         disagree[side] = msgs
     order = compare_layouts(layouts["a"], layouts["b"])
     order.rank_disagreements = disagree
+    for side, run in (("a", run_a), ("b", run_b)):
+        ref = layouts[side].rank
+        order.eager[side] = eager_collectives(run.ranks[ref].buckets) if ref in run.ranks else []
+        if order.eager[side]:
+            order.notes.append(f"eager collectives outside graphs in {side.upper()} (per step): "
+                               + "; ".join(describe_eager(x) for x in order.eager[side]))
     return layouts, order
 
 

@@ -208,6 +208,9 @@ class OrderComparison:
     notes: list[str]
     rank_disagreements: dict[str, list[str]]
     compared: list[str]  # collectives compared
+    # eager DTensor collectives outside graphs, per side ({"a": [run, ...], "b": [...]}):
+    # see eager_collectives(); compared by the explanation of a divergence, not by the verdict
+    eager: dict[str, list[dict]] = field(default_factory=dict)
 
 
 def _first_diff(fa: list[str], fb: list[str]) -> int | None:
@@ -448,3 +451,76 @@ def check_ranks(layouts: dict[int, Layout], ref: int) -> list[str]:
                 break
         out.append(f"rank {r}: {what}")
     return out
+
+
+# ------------------------------------------------------------------ eager collectives (dtensor)
+EAGER_SOURCE = "dtensor"
+
+
+def eager_collectives(records: list[dict]) -> list[dict]:
+    """One rank's eager DTensor collectives (``source: dtensor``) of the first step that has
+    any, as runs of equal consecutive calls: {collective, fqn, tensor, module, dtype, count}."""
+    recs = [r for r in records if r.get("source") == EAGER_SOURCE]
+    if not recs:
+        return []
+    step = min((r.get("step") for r in recs if isinstance(r.get("step"), int)), default=None)
+    runs: list[dict] = []
+    for r in recs:
+        if r.get("step") != step:
+            continue
+        e = (r.get("entries") or [{}])[0]
+        shape = e.get("shape") or []
+        item = {"collective": _str(r.get("collective")), "fqn": _str(e.get("fqn")),
+                "tensor": "x".join(str(s) for s in shape), "dtype": _str(r.get("dtype")),
+                "module": _str(r.get("module")) or "", "count": 1}
+        key = [k for k in item if k != "count"]
+        if runs and all(runs[-1][k] == item[k] for k in key):
+            runs[-1]["count"] += 1
+        else:
+            runs.append(item)
+    return runs
+
+
+def describe_eager(run: dict) -> str:
+    what = run["fqn"] or f"[{run['tensor']} {run['dtype']}]"
+    under = f" under module {run['module']}" if run["module"] else ""
+    n = run["count"]
+    return f"{n} {run['collective']}{'s' if n > 1 else ''} of {what}{under}"
+
+
+def eager_for(fqn: str, shape: str | None, runs: list[dict]) -> list[dict]:
+    """The eager runs that carry ``fqn``: by name, or (a gradient, which has no name) by global
+    shape, issued under the module chain where ``fqn`` itself was gathered."""
+    named = [r for r in runs if r["fqn"] == fqn]
+    chains = {r["module"].rsplit(" > ", 1)[0] for r in named if r["module"]}
+    by_shape = [r for r in runs if r["fqn"] is None and shape and r["tensor"] == shape
+                and (not chains or r["module"] in chains
+                     or any(r["module"].startswith(c) for c in chains))]
+    return named + by_shape
+
+
+def explain_eager(fqn: str, shape: str | None, la: Layout, lb: Layout,
+                  ea: list[dict], eb: list[dict]) -> str | None:
+    """One line naming the collectives behind ``fqn``'s gradient on each side when one side
+    issues some eagerly (outside graphs and FSDP2), e.g. "one reduce-scatter in A, 8 chunked
+    reduce-scatters under module loss in B"; None when neither side has eager ones."""
+    parts = []
+    rel_a, rel_b = eager_for(fqn, shape, ea), eager_for(fqn, shape, eb)
+    if not rel_a and not rel_b:
+        return None
+    for label, lay, rel in (("A", la, rel_a), ("B", lb, rel_b)):
+        rs = [r for r in rel if r["collective"] == "reduce_scatter"]
+        if rs:
+            parts.append("; ".join(describe_eager(r) for r in rs)
+                         + f" in {label} (eager DTensor, outside any graph)")
+            continue
+        loc = lay.locate().get(fqn, {}).get("reduce_scatter")
+        if loc is not None:
+            parts.append(f"one reduce-scatter in {label} ({lay.source} bucket {loc['index']}"
+                         f"{', ' + loc['group'] if loc.get('group') else ''})")
+        else:
+            parts.append(f"no reduce-scatter recorded in {label}")
+    chunked = any(r["collective"] == "reduce_scatter" and r["count"] > 1 for r in rel_a + rel_b)
+    tail = (": the gradient is summed in a different order (chunked reduce-scatters)"
+            if chunked else "")
+    return f"{fqn}'s gradient: " + ", ".join(parts) + tail
