@@ -215,7 +215,9 @@ def _install_global_patches() -> None:
         if s is not None:
             # No global module hook of ours may be traced into a compiled model: dynamo would
             # guard on it and recompile once it is gone (and warns about global hooks).
-            s._forget_forward_hook()
+            target = args[0] if args else kwargs.get("model")
+            if isinstance(target, torch.nn.Module) or hasattr(target, "__self__"):
+                s._forget_forward_hook()
             if s.manifests:
                 s._install_graph()
         return orig_compile(*args, **kwargs)
@@ -658,8 +660,18 @@ class Session:
 
     def _forget_forward_hook(self) -> None:
         """Remove the forward pre-hook before it can be traced (names then come from the gc
-        scan of root modules, see _names)."""
+        scan of root modules, see _names), doing first what it would have done."""
+        if self._fwd_handle is None:
+            return
         self._remove_forward_hook()
+        try:
+            if self.manifests and self._fsdp is None:
+                from parity.capture import fsdp2
+
+                if fsdp2.GROUP_MODULE in sys.modules:
+                    self._install_fsdp2()
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
 
     def _remove_forward_hook(self) -> None:
         h, self._fwd_handle = self._fwd_handle, None
