@@ -216,7 +216,8 @@ def _install_global_patches() -> None:
             # No global module hook of ours may be traced into a compiled model: dynamo would
             # guard on it and recompile once it is gone (and warns about global hooks).
             target = args[0] if args else kwargs.get("model")
-            if isinstance(target, torch.nn.Module) or hasattr(target, "__self__"):
+            if isinstance(target, torch.nn.Module) or isinstance(
+                    getattr(target, "__self__", None), torch.nn.Module):
                 s._forget_forward_hook()
             if s.manifests:
                 s._install_graph()
