@@ -94,6 +94,11 @@ class LossStep:
     b: float | None
     equal: bool | None  # bitwise equal on every rank compared (None: not captured)
     ranks_differing: int
+    # the sum of every rank's loss: what a trainer that logs the global loss shows (torchtitan:
+    # each rank records its share, local sum / global token count); None unless every rank of
+    # the world has a loss at this step
+    a_total: float | None = None
+    b_total: float | None = None
 
 
 @dataclass
@@ -176,7 +181,8 @@ class DiffResult:
                 "captured": self.loss.captured, "rank": self.loss.rank,
                 "first_divergent_step": self.loss.first_divergent_step,
                 "steps": [{"step": s.step, "a": s.a, "b": s.b, "equal": s.equal,
-                           "ranks_differing": s.ranks_differing} for s in self.loss.steps],
+                           "ranks_differing": s.ranks_differing, "a_total": s.a_total,
+                           "b_total": s.b_total} for s in self.loss.steps],
             },
             "order": {
                 "verdict": o.verdict, "a_source": o.a_source, "b_source": o.b_source,
@@ -266,8 +272,15 @@ def _loss_value(rec: dict | None) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def _loss_total(lst: list[RankData], step: int, world: int | None) -> float | None:
+    vals = [_loss_value(x.steps.get(step)) for x in lst]
+    if not vals or world is None or len(vals) != world or any(v is None for v in vals):
+        return None
+    return float(sum(vals))
+
+
 def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
-                  steps: list[int]) -> LossComparison:
+                  steps: list[int], world: int | None = None) -> LossComparison:
     rows, captured, first = [], False, None
     for s in steps:
         n_cmp = n_diff = 0
@@ -291,7 +304,8 @@ def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
         equal = None if n_cmp == 0 else n_diff == 0
         if equal is False and first is None:
             first = s
-        rows.append(LossStep(s, la, lb, equal, int(n_diff)))
+        rows.append(LossStep(s, la, lb, equal, int(n_diff), _loss_total(ra, s, world),
+                             _loss_total(rb, s, world)))
     return LossComparison(captured, ranks[0] if ranks else None, first, rows)
 
 
@@ -468,7 +482,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
                                           f"{'A' if has['A'] else 'B'} only; compared parameters "
                                           "only"))
 
-    loss = _compare_loss(ra, rb, ranks, steps)
+    loss = _compare_loss(ra, rb, ranks, steps, ws)
     # table checks (shapes, per-rank entries): the first and last rank and those that diverge
     check = {0, len(ranks) - 1} if ranks else set()
     if hc.detail is not None:
