@@ -38,14 +38,13 @@ def kind_of(current: Any, target: Any) -> str:
     for a, b in zip(current.placements, target.placements):
         if a == b:
             continue
-        ka, kb = type(a).__name__, type(b).__name__
-        if ka in ("Partial", "_Partial") and kb == "Replicate":
+        if a.is_partial() and b.is_replicate():
             kinds.append("all_reduce")
-        elif ka in ("Partial", "_Partial"):
+        elif a.is_partial():
             kinds.append("reduce_scatter")
-        elif kb == "Replicate":
+        elif b.is_replicate():
             kinds.append("all_gather")
-        elif ka == "Replicate":
+        elif a.is_replicate():
             kinds.append("local_chunk")
         else:
             kinds.append("all_to_all")
