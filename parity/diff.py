@@ -562,7 +562,8 @@ def _explain_eager(why: str, divergent: list[Divergence], run_a: Run, ranks: lis
     """Append to the first divergence's explanation the eager collectives behind a divergent
     gradient (e.g. lm_head under a chunked loss: 8 reduce-scatters against FSDP2's one)."""
     ea, eb = order.eager.get("a") or [], order.eager.get("b") or []
-    if not (ea or eb) or not ranks or ranks[0] not in run_a.ranks:
+    repeats = layouts["a"].repeats or layouts["b"].repeats
+    if not (ea or eb or repeats) or not ranks or ranks[0] not in run_a.ranks:
         return why
     shapes = {p["fqn"]: "x".join(str(d) for d in (p.get("global_shape") or p.get("shape") or []))
               for p in run_a.ranks[ranks[0]].params}
@@ -573,7 +574,7 @@ def _explain_eager(why: str, divergent: list[Divergence], run_a: Run, ranks: lis
         line = explain_eager(d.fqn, shapes.get(d.fqn), layouts["a"], layouts["b"], ea, eb)
         if line and line not in lines:
             lines.append(line)
-    return " ".join([why, *lines]) if lines else why
+    return ". ".join([why.rstrip("."), *lines]) if lines else why
 
 
 def _n_compared(aligns) -> int:

@@ -71,6 +71,10 @@ class Layout:
     rank: int | None
     buckets: dict[str, list[Bucket]] = field(default_factory=dict)
     changes: list[str] = field(default_factory=list)
+    # (collective, fqn) -> how many buckets of the compared graph(s) carry it when more than one
+    # (a chunked loss reduce-scatters lm_head's gradient once per chunk); the comparison keeps
+    # the first, so this says what it did not show
+    repeats: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def signature(self) -> tuple:
         return tuple((c, tuple(b.signature() for b in self.buckets.get(c, [])))
@@ -164,6 +168,12 @@ def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None
                 continue
             seen_params |= params
             chosen.extend(buckets)
+        if graph and coll == "reduce_scatter":
+            per_fqn: dict[str, int] = {}
+            for b in chosen:
+                for f in set(b.fqns):
+                    per_fqn[f] = per_fqn.get(f, 0) + 1
+            layout.repeats.update({(coll, f): n for f, n in per_fqn.items() if n > 1})
         # eager FSDP2 may record a backward re-gather of a group: keep the first of duplicates
         uniq, sets = [], set()
         for b in chosen:
@@ -464,7 +474,7 @@ def eager_collectives(records: list[dict]) -> list[dict]:
     if not recs:
         return []
     step = min((r.get("step") for r in recs if isinstance(r.get("step"), int)), default=None)
-    runs: list[dict] = []
+    runs: dict[tuple, dict] = {}  # equal calls counted together, in order of first issue
     for r in recs:
         if r.get("step") != step:
             continue
@@ -473,12 +483,12 @@ def eager_collectives(records: list[dict]) -> list[dict]:
         item = {"collective": _str(r.get("collective")), "fqn": _str(e.get("fqn")),
                 "tensor": "x".join(str(s) for s in shape), "dtype": _str(r.get("dtype")),
                 "module": _str(r.get("module")) or "", "count": 1}
-        key = [k for k in item if k != "count"]
-        if runs and all(runs[-1][k] == item[k] for k in key):
-            runs[-1]["count"] += 1
+        key = tuple(item[k] for k in ("collective", "fqn", "tensor", "dtype", "module"))
+        if key in runs:
+            runs[key]["count"] += 1
         else:
-            runs.append(item)
-    return runs
+            runs[key] = item
+    return list(runs.values())
 
 
 def describe_eager(run: dict) -> str:
@@ -506,21 +516,28 @@ def explain_eager(fqn: str, shape: str | None, la: Layout, lb: Layout,
     reduce-scatters under module loss in B"; None when neither side has eager ones."""
     parts = []
     rel_a, rel_b = eager_for(fqn, shape, ea), eager_for(fqn, shape, eb)
-    if not rel_a and not rel_b:
+    rep_a = la.repeats.get(("reduce_scatter", fqn), 1)
+    rep_b = lb.repeats.get(("reduce_scatter", fqn), 1)
+    if not rel_a and not rel_b and rep_a == 1 and rep_b == 1:
         return None
-    for label, lay, rel in (("A", la, rel_a), ("B", lb, rel_b)):
+    chunked = False
+    for label, lay, rel, rep in (("A", la, rel_a, rep_a), ("B", lb, rel_b, rep_b)):
         rs = [r for r in rel if r["collective"] == "reduce_scatter"]
         if rs:
+            chunked = chunked or any(r["count"] > 1 for r in rs)
             parts.append("; ".join(describe_eager(r) for r in rs)
                          + f" in {label} (eager DTensor, outside any graph)")
             continue
         loc = lay.locate().get(fqn, {}).get("reduce_scatter")
-        if loc is not None:
+        if loc is not None and rep > 1:
+            chunked = True
+            parts.append(f"{rep} reduce-scatters in {label}'s graph (first: bucket "
+                         f"{loc['index']})")
+        elif loc is not None:
             parts.append(f"one reduce-scatter in {label} ({lay.source} bucket {loc['index']}"
                          f"{', ' + loc['group'] if loc.get('group') else ''})")
         else:
             parts.append(f"no reduce-scatter recorded in {label}")
-    chunked = any(r["collective"] == "reduce_scatter" and r["count"] > 1 for r in rel_a + rel_b)
     tail = (": the gradient is summed in a different order (chunked reduce-scatters)"
             if chunked else "")
     return f"{fqn}'s gradient: " + ", ".join(parts) + tail
