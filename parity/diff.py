@@ -411,6 +411,16 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
             problems.append(Problem(side, f"rank directories {ranges(extra)} are "
                                           f"outside the world size {ws}; ignored"))
         usable[side] = ok
+        # what capture could not see (a graph path it does not hook, a manifest it could not
+        # read) is said in meta.json; the verdict line's reader must see it too
+        said: list[str] = []
+        for r in ok[:1] or sorted(run.ranks)[:1]:
+            cap = (run.ranks[r].meta or {}).get("capture") or {}
+            said += [w for w in cap.get("warnings") or () if isinstance(w, str) and w not in said]
+        problems += [Problem(side, f"capture: {w}") for w in said[:_SHOW]]
+        if len(said) > _SHOW:
+            problems.append(Problem(side, f"capture: ... and {len(said) - _SHOW} more warnings "
+                                          "(meta.json capture.warnings)"))
     ranks = sorted(set(usable["a"]) & set(usable["b"]))
     for side in ("a", "b"):
         missing = [r for r in range(ws) if r not in usable[side]]
