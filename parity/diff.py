@@ -747,6 +747,9 @@ def _compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks
     order = compare_layouts(layouts["a"], layouts["b"])
     order.rank_disagreements = disagree
     for side, run in (("a", run_a), ("b", run_b)):
+        for (coll, fqn), n in sorted(layouts[side].repeats.items()):
+            order.notes.append(f"{coll}: {fqn} is carried by {n} buckets of {side.upper()}'s "
+                               "graph; compared: the first")
         ref = layouts[side].rank
         order.eager[side] = eager_collectives(run.ranks[ref].buckets) if ref in run.ranks else []
         if order.eager[side]:
