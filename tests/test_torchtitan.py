@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,12 @@ SIDES = {
     "jit": GRAPH_TRAINER + ["--compile.mode", "jit", "--compile.backend", "aot_eager",
                             "--compile.passes", "transformer_block_bucketing"],
 }
-_PORTS = {"eager": 29731, "aot_fx_trace": 29732, "jit": 29733}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +86,7 @@ def _run(workdir: Path, name: str) -> Job:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_LOGS="recompiles",
                PYTHONWARNINGS="default")
     cmd = [sys.executable, "-m", "cli", "exec", "--out", str(out), "--", sys.executable, "-m",
-           "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_PORTS[name]),
+           "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(LAUNCH), *SIDES[name], *COMMON, "--dump_folder", str(workdir / f"dump-{name}")]
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
                           timeout=1500)
