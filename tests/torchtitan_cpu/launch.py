@@ -59,8 +59,12 @@ def _shim_flex() -> None:
 
     from torchtitan.models.common.attention import FlexAttention
 
+    # One compiled object, reused: a second torch.compile of flex_attention with another
+    # backend callable makes dynamo recompile (BACKEND_MATCH guard).
+    compiled = torch.compile(fa.flex_attention, backend="aot_eager")
+
     def cpu_flex():
-        FlexAttention._compiled_flex_attn = torch.compile(fa.flex_attention, backend="aot_eager")
+        FlexAttention._compiled_flex_attn = compiled
 
     cpu_flex()
     import torchtitan.distributed.utils as dist_utils
