@@ -129,9 +129,13 @@ def test_every_step_captured_without_disabling(name, request):
         assert meta["status"] == "ok" and meta["capture"]["disabled"] is None
         assert [s["step"] for s in job.steps(rank)] == list(range(STEPS + 1))
         assert all(s["loss"] is not None for s in job.steps(rank)[1:]), "loss not found"
-    # parity neither warns through torch (global hooks) nor makes dynamo recompile
+    # parity neither warns through torch (global hooks) nor makes dynamo recompile. torchtitan
+    # recompiles on its own (flex_attention traced by make_fx compiles its HOP wrapper with a
+    # new backend per call: 12 BACKEND_MATCH recompiles with and without parity, measured);
+    # what parity could cause is a guard on its global module hook or on its own code.
     assert "global hooks on modules" not in job.log
-    assert "Recompiling function" not in job.log, "dynamo recompiled"
+    reasons = [line for line in job.log.splitlines() if "[__recompiles]" in line]
+    assert not [r for r in reasons if "hooks" in r or "parity" in r], reasons
 
 
 def test_graph_trainer_manifests_carry_parameter_fqns(fx, jit):
