@@ -55,32 +55,46 @@ def _placements(spec: Any) -> str:
     return ", ".join(repr(p) for p in spec.placements)
 
 
-def _owner_chain(names: dict[int, str], depth: int = 40) -> str:
-    """The objects the current call runs under, outermost first: each frame whose ``self`` is an
-    nn.Module (named by its FQN in the model) or a callable object such as a loss wrapper (named
-    by the attribute that holds it on the next owner out, e.g. the trainer's ``loss_fn``)."""
+def _owners(depth: int = 40) -> list[tuple]:
+    """The objects the current call runs under, innermost first, as (id, is_module, label):
+    each frame whose ``self`` is an nn.Module (named later, by its FQN in the model) or a
+    callable object such as a loss wrapper (labelled now by the attribute that holds it on the
+    next owner out, e.g. the trainer's ``loss_fn``). Ids only: the objects outlive the step."""
     import torch
 
-    frame = sys._getframe(2)
-    owners: list[Any] = []
+    frame = sys._getframe(3)
+    objs: list[Any] = []
     for _ in range(depth):
         if frame is None:
             break
         obj = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames[:1] else None
-        if obj is not None and (not owners or owners[-1] is not obj):
-            owners.append(obj)
+        if obj is not None and (not objs or objs[-1] is not obj):
+            objs.append(obj)
         frame = frame.f_back
-    chain: list[str] = []
-    for i, obj in enumerate(owners):
-        name = names.get(id(obj)) if isinstance(obj, torch.nn.Module) else None
-        if name is not None:
-            chain.append(name or type(obj).__name__)
-        elif i + 1 < len(owners) and type(obj).__module__.split(".")[0] not in ("torch", "parity"):
-            holder = owners[i + 1]
+    out: list[tuple] = []
+    for i, obj in enumerate(objs):
+        if isinstance(obj, torch.nn.Module):
+            out.append((id(obj), True, type(obj).__name__))
+        elif i + 1 < len(objs) and type(obj).__module__.split(".")[0] not in ("torch", "parity"):
+            holder = objs[i + 1]
             attr = next((k for k, v in getattr(holder, "__dict__", {}).items() if v is obj), None)
             if attr is not None:
-                chain.append(f"{attr}({type(obj).__name__})")
-    return " > ".join(reversed(chain))
+                out.append((id(obj), False, f"{attr}({type(obj).__name__})"))
+    return out
+
+
+def _chain(owners: list[tuple], names: dict[int, str]) -> str:
+    """Outermost first; a module outside the model (no name) is left out."""
+    parts = []
+    for oid, is_module, label in owners:
+        if is_module:
+            name = names.get(oid)
+            if name is None:
+                continue
+            parts.append(name or label)
+        else:
+            parts.append(label)
+    return " > ".join(reversed(parts))
 
 
 class EagerCollectives:
@@ -153,12 +167,11 @@ class EagerCollectives:
         self._params, self._modules = params, mods
 
     def record(self, local_tensor: Any, current_spec: Any, target_spec: Any) -> None:
+        """One call; names are resolved at the end of the step (new_step), when the model is
+        surely built: the first redistribution may come before (weight init)."""
         kind = kind_of(current_spec, target_spec)
         if kind in ("none", "local_chunk"):
             return  # no communication
-        if self._params is None:
-            self._names()
-        fqn = self._params.get(id(local_tensor)) if self._params else None
         meta = getattr(target_spec, "tensor_meta", None)
         shape = list(meta.shape) if meta is not None else list(local_tensor.shape)
         dtype = str(local_tensor.dtype).removeprefix("torch.")
@@ -169,20 +182,26 @@ class EagerCollectives:
                            current_spec.mesh.shape):
             if a != b:
                 world *= int(n)
-        index = len(self.current)
         self.current.append({
             "source": "dtensor", "collective": kind, "graph": None, "graph_id": None,
-            "index": index, "node": None, "group": fqn.rsplit(".", 1)[0] if fqn else "",
-            "module": _owner_chain(self._modules), "placements":
+            "index": len(self.current), "node": None, "group": "",
+            "module": _owners(), "placements":
                 f"{_placements(current_spec)} -> {_placements(target_spec)}",
             "dtype": dtype, "world_size": world, "total_bytes": size,
-            "entries": [{"fqn": fqn, "offset": 0, "size": size, "numel": numel, "dtype": dtype,
-                         "shape": shape}],
+            "entries": [{"fqn": id(local_tensor), "offset": 0, "size": size, "numel": numel,
+                         "dtype": dtype, "shape": shape}],
         })
 
     def new_step(self) -> None:
         """End of an optimizer step: write this step's sequence if it is new."""
         calls, self.current = self.current, []
+        if calls and self._params is None:
+            self._names()  # once, at the end of the first step with eager collectives
+        for c in calls:
+            e = c["entries"][0]
+            e["fqn"] = self._params.get(e["fqn"]) if self._params else None
+            c["group"] = e["fqn"].rsplit(".", 1)[0] if e["fqn"] else ""
+            c["module"] = _chain(c["module"], self._modules)
         sig = tuple((c["collective"], c["module"], c["placements"], c["dtype"], c["total_bytes"],
                      c["entries"][0]["fqn"]) for c in calls)
         if sig == self.last_signature or (not calls and self.last_signature is None):
