@@ -83,6 +83,18 @@ def _owners(depth: int = 40) -> list[tuple]:
     return out
 
 
+def _key(t: Any) -> tuple:
+    """What identifies a parameter's local shard: its memory (a trainer may hand DTensor a
+    detached alias of the parameter, a new object on the same storage), else the object."""
+    try:
+        ptr = t.data_ptr()
+    except Exception:  # noqa: BLE001 - no storage (a subclass, fake)
+        ptr = 0
+    if ptr:
+        return ("mem", ptr, tuple(t.shape), tuple(t.stride()), str(t.dtype))
+    return ("id", id(t))
+
+
 def _chain(owners: list[tuple], names: dict[int, str]) -> str:
     """Outermost first; a module outside the model (no name) is left out."""
     parts = []
@@ -162,8 +174,7 @@ class EagerCollectives:
             for n, m in root.named_modules():
                 mods.setdefault(id(m), self.normalize(n))
             for n, p in root.named_parameters():
-                local = getattr(p, "_local_tensor", p)
-                params.setdefault(id(local), self.normalize(n))
+                params.setdefault(_key(getattr(p, "_local_tensor", p)), self.normalize(n))
         self._params, self._modules = params, mods
 
     def record(self, local_tensor: Any, current_spec: Any, target_spec: Any) -> None:
@@ -188,7 +199,7 @@ class EagerCollectives:
             "module": _owners(), "placements":
                 f"{_placements(current_spec)} -> {_placements(target_spec)}",
             "dtype": dtype, "world_size": world, "total_bytes": size,
-            "entries": [{"fqn": id(local_tensor), "offset": 0, "size": size, "numel": numel,
+            "entries": [{"fqn": _key(local_tensor), "offset": 0, "size": size, "numel": numel,
                          "dtype": dtype, "shape": shape}],
         })
 
