@@ -125,6 +125,7 @@ class EagerCollectives:
         self.last_signature: tuple | None = None
         self._params: dict[int, str] | None = None
         self._modules: dict[int, str] = {}
+        self._by_module: dict[int, list] = {}
         self.busy = False
 
     # ---------------------------------------------------------------------------- install
@@ -168,14 +169,37 @@ class EagerCollectives:
 
     # ---------------------------------------------------------------------------- records
     def _names(self) -> None:
-        params: dict[int, str] = {}
+        params: dict[tuple, str] = {}
         mods: dict[int, str] = {}
+        by_module: dict[int, list[tuple[str, tuple]]] = {}  # module -> (fqn, global shape)
         for root in self.modules():
             for n, m in root.named_modules():
-                mods.setdefault(id(m), self.normalize(n))
+                if id(m) in mods:
+                    continue
+                mods[id(m)] = self.normalize(n)
+                by_module[id(m)] = [
+                    (self.normalize(f"{n}.{pn}" if n else pn), tuple(p.shape))
+                    for pn, p in m.named_parameters()]
             for n, p in root.named_parameters():
                 params.setdefault(_key(getattr(p, "_local_tensor", p)), self.normalize(n))
-        self._params, self._modules = params, mods
+        self._params, self._modules, self._by_module = params, mods, by_module
+
+    def _fqn(self, key: tuple, owners: list[tuple], shape: list) -> str | None:
+        """The parameter this tensor is: by its memory, else (a cast or copy of it, such as a
+        bf16 all-gather input) the one parameter of that global shape in the innermost module
+        it was issued under."""
+        fqn = self._params.get(key) if self._params else None
+        if fqn is not None:
+            return fqn
+        for oid, is_module, _ in owners:  # innermost first
+            if not is_module or oid not in self._by_module:
+                continue
+            same = [f for f, sh in self._by_module[oid] if list(sh) == list(shape)]
+            if len(same) == 1:
+                return same[0]
+            if same:
+                return None  # ambiguous
+        return None
 
     def record(self, local_tensor: Any, current_spec: Any, target_spec: Any) -> None:
         """One call; names are resolved at the end of the step (new_step), when the model is
@@ -210,7 +234,7 @@ class EagerCollectives:
             self._names()  # once, at the end of the first step with eager collectives
         for c in calls:
             e = c["entries"][0]
-            e["fqn"] = self._params.get(e["fqn"]) if self._params else None
+            e["fqn"] = self._fqn(e["fqn"], c["module"], e["shape"])
             c["group"] = e["fqn"].rsplit(".", 1)[0] if e["fqn"] else ""
             c["module"] = _chain(c["module"], self._modules)
         sig = tuple((c["collective"], c["module"], c["placements"], c["dtype"], c["total_bytes"],
