@@ -23,8 +23,8 @@ import numpy as np
 
 from parity.artifacts import RankData, Run, gc_paused, read_run, write_json_atomic
 from parity.diff_buckets import (
-    COLLECTIVES, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
-    select_layout,
+    COLLECTIVES, UNAVAILABLE, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
+    describe_eager, eager_collectives, explain_eager, select_layout,
 )
 from parity.diff_env import numerics_env_differences
 from parity.diff_hashes import (
@@ -96,6 +96,11 @@ class LossStep:
     b: float | None
     equal: bool | None  # bitwise equal on every rank compared (None: not captured)
     ranks_differing: int
+    # the sum of every rank's loss: what a trainer that logs the global loss shows (torchtitan:
+    # each rank records its share, local sum / global token count); None unless every rank of
+    # the world has a loss at this step
+    a_total: float | None = None
+    b_total: float | None = None
 
 
 @dataclass
@@ -183,7 +188,8 @@ class DiffResult:
                 "captured": self.loss.captured, "rank": self.loss.rank,
                 "first_divergent_step": self.loss.first_divergent_step,
                 "steps": [{"step": s.step, "a": s.a, "b": s.b, "equal": s.equal,
-                           "ranks_differing": s.ranks_differing} for s in self.loss.steps],
+                           "ranks_differing": s.ranks_differing, "a_total": s.a_total,
+                           "b_total": s.b_total} for s in self.loss.steps],
             },
             "order": {
                 "verdict": o.verdict, "a_source": o.a_source, "b_source": o.b_source,
@@ -192,6 +198,7 @@ class DiffResult:
                 "pairs": [_pair_dict(p) for p in o.pairs],
                 "counts": o.counts, "notes": list(o.notes),
                 "rank_disagreements": {k: list(v) for k, v in o.rank_disagreements.items()},
+                "eager": {k: [dict(x) for x in v] for k, v in o.eager.items()},
             },
             "problems": [{"side": p.side, "message": p.message} for p in self.problems],
             "stats": dict(self.stats),
@@ -272,8 +279,15 @@ def _loss_value(rec: dict | None) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def _loss_total(lst: list[RankData], step: int, world: int | None) -> float | None:
+    vals = [_loss_value(x.steps.get(step)) for x in lst]
+    if not vals or world is None or len(vals) != world or any(v is None for v in vals):
+        return None
+    return float(sum(vals))
+
+
 def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
-                  steps: list[int]) -> LossComparison:
+                  steps: list[int], world: int | None = None) -> LossComparison:
     rows, captured, first = [], False, None
     for s in steps:
         n_cmp = n_diff = 0
@@ -297,7 +311,8 @@ def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
         equal = None if n_cmp == 0 else n_diff == 0
         if equal is False and first is None:
             first = s
-        rows.append(LossStep(s, la, lb, equal, int(n_diff)))
+        rows.append(LossStep(s, la, lb, equal, int(n_diff), _loss_total(ra, s, world),
+                             _loss_total(rb, s, world)))
     return LossComparison(captured, ranks[0] if ranks else None, first, rows)
 
 
@@ -406,6 +421,16 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
             problems.append(Problem(side, f"rank directories {ranges(extra)} are "
                                           f"outside the world size {ws}; ignored"))
         usable[side] = ok
+        # what capture could not see (a graph path it does not hook, a manifest it could not
+        # read) is said in meta.json; the verdict line's reader must see it too
+        said: list[str] = []
+        for r in ok[:1] or sorted(run.ranks)[:1]:
+            cap = (run.ranks[r].meta or {}).get("capture") or {}
+            said += [w for w in cap.get("warnings") or () if isinstance(w, str) and w not in said]
+        problems += [Problem(side, f"capture: {w}") for w in said[:_SHOW]]
+        if len(said) > _SHOW:
+            problems.append(Problem(side, f"capture: ... and {len(said) - _SHOW} more warnings "
+                                          "(meta.json capture.warnings)"))
     ranks = sorted(set(usable["a"]) & set(usable["b"]))
     for side in ("a", "b"):
         missing = [r for r in range(ws) if r not in usable[side]]
@@ -477,7 +502,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
                                           f"{'A' if has['A'] else 'B'} only; compared parameters "
                                           "only"))
 
-    loss = _compare_loss(ra, rb, ranks, steps)
+    loss = _compare_loss(ra, rb, ranks, steps, ws)
     # table checks (shapes, per-rank entries): the first and last rank and those that diverge
     check = {0, len(ranks) - 1} if ranks else set()
     if hc.detail is not None:
@@ -523,6 +548,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         if not at_first:
             n_kind = {"param": 0, "grad": 0}
             rank_set = set()
+        why = _explain_eager(why, divergent, run_a, ranks, layouts, order)
         fd = FirstDivergence(first, origin, grad_div, prev, n_kind["param"],
                              n_kind["grad"] if hc.grads_compared else None, sorted(rank_set),
                              loss_div, why)
@@ -549,6 +575,26 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
         problems=problems, stats={"cells_drilled": hc.cells_drilled},
     )
+
+
+def _explain_eager(why: str, divergent: list[Divergence], run_a: Run, ranks: list[int],
+                   layouts: dict[str, Layout], order: OrderComparison) -> str:
+    """Append to the first divergence's explanation the eager collectives behind a divergent
+    gradient (e.g. lm_head under a chunked loss: 8 reduce-scatters against FSDP2's one)."""
+    ea, eb = order.eager.get("a") or [], order.eager.get("b") or []
+    repeats = layouts["a"].repeats or layouts["b"].repeats
+    if not (ea or eb or repeats) or not ranks or ranks[0] not in run_a.ranks:
+        return why
+    shapes = {p["fqn"]: "x".join(str(d) for d in (p.get("global_shape") or p.get("shape") or []))
+              for p in run_a.ranks[ranks[0]].params}
+    lines = []
+    for d in divergent:
+        if d.kind != "grad" or len(lines) >= 3:
+            continue
+        line = explain_eager(d.fqn, shapes.get(d.fqn), layouts["a"], layouts["b"], ea, eb)
+        if line and line not in lines:
+            lines.append(line)
+    return ". ".join([why.rstrip("."), *lines]) if lines else why
 
 
 def _n_compared(aligns) -> int:
@@ -710,6 +756,15 @@ def _compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks
         disagree[side] = msgs
     order = compare_layouts(layouts["a"], layouts["b"])
     order.rank_disagreements = disagree
+    for side, run in (("a", run_a), ("b", run_b)):
+        for (coll, fqn), n in sorted(layouts[side].repeats.items()):
+            order.notes.append(f"{coll}: {fqn} is carried by {n} buckets of {side.upper()}'s "
+                               "graph; compared: the first")
+        ref = layouts[side].rank
+        order.eager[side] = eager_collectives(run.ranks[ref].buckets) if ref in run.ranks else []
+        if order.eager[side]:
+            order.notes.append(f"eager collectives outside graphs in {side.upper()} (per step): "
+                               + "; ".join(describe_eager(x) for x in order.eager[side]))
     return layouts, order
 
 

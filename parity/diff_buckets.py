@@ -71,6 +71,10 @@ class Layout:
     rank: int | None
     buckets: dict[str, list[Bucket]] = field(default_factory=dict)
     changes: list[str] = field(default_factory=list)
+    # (collective, fqn) -> how many buckets of the compared graph(s) carry it when more than one
+    # (a chunked loss reduce-scatters lm_head's gradient once per chunk); the comparison keeps
+    # the first, so this says what it did not show
+    repeats: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def signature(self) -> tuple:
         return tuple((c, tuple(b.signature() for b in self.buckets.get(c, [])))
@@ -128,8 +132,10 @@ def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None
         return layout
     graph = source == "graph"
     for coll in COLLECTIVES:
+        # a graph recorded before its passes (``stage``) is context, not the layout that runs
         recs = [r for r in records if r.get("source") == source and r.get("collective") == coll
-                and (not graph or r.get("graph") in (_GRAPH_OF[coll], None))]
+                and (not graph or r.get("graph") in (_GRAPH_OF[coll], None))
+                and r.get("stage") != "before_passes"]
         # group by graph (compiled: one list per graph, in order of first appearance)
         by_graph: dict = {}
         for r in recs:
@@ -162,6 +168,12 @@ def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None
                 continue
             seen_params |= params
             chosen.extend(buckets)
+        if graph and coll == "reduce_scatter":
+            per_fqn: dict[str, int] = {}
+            for b in chosen:
+                for f in set(b.fqns):
+                    per_fqn[f] = per_fqn.get(f, 0) + 1
+            layout.repeats.update({(coll, f): n for f, n in per_fqn.items() if n > 1})
         # eager FSDP2 may record a backward re-gather of a group: keep the first of duplicates
         uniq, sets = [], set()
         for b in chosen:
@@ -206,6 +218,9 @@ class OrderComparison:
     notes: list[str]
     rank_disagreements: dict[str, list[str]]
     compared: list[str]  # collectives compared
+    # eager DTensor collectives outside graphs, per side ({"a": [run, ...], "b": [...]}):
+    # see eager_collectives(); compared by the explanation of a divergence, not by the verdict
+    eager: dict[str, list[dict]] = field(default_factory=dict)
 
 
 def _first_diff(fa: list[str], fb: list[str]) -> int | None:
@@ -446,3 +461,83 @@ def check_ranks(layouts: dict[int, Layout], ref: int) -> list[str]:
                 break
         out.append(f"rank {r}: {what}")
     return out
+
+
+# ------------------------------------------------------------------ eager collectives (dtensor)
+EAGER_SOURCE = "dtensor"
+
+
+def eager_collectives(records: list[dict]) -> list[dict]:
+    """One rank's eager DTensor collectives (``source: dtensor``) of the first step that has
+    any, as runs of equal consecutive calls: {collective, fqn, tensor, module, dtype, count}."""
+    recs = [r for r in records if r.get("source") == EAGER_SOURCE]
+    if not recs:
+        return []
+    step = min((r.get("step") for r in recs if isinstance(r.get("step"), int)), default=None)
+    runs: dict[tuple, dict] = {}  # equal calls counted together, in order of first issue
+    for r in recs:
+        if r.get("step") != step:
+            continue
+        e = (r.get("entries") or [{}])[0]
+        shape = e.get("shape") or []
+        item = {"collective": _str(r.get("collective")), "fqn": _str(e.get("fqn")),
+                "tensor": "x".join(str(s) for s in shape), "dtype": _str(r.get("dtype")),
+                "module": _str(r.get("module")) or "", "count": 1}
+        key = tuple(item[k] for k in ("collective", "fqn", "tensor", "dtype", "module"))
+        if key in runs:
+            runs[key]["count"] += 1
+        else:
+            runs[key] = item
+    return list(runs.values())
+
+
+def describe_eager(run: dict) -> str:
+    what = run["fqn"] or f"[{run['tensor']} {run['dtype']}]"
+    under = f" under module {run['module']}" if run["module"] else ""
+    n = run["count"]
+    return f"{n} {run['collective']}{'s' if n > 1 else ''} of {what}{under}"
+
+
+def eager_for(fqn: str, shape: str | None, runs: list[dict]) -> list[dict]:
+    """The eager runs that carry ``fqn``: by name, or (a gradient, which has no name) by global
+    shape, issued under the module chain where ``fqn`` itself was gathered."""
+    named = [r for r in runs if r["fqn"] == fqn]
+    chains = {r["module"].rsplit(" > ", 1)[0] for r in named if r["module"]}
+    by_shape = [r for r in runs if r["fqn"] is None and shape and r["tensor"] == shape
+                and (not chains or r["module"] in chains
+                     or any(r["module"].startswith(c) for c in chains))]
+    return named + by_shape
+
+
+def explain_eager(fqn: str, shape: str | None, la: Layout, lb: Layout,
+                  ea: list[dict], eb: list[dict]) -> str | None:
+    """One line naming the collectives behind ``fqn``'s gradient on each side when one side
+    issues some eagerly (outside graphs and FSDP2), e.g. "one reduce-scatter in A, 8 chunked
+    reduce-scatters under module loss in B"; None when neither side has eager ones."""
+    parts = []
+    rel_a, rel_b = eager_for(fqn, shape, ea), eager_for(fqn, shape, eb)
+    rep_a = la.repeats.get(("reduce_scatter", fqn), 1)
+    rep_b = lb.repeats.get(("reduce_scatter", fqn), 1)
+    if not rel_a and not rel_b and rep_a == 1 and rep_b == 1:
+        return None
+    chunked = False
+    for label, lay, rel, rep in (("A", la, rel_a, rep_a), ("B", lb, rel_b, rep_b)):
+        rs = [r for r in rel if r["collective"] == "reduce_scatter"]
+        if rs:
+            chunked = chunked or any(r["count"] > 1 for r in rs)
+            parts.append("; ".join(describe_eager(r) for r in rs)
+                         + f" in {label} (eager DTensor, outside any graph)")
+            continue
+        loc = lay.locate().get(fqn, {}).get("reduce_scatter")
+        if loc is not None and rep > 1:
+            chunked = True
+            parts.append(f"{rep} reduce-scatters in {label}'s graph (first: bucket "
+                         f"{loc['index']})")
+        elif loc is not None:
+            parts.append(f"one reduce-scatter in {label} ({lay.source} bucket {loc['index']}"
+                         f"{', ' + loc['group'] if loc.get('group') else ''})")
+        else:
+            parts.append(f"no reduce-scatter recorded in {label}")
+    tail = (": the gradient is summed in a different order (chunked reduce-scatters)"
+            if chunked else "")
+    return f"{fqn}'s gradient: " + ", ".join(parts) + tail

@@ -83,5 +83,6 @@ dist.destroy_process_group()
     rd = read_run(tmp_path / "run").ranks[0]
     assert sorted(rd.steps) == [0, 1, 2] and rd.buckets == []
     assert rd.steps[2]["grad_digest"] is not None
-    assert rd.meta["capture"]["manifests"] == []
+    # FSDP2 imports DTensor, whose eager collectives are hooked (none is issued here)
+    assert rd.meta["capture"]["manifests"] in ([], ["dtensor"])
     assert rd.meta["capture"]["warnings"] == [lines[0].removeprefix("parity: ")]

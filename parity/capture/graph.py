@@ -594,6 +594,8 @@ def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
             if hasattr(gm, "graph"):
                 _, output_fqns = _graph_io_fqns(gm, comp.plain_fqns)
                 pre = _rs_payload_map(gm, output_fqns)
+                # the graph as the user's passes receive it (the bucketing comparison's input)
+                _emit(gm, graph_kind, comp, None, stage="before_passes")
         except Exception as e:  # never break compilation
             _warn_once(f"{type(e).__name__}: {e} (before {graph_kind} passes)")
         result = compiler(gm, example_inputs, *args, **kwargs)
@@ -621,7 +623,8 @@ def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
     return wrapped
 
 
-def _emit(gm: Any, graph_kind: str, comp: _Compilation, pre: dict | None) -> None:
+def _emit(gm: Any, graph_kind: str, comp: _Compilation, pre: dict | None,
+          stage: str | None = None) -> None:
     on_graph = _state["on_graph"]
     if on_graph is None:
         return
@@ -639,6 +642,10 @@ def _emit(gm: Any, graph_kind: str, comp: _Compilation, pre: dict | None) -> Non
             warnings=warnings,
             rs_payload_fqns=pre,
         )
+        if stage is not None:
+            for b in buckets:
+                b["stage"] = stage
+            warnings = []  # said again, if still true, for the graph after the passes
         record = {"graph": graph_kind, "graph_id": comp.graph_id, "buckets": buckets, "warnings": warnings}
     except Exception as e:
         _warn_once(f"{type(e).__name__}: {e} (reading the {graph_kind} graph)")

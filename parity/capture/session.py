@@ -115,6 +115,28 @@ def current() -> "Session | None":
 _ORIG: dict[str, object] = {}
 
 
+def _tracing() -> bool:
+    """True inside a trace (dynamo, make_fx/export, fake tensors): capture runs no code there.
+
+    ``torch.compiler.is_compiling()`` covers dynamo only; GraphTrainer traces its training step
+    (backward included) with make_fx, where tensors are fake and a ``.item()`` would fail."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        if get_proxy_mode() is not None:
+            return True
+    except Exception:  # noqa: BLE001 - older torch: no proxy mode query
+        pass
+    try:
+        from torch._guards import detect_fake_mode
+
+        return detect_fake_mode() is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def _note_loss(t) -> None:
     s = _ACTIVE
     if s is None or s.failed:
@@ -141,7 +163,7 @@ def _install_global_patches() -> None:
     depth = [0]
 
     def backward(self, *args, **kwargs):
-        if depth[0] or torch.compiler.is_compiling():
+        if depth[0] or _tracing():
             return orig_tensor_backward(self, *args, **kwargs)
         _note_loss(self)
         depth[0] += 1
@@ -151,7 +173,7 @@ def _install_global_patches() -> None:
             depth[0] -= 1
 
     def autograd_backward(tensors, *args, **kwargs):
-        if depth[0] or torch.compiler.is_compiling():
+        if depth[0] or _tracing():
             return orig_autograd_backward(tensors, *args, **kwargs)
         _note_loss(tensors)
         depth[0] += 1
@@ -191,8 +213,15 @@ def _install_global_patches() -> None:
 
     def compile(*args, **kwargs):
         s = _ACTIVE
-        if s is not None and s.manifests:
-            s._install_graph()
+        if s is not None:
+            # No global module hook of ours may be traced into a compiled model: dynamo would
+            # guard on it and recompile once it is gone (and warns about global hooks).
+            target = args[0] if args else kwargs.get("model")
+            if isinstance(target, torch.nn.Module) or isinstance(
+                    getattr(target, "__self__", None), torch.nn.Module):
+                s._forget_forward_hook()
+            if s.manifests:
+                s._install_graph()
         return orig_compile(*args, **kwargs)
 
     functools.update_wrapper(compile, orig_compile)
@@ -246,6 +275,8 @@ class Session:
         self._fsdp = None
         self._graph = None
         self._graph_tried = False
+        self._makefx = None
+        self._eager = None
         self._fsdp_tried = False
         self._manifest_sources: list[str] = []  # sources hooked so far
         self._lock = threading.RLock()
@@ -301,6 +332,12 @@ class Session:
                 from parity.capture import fsdp2
 
                 inject.when_imported(fsdp2.GROUP_MODULE, self._install_fsdp2)
+                from parity.capture import graph_makefx
+
+                inject.when_imported(graph_makefx.TRAINER_MODULE, self._install_makefx)
+                from parity.capture import eager_collectives
+
+                inject.when_imported(eager_collectives.MODULES[0], self._install_eager)
                 # Compiled-graph manifests are hooked when the trainer first calls torch.compile
                 # (see _install_global_patches); earlier, aot_autograd may be half-imported.
             if not self.lazy:
@@ -357,6 +394,12 @@ class Session:
         self._remove_forward_hook()
         if self._fsdp is not None:
             self._fsdp.uninstall()
+        if self._makefx is not None:
+            self._makefx.uninstall()
+            self._makefx = None
+        if self._eager is not None:
+            self._eager.uninstall()
+            self._eager = None
         if self._graph is not None:
             try:
                 self._graph.uninstall()
@@ -535,6 +578,39 @@ class Session:
         self._graph = graph
         self._source_on("graph")
 
+    def _install_makefx(self, _module=None) -> None:
+        if self._makefx is not None or self.failed or self.stopped:
+            return
+        from parity.capture import graph_makefx
+
+        warn = self._manifest_warn("graph")
+        reason = graph_makefx.install(self._on_graph, self._note_traced_loss, warn)
+        if reason:
+            warn(f"compiled manifests unavailable: {reason}")
+            return
+        self._makefx = graph_makefx
+        self._source_on("graph")
+
+    def _install_eager(self, _module=None) -> None:
+        if self._eager is not None or self.failed or self.stopped:
+            return
+        from parity.capture.eager_collectives import EagerCollectives
+
+        rec = EagerCollectives(self._emit_bucket, lambda: self.done, _module_roots, _tracing,
+                               normalize_fqn)
+        reason = rec.install()
+        if reason:
+            self._manifest_warn("dtensor")(f"eager collectives unavailable: {reason}")
+            return
+        self._eager = rec
+        self._source_on("dtensor")
+
+    def _note_traced_loss(self, t) -> None:
+        """The loss a traced step returned (its backward ran inside the graph)."""
+        if isinstance(t, torch.Tensor) and t.numel() == 1:
+            self.backwards += 1
+            self.loss_ref = t.detach()
+
     def _on_graph(self, record: dict) -> None:
         if self.failed or self.stopped:
             return
@@ -569,9 +645,10 @@ class Session:
     # ------------------------------------------------------------------------ module names
     def _forward_pre_hook(self, module, args):
         # Runs on the first module call of the program (normally the model, outside any compiled
-        # region) and removes itself: a lingering global hook makes dynamo recompile. Traced by
-        # dynamo it is a no-op (is_compiling() is constant-folded), so fullgraph stays whole.
-        if torch.compiler.is_compiling():
+        # region) and removes itself: a lingering global hook makes dynamo recompile. Inside a
+        # trace it does nothing (and records nothing); torch.compile and the first optimizer
+        # step remove it if it is still there.
+        if _tracing():
             return None
         try:
             self._root_ref = weakref.ref(module)
@@ -584,6 +661,21 @@ class Session:
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         return None
+
+    def _forget_forward_hook(self) -> None:
+        """Remove the forward pre-hook before it can be traced (names then come from the gc
+        scan of root modules, see _names), doing first what it would have done."""
+        if self._fwd_handle is None:
+            return
+        self._remove_forward_hook()
+        try:
+            if self.manifests and self._fsdp is None:
+                from parity.capture import fsdp2
+
+                if fsdp2.GROUP_MODULE in sys.modules:
+                    self._install_fsdp2()
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
 
     def _remove_forward_hook(self) -> None:
         h, self._fwd_handle = self._fwd_handle, None
@@ -641,8 +733,7 @@ class Session:
                         self._begin_step()
                     self.step_opts.add(id(opt))
                 if not self._table_final:
-                    # (A forward hook still installed here was only ever traced by dynamo, as a
-                    # no-op: removing it now would cost a recompile, so it stays.)
+                    self._forget_forward_hook()  # still there only if every forward was traced
                     self._add_params(opt)
                 elif self._step_sampled:
                     self._check_params(opt)
@@ -666,6 +757,8 @@ class Session:
                     self.backwards = 0
                     if self._fsdp is not None:
                         self._fsdp.new_step()
+                    if self._eager is not None:
+                        self._eager.new_step()
                     if self.k == 1:
                         self._write_first()
                     elif self._step_sampled:

@@ -268,18 +268,24 @@ def _loss_table(r: DiffResult) -> Table:
     t.add_column("B", justify="right")
     t.add_column("bitwise", no_wrap=True)
     rows = loss.steps
+    totals = any(s.a_total is not None or s.b_total is not None for s in rows)
+    if totals:  # the global loss a trainer such as torchtitan logs: the ranks' shares summed
+        t.add_column("A all ranks", justify="right")
+        t.add_column("B all ranks", justify="right")
     focus = next((i for i, s in enumerate(rows) if s.step == loss.first_divergent_step), None)
     for i in _window(len(rows), focus, MAX_STEP_ROWS):
         if i is None:
-            t.add_row("", "...", "", "", "")
+            t.add_row("", "...", "", "", "", *(["", ""] if totals else []))
             continue
         s = rows[i]
         first = i == focus
         eq = ("equal" if s.equal else ("-" if s.equal is None else
                                         f"DIFFERS ({_plural(s.ranks_differing, 'rank')})"))
         style = "bold red" if first else ("red" if s.equal is False else None)
+        extra = ([T(f"{s.a_total:.6g}" if s.a_total is not None else "-"),
+                  T(f"{s.b_total:.6g}" if s.b_total is not None else "-")] if totals else [])
         t.add_row(T(">" if first else ""), T(s.step), T(repr(s.a) if s.a is not None else "-"),
-                  T(repr(s.b) if s.b is not None else "-"), T(eq), style=style)
+                  T(repr(s.b) if s.b is not None else "-"), T(eq), *extra, style=style)
     return t
 
 

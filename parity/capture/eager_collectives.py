@@ -1,0 +1,248 @@
+"""Collectives issued eagerly by DTensor, outside any compiled graph and outside FSDP2.
+
+Why: a compiled trainer can leave part of the model out of its graph. torchtitan GraphTrainer's
+jit mode runs lm_head under the chunked loss eagerly: per step 8 DTensor all-gathers of
+lm_head.weight and 8 reduce-scatters of its gradient chunks, which no graph hook and no FSDP2 hook
+sees. Eager FSDP2 reduce-scatters the accumulated gradient once, and the two sum in different
+orders (torchtitan#3770's bug class). Recording them lets the diff say so.
+
+Hook point: ``torch.distributed.tensor._redistribute.redistribute_local_tensor``, the one function
+every DTensor placement change goes through (``DTensor.redistribute`` and its backward, and
+implicit redistributions in op dispatch), as bound in the modules that call it. Inside a trace
+(dynamo, make_fx, fake tensors) the wrapper only passes through: there it is part of a graph that
+graph.py / graph_makefx.py read.
+
+Each call outside a trace becomes one record, written as a bucket line (docs/artifacts.md) with
+``"source": "dtensor"``, one entry (the parameter FQN when the tensor is a parameter's local
+shard, else null with its shape) and ``module``: the chain of objects it was issued under
+(``loss_fn(ChunkedLossWrapper) > lm_head``), read from the Python stack. A step's sequence is
+written when first seen and again only when it changes (``new_step``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["EagerCollectives", "kind_of", "MODULES"]
+
+MODULES = ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._dispatch",
+           "torch.distributed.tensor._api")
+_FN = "redistribute_local_tensor"
+
+
+def kind_of(current: Any, target: Any) -> str:
+    """The collective a placement change issues, by mesh dimension (joined with '+')."""
+    kinds = []
+    for a, b in zip(current.placements, target.placements):
+        if a == b:
+            continue
+        if a.is_partial() and b.is_replicate():
+            kinds.append("all_reduce")
+        elif a.is_partial():
+            kinds.append("reduce_scatter")
+        elif b.is_replicate():
+            kinds.append("all_gather")
+        elif a.is_replicate():
+            kinds.append("local_chunk")
+        else:
+            kinds.append("all_to_all")
+    return "+".join(kinds) or "none"
+
+
+def _placements(spec: Any) -> str:
+    return ", ".join(repr(p) for p in spec.placements)
+
+
+def _owners(depth: int = 40) -> list[tuple]:
+    """The objects the current call runs under, innermost first, as (id, is_module, label):
+    each frame whose ``self`` is an nn.Module (named later, by its FQN in the model) or a
+    callable object such as a loss wrapper (labelled now by the attribute that holds it on the
+    next owner out, e.g. the trainer's ``loss_fn``). Ids only: the objects outlive the step."""
+    import torch
+
+    frame = sys._getframe(3)
+    objs: list[Any] = []
+    for _ in range(depth):
+        if frame is None:
+            break
+        obj = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames[:1] else None
+        if obj is not None and (not objs or objs[-1] is not obj):
+            objs.append(obj)
+        frame = frame.f_back
+    out: list[tuple] = []
+    for i, obj in enumerate(objs):
+        if isinstance(obj, torch.nn.Module):
+            out.append((id(obj), True, type(obj).__name__))
+        elif i + 1 < len(objs) and type(obj).__module__.split(".")[0] not in ("torch", "parity"):
+            holder = objs[i + 1]
+            attr = next((k for k, v in getattr(holder, "__dict__", {}).items() if v is obj), None)
+            if attr is not None:
+                out.append((id(obj), False, f"{attr}({type(obj).__name__})"))
+    return out
+
+
+def _key(t: Any) -> tuple:
+    """What identifies a parameter's local shard: its memory (a trainer may hand DTensor a
+    detached alias of the parameter, a new object on the same storage), else the object."""
+    try:
+        ptr = t.data_ptr()
+    except Exception:  # noqa: BLE001 - no storage (a subclass, fake)
+        ptr = 0
+    if ptr:
+        return ("mem", ptr, tuple(t.shape), tuple(t.stride()), str(t.dtype))
+    return ("id", id(t))
+
+
+def _chain(owners: list[tuple], names: dict[int, str]) -> str:
+    """Outermost first; a module outside the model (no name) is left out."""
+    parts = []
+    for oid, is_module, label in owners:
+        if is_module:
+            name = names.get(oid)
+            if name is None:
+                continue
+            parts.append(name or label)
+        else:
+            parts.append(label)
+    return " > ".join(reversed(parts))
+
+
+class EagerCollectives:
+    """Wraps ``redistribute_local_tensor`` and hands records to ``emit(bucket)``."""
+
+    def __init__(self, emit: Callable[[dict], None], step: Callable[[], int],
+                 modules: Callable[[], list], tracing: Callable[[], bool],
+                 normalize: Callable[[str], str]):
+        self.emit = emit
+        self.step = step
+        self.modules = modules  # the model roots, for parameter and module names
+        self.tracing = tracing
+        self.normalize = normalize
+        self.patches: list[tuple[Any, str, Any]] = []
+        self.current: list[dict] = []
+        self.last_signature: tuple | None = None
+        self._params: dict[int, str] | None = None
+        self._modules: dict[int, str] = {}
+        self._by_module: dict[int, list] = {}
+        self.busy = False
+
+    # ---------------------------------------------------------------------------- install
+    def install(self) -> str | None:
+        """Wrap the function where it is bound now; a module imported later binds the wrapper
+        (install right after ``_redistribute`` is imported: nothing else imported here)."""
+        for name in MODULES:
+            mod = sys.modules.get(name)
+            fn = getattr(mod, _FN, None) if mod is not None else None
+            if fn is None or hasattr(fn, "_parity_original"):
+                continue
+            self.patches.append((mod, _FN, fn))
+            setattr(mod, _FN, self._wrap(fn))
+        if not self.patches:
+            return f"{MODULES[0]}.{_FN} not found in this torch version"
+        return None
+
+    def uninstall(self) -> None:
+        for mod, attr, fn in reversed(self.patches):
+            setattr(mod, attr, fn)
+        self.patches = []
+
+    def _wrap(self, original: Callable) -> Callable:
+        rec = self
+
+        def redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs):
+            if not rec.busy and not rec.tracing():
+                try:
+                    rec.busy = True
+                    rec.record(local_tensor, current_spec, target_spec)
+                except Exception:  # noqa: BLE001 - never in the way of the job
+                    pass
+                finally:
+                    rec.busy = False
+            return original(local_tensor, current_spec, target_spec, *args, **kwargs)
+
+        redistribute_local_tensor.__wrapped__ = original  # type: ignore[attr-defined]
+        redistribute_local_tensor._parity_original = original  # type: ignore[attr-defined]
+        redistribute_local_tensor.__doc__ = original.__doc__
+        return redistribute_local_tensor
+
+    # ---------------------------------------------------------------------------- records
+    def _names(self) -> None:
+        params: dict[tuple, str] = {}
+        mods: dict[int, str] = {}
+        by_module: dict[int, list[tuple[str, tuple]]] = {}  # module -> (fqn, global shape)
+        for root in self.modules():
+            for n, m in root.named_modules():
+                if id(m) in mods:
+                    continue
+                mods[id(m)] = self.normalize(n)
+                by_module[id(m)] = [
+                    (self.normalize(f"{n}.{pn}" if n else pn), tuple(p.shape))
+                    for pn, p in m.named_parameters()]
+            for n, p in root.named_parameters():
+                params.setdefault(_key(getattr(p, "_local_tensor", p)), self.normalize(n))
+        self._params, self._modules, self._by_module = params, mods, by_module
+
+    def _fqn(self, key: tuple, owners: list[tuple], shape: list) -> str | None:
+        """The parameter this tensor is: by its memory, else (a cast or copy of it, such as a
+        bf16 all-gather input) the one parameter of that global shape in the innermost module
+        it was issued under."""
+        fqn = self._params.get(key) if self._params else None
+        if fqn is not None:
+            return fqn
+        for oid, is_module, _ in owners:  # innermost first
+            if not is_module or oid not in self._by_module:
+                continue
+            same = [f for f, sh in self._by_module[oid] if list(sh) == list(shape)]
+            if len(same) == 1:
+                return same[0]
+            if same:
+                return None  # ambiguous
+        return None
+
+    def record(self, local_tensor: Any, current_spec: Any, target_spec: Any) -> None:
+        """One call; names are resolved at the end of the step (new_step), when the model is
+        surely built: the first redistribution may come before (weight init)."""
+        kind = kind_of(current_spec, target_spec)
+        if kind in ("none", "local_chunk"):
+            return  # no communication
+        meta = getattr(target_spec, "tensor_meta", None)
+        shape = list(meta.shape) if meta is not None else list(local_tensor.shape)
+        dtype = str(local_tensor.dtype).removeprefix("torch.")
+        numel = local_tensor.numel()
+        size = numel * local_tensor.element_size()
+        world = 1
+        for a, b, n in zip(current_spec.placements, target_spec.placements,
+                           current_spec.mesh.shape):
+            if a != b:
+                world *= int(n)
+        self.current.append({
+            "source": "dtensor", "collective": kind, "graph": None, "graph_id": None,
+            "index": len(self.current), "node": None, "group": "",
+            "module": _owners(), "placements":
+                f"{_placements(current_spec)} -> {_placements(target_spec)}",
+            "dtype": dtype, "world_size": world, "total_bytes": size,
+            "entries": [{"fqn": _key(local_tensor), "offset": 0, "size": size, "numel": numel,
+                         "dtype": dtype, "shape": shape}],
+        })
+
+    def new_step(self) -> None:
+        """End of an optimizer step: write this step's sequence if it is new."""
+        calls, self.current = self.current, []
+        if calls and self._params is None:
+            self._names()  # once, at the end of the first step with eager collectives
+        for c in calls:
+            e = c["entries"][0]
+            e["fqn"] = self._fqn(e["fqn"], c["module"], e["shape"])
+            c["group"] = e["fqn"].rsplit(".", 1)[0] if e["fqn"] else ""
+            c["module"] = _chain(c["module"], self._modules)
+        sig = tuple((c["collective"], c["module"], c["placements"], c["dtype"], c["total_bytes"],
+                     c["entries"][0]["fqn"]) for c in calls)
+        if sig == self.last_signature or (not calls and self.last_signature is None):
+            return
+        self.last_signature = sig
+        step = self.step()
+        for c in calls:
+            c["step"] = step
+            self.emit(c)

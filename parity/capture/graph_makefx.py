@@ -1,0 +1,247 @@
+"""Compiled manifests for make_fx-traced training steps: torchtitan GraphTrainer's default mode
+(``aot_fx_trace``) and its precompiled variant.
+
+Why a separate hook point: those graphs never pass through ``aot_module_simplified`` (graph.py's
+hook). GraphTrainer traces forward + backward + loss into one joint graph with ``make_fx``
+(``minimal_fx_tracer``), rewrites it with its passes, and runs it every step with
+``run_traced(traced_result, module=...)``. Both names are looked up in GraphTrainer's trainer
+module at call time, so wrapping them there (after that module is imported; nothing in the
+trainer is edited) sees:
+
+* ``minimal_fx_tracer(...)(...)`` returns a ``TracedResult``: the graph *before* the passes
+  (recorded with ``"stage": "before_passes"``), with ``state_fqns`` naming the placeholders;
+* the first ``run_traced(...)`` of each ``TracedResult.gm``: the graph *after* the passes (or the
+  precompiled graph loaded from disk), recorded as the manifest the diff compares;
+* each call of the runner ``run_traced`` returns: output 0 is the loss the trainer computed
+  inside the graph (backward runs in the graph: no ``.backward()`` call happens at run time).
+
+Nothing runs inside the trace: the wrappers act on the tracer's *result* and on the runner's
+outputs, after make_fx is done. The FX walk itself is graph.py's ``extract_buckets``.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from parity.capture import graph as graph_walk
+
+__all__ = ["TRAINER_MODULE", "install", "uninstall", "placeholder_fqns", "split_joint"]
+
+TRAINER_MODULE = "torchtitan.experiments.graph_trainer.trainer"
+_NAMES = ("minimal_fx_tracer", "run_traced")
+
+_state: dict[str, Any] = {"patches": [], "hooks": None, "seen": None}
+
+
+def placeholder_fqns(traced: Any, n_placeholders: int) -> list[str | None]:
+    """Per flat placeholder of a traced step, the state FQN it carries (None for user inputs).
+
+    Flat inputs are the module state (``state_fqns`` order) then the user inputs, each subclass
+    input (DTensor) unwrapped into ``input_subclass_layouts[i].num_tensors`` tensors (DTensor:
+    one, its local tensor)."""
+    fqns: list[str | None] = []
+    layouts = getattr(traced, "input_subclass_layouts", None) or {}
+    for i, fqn in enumerate(getattr(traced, "state_fqns", None) or ()):
+        layout = layouts.get(i)
+        n = getattr(layout, "num_tensors", 1) if layout is not None else 1
+        fqns.extend([graph_walk.normalize_fqn(fqn)] * max(int(n), 1))
+    fqns = fqns[:n_placeholders]
+    return fqns + [None] * (n_placeholders - len(fqns))
+
+
+def _output_fqns(traced: Any, grad_fqns: list[str]) -> list[str | None]:
+    """Per flat output: output 0 is the loss, then one gradient per trainable parameter."""
+    layouts = getattr(traced, "output_subclass_layouts", None) or {}
+    names: list[str | None] = [None, *grad_fqns]
+    out: list[str | None] = []
+    for i, name in enumerate(names):
+        layout = layouts.get(i)
+        n = getattr(layout, "num_tensors", 1) if layout is not None else 1
+        out.extend([name] * max(int(n), 1))
+    return out
+
+
+def split_joint(gm: Any, buckets: list[dict]) -> None:
+    """Label each bucket of a joint graph ``forward`` or ``backward`` (in place).
+
+    A node traced under autograd's backward carries ``meta["autograd_backward"]``; a node made
+    by a pass may not: it then counts as backward from the first backward node on (graph order).
+    """
+    where: dict[str, str] = {}
+    in_backward = False
+    for node in gm.graph.nodes:
+        flag = node.meta.get("autograd_backward")
+        if flag:
+            in_backward = True
+        where[node.name] = "backward" if (flag or (flag is None and in_backward)) else "forward"
+    for b in buckets:
+        b["graph"] = where.get(b.get("node"), "backward" if b["collective"] == "reduce_scatter"
+                               else "forward")
+
+
+def reduce_scatter_targets(gm: Any, output_fqns: list[str | None], *,
+                           limit: int = 4096) -> dict[Any, str]:
+    """Each reduce-scatter's input chain -> the parameter whose gradient output it reaches.
+
+    graph.py follows a reduce-scatter's result to the output through unary ops only; a joint
+    graph accumulates some gradients first (chunked loss: lm_head's gradient is the sum of
+    one reduce-scatter per chunk), so here every path forward is searched. Only an answer that
+    names exactly one parameter is kept."""
+    out_node = next((n for n in gm.graph.nodes if n.op == "output"), None)
+    if out_node is None:
+        return {}
+    outs = out_node.args[0] if isinstance(out_node.args[0], (list, tuple)) else (out_node.args[0],)
+    position: dict[Any, list[int]] = {}
+    for i, o in enumerate(outs):
+        position.setdefault(o, []).append(i)
+    mapping: dict[Any, str] = {}
+    for node in gm.graph.nodes:
+        if graph_walk._op_name(node) not in graph_walk._RS_OPS:
+            continue
+        found: set[str] = set()
+        seen = {node}
+        todo = [node]
+        while todo and len(seen) < limit:
+            cur = todo.pop()
+            for i in position.get(cur, ()):
+                if i < len(output_fqns) and output_fqns[i]:
+                    found.add(output_fqns[i])
+            for u in cur.users:
+                if u not in seen and u.op != "output":
+                    seen.add(u)
+                    todo.append(u)
+        if len(found) == 1:
+            fqn = found.pop()
+            for cur in graph_walk._walk_back(node.args[0]):
+                if cur.op == "placeholder":
+                    break
+                mapping.setdefault(cur, fqn)
+    return mapping
+
+
+def _grad_fqns(module: Any) -> list[str]:
+    if module is None:
+        return []
+    return [graph_walk.normalize_fqn(n) for n, p in module.named_parameters(remove_duplicate=False)
+            if p.requires_grad]
+
+
+def _record(traced: Any, module: Any, stage: str, pre: dict | None) -> tuple[dict, dict | None]:
+    gm = traced.gm
+    n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+    inputs = placeholder_fqns(traced, n_ph)
+    outputs = _output_fqns(traced, _grad_fqns(module))
+    warnings: list[str] = []
+    rs_map = reduce_scatter_targets(gm, outputs)
+    if pre:
+        rs_map = {**rs_map, **pre}  # pre-pass nodes still in the graph name their payloads
+    graph_id = next(graph_walk._graph_ids)
+    buckets = graph_walk.extract_buckets(gm, inputs, outputs, "joint", graph_id=graph_id,
+                                         warnings=warnings, rs_payload_fqns=rs_map)
+    split_joint(gm, buckets)
+    for b in buckets:
+        b["stage"] = stage
+        b["trace"] = "make_fx"
+    return ({"graph": "joint", "graph_id": graph_id, "buckets": buckets, "warnings": warnings,
+             "stage": stage}, rs_map)
+
+
+def _wrap_tracer(original: Callable) -> Callable:
+    def minimal_fx_tracer(fn, *args, **kwargs):
+        tracer = original(fn, *args, **kwargs)
+        module = kwargs.get("module")
+
+        def trace(*a, **k):
+            traced = tracer(*a, **k)
+            hooks = _state["hooks"]
+            if hooks is not None:
+                try:
+                    record, rs_map = _record(traced, module, "before_passes", None)
+                    _state["pre"] = (weakref.ref(traced.gm), rs_map)
+                    hooks["on_graph"](record)
+                except Exception as e:  # noqa: BLE001 - never break the trainer
+                    hooks["warn"](f"compiled manifests: make_fx graph before passes not read "
+                                  f"({type(e).__name__}: {e})")
+            return traced
+
+        return trace
+
+    minimal_fx_tracer.__wrapped__ = original  # type: ignore[attr-defined]
+    minimal_fx_tracer._parity_original = original  # type: ignore[attr-defined]
+    return minimal_fx_tracer
+
+
+def _wrap_runner(original: Callable) -> Callable:
+    def run_traced(traced, *args, **kwargs):
+        runner = original(traced, *args, **kwargs)
+        hooks = _state["hooks"]
+        if hooks is None:
+            return runner
+        gm = getattr(traced, "gm", None)
+        seen = _state["seen"]
+        if gm is not None and seen is not None and gm not in seen:
+            seen.add(gm)
+            try:
+                pre_ref, rs_map = _state.get("pre") or (None, None)
+                # the passes mutate the traced graph in place: its pre-pass nodes identify
+                # reduce-scatter payloads from the input side
+                rs_map = rs_map if rs_map else None
+                record, _ = _record(traced, kwargs.get("module"), "after_passes", rs_map)
+                if pre_ref is None:
+                    record["warnings"].append("no graph before passes (precompiled artifact)")
+                hooks["on_graph"](record)
+            except Exception as e:  # noqa: BLE001
+                hooks["warn"](f"compiled manifests: make_fx graph not read "
+                              f"({type(e).__name__}: {e})")
+
+        def run(*a, **k):
+            outputs = runner(*a, **k)
+            on_loss = hooks.get("on_loss")
+            if on_loss is not None:
+                try:
+                    first = outputs[0] if isinstance(outputs, (list, tuple)) and outputs else None
+                    on_loss(first)
+                except Exception:  # noqa: BLE001
+                    pass
+            return outputs
+
+        return run
+
+    run_traced.__wrapped__ = original  # type: ignore[attr-defined]
+    run_traced._parity_original = original  # type: ignore[attr-defined]
+    return run_traced
+
+
+def install(on_graph: Callable[[dict], None], on_loss: Callable[[Any], None],
+            warn: Callable[[str], None]) -> str | None:
+    """Wrap GraphTrainer's tracer and runner (its trainer module must be imported). Returns
+    None when installed, else the reason."""
+    mod = sys.modules.get(TRAINER_MODULE)
+    if mod is None:
+        return f"{TRAINER_MODULE} is not imported"
+    _state["hooks"] = {"on_graph": on_graph, "on_loss": on_loss, "warn": warn}
+    if _state["patches"]:
+        return None
+    missing = [n for n in _NAMES if not callable(getattr(mod, n, None))]
+    if missing:
+        return (f"GraphTrainer's {', '.join(missing)} not found in {TRAINER_MODULE} (this "
+                "torchtitan version is not supported): make_fx graphs are not recorded")
+    _state["seen"] = weakref.WeakSet()
+    for name, wrap in (("minimal_fx_tracer", _wrap_tracer), ("run_traced", _wrap_runner)):
+        current = getattr(mod, name)
+        if hasattr(current, "_parity_original"):
+            continue
+        _state["patches"].append((mod, name, current))
+        setattr(mod, name, wrap(current))
+    return None
+
+
+def uninstall() -> None:
+    for mod, name, original in reversed(_state["patches"]):
+        setattr(mod, name, original)
+    _state["patches"] = []
+    _state["hooks"] = None
+    _state.pop("pre", None)
