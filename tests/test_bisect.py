@@ -26,7 +26,7 @@ def _env():
 
 
 def _cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], env=_env(), cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "parity", *map(str, args)], env=_env(), cwd=cwd,
                           capture_output=True, text=True, timeout=TIMEOUT)
 
 

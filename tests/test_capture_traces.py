@@ -29,7 +29,7 @@ def _run(cmd, cwd):
 def test_traced_job_is_unchanged_by_capture(tmp_path):
     plain, _ = _run([sys.executable, str(TRAINER)], tmp_path)
     out = tmp_path / "run"
-    captured, err = _run([sys.executable, "-m", "cli", "exec", "--out", str(out), "--",
+    captured, err = _run([sys.executable, "-m", "parity", "exec", "--out", str(out), "--",
                           sys.executable, str(TRAINER)], tmp_path)
     assert "global hooks on modules" not in err
     assert "capture disabled" not in err
