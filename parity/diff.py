@@ -756,15 +756,18 @@ def _compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks
         disagree[side] = msgs
     order = compare_layouts(layouts["a"], layouts["b"])
     order.rank_disagreements = disagree
+    # what the layout comparison cannot show comes first in the notes (they are cut when long)
+    first_notes: list[str] = []
     for side, run in (("a", run_a), ("b", run_b)):
         for (coll, fqn), n in sorted(layouts[side].repeats.items()):
-            order.notes.append(f"{coll}: {fqn} is carried by {n} buckets of {side.upper()}'s "
+            first_notes.append(f"{coll}: {fqn} is carried by {n} buckets of {side.upper()}'s "
                                "graph; compared: the first")
         ref = layouts[side].rank
         order.eager[side] = eager_collectives(run.ranks[ref].buckets) if ref in run.ranks else []
         if order.eager[side]:
-            order.notes.append(f"eager collectives outside graphs in {side.upper()} (per step): "
+            first_notes.append(f"eager collectives outside graphs in {side.upper()} (per step): "
                                + "; ".join(describe_eager(x) for x in order.eager[side]))
+    order.notes[:0] = first_notes
     return layouts, order
 
 

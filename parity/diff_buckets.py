@@ -502,10 +502,13 @@ def eager_for(fqn: str, shape: str | None, runs: list[dict]) -> list[dict]:
     """The eager runs that carry ``fqn``: by name, or (a gradient, which has no name) by global
     shape, issued under the module chain where ``fqn`` itself was gathered."""
     named = [r for r in runs if r["fqn"] == fqn]
-    chains = {r["module"].rsplit(" > ", 1)[0] for r in named if r["module"]}
+    chains = {r["module"] for r in named if r["module"]}
+
+    def related(m: str) -> bool:  # one chain contains the other (the loss around lm_head)
+        return bool(m) and any(c.startswith(m) or m.startswith(c) for c in chains)
+
     by_shape = [r for r in runs if r["fqn"] is None and shape and r["tensor"] == shape
-                and (not chains or r["module"] in chains
-                     or any(r["module"].startswith(c) for c in chains))]
+                and (not chains or related(r["module"]))]
     return named + by_shape
 
 
