@@ -61,7 +61,22 @@ def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 1) -> N
     ``indent=None`` for large objects: an indent makes ``json`` use its pure-Python encoder
     (~10x slower; 70 ms for a 1,500-parameter table).
     """
-    write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n")
+    try:
+        text = json.dumps(obj, indent=indent, sort_keys=False, allow_nan=False)
+    except ValueError:  # NaN or infinity somewhere (a NaN loss): not JSON; write null instead
+        text = json.dumps(finite_json(obj), indent=indent, sort_keys=False, allow_nan=False)
+    write_text_atomic(path, text + "\n")
+
+
+def finite_json(obj):
+    """``obj`` with every NaN or infinite float replaced by None (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 def rollup_digest(raw_hashes: bytes) -> str:
@@ -375,6 +390,12 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
                           check=lambda b: isinstance(b["entries"], list))
     if not (path / "buckets.jsonl").exists():
         problems = [p for p in problems if not p.endswith("buckets.jsonl: missing")]
+    said = meta.get("rank")
+    if isinstance(said, int) and not isinstance(said, bool) and said != rank:
+        # A directory renamed, copied or swapped: its hashes belong to another rank.
+        problems.append(f"{path}: meta.json says rank {said}, the directory rank {rank} "
+                        "(swapped or copied directories?); not compared")
+        params, steps = [], {}
     return RankData(rank, path, meta, params, steps, buckets, problems)
 
 

@@ -105,6 +105,15 @@ class LossComparison:
 
 
 @dataclass
+class CaptureWarning:
+    """A warning capture recorded on some ranks of one side (meta.json ``capture.warnings``)."""
+
+    side: str  # "a" | "b"
+    ranks: list[int]
+    message: str
+
+
+@dataclass
 class DiffResult:
     a: Side
     b: Side
@@ -125,6 +134,8 @@ class DiffResult:
     order: OrderComparison
     problems: list[Problem] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    # what capture said while recording (meta.json ``capture.warnings``), per side and message
+    warnings: list[CaptureWarning] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     # -- policy
@@ -187,6 +198,8 @@ class DiffResult:
                 "rank_disagreements": {k: list(v) for k, v in o.rank_disagreements.items()},
             },
             "problems": [{"side": p.side, "message": p.message} for p in self.problems],
+            "warnings": [{"side": w.side, "ranks": list(w.ranks), "message": w.message}
+                         for w in self.warnings],
             "stats": dict(self.stats),
         }
 
@@ -320,8 +333,9 @@ def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
         if grads_compared:
             return "optimizer", (f"the parameters of step {step} differ while its gradients "
                                  f"match and {before}: the optimizer step")
-        return "param", (f"the parameters of step {step} differ while {before} (no gradients "
-                         "captured to tell the passes from the optimizer)")
+        return "param", (f"the parameters of step {step} differ while {before} (the gradients "
+                         f"of step {step} were not recorded, so the passes cannot be told from "
+                         "the optimizer)")
     return "loss", (f"the loss of step {step} differs while every hash of that step matches")
 
 
@@ -349,10 +363,31 @@ def _hashers(run: Run) -> set[str]:
     checksum never agree, so runs that differ here are not comparable."""
     out = set()
     for rd in run.ranks.values():
+        if not rd.steps:  # a rank that recorded nothing never resolved "auto"
+            continue
         h = (rd.meta.get("capture") or {}).get("hasher")
         if isinstance(h, str):
             out.add(h)
     return out
+
+
+def _failed(run: Run) -> str | None:
+    """Why the job of ``run`` failed (run.json written by ``parity exec``), or None."""
+    meta = run.run_meta
+    if meta is None or meta.get("status") in ("ok", "running", None):
+        return None
+    return str(meta.get("error") or f"status {meta.get('status')!r}, exit code "
+                                   f"{meta.get('exit_code')!r}")
+
+
+def _capture_warnings(run: Run, side: str) -> list[CaptureWarning]:
+    """Capture warnings of one side, one entry per distinct message with the ranks saying it."""
+    by_msg: dict[str, list[int]] = {}
+    for r, rd in sorted(run.ranks.items()):
+        ws = (rd.meta.get("capture") or {}).get("warnings")
+        for w in ws if isinstance(ws, list) else ():
+            by_msg.setdefault(str(w), []).append(r)
+    return [CaptureWarning(side, rs, m) for m, rs in by_msg.items()]
 
 
 def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int) -> DiffResult:
@@ -360,10 +395,6 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
     problems += [Problem("a", m) for m in run_a.problems]
     problems += [Problem("b", m) for m in run_b.problems]
     for side, run in (("a", run_a), ("b", run_b)):
-        if run.run_meta is not None and run.run_meta.get("status") not in ("ok", None):
-            problems.append(Problem(side, f"the job's status is "
-                                          f"{run.run_meta.get('status')!r} (exit code "
-                                          f"{run.run_meta.get('exit_code')!r})"))
         bad = [r for r, rd in sorted(run.ranks.items()) if rd.meta.get("status") not in ("ok", None)]
         if bad:
             st = run.ranks[bad[0]].meta
@@ -371,6 +402,16 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
                                           f"(rank {bad[0]}: status {st.get('status')!r}"
                                           + (f", {st.get('error')}" if st.get("error") else "")
                                           + ")"))
+
+    incomplete: list[str] = []
+    for side, run in (("a", run_a), ("b", run_b)):
+        failed = _failed(run)
+        if failed and not any(rd.steps for rd in run.ranks.values()):
+            # Nothing to compare: say why this side has nothing, not what else differs.
+            raise ParityError(f"{side.upper()} failed before recording a step: {failed}",
+                              exit_code=EXIT_INCOMPLETE)
+        if failed:
+            incomplete.append(f"{side.upper()} failed: {failed}")
 
     ws_a, ws_b = _world_size(run_a), _world_size(run_b)
     if ws_a != ws_b:
@@ -382,7 +423,14 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         raise ParityError(f"the runs used different hashers (A {'/'.join(sorted(h_a))}, "
                           f"B {'/'.join(sorted(h_b))}): their hashes cannot be compared; "
                           "capture both with the same --hasher")
-    incomplete: list[str] = []
+    warnings = _capture_warnings(run_a, "a") + _capture_warnings(run_b, "b")
+    for side, run in (("a", run_a), ("b", run_b)):
+        off = [r for r, rd in sorted(run.ranks.items())
+               if (rd.meta.get("capture") or {}).get("disabled")]
+        if off:
+            why = (run.ranks[off[0]].meta.get("capture") or {}).get("disabled")
+            incomplete.append(f"{side.upper()}: capture was disabled on rank(s) {ranges(off)} "
+                              f"({why}); later steps not recorded there")
 
     usable: dict[str, list[int]] = {}
     for side, run in (("a", run_a), ("b", run_b)):
@@ -434,6 +482,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
     index.ids_of(list(names_a))  # global ids in A's order
     aligns = [aligner.align(ka, kb) for ka, kb in zip(keys_a, keys_b)]
     del keys_a, keys_b
+    _unaligned(ranks, aligns, set(only_a) | set(only_b), incomplete)
 
     # -- steps
     steps = sorted(set().union(*(x.steps for x in ra), *(y.steps for y in rb))) if ranks else []
@@ -459,6 +508,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         incomplete.append("no step was recorded by both sides")
     if not ranks:
         incomplete.append("no rank has a parameter table on both sides")
+    elif not _n_compared(aligns):
+        incomplete.append("no parameter was compared: no rank's table shares an entry with the "
+                          "other side's same rank")
     if ranks and not hc.grads_compared:
         has = {side: any(rec.get("grad_digest") for x in lst for rec in list(x.steps.values())[:3])
                for side, lst in (("A", ra), ("B", rb))}
@@ -498,7 +550,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         param_div = bool(at_first and det.any("param"))
         prev_steps = [s for s in steps_compared if s < first]
         prev = prev_steps[-1] if prev_steps else None
-        origin, why = _origin(first, prev, grad_div, param_div, loss_div, hc.grads_compared)
+        grads_here = hc.grads_compared and all(
+            isinstance((x.steps.get(first) or {}).get("grad_digest"), str) for x in ra + rb)
+        origin, why = _origin(first, prev, grad_div, param_div, loss_div, grads_here)
         loc_a, loc_b = layouts["a"].locate(), layouts["b"].locate()
         rank_set: set[int] = set()
         n_kind = {}
@@ -537,7 +591,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         kinds_compared=["param", "grad"] if hc.grads_compared else ["param"],
         params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
-        problems=problems, stats={"cells_drilled": hc.cells_drilled},
+        problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
     )
 
 
@@ -632,6 +686,23 @@ def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
                           f"(first: rank {ranks[rws[0]]})")
 
 
+def _unaligned(ranks, aligns, glob_only: set, incomplete: list[str]) -> None:
+    """Entries a rank's table has on one side only, while the other side has that name on some
+    other rank (a pipeline-stage split or an expert placement that moved): not compared, so
+    parity is not proven."""
+    n, bad = 0, []
+    for r, al in zip(ranks, aligns):
+        k = sum(1 for x in al.only_a if x not in glob_only) + sum(
+            1 for x in al.only_b if x not in glob_only)
+        if k:
+            n += k
+            bad.append(r)
+    if bad:
+        incomplete.append(f"{n} table entries on rank(s) {ranges(bad)} have no counterpart on "
+                          "the other side's same rank (parameters placed on other ranks); not "
+                          "compared")
+
+
 _ENTRY_KEY = operator.itemgetter("fqn", "offset", "size", "numel", "dtype")
 MAX_LAYOUT_CHECKS = 16  # distinct per-rank manifests examined in detail, per side
 
@@ -703,6 +774,6 @@ def _compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks
     return layouts, order
 
 
-__all__ = ["diff_runs", "DiffResult", "Side", "Problem", "Divergence", "FirstDivergence",
+__all__ = ["diff_runs", "DiffResult", "CaptureWarning", "Side", "Problem", "Divergence", "FirstDivergence",
            "LossStep", "LossComparison", "load_diff_json", "SCHEMA_VERSION", "SCHEMA_PATH", "VERDICTS",
            "FAIL_ON", "KINDS", "ranges"]

@@ -100,6 +100,8 @@ def _verdict_lines(r: DiffResult) -> list:
     else:
         line = T("INCOMPLETE", "bold yellow")
         line.append("  " + (r.incomplete[0] if r.incomplete else "data incomplete"))
+    if getattr(r, "warnings", None):
+        line.append(f" ({_plural(len(r.warnings), 'capture warning')})", style="yellow")
     lines.append(line)
     if r.verdict != "incomplete" and r.incomplete:
         lines.append(_indent(T(f"and the data is incomplete: {r.incomplete[0]}", "yellow")))
@@ -388,6 +390,9 @@ def print_diff(result: DiffResult, console: Console | None = None) -> None:
     if section:
         c.print(Group(*section))
     warnings = [T(f"incomplete: {m}", "yellow") for m in r.incomplete]
+    for w in getattr(r, "warnings", [])[:MAX_PROBLEMS]:
+        warnings.append(T(f"capture warning: {w.side.upper()} rank(s) {ranges(w.ranks)}: "
+                          f"{w.message}", "yellow"))
     probs = r.problems
     for p in probs[:MAX_PROBLEMS]:
         warnings.append(T(f"warning: {(p.side.upper() + ': ') if p.side else ''}{p.message}",

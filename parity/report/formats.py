@@ -201,7 +201,9 @@ def _print_first_finding(console, sweep: dict) -> None:
 
 
 def sweep_json(sweep: dict) -> str:
-    return json.dumps(_public(sweep), indent=1) + "\n"
+    from parity.artifacts import finite_json
+
+    return json.dumps(finite_json(_public(sweep)), indent=1, allow_nan=False) + "\n"
 
 
 # -------------------------------------------------------------------------------------- markdown
