@@ -46,7 +46,8 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, command):
     Example:
       parity exec --out runs/eager -- torchrun --standalone --nproc_per_node 2 \\
           -m parity.workloads.train --mode eager
-    The trainer needs no change. Exits with COMMAND's exit code (2 if it cannot be started).
+    The trainer needs no change. Exits with COMMAND's exit code (2 if it cannot be started;
+    3 if it exits 0 but no rank recorded a step). Ends with a one-line summary on stderr.
     """
     from parity.capture.launch import exec_command
 

@@ -266,6 +266,11 @@ class RankData:
         if hrec.get("step") != step or hrec.get("kind") != kind or len(raw) % HASH_BYTES:
             self.problems.append(f"{self.path / 'hashes.jsonl'}: step {step} {kind} line mismatched")
             return None
+        n = len(raw) // HASH_BYTES
+        if n < len(self.params) and all(
+                isinstance(p.get("since"), int) and p["since"] > step for p in self.params[n:]):
+            # parameters that joined the optimizers after this step: not recorded yet (NO_HASH)
+            raw += NO_HASH * (len(self.params) - n)
         return np.frombuffer(raw, dtype=np.uint8).reshape(-1, HASH_BYTES)
 
     _line_hint: int = field(default=1 << 16, repr=False, compare=False)
