@@ -68,16 +68,19 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
     """Compare run B against reference run A (usually eager)."""
     from parity.diff import diff_runs
     from parity.report.console import make_console, print_diff
+    from parity.report.stdout import print_safely
 
     result = diff_runs(a_dir, b_dir)
-    print_diff(result, make_console())
+    code = result.exit_code(fail_on)
+    # files first: a closed or full stdout must cost neither them nor the exit code
     if json_file:
         result.write_json(json_file)
     if html_file:
         from parity.report.html import write_diff_html
 
         write_diff_html(result, html_file)
-    sys.exit(result.exit_code(fail_on))
+    print_safely(lambda: print_diff(result, make_console()))
+    sys.exit(code)
 
 
 @cli.command("sweep")
@@ -127,6 +130,11 @@ def gate_cmd(sweep_dir, fail_on):
     sys.exit(gate(sweep_dir, fail_on))
 
 
+def _usage_hint(e) -> str:
+    ctx = getattr(e, "ctx", None)
+    return f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: one line on stderr and a documented exit code for every failure."""
     try:
@@ -143,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("parity: interrupted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
+        msg = " ".join(e.format_message().split())  # one line, whatever click formatted
+        click.echo(f"parity: error: {msg}" + ("" if isinstance(e, click.UsageError) and
+                                               e.ctx is None else _usage_hint(e)), err=True)
         sys.exit(EXIT_USAGE)
     except BrokenPipeError:
         sys.exit(0)

@@ -340,18 +340,21 @@ def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
 
 
 def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: bool = False,
-              count_budget: int = DEFAULT_COUNT_BUDGET) -> DiffResult:
+              count_budget: int = DEFAULT_COUNT_BUDGET, tolerate_exit: bool = False
+              ) -> DiffResult:
     """Compare run B against reference run A (see docs/diff.md).
 
     Raises ParityError (exit 2) when the runs cannot be compared: not parity run directories,
-    different world sizes, or (unless ``allow_param_mismatch``) different parameter sets.
+    different world sizes, or (unless ``allow_param_mismatch``) different parameter sets; exit 3
+    when a side failed before recording a step. A side whose job exited non-zero is incomplete,
+    unless ``tolerate_exit`` (the sweep's ``tolerate_teardown_exit``): then it is a problem only.
     """
     t0 = time.perf_counter()
     with gc_paused():
         run_a = read_run(a_dir)
         run_b = read_run(b_dir)
         t_read = time.perf_counter()
-        result = _diff(run_a, run_b, allow_param_mismatch, count_budget)
+        result = _diff(run_a, run_b, allow_param_mismatch, count_budget, tolerate_exit)
     t_end = time.perf_counter()
     result.stats.update({"read_seconds": round(t_read - t0, 3),
                          "compare_seconds": round(t_end - t_read, 3)})
@@ -390,7 +393,8 @@ def _capture_warnings(run: Run, side: str) -> list[CaptureWarning]:
     return [CaptureWarning(side, rs, m) for m, rs in by_msg.items()]
 
 
-def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int) -> DiffResult:
+def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
+          tolerate_exit: bool = False) -> DiffResult:
     problems: list[Problem] = []
     problems += [Problem("a", m) for m in run_a.problems]
     problems += [Problem("b", m) for m in run_b.problems]
@@ -410,7 +414,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
             # Nothing to compare: say why this side has nothing, not what else differs.
             raise ParityError(f"{side.upper()} failed before recording a step: {failed}",
                               exit_code=EXIT_INCOMPLETE)
-        if failed:
+        if failed and tolerate_exit:
+            problems.append(Problem(side, f"the job failed ({failed}); tolerated"))
+        elif failed:
             incomplete.append(f"{side.upper()} failed: {failed}")
 
     ws_a, ws_b = _world_size(run_a), _world_size(run_b)

@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from parity.diff import DiffResult, ranges
+from parity.report.text import safe_text
 
 PLAIN_WIDTH = 100
 MAX_DIVERGENT_ROWS = 20
@@ -46,8 +47,8 @@ def make_console(file=None, width: int | None = None, force_terminal: bool | Non
 
 
 def T(s, style: str | None = None) -> Text:
-    """Literal text (never markup)."""
-    return Text("" if s is None else str(s), style=style or "")
+    """Literal text (never markup; control, bidi and surrogate characters escaped)."""
+    return Text(safe_text(s, keep_lines=True), style=style or "")
 
 
 def _ranks(ranks: list[int], limit: int = 32) -> str:

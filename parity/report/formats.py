@@ -15,6 +15,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from parity.errors import ParityError
+from parity.report.text import safe_text
 
 FORMATS = ("console", "json", "markdown", "junit", "html")
 
@@ -126,7 +127,7 @@ def _failure_logs(c: dict) -> list[str]:
 
 def _safe(text) -> str:
     """No control characters (a log line's ANSI escapes must not drive the terminal)."""
-    return _CONTROL.sub(" ", str(text))
+    return safe_text(_CONTROL.sub(" ", str(text)))
 
 
 
@@ -214,7 +215,7 @@ _MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+!~|>-])")
 
 def md_escape(text) -> str:
     """Text safe inside a GitHub-flavoured markdown table cell (no markup, no HTML, no '|')."""
-    s = _CONTROL.sub(" ", str(text))
+    s = safe_text(_CONTROL.sub(" ", str(text)))
     s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     return _MD_SPECIAL.sub(r"\\\1", s)
 
@@ -255,7 +256,7 @@ def sweep_markdown(sweep: dict) -> str:
 
 def _code(text) -> str:
     """Text inside a `code span`: no backticks or newlines can break out of it."""
-    return _CONTROL.sub(" ", str(text)).replace("`", "'")
+    return safe_text(_CONTROL.sub(" ", str(text))).replace("`", "'")
 
 
 # ----------------------------------------------------------------------------------------- junit
@@ -265,7 +266,7 @@ _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 def _x(text) -> str:
     """Text without the characters XML 1.0 cannot carry (ElementTree escapes the rest)."""
-    return _XML_BAD.sub("?", str(text))
+    return _XML_BAD.sub("?", safe_text(text, keep_lines=True))
 
 
 def sweep_junit(sweep: dict) -> str:

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from parity.artifacts import write_text_atomic
+from parity.report.text import safe_text
 
 STATE_COLOURS = {
     "equal": "#2e9d58", "divergent": "#d0392b", "missing": "#d9d9d9", "failed": "#5b1a1a",
@@ -44,7 +45,7 @@ th{background:#f6f6f6}td.mono{word-break:break-all;max-width:420px}code,.mono{fo
 
 
 def _e(x) -> str:
-    return html.escape("" if x is None else str(x), quote=True)
+    return html.escape(safe_text(x, keep_lines=True), quote=True)
 
 
 def _colour(fqn: str) -> str:

@@ -43,9 +43,17 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
     err = err or sys.stderr
     if jobs is not None and jobs < 1:
         raise ParityError("--jobs must be at least 1")
+    base_dir = None
     if spec is None and resume and out_dir and (Path(out_dir) / st.SPEC_COPY).is_file():
+        # the copy of the spec as it ran; its relative paths resolve where the original's did
         spec = Path(out_dir) / st.SPEC_COPY
-    sp = load_spec(spec)
+        recorded = st.read_marker(Path(out_dir)).get("spec_dir")
+        base_dir = Path(recorded) if isinstance(recorded, str) else None
+    sp = load_spec(spec, base_dir)
+    from parity.sweep.spec import default_spec_path
+
+    spec_dir = base_dir or Path(os.path.abspath(spec if spec is not None
+                                                else default_spec_path())).parent
     sweep_dir = Path(out_dir) if out_dir else DEFAULT_ROOT / safe_component(sp.name)
     sweep_dir = Path(os.path.abspath(sweep_dir))
     launcher_name = launcher or sp.launcher.type
@@ -65,6 +73,7 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
     st.prepare_sweep_dir(sweep_dir)
     lock = st.SweepLock(sweep_dir).acquire()
     try:
+        st.write_marker(sweep_dir, spec_dir)
         run = _Run(sp, lnch, sweep_dir, cells, selected, resume=resume, jobs=jobs,
                    poll_interval=poll_interval, err=err, steps=n_steps)
         sweep = run.execute(only=only, fail_on=fail_on, launcher_name=launcher_name)
@@ -75,8 +84,13 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
     from parity.report.formats import print_sweep_console
     from parity.sweep.gate import evaluate
 
-    print_sweep_console(sweep, out)
     code, _ = evaluate(sweep, fail_on)
+    if out is sys.stdout:
+        from parity.report.stdout import print_safely
+
+        print_safely(lambda: print_sweep_console(sweep, out))
+    else:
+        print_sweep_console(sweep, out)
     return code
 
 
@@ -147,9 +161,9 @@ def _count_lines(path: Path) -> int:
         return 0
 
 
-def _clean_finish(run_dir: Path, world_size: int) -> bool:
-    """Did every rank record a finished run (meta.json status 'ok')? Then a nonzero exit code
-    came from teardown (e.g. an abort at process exit) after all results were written."""
+def _clean_finish(run_dir: Path, world_size: int, steps: int) -> bool:
+    """Did every rank record a finished run (meta.json status 'ok') up to the last step? Only
+    then may ``tolerate_teardown_exit`` blame a nonzero exit code on teardown."""
     metas = sorted(run_dir.glob("rank-*/meta.json"))
     if len(metas) != world_size:
         return False
@@ -157,7 +171,12 @@ def _clean_finish(run_dir: Path, world_size: int) -> bool:
         try:
             if json.loads(m.read_text()).get("status") != "ok":
                 return False
-        except (OSError, ValueError):
+            last = max((json.loads(line)["step"] for line in
+                        (m.parent / "steps.jsonl").read_text().splitlines() if line.strip()),
+                       default=-1)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if last < steps:
             return False
     return True
 
@@ -220,7 +239,26 @@ class _Run:
 
     # ---------------------------------------------------------------------------- running
 
+    def check_resume(self) -> None:
+        """``--resume`` never deletes a finished cell: if the spec asks for other jobs than a
+        compared cell ran (its fingerprint changed), refuse before anything is touched."""
+        if not self.resume:
+            return
+        changed = []
+        for cell in self.cells:
+            old = st.read_cell(self.dir, cell.id)
+            if cell.id in self.selected and old and old.get("status") in st.COMPARED:
+                fps = {s: cell.sides[s].fingerprint(self.sp, cell) for s in SIDES}
+                if old.get("fingerprint") != fps:
+                    changed.append(cell.id)
+        if changed:
+            raise SpecError(f"--resume: {len(changed)} finished cell(s) ran other commands than "
+                            f"the spec gives now ({', '.join(changed[:3])}"
+                            f"{', ...' if len(changed) > 3 else ''}); refusing to replace them "
+                            "(rerun without --resume, or with the original spec)")
+
     def execute(self, *, only, fail_on, launcher_name) -> dict:
+        self.check_resume()
         (self.dir / st.SPEC_COPY).write_text(self.sp.text)
         self.plan()
         self._write_sweep(complete=False, only=only, fail_on=fail_on, launcher=launcher_name)
@@ -298,9 +336,10 @@ class _Run:
         self.jobs_wall += res.wall
         self.jobs_run += 1
         status, reason = res.status, res.reason
-        if status == "failed" and res.exit_code is not None and (
-                _clean_finish(job.run_dir, self.sp.world_size)):
-            status, reason = OK, f"exit code {res.exit_code} after every rank finished (tolerated)"
+        if status == "failed" and res.exit_code is not None and self.sp.tolerate_teardown_exit and (
+                _clean_finish(job.run_dir, self.sp.world_size, self.steps)):
+            status, reason = OK, (f"exit code {res.exit_code} after every rank recorded every "
+                                  "step (tolerate_teardown_exit)")
         logs = [{k: (st.rel(v, self.dir) if k in ("stdout", "stderr", "error") else v)
                  for k, v in entry.items()} for entry in res.rank_logs]
         s["sides"][side] = {
@@ -343,7 +382,8 @@ class _Run:
         if not all(s["sides"].get(x, {}).get("status") not in (None, "not_run") for x in SIDES):
             return
         cdir = st.cell_dir(self.dir, cell.id)
-        _, why, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json")
+        _, why, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json",
+                                tolerate_exit=self.sp.tolerate_teardown_exit)
         if not diff:
             return
         steps = diff.get("steps_compared") or []
@@ -355,7 +395,8 @@ class _Run:
         s = self.states[cell.id]
         cdir = st.cell_dir(self.dir, cell.id)
         s.setdefault("started", time.time())
-        status, reason, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json")
+        status, reason, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json",
+                                        tolerate_exit=self.sp.tolerate_teardown_exit)
         s.update(status=status, reason=reason, diff=diff, ended=time.time(),
                  diff_json=st.rel(cdir / "diff.json", self.dir) if diff else None)
         st.write_cell(self.dir, s)
@@ -384,14 +425,15 @@ class _Run:
         return sweep
 
 
-def _compare(ref: Path, cand: Path, diff_path: Path) -> tuple[str, str, dict | None]:
+def _compare(ref: Path, cand: Path, diff_path: Path, *, tolerate_exit: bool = False
+             ) -> tuple[str, str, dict | None]:
     """Diff one cell: (status, reason, diff dict). Never raises."""
     try:
         from parity.diff import diff_runs
     except ImportError as e:
         return st.FAILED, f"diff engine unavailable ({e})", None
     try:
-        result = diff_runs(ref, cand)
+        result = diff_runs(ref, cand, tolerate_exit=tolerate_exit)
         d = result.to_dict()
         result.write_json(diff_path)
     except ParityError as e:

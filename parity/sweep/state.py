@@ -29,6 +29,7 @@ from parity.sweep.spec import CELLS_DIR
 
 SWEEP_SCHEMA_VERSION = 1
 LOCK_NAME = ".parity-sweep.lock"
+MARKER = ".parity-sweep"  # JSON: {"v": 1, "spec_dir": ...}; what makes a folder a sweep dir
 SPEC_COPY = "spec.toml"
 SWEEP_JSON = "sweep.json"
 
@@ -110,13 +111,30 @@ def prepare_sweep_dir(sweep_dir: Path) -> None:
         raise ParityError(f"{sweep_dir}: exists and is not a directory")
     if sweep_dir.is_dir():
         entries = [e for e in os.listdir(sweep_dir) if e != LOCK_NAME]
-        if entries and not ((sweep_dir / SPEC_COPY).exists() or (sweep_dir / CELLS_DIR).is_dir()):
-            raise ParityError(f"{sweep_dir}: not empty and not a parity sweep directory; "
-                              "choose another --out")
+        # A spec.toml alone proves nothing (it may be the user's own file, which the sweep would
+        # overwrite): the marker, or an older sweep's sweep.json with its cells/, does.
+        legacy = (sweep_dir / SWEEP_JSON).is_file() and (sweep_dir / CELLS_DIR).is_dir()
+        if entries and not ((sweep_dir / MARKER).is_file() or legacy):
+            raise ParityError(f"{sweep_dir}: not empty and not a parity sweep directory (no "
+                              f"{MARKER} marker); choose another --out")
     try:
         (sweep_dir / CELLS_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ParityError(f"cannot create {sweep_dir}: {e.strerror or e}") from None
+
+
+def write_marker(sweep_dir: Path, spec_dir: Path | None) -> None:
+    """Mark ``sweep_dir`` as a sweep directory and remember where the spec's relative paths
+    (``workdir``) were resolved from, so that ``--resume`` without SPEC resolves them the same."""
+    write_json_atomic(sweep_dir / MARKER, {"v": 1, "spec_dir": str(spec_dir) if spec_dir else None})
+
+
+def read_marker(sweep_dir: Path) -> dict:
+    try:
+        obj = json.loads((sweep_dir / MARKER).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
 
 
 def reset_cell(sweep_dir: Path, cid: str, keep_sides: tuple[str, ...] = ()) -> Path:
