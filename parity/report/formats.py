@@ -33,7 +33,16 @@ def render_sweep(sweep_dir, fmt: str = "console", output=None) -> None:
 
     if fmt not in FORMATS:
         raise ParityError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
-    sweep = load_sweep(sweep_dir)
+    sweep = load_sweep(sweep_dir)  # checks the fields the renderers read, naming a bad one
+    try:
+        _render(sweep, fmt, output)
+    except (AttributeError, TypeError, KeyError, ValueError) as e:  # deeper than load_sweep checks
+        raise ParityError(f"{sweep['_dir']}/sweep.json: malformed sweep report "
+                          f"({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                          ) from None
+
+
+def _render(sweep: dict, fmt: str, output) -> None:
     if fmt == "html":
         from parity.report.html import write_sweep_html  # lazy: the HTML report is optional
 
