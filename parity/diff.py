@@ -526,6 +526,13 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
                                           "only"))
 
     loss = _compare_loss(ra, rb, ranks, steps)
+    if ranks:  # a loss on one side only is not compared: say so (as for gradients)
+        has = {side: any(_loss_bits(rec) is not None for x in lst[:1]
+                         for rec in list(x.steps.values())[:4])
+               for side, lst in (("A", ra), ("B", rb))}
+        if has["A"] != has["B"]:
+            problems.append(Problem(None, f"the loss was recorded by {'A' if has['A'] else 'B'} "
+                                          "only; not compared"))
     # table checks (shapes, per-rank entries): the first and last rank and those that diverge
     check = {0, len(ranks) - 1} if ranks else set()
     if hc.detail is not None:

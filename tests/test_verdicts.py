@@ -161,3 +161,10 @@ def test_nan_loss_is_valid_json(tmp_path):
     assert "NaN" not in text
     d = json.loads(text)
     assert all(s["a"] is None for s in d["loss"]["steps"])
+
+
+def test_loss_on_one_side_only_is_said(tmp_path):
+    a = write_run(tmp_path / "a", {0: ["w"]})
+    b = write_run(tmp_path / "b", {0: ["w"]}, loss=None)
+    r = diff_runs(a, b)
+    assert any("loss was recorded by A only" in p.message for p in r.problems)
