@@ -168,3 +168,17 @@ def test_loss_on_one_side_only_is_said(tmp_path):
     b = write_run(tmp_path / "b", {0: ["w"]}, loss=None)
     r = diff_runs(a, b)
     assert any("loss was recorded by A only" in p.message for p in r.problems)
+
+
+def test_capture_warnings_reach_the_sweep_reason_and_the_gate():
+    from parity.sweep.gate import evaluate
+    from parity.sweep.runner import classify
+
+    d = {"verdict": "match", "order": {"verdict": "identical"},
+         "warnings": [{"side": "b", "ranks": [0], "message": "2 parameter(s) joined ..."}]}
+    status, reason = classify(d)
+    assert status == "match" and "1 capture warning(s) (B: 2 parameter(s) joined ...)" in reason
+    sweep = {"complete": True, "cells": [{"id": "c", "status": "match", "reason": reason,
+                                          "diff": d}]}
+    code, lines = evaluate(sweep)
+    assert code == 0 and any(line.startswith("warning  c: 1 capture warning(s)") for line in lines)

@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from parity.artifacts import read_run
 from parity.diff import diff_runs
 
@@ -132,8 +130,12 @@ def test_torchelastic_restart_keeps_attempts_and_continues_steps(tmp_path):
     assert any("torchelastic restart 1" in w.message for w in r.warnings)
 
 
-@pytest.mark.parametrize("every", ["3"])
-def test_every_n_last_step_is_not_said_to_match(tmp_path, every):
-    a, _ = case(tmp_path, "a", "--every", every, VC_STEPS=4)
-    run = read_run(a)
-    assert run.ranks[0].steps[4]["grad_digest"] is None  # flushed without gradients
+def test_every_n_last_step_without_gradients_is_not_said_to_match(tmp_path):
+    a, _ = case(tmp_path, "a", "--every", "3", VC_STEPS=4)
+    b, _ = case(tmp_path, "b", "--every", "3", VC_STEPS=4, VC_NUDGE_STEP=4)
+    assert read_run(a).ranks[0].steps[4]["grad_digest"] is None  # flushed without gradients
+    r = diff_runs(a, b)
+    assert r.verdict == "hash_mismatch" and r.first_divergent_step == 4
+    fd = r.first_divergence
+    assert fd.origin == "param" and "not recorded" in fd.explanation
+    assert "gradients match" not in fd.explanation

@@ -67,6 +67,12 @@ def evaluate(sweep: dict, fail_on: str = "hash") -> tuple[int, list[str]]:
                      f"(--fail-on {fail_on} needs both sides' bucket layouts)")
     for c in skipped:
         lines.append(f"skipped  {c['id']}: {c.get('reason') or ''}".rstrip(": "))
+    for c in compared:  # capture warnings of cells that hold: said, not failing
+        warns = (c.get("diff") or {}).get("warnings") if isinstance(c.get("diff"), dict) else None
+        if warns and c not in failing:
+            w = warns[0] if isinstance(warns[0], dict) else {}
+            lines.append(f"warning  {c['id']}: {len(warns)} capture warning(s) "
+                         f"({str(w.get('side', '?')).upper()}: {w.get('message')})")
     problems = []
     if not sweep.get("complete", True):
         problems.append("the sweep did not finish")

@@ -447,7 +447,18 @@ ORDER_FAILURES = ("order_differs", "partition_differs", "layout_differs")  # as 
 
 
 def classify(d: dict) -> tuple[str, str]:
-    """A cell status and a one-line reason from a diff result's JSON (parity.diff.DiffResult)."""
+    """A cell status and a one-line reason from a diff result's JSON (parity.diff.DiffResult);
+    capture warnings are appended to the reason, so every report and the gate show them."""
+    status, reason = _classify(d)
+    warns = [w for w in d.get("warnings") or [] if isinstance(w, dict)]
+    if warns:
+        w = warns[0]
+        reason += (f"; {len(warns)} capture warning(s) ({str(w.get('side', '?')).upper()}: "
+                   f"{w.get('message')})")
+    return status, reason
+
+
+def _classify(d: dict) -> tuple[str, str]:
     verdict = d.get("verdict")
     order = d.get("order") if isinstance(d.get("order"), dict) else {}
     oval = order.get("verdict")

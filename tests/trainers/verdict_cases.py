@@ -11,6 +11,7 @@ Knobs (environment):
   VC_STEPS=N             optimizer steps (default 4)
   VC_EXIT=N              sys.exit(N) after training
   VC_CRASH_FIRST=K       on torchelastic attempt 0, raise after K steps (a restart test)
+  VC_NUDGE_STEP=K        after optimizer step K, nudge one weight (an optimizer-side change)
 """
 
 import os
@@ -66,6 +67,9 @@ def main():
             loss = ((out - y) ** 2).mean()
             loss.backward()
             opt.step()
+        if step == int(os.environ.get("VC_NUDGE_STEP", "0")):
+            with torch.no_grad():
+                model[0].weight[0, 0] += 1e-3
         if crash and attempt == 0 and step == crash:
             raise RuntimeError("planted crash on the first attempt")
     print("done", flush=True)
