@@ -58,7 +58,8 @@ def test_exit_code_is_the_side_status_and_resume_without_spec_keeps_finished_cel
     assert cells["code=3"]["status"] == "failed"
     assert cells["code=3"]["sides"]["candidate"]["exit_code"] not in (0, None)  # torchrun: 1
     assert "tolerate" not in cells["code=3"]["reason"]
-    assert (out / ".parity-sweep").is_file()
+    marker = json.loads((out / ".parity-sweep").read_text())
+    assert marker["spec_dir"] == str(specs) and marker["cwd"] == str(specs)
 
     # --resume without SPEC from elsewhere: "workdir" resolves as in the original run, so the
     # finished cell keeps its fingerprint and is neither rerun nor deleted

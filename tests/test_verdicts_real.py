@@ -11,8 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from parity.artifacts import read_run
 from parity.diff import diff_runs
+from parity.errors import ParityError
 
 HERE = Path(__file__).resolve().parent
 CASES = str(HERE / "trainers" / "verdict_cases.py")
@@ -91,6 +94,15 @@ def test_trainer_exit_code_is_the_sides_status(tmp_path):
     r = diff_runs(a, b)
     assert r.verdict == "incomplete" and r.exit_code() == 3
     assert r.incomplete[0] == "B failed: exited with code 3"
+    # a trainer that refuses its arguments (exit 2) after importing torch: named, not "hashers"
+    c = tmp_path / "c"
+    p = parity_exec(c, [sys.executable, "-c", "import sys, torch; sys.exit(2)"], RANK=0,
+                    WORLD_SIZE=1)
+    assert p.returncode == 2
+    with pytest.raises(ParityError) as e:
+        diff_runs(a, c)
+    assert e.value.exit_code == 3
+    assert str(e.value) == "B failed before recording a step: exited with code 2"
 
 
 def test_wrapper_child_is_captured_and_exec_summarizes(tmp_path):

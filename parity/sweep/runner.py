@@ -132,13 +132,13 @@ def _dry_run(sp: Spec, cells: list[Cell], selected: set[str], sweep_dir: Path, l
 # ------------------------------------------------------------------------------------- helpers
 
 
-def _make_job(sp: Spec, cell: Cell, side: str, sweep_dir: Path) -> Job:
+def _make_job(sp: Spec, cell: Cell, side: str, sweep_dir: Path, cwd: Path | None = None) -> Job:
     cdir = st.cell_dir(sweep_dir, cell.id)
     sj = cell.sides[side]
     return Job(cell_id=cell.id, side=side, entry_argv=list(sj.entry_argv), nnodes=sp.nnodes,
                nproc_per_node=sp.nproc_per_node, env=dict(sj.env), run_dir=cdir / side,
                log_dir=cdir / "logs" / side, timeout=sp.timeout,
-               console_log=cdir / "logs" / f"{side}.console.log", cwd=sp.workdir,
+               console_log=cdir / "logs" / f"{side}.console.log", cwd=sp.workdir or cwd,
                capture=sp.capture)
 
 
@@ -197,6 +197,10 @@ class _Run:
         self.queue: deque[tuple[Cell, str]] = deque()
         self.running: dict[int, tuple[object, Cell, str, Job]] = {}
         self.started = time.time()
+        # jobs of a spec without workdir run where the sweep was first started (recorded in the
+        # marker), so a --resume from another directory runs them where the kept sides ran
+        recorded = st.read_marker(sweep_dir).get("cwd")
+        self.cwd = Path(recorded) if isinstance(recorded, str) else None
         self.jobs_wall = 0.0  # the summed wall time of the jobs this invocation ran
         self.jobs_run = 0
 
@@ -320,7 +324,7 @@ class _Run:
             keep = tuple(k for k, v in s["sides"].items() if v.get("reused"))
             st.reset_cell(self.dir, cell.id, keep_sides=keep)
             s.update(status=st.RUNNING, started=time.time())
-        job = _make_job(self.sp, cell, side, self.dir)
+        job = _make_job(self.sp, cell, side, self.dir, self.cwd)
         s["sides"][side] = {"status": "running", "label": cell.sides[side].label,
                             "run_dir": st.rel(job.run_dir, self.dir),
                             "log_dir": st.rel(job.log_dir, self.dir),

@@ -126,7 +126,9 @@ def prepare_sweep_dir(sweep_dir: Path) -> None:
 def write_marker(sweep_dir: Path, spec_dir: Path | None) -> None:
     """Mark ``sweep_dir`` as a sweep directory and remember where the spec's relative paths
     (``workdir``) were resolved from, so that ``--resume`` without SPEC resolves them the same."""
-    write_json_atomic(sweep_dir / MARKER, {"v": 1, "spec_dir": str(spec_dir) if spec_dir else None})
+    cwd = read_marker(sweep_dir).get("cwd") or os.getcwd()  # the first run's, kept
+    write_json_atomic(sweep_dir / MARKER, {"v": 1, "spec_dir": str(spec_dir) if spec_dir else None,
+                                           "cwd": cwd})
 
 
 def read_marker(sweep_dir: Path) -> dict:
