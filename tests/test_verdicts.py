@@ -123,6 +123,10 @@ def test_capture_warnings_reach_the_result_and_json(tmp_path):
     d = json.loads((tmp_path / "d.json").read_text())
     assert d["warnings"] == [{"side": "b", "ranks": [0, 1],
                               "message": "compiled manifests unavailable: x"}]
+    from parity.report.html import write_diff_html
+
+    write_diff_html(r, tmp_path / "d.html")
+    assert "compiled manifests unavailable: x" in (tmp_path / "d.html").read_text()
     jsonschema = pytest.importorskip("jsonschema")
     jsonschema.validate(d, json.loads(Path("parity/schemas/diff.schema.json").read_text()))
 

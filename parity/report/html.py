@@ -305,8 +305,12 @@ def write_diff_html(result, path: str | os.PathLike) -> None:
                                                                              "unavailable"):
         status = "order_mismatch"
     steps = d.get("steps_compared") or [0]
+    reason = f"A {(d.get('a') or {}).get('path')} vs B {(d.get('b') or {}).get('path')}"
+    said = [f"incomplete: {m}" for m in (d.get("incomplete") or [])[:2]]
+    said += [f"capture warning ({w['side'].upper()} rank(s) {w['ranks']}): {w['message']}"
+             for w in (d.get("warnings") or [])[:3]]
     cell = {"id": "diff", "axes": {}, "status": status, "diff": d,
-            "reason": f"A {(d.get('a') or {}).get('path')} vs B {(d.get('b') or {}).get('path')}"}
+            "reason": "; ".join([reason, *said])}
     sweep = {"name": "diff", "description": cell["reason"], "cells": [cell],
              "steps": max(steps), "counts": {status: 1}}
     write_text_atomic(path, render_sweep_html(sweep))
