@@ -61,7 +61,22 @@ def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 1) -> N
     ``indent=None`` for large objects: an indent makes ``json`` use its pure-Python encoder
     (~10x slower; 70 ms for a 1,500-parameter table).
     """
-    write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n")
+    try:
+        text = json.dumps(obj, indent=indent, sort_keys=False, allow_nan=False)
+    except ValueError:  # NaN or infinity somewhere (a NaN loss): not JSON; write null instead
+        text = json.dumps(finite_json(obj), indent=indent, sort_keys=False, allow_nan=False)
+    write_text_atomic(path, text + "\n")
+
+
+def finite_json(obj):
+    """``obj`` with every NaN or infinite float replaced by None (JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if obj == obj and obj not in (float("inf"), float("-inf")) else None
+    if isinstance(obj, dict):
+        return {k: finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_json(v) for v in obj]
+    return obj
 
 
 def rollup_digest(raw_hashes: bytes) -> str:
@@ -251,6 +266,11 @@ class RankData:
         if hrec.get("step") != step or hrec.get("kind") != kind or len(raw) % HASH_BYTES:
             self.problems.append(f"{self.path / 'hashes.jsonl'}: step {step} {kind} line mismatched")
             return None
+        n = len(raw) // HASH_BYTES
+        if n < len(self.params) and all(
+                isinstance(p.get("since"), int) and p["since"] > step for p in self.params[n:]):
+            # parameters that joined the optimizers after this step: not recorded yet (NO_HASH)
+            raw += NO_HASH * (len(self.params) - n)
         return np.frombuffer(raw, dtype=np.uint8).reshape(-1, HASH_BYTES)
 
     _line_hint: int = field(default=1 << 16, repr=False, compare=False)
@@ -375,6 +395,12 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
                           check=lambda b: isinstance(b["entries"], list))
     if not (path / "buckets.jsonl").exists():
         problems = [p for p in problems if not p.endswith("buckets.jsonl: missing")]
+    said = meta.get("rank")
+    if isinstance(said, int) and not isinstance(said, bool) and said != rank:
+        # A directory renamed, copied or swapped: its hashes belong to another rank.
+        problems.append(f"{path}: meta.json says rank {said}, the directory rank {rank} "
+                        "(swapped or copied directories?); not compared")
+        params, steps = [], {}
     return RankData(rank, path, meta, params, steps, buckets, problems)
 
 

@@ -70,7 +70,8 @@ def cli():
 
 @cli.command("exec", context_settings={**CONTEXT, "ignore_unknown_options": True},
              short_help="Run a trainer (any command) with capture active in every rank.",
-             epilog=_exits("N  COMMAND's own exit code", "2  COMMAND cannot be started"))
+             epilog=_exits("N  COMMAND's own exit code", "2  COMMAND cannot be started",
+                          "3  COMMAND exited 0 but no rank recorded a step"))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Run directory for this job's artifacts (created; must not hold another run).")
 @click.option("--every", default=1, show_default=True, type=click.IntRange(min=1),
@@ -91,7 +92,8 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, command):
       parity exec --out runs/eager -- torchrun --standalone --nproc_per_node 2 \\
           -m parity.workloads.train --mode eager
     The trainer needs no change. Step 0 is the initial parameters; step N the parameters after
-    the N-th optimizer step (and the gradients that step consumed).
+    the N-th optimizer step (and the gradients that step consumed). Ends with a one-line
+    summary on stderr (ranks and steps recorded, capture warnings).
     """
     from parity.capture.launch import exec_command
 
@@ -118,15 +120,19 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
     from parity.diff import diff_runs
     from parity.report.console import make_console, print_diff
 
+    from parity.report.stdout import print_safely
+
     result = diff_runs(a_dir, b_dir)
-    print_diff(result, make_console(), fail_on)
+    code = result.exit_code(fail_on)
+    # files first: a closed or full stdout must cost neither them nor the exit code
     if json_file:
         result.write_json(json_file)
     if html_file:
         from parity.report.html import write_diff_html
 
         write_diff_html(result, html_file, fail_on=fail_on)
-    sys.exit(result.exit_code(fail_on))
+    print_safely(lambda: print_diff(result, make_console(), fail_on))
+    sys.exit(code)
 
 
 EXIT_BISECT = ("\b\nExit codes:\n"
@@ -258,6 +264,11 @@ def gate_cmd(sweep_dir, fail_on):
     sys.exit(gate(sweep_dir, fail_on))
 
 
+def _usage_hint(e) -> str:
+    ctx = getattr(e, "ctx", None)
+    return f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: one line on stderr and a documented exit code for every failure."""
     try:
@@ -274,7 +285,9 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("parity: interrupted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
+        msg = " ".join(e.format_message().split())  # one line, whatever click formatted
+        click.echo(f"parity: error: {msg}" + ("" if isinstance(e, click.UsageError) and
+                                               e.ctx is None else _usage_hint(e)), err=True)
         sys.exit(EXIT_USAGE)
     except BrokenPipeError:
         sys.exit(0)

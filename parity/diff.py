@@ -31,7 +31,7 @@ from parity.diff_hashes import (
     DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, StepCount, compare_hashes, param_keys,
 )
 from parity import policy
-from parity.errors import ParityError
+from parity.errors import EXIT_INCOMPLETE, ParityError
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "diff.schema.json"
@@ -112,6 +112,15 @@ class LossComparison:
 
 
 @dataclass
+class CaptureWarning:
+    """A warning capture recorded on some ranks of one side (meta.json ``capture.warnings``)."""
+
+    side: str  # "a" | "b"
+    ranks: list[int]
+    message: str
+
+
+@dataclass
 class DiffResult:
     a: Side
     b: Side
@@ -132,6 +141,8 @@ class DiffResult:
     order: OrderComparison
     problems: list[Problem] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    # what capture said while recording (meta.json ``capture.warnings``), per side and message
+    warnings: list[CaptureWarning] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
 
     # -- policy (parity.policy owns the rule and the words)
@@ -201,6 +212,8 @@ class DiffResult:
                 "eager": {k: [dict(x) for x in v] for k, v in o.eager.items()},
             },
             "problems": [{"side": p.side, "message": p.message} for p in self.problems],
+            "warnings": [{"side": w.side, "ranks": list(w.ranks), "message": w.message}
+                         for w in self.warnings],
             "stats": dict(self.stats),
         }
 
@@ -342,24 +355,28 @@ def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
         if grads_compared:
             return "optimizer", (f"the parameters of step {step} differ while its gradients "
                                  f"match and {before}: the optimizer step")
-        return "param", (f"the parameters of step {step} differ while {before} (no gradients "
-                         "captured to tell the passes from the optimizer)")
+        return "param", (f"the parameters of step {step} differ while {before} (the gradients "
+                         f"of step {step} were not recorded, so the passes cannot be told from "
+                         "the optimizer)")
     return "loss", (f"the loss of step {step} differs while every hash of that step matches")
 
 
 def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: bool = False,
-              count_budget: int = DEFAULT_COUNT_BUDGET) -> DiffResult:
+              count_budget: int = DEFAULT_COUNT_BUDGET, tolerate_exit: bool = False
+              ) -> DiffResult:
     """Compare run B against reference run A (see docs/diff.md).
 
     Raises ParityError (exit 2) when the runs cannot be compared: not parity run directories,
-    different world sizes, or (unless ``allow_param_mismatch``) different parameter sets.
+    different world sizes, or (unless ``allow_param_mismatch``) different parameter sets; exit 3
+    when a side failed before recording a step. A side whose job exited non-zero is incomplete,
+    unless ``tolerate_exit`` (the sweep's ``tolerate_teardown_exit``): then it is a problem only.
     """
     t0 = time.perf_counter()
     with gc_paused():
         run_a = read_run(a_dir)
         run_b = read_run(b_dir)
         t_read = time.perf_counter()
-        result = _diff(run_a, run_b, allow_param_mismatch, count_budget)
+        result = _diff(run_a, run_b, allow_param_mismatch, count_budget, tolerate_exit)
     t_end = time.perf_counter()
     result.stats.update({"read_seconds": round(t_read - t0, 3),
                          "compare_seconds": round(t_end - t_read, 3)})
@@ -371,21 +388,39 @@ def _hashers(run: Run) -> set[str]:
     checksum never agree, so runs that differ here are not comparable."""
     out = set()
     for rd in run.ranks.values():
+        if not rd.steps:  # a rank that recorded nothing never resolved "auto"
+            continue
         h = (rd.meta.get("capture") or {}).get("hasher")
         if isinstance(h, str):
             out.add(h)
     return out
 
 
-def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int) -> DiffResult:
+def _failed(run: Run) -> str | None:
+    """Why the job of ``run`` failed (run.json written by ``parity exec``), or None."""
+    meta = run.run_meta
+    if meta is None or meta.get("status") in ("ok", "running", None):
+        return None
+    return str(meta.get("error") or f"status {meta.get('status')!r}, exit code "
+                                   f"{meta.get('exit_code')!r}")
+
+
+def _capture_warnings(run: Run, side: str) -> list[CaptureWarning]:
+    """Capture warnings of one side, one entry per distinct message with the ranks saying it."""
+    by_msg: dict[str, list[int]] = {}
+    for r, rd in sorted(run.ranks.items()):
+        ws = (rd.meta.get("capture") or {}).get("warnings")
+        for w in ws if isinstance(ws, list) else ():
+            by_msg.setdefault(str(w), []).append(r)
+    return [CaptureWarning(side, rs, m) for m, rs in by_msg.items()]
+
+
+def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
+          tolerate_exit: bool = False) -> DiffResult:
     problems: list[Problem] = []
     problems += [Problem("a", m) for m in run_a.problems]
     problems += [Problem("b", m) for m in run_b.problems]
     for side, run in (("a", run_a), ("b", run_b)):
-        if run.run_meta is not None and run.run_meta.get("status") not in ("ok", None):
-            problems.append(Problem(side, f"the job's status is "
-                                          f"{run.run_meta.get('status')!r} (exit code "
-                                          f"{run.run_meta.get('exit_code')!r})"))
         bad = [r for r, rd in sorted(run.ranks.items()) if rd.meta.get("status") not in ("ok", None)]
         if bad:
             st = run.ranks[bad[0]].meta
@@ -393,6 +428,18 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
                                           f"(rank {bad[0]}: status {st.get('status')!r}"
                                           + (f", {st.get('error')}" if st.get("error") else "")
                                           + ")"))
+
+    incomplete: list[str] = []
+    for side, run in (("a", run_a), ("b", run_b)):
+        failed = _failed(run)
+        if failed and not any(rd.steps for rd in run.ranks.values()):
+            # Nothing to compare: say why this side has nothing, not what else differs.
+            raise ParityError(f"{side.upper()} failed before recording a step: {failed}",
+                              exit_code=EXIT_INCOMPLETE)
+        if failed and tolerate_exit:
+            problems.append(Problem(side, f"the job failed ({failed}); tolerated"))
+        elif failed:
+            incomplete.append(f"{side.upper()} failed: {failed}")
 
     ws_a, ws_b = _world_size(run_a), _world_size(run_b)
     if ws_a != ws_b:
@@ -407,7 +454,14 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
     problems += [Problem(None, m) for m in numerics_env_differences(
         run_a.ranks[min(run_a.ranks)].meta if run_a.ranks else None,
         run_b.ranks[min(run_b.ranks)].meta if run_b.ranks else None)]
-    incomplete: list[str] = []
+    warnings = _capture_warnings(run_a, "a") + _capture_warnings(run_b, "b")
+    for side, run in (("a", run_a), ("b", run_b)):
+        off = [r for r, rd in sorted(run.ranks.items())
+               if (rd.meta.get("capture") or {}).get("disabled")]
+        if off:
+            why = (run.ranks[off[0]].meta.get("capture") or {}).get("disabled")
+            incomplete.append(f"{side.upper()}: capture was disabled on rank(s) {ranges(off)} "
+                              f"({why}); later steps not recorded there")
 
     usable: dict[str, list[int]] = {}
     for side, run in (("a", run_a), ("b", run_b)):
@@ -469,6 +523,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
     index.ids_of(list(names_a))  # global ids in A's order
     aligns = [aligner.align(ka, kb) for ka, kb in zip(keys_a, keys_b)]
     del keys_a, keys_b
+    _unaligned(ranks, aligns, set(only_a) | set(only_b), incomplete)
 
     # -- steps
     steps = sorted(set().union(*(x.steps for x in ra), *(y.steps for y in rb))) if ranks else []
@@ -494,6 +549,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         incomplete.append("no step was recorded by both sides")
     if not ranks:
         incomplete.append("no rank has a parameter table on both sides")
+    elif not _n_compared(aligns):
+        incomplete.append("no parameter was compared: no rank's table shares an entry with the "
+                          "other side's same rank")
     if ranks and not hc.grads_compared:
         has = {side: any(rec.get("grad_digest") for x in lst for rec in list(x.steps.values())[:3])
                for side, lst in (("A", ra), ("B", rb))}
@@ -503,6 +561,13 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
                                           "only"))
 
     loss = _compare_loss(ra, rb, ranks, steps, ws)
+    if ranks:  # a loss on one side only is not compared: say so (as for gradients)
+        has = {side: any(_loss_bits(rec) is not None for x in lst[:1]
+                         for rec in list(x.steps.values())[:4])
+               for side, lst in (("A", ra), ("B", rb))}
+        if has["A"] != has["B"]:
+            problems.append(Problem(None, f"the loss was recorded by {'A' if has['A'] else 'B'} "
+                                          "only; not compared"))
     # table checks (shapes, per-rank entries): the first and last rank and those that diverge
     check = {0, len(ranks) - 1} if ranks else set()
     if hc.detail is not None:
@@ -533,7 +598,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         param_div = bool(at_first and det.any("param"))
         prev_steps = [s for s in steps_compared if s < first]
         prev = prev_steps[-1] if prev_steps else None
-        origin, why = _origin(first, prev, grad_div, param_div, loss_div, hc.grads_compared)
+        grads_here = hc.grads_compared and all(
+            isinstance((x.steps.get(first) or {}).get("grad_digest"), str) for x in ra + rb)
+        origin, why = _origin(first, prev, grad_div, param_div, loss_div, grads_here)
         loc_a, loc_b = layouts["a"].locate(), layouts["b"].locate()
         rank_set: set[int] = set()
         n_kind = {}
@@ -573,7 +640,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         kinds_compared=["param", "grad"] if hc.grads_compared else ["param"],
         params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
-        problems=problems, stats={"cells_drilled": hc.cells_drilled},
+        problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
     )
 
 
@@ -688,6 +755,23 @@ def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
                           f"(first: rank {ranks[rws[0]]})")
 
 
+def _unaligned(ranks, aligns, glob_only: set, incomplete: list[str]) -> None:
+    """Entries a rank's table has on one side only, while the other side has that name on some
+    other rank (a pipeline-stage split or an expert placement that moved): not compared, so
+    parity is not proven."""
+    n, bad = 0, []
+    for r, al in zip(ranks, aligns):
+        k = sum(1 for x in al.only_a if x not in glob_only) + sum(
+            1 for x in al.only_b if x not in glob_only)
+        if k:
+            n += k
+            bad.append(r)
+    if bad:
+        incomplete.append(f"{n} table entries on rank(s) {ranges(bad)} have no counterpart on "
+                          "the other side's same rank (parameters placed on other ranks); not "
+                          "compared")
+
+
 _ENTRY_KEY = operator.itemgetter("fqn", "offset", "size", "numel", "dtype")
 MAX_LAYOUT_CHECKS = 16  # distinct per-rank manifests examined in detail, per side
 
@@ -771,6 +855,6 @@ def _compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks
     return layouts, order
 
 
-__all__ = ["diff_runs", "DiffResult", "Side", "Problem", "Divergence", "FirstDivergence",
+__all__ = ["diff_runs", "DiffResult", "CaptureWarning", "Side", "Problem", "Divergence", "FirstDivergence",
            "LossStep", "LossComparison", "load_diff_json", "SCHEMA_VERSION", "SCHEMA_PATH", "VERDICTS",
            "FAIL_ON", "KINDS", "ranges"]

@@ -96,6 +96,7 @@ class Verdict:
     held: list[str] = field(default_factory=list)  # what was compared and is equal
     tolerated: list[str] = field(default_factory=list)  # findings the policy does not fail on
     not_compared: list[str] = field(default_factory=list)  # missing, skipped, unproven
+    warnings: list[str] = field(default_factory=list)  # capture warnings: said, never hidden
 
     @property
     def word(self) -> str:
@@ -110,6 +111,10 @@ class Verdict:
             parts.append("tolerated: " + ", ".join(self.tolerated))
         if self.not_compared:
             parts.append("not compared: " + ", ".join(self.not_compared))
+        if self.warnings:
+            parts.append(_plural(len(self.warnings), "capture warning") + ": "
+                         + ", ".join(self.warnings[:2])
+                         + (f" (+{len(self.warnings) - 2} more)" if len(self.warnings) > 2 else ""))
         return "; ".join(parts)
 
     def line(self) -> str:
@@ -177,6 +182,9 @@ def judge_pair(d: dict, policy: str) -> Verdict:
     only_a, only_b = d.get("params_only_in_a") or [], d.get("params_only_in_b") or []
     if only_a or only_b:
         v.not_compared.append(f"{len(only_a)} parameters only in A, {len(only_b)} only in B")
+    for w in d.get("warnings") or []:
+        if isinstance(w, dict):
+            v.warnings.append(f"{str(w.get('side', '?')).upper()}: {w.get('message')}")
     return v
 
 
@@ -252,4 +260,13 @@ def judge_sweep(sweep: dict, policy: str) -> tuple[Verdict, list[str]]:
         lines.append(f"tolerated {c['id']}: {c['status']}: {c.get('reason') or ''}".rstrip(": "))
     for c in skipped:
         lines.append(f"skipped   {c['id']}: {c.get('reason') or ''}".rstrip(": "))
+    for c in compared:  # capture warnings: said for every compared cell, failing or not
+        diff = c.get("diff") if isinstance(c.get("diff"), dict) else {}
+        warns = [w for w in diff.get("warnings") or [] if isinstance(w, dict)]
+        for w in warns:
+            v.warnings.append(f"{c['id']} ({str(w.get('side', '?')).upper()}: {w.get('message')})")
+        if warns:
+            w = warns[0]
+            lines.append(f"warning   {c['id']}: {_plural(len(warns), 'capture warning')} "
+                         f"({str(w.get('side', '?')).upper()}: {w.get('message')})")
     return v, lines

@@ -252,12 +252,13 @@ def test_corrupt_hash_line_is_incomplete_not_a_crash(tmp_path):
     assert r.verdict == "incomplete" and r.exit_code() == 3
 
 
-def test_failed_rank_status_is_a_warning(tmp_path):
+def test_failed_job_is_incomplete_even_when_every_step_matches(tmp_path):
+    # issue 13: a job that exited non-zero is not a clean match (its exit code is its status)
     a, b = pair(tmp_path, b={"status": "error"})
     r = diff_runs(a, b)
-    assert r.verdict == "match"
+    assert r.verdict == "incomplete" and r.exit_code() == 3
+    assert r.incomplete[0].startswith("B failed: ")
     assert any("did not end cleanly" in p.message for p in r.problems)
-    assert any("job's status is 'failed'" in p.message for p in r.problems)
 
 
 def test_grads_on_one_side_only(tmp_path):

@@ -202,7 +202,7 @@ def boot() -> None:
     """Called by the bootstrap sitecustomize in a process that may be a rank."""
     if rank_skip_reason() is not None:
         return
-    if "RANK" in os.environ:
-        # A torchrun (or SLURM-style) rank: its children (compile and data-loader workers) are not.
-        os.environ[ENV_ACTIVE] = str(os.getpid())
+    # PARITY_CAPTURE_ACTIVE (children of a capturing rank stay out) is set by the session when
+    # it starts recording, after ``import torch``: a wrapper that starts the real trainer as a
+    # child without importing torch itself leaves the child free to be the captured rank.
     when_imported("torch", _activate)

@@ -30,7 +30,7 @@ from pathlib import Path
 from parity import __version__
 from parity.artifacts import SCHEMA_VERSION, write_json_atomic
 from parity.capture import inject
-from parity.errors import EXIT_USAGE, ParityError
+from parity.errors import EXIT_INCOMPLETE, EXIT_USAGE, ParityError
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -58,6 +58,58 @@ def _signal_name(n: int) -> str:
         return signal.Signals(n).name
     except ValueError:
         return f"signal {n}"
+
+
+NOTHING_CAPTURED = ("nothing was captured: no process of the command imported torch and stepped "
+                    "an optimizer (a wrapper that imports torch before starting the trainer "
+                    "keeps its child out of capture)")
+
+
+def _say(msg: str) -> None:
+    try:
+        sys.stderr.write(f"parity: {msg}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def summarize(out: Path) -> tuple[str, bool]:
+    """One line about what the command's ranks recorded, and whether any step was recorded.
+
+    Cheap on purpose (meta.json and a line count per rank): it runs after every job."""
+    import json
+
+    ranks, steps, sources, warnings, disabled, world = [], [], set(), 0, 0, None
+    for child in sorted(out.iterdir()):
+        if not (_RANK_DIR_RE.match(child.name) and child.is_dir()):
+            continue
+        try:
+            meta = json.loads((child / "meta.json").read_text())
+        except (OSError, ValueError):
+            meta = {}
+        cap = meta.get("capture") if isinstance(meta.get("capture"), dict) else {}
+        try:
+            with open(child / "steps.jsonl", "rb") as f:
+                n = f.read().count(b"\n")
+        except OSError:
+            n = 0
+        ranks.append(child.name)
+        steps.append(max(n - 1, 0) if n else 0)  # line 0 is step 0 (before the first step)
+        sources.update(x for x in cap.get("manifests") or () if isinstance(x, str))
+        warnings += len(cap.get("warnings") or ())
+        disabled += bool(cap.get("disabled"))
+        if isinstance(meta.get("world_size"), int):
+            world = meta["world_size"]
+    captured = any(steps)
+    if not ranks:
+        return "captured no rank", False
+    lo, hi = min(steps), max(steps)
+    line = (f"captured {len(ranks)}" + (f" of {world}" if world and world != len(ranks) else "")
+            + f" rank(s) x {lo if lo == hi else f'{lo}-{hi}'} recorded step(s), manifests: "
+            + (", ".join(sorted(sources)) or "none") + f", {warnings} warning(s)")
+    if disabled:
+        line += f", capture disabled on {disabled} rank(s)"
+    return line, captured
 
 
 def _clear_previous(out: Path) -> None:
@@ -145,6 +197,13 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
         for sig, h in old_handlers.items():
             signal.signal(sig, h)
 
+    summary, captured = summarize(out)
+    _say(summary)
+    if rc == 0 and not captured:
+        # The command "worked" but there is nothing to compare: never let that pass as success.
+        finish(EXIT_INCOMPLETE, "failed", NOTHING_CAPTURED)
+        _say(f"warning: {NOTHING_CAPTURED}; exiting with {EXIT_INCOMPLETE}")
+        return EXIT_INCOMPLETE
     if rc == 0:
         finish(0, "ok", None)
         return 0

@@ -25,6 +25,7 @@ import atexit
 import collections
 import functools
 import gc
+import json
 import os
 import socket
 import sys
@@ -98,6 +99,35 @@ def _module_roots() -> list[torch.nn.Module]:
             if c is not None:
                 children.add(id(c))
     return [m for m in mods if id(m) not in children]
+
+
+class _Buffer:
+    """A persistent buffer in the table, looked up on its module at each hash: a module may
+    replace a buffer tensor (``self.running_mean = ...``), so a kept reference could go stale."""
+
+    __slots__ = ("module", "name")
+    grad = None  # buffers have no gradient: NO_HASH in every grad line
+
+    def __init__(self, module: torch.nn.Module, name: str):
+        self.module, self.name = module, name
+
+    def tensor(self):
+        return self.module._buffers.get(self.name)
+
+
+def _persistent_buffers(roots) -> list[tuple[str, torch.nn.Module, str, torch.Tensor]]:
+    """(fqn, owning module, attribute name, tensor) of every persistent buffer under ``roots``
+    (what ``state_dict`` saves: BatchNorm running statistics, step counters)."""
+    out, seen = [], set()
+    for root in roots:
+        for prefix, mod in root.named_modules():
+            skip = getattr(mod, "_non_persistent_buffers_set", ())
+            for name, buf in mod._buffers.items():
+                if buf is None or name in skip or id(buf) in seen:
+                    continue
+                seen.add(id(buf))
+                out.append((f"{prefix}.{name}" if prefix else name, mod, name, buf))
+    return out
 
 
 _ACTIVE: "Session | None" = None
@@ -302,7 +332,10 @@ class Session:
         self._table_dirty = False
         self._p0: list[bytes] = []
         self._g1: list[bytes] = []
-        self._new_param_warned = False
+        self._buffers_added = False
+        self._name_roots: list = []  # the module roots the parameter names came from
+        self._opt_sigs: dict[int, tuple] = {}  # id(optimizer) -> param_groups signature
+        self._step_base = 0  # steps recorded by earlier torchelastic attempts of this rank
         self._resolved_hasher: str | None = None
         # overhead accounting
         self.capture_seconds = 0.0
@@ -475,7 +508,7 @@ class Session:
     def _runtime_meta(self) -> dict:
         """What the trainer has configured by its first step (threads, determinism, device)."""
         dev = "cpu"
-        if self.table:
+        if self.table and type(self.table[0]) is not _Buffer:
             d = local_tensor(self.table[0]).device
             dev = str(d)
         elif torch.cuda.is_available():
@@ -502,24 +535,60 @@ class Session:
         rank, world, local = self._ids()
         self._rank_arg = (rank, world, local)
         d = rank_dir(self.out_dir, rank)
-        # A new session starts this rank's record: drop what an earlier run left here.
-        for name in ("meta.json", "params.json", "steps.jsonl", "hashes.jsonl", "buckets.jsonl"):
-            try:
-                os.unlink(d / name)
-            except FileNotFoundError:
-                pass
+        restart = self._elastic_restart(d)
+        if restart is None:
+            # A new session starts this rank's record: drop what an earlier run left here.
+            for name in ("meta.json", "params.json", "steps.jsonl", "hashes.jsonl",
+                         "buckets.jsonl"):
+                try:
+                    os.unlink(d / name)
+                except FileNotFoundError:
+                    pass
         meta = {"world_size": world, "local_rank": local, "host": socket.gethostname(),
                 "pid": os.getpid(), "argv": list(sys.argv), "torch": torch.__version__,
                 "parity": __version__, "device": "cuda" if torch.cuda.is_available() else "cpu",
                 "deterministic": torch.are_deterministic_algorithms_enabled(),
                 "num_threads": None, "interop_threads": None,
                 "capture": self._capture_meta()}
+        if restart is not None:
+            meta["restarts"] = restart
         self.writer = RankWriter(self.out_dir, rank, meta)
+        if restart is not None:
+            r = restart[-1]
+            self.warn(f"torchelastic restart {r['attempt']}: this rank's earlier attempts are "
+                      f"kept; steps continue after step {r['after_step']}")
         os.environ[inject.ENV_ACTIVE] = str(os.getpid())
         pending, self._pending_buckets = self._pending_buckets, []
         for b in pending:
             self.writer.write_bucket(b)
         return self.writer
+
+    def _elastic_restart(self, d) -> list[dict] | None:
+        """A worker restarted by torchelastic (``--max-restarts``) continues its rank's record:
+        the earlier attempts' steps are kept, this attempt's step k is written as step
+        ``last + k``, and meta.json lists the restarts. None: not a restart (start afresh)."""
+        attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        if attempt <= 0 or self.source != "exec" or not (d / "steps.jsonl").exists():
+            return None
+        last = -1
+        with open(d / "steps.jsonl", "rb") as f:
+            data = f.read()
+        for line in data.split(b"\n"):
+            try:
+                last = max(last, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        for name in ("steps.jsonl", "hashes.jsonl"):  # a killed attempt may end mid-line
+            p = d / name
+            if p.exists() and p.stat().st_size and not p.read_bytes().endswith(b"\n"):
+                with open(p, "ab") as f:
+                    f.write(b"\n")
+        try:
+            old = json.loads((d / "meta.json").read_text()).get("restarts") or []
+        except (OSError, ValueError, AttributeError):
+            old = []
+        self._step_base = max(last, 0)
+        return [*old, {"attempt": attempt, "after_step": self._step_base, "time": time.time()}]
 
     # ------------------------------------------------------------------------- manifests
     def _install_fsdp2(self, _module=None) -> None:
@@ -702,12 +771,17 @@ class Session:
         if first is not None:
             names = scan(first)
             if len(names) == len(want):
+                if first not in self._name_roots:
+                    self._name_roots.append(first)
                 return names
         candidates = ([first] if first is not None else []) + [
             r for r in _module_roots() if r is not first]
         scans = [scan(r) for r in candidates]
         names: dict[int, str] = {}
-        for found in sorted(scans, key=len, reverse=True):  # stable: the first root wins ties
+        for found, root in sorted(zip(scans, candidates), key=lambda x: len(x[0]),
+                                  reverse=True):  # stable: the first root wins ties
+            if found and not any(root is r for r in self._name_roots):
+                self._name_roots.append(root)
             for k, v in found.items():
                 names.setdefault(k, v)
             if len(names) == len(want):
@@ -735,12 +809,64 @@ class Session:
                 if not self._table_final:
                     self._forget_forward_hook()  # still there only if every forward was traced
                     self._add_params(opt)
-                elif self._step_sampled:
+                else:
                     self._check_params(opt)
+                if self.depth == 1:
+                    wrapped = self._wrap_closure(args, kwargs)
+                    if wrapped is not None:
+                        self.capture_seconds += time.perf_counter() - t0
+                        return wrapped
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         self.capture_seconds += time.perf_counter() - t0
         return None
+
+    def _wrap_closure(self, args, kwargs):
+        """``opt.step(closure)`` (LBFGS and the like) computes the step's loss and gradients
+        inside ``step``: the pre-hook saw the previous step's. The closure is wrapped so that
+        its first call records them (what this step consumed); its result is untouched."""
+        if "closure" in kwargs:
+            closure = kwargs["closure"]
+        elif len(args) > 1:  # args[0] is the optimizer
+            closure = args[1]
+        else:
+            return None
+        if not callable(closure):
+            return None
+        step = self.k
+        first = [True]
+
+        def closure_recorded(*a, **kw):
+            out = closure(*a, **kw)
+            if first[0]:
+                first[0] = False
+                self._closure_done(step, out)
+            return out
+
+        functools.update_wrapper(closure_recorded, closure)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_recorded}
+        return (args[0], closure_recorded, *args[2:]), kwargs
+
+    def _closure_done(self, step: int, out) -> None:
+        if self.failed or self.stopped or os.getpid() != self.pid:
+            return
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                if step != self.k:
+                    return
+                if isinstance(out, torch.Tensor) and out.numel() == 1:
+                    self._step_loss = out.detach()
+                elif self.loss_ref is not None:
+                    self._step_loss = self.loss_ref
+                if self.grads and not self._table_final:  # step 1: the table is being built
+                    self._g1 = [digest_tensors([p.grad for p in self.table], self.hasher)]
+                elif self.grads and self._step_sampled:
+                    self._step_grads = digest_tensors([p.grad for p in self.table], self.hasher)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        self.capture_seconds += time.perf_counter() - t0
 
     def _post_hook(self, opt, args, kwargs):
         if self.failed or self.stopped or os.getpid() != self.pid:
@@ -768,7 +894,7 @@ class Session:
         self.capture_seconds += time.perf_counter() - t0
 
     def _begin_step(self) -> None:
-        if self.k >= 1:
+        if self.k >= 1 and not self._table_final:
             self._table_final = True
         self.k += 1
         self.open = False
@@ -778,6 +904,10 @@ class Session:
         self._step_grads = None
         if self._table_final and self._step_sampled and self.grads:
             self._step_grads = digest_tensors([p.grad for p in self.table], self.hasher)
+
+    def _tensors(self) -> list:
+        """What the table's rows hold now (parameters, and buffers looked up on their module)."""
+        return [p.tensor() if type(p) is _Buffer else p for p in self.table]
 
     def _add_params(self, opt) -> None:
         """First step: extend the table with this optimizer's parameters (hashed as step 0)."""
@@ -809,13 +939,59 @@ class Session:
         if self.grads:
             self._g1.append(digest_tensors([p.grad for p in new], self.hasher))
         self._table_dirty = True
+        if not self._buffers_added:
+            self._buffers_added = True
+            self._add_buffers()
+
+    def _add_buffers(self) -> None:
+        """Persistent buffers of the modules that hold the parameters join the table after the
+        first optimizer's parameters, hashed in the same digest calls (no gradient)."""
+        bufs = []
+        for fqn, mod, name, t in _persistent_buffers(self._name_roots):
+            i = len(self.table)
+            self._table_ids[id(t)] = i
+            self.table.append(_Buffer(mod, name))
+            lt = local_tensor(t)
+            self.entries.append({"fqn": normalize_fqn(fqn), "raw_fqn": fqn, "kind": "buffer",
+                                 "shape": list(lt.shape), "global_shape": list(t.shape),
+                                 "dtype": _dtype_name(lt.dtype), "placement": None,
+                                 "mesh_coord": None})
+            bufs.append(t)
+        if bufs:
+            self._p0.append(digest_tensors(bufs, self.hasher))
+            if self.grads:
+                self._g1.append(digest_tensors([None] * len(bufs), self.hasher))
 
     def _check_params(self, opt) -> None:
-        new = sum(1 for g in opt.param_groups for p in g["params"] if id(p) not in self._table_ids)
-        if new and not self._new_param_warned:
-            self._new_param_warned = True
-            self.warn(f"the optimizers' parameter set changed at step {self.k}: {new} parameter(s) "
-                      "not in the step-1 table are not hashed")
+        """After step 1: parameters that joined an optimizer (``add_param_group``, an optimizer
+        that steps for the first time) join the table from this step on. The per-step cost is a
+        signature of the param groups; the parameters are walked only when it changes."""
+        sig = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
+        if self._opt_sigs.get(id(opt)) == sig:
+            return
+        self._opt_sigs[id(opt)] = sig
+        new = [p for g in opt.param_groups for p in g["params"] if id(p) not in self._table_ids]
+        if not new:
+            return
+        names = self._names(new)
+        for p in new:
+            raw = names.get(id(p))
+            i = len(self.table)
+            self._table_ids[id(p)] = i
+            self.table.append(p)
+            lt = local_tensor(p)
+            self.entries.append({"fqn": normalize_fqn(raw) if raw else f"<unnamed {i}>",
+                                 "raw_fqn": raw, "shape": list(lt.shape),
+                                 "global_shape": list(p.shape), "dtype": _dtype_name(lt.dtype),
+                                 "placement": None, "mesh_coord": None,
+                                 "since": self._step_base + self.k})
+        if self._step_grads is not None:  # this step's gradients, in table order
+            self._step_grads += digest_tensors([p.grad for p in new], self.hasher)
+        self._ensure_writer().write_params(self.entries)
+        shown = ", ".join(e["fqn"] for e in self.entries[-len(new):][:3])
+        self.warn(f"{len(new)} parameter(s) joined the optimizers at step "
+                  f"{self._step_base + self.k} and are hashed from then on ({shown}"
+                  f"{', ...' if len(new) > 3 else ''})")
 
     # ----------------------------------------------------------------------------- writing
     def _loss(self, ref) -> tuple[float | None, str | None]:
@@ -833,21 +1009,22 @@ class Session:
                 self.warn(f"parameter names are not unique after normalization: "
                           f"{', '.join(sorted(dupes)[:5])}")
             if self._resolved_hasher is None:
-                devs = {local_tensor(p).device.type for p in self.table}
+                devs = {local_tensor(p).device.type for p in self._tensors() if p is not None}
                 self._resolved_hasher = ("device" if self.hasher == "device"
                                          or (self.hasher == "auto" and "cuda" in devs) else "xxh3")
             w.meta.update(self._runtime_meta())
             w.meta["capture"] = self._capture_meta()
             w.update_meta()
             w.write_params(self.entries)
-            w.write_step(0, b"".join(self._p0))
+            if not self._step_base:  # a restarted attempt continues its rank's steps
+                w.write_step(0, b"".join(self._p0))
             self._table_dirty = False
         self._write(1, b"".join(self._g1) if self.grads else None)
 
     def _write(self, step: int, grads: bytes | None) -> None:
-        params = digest_tensors(self.table, self.hasher)
+        params = digest_tensors(self._tensors(), self.hasher)
         loss, loss_hash = self._loss(self._step_loss)
-        self._ensure_writer().write_step(step, params, grads, loss, loss_hash)
+        self._ensure_writer().write_step(self._step_base + step, params, grads, loss, loss_hash)
         if step > self.written:
             self.recorded_steps += 1
         self.written = step

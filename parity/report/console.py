@@ -19,6 +19,7 @@ from rich.text import Text
 
 from parity import policy
 from parity.diff import DiffResult, ranges
+from parity.report.text import safe_text
 
 PLAIN_WIDTH = 100
 MAX_DIVERGENT_ROWS = 20
@@ -47,8 +48,8 @@ def make_console(file=None, width: int | None = None, force_terminal: bool | Non
 
 
 def T(s, style: str | None = None) -> Text:
-    """Literal text (never markup)."""
-    return Text("" if s is None else str(s), style=style or "")
+    """Literal text (never markup; control, bidi and surrogate characters escaped)."""
+    return Text(safe_text(s, keep_lines=True), style=style or "")
 
 
 def _ranks(ranks: list[int], limit: int = 32) -> str:
@@ -114,6 +115,8 @@ def _verdict_lines(r: DiffResult, fail_on: str = "hash") -> list:
     else:
         line.append("INCOMPLETE", "bold yellow")
         line.append(" " + (r.incomplete[0] if r.incomplete else "data incomplete"))
+    if getattr(r, "warnings", None):
+        line.append(f" ({_plural(len(r.warnings), 'capture warning')})", style="yellow")
     lines.append(line)
     if r.verdict != "incomplete" and r.incomplete:
         lines.append(_indent(T(f"and the data is incomplete: {r.incomplete[0]}", "yellow")))
@@ -416,6 +419,9 @@ def print_diff(result: DiffResult, console: Console | None = None, fail_on: str 
     if section:
         c.print(Group(*section))
     warnings = [T(f"incomplete: {m}", "yellow") for m in r.incomplete]
+    for w in getattr(r, "warnings", [])[:MAX_PROBLEMS]:
+        warnings.append(T(f"capture warning: {w.side.upper()} rank(s) {ranges(w.ranks)}: "
+                          f"{w.message}", "yellow"))
     probs = r.problems
     for p in probs[:MAX_PROBLEMS]:
         warnings.append(T(f"warning: {(p.side.upper() + ': ') if p.side else ''}{p.message}",

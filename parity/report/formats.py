@@ -18,6 +18,7 @@ from pathlib import Path
 from parity import policy
 from parity.diff import ranges
 from parity.errors import ParityError
+from parity.report.text import safe_text
 
 FORMATS = ("console", "json", "markdown", "junit", "html")
 
@@ -37,8 +38,17 @@ def render_sweep(sweep_dir, fmt: str = "console", output=None, fail_on: str | No
 
     if fmt not in FORMATS:
         raise ParityError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
-    sweep = load_sweep(sweep_dir)
+    sweep = load_sweep(sweep_dir)  # checks the fields the renderers read, naming a bad one
     pol = sweep_policy(sweep, fail_on)
+    try:
+        _render(sweep, fmt, output, pol)
+    except (AttributeError, TypeError, KeyError, ValueError) as e:  # deeper than load_sweep checks
+        raise ParityError(f"{sweep['_dir']}/sweep.json: malformed sweep report "
+                          f"({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                          ) from None
+
+
+def _render(sweep: dict, fmt: str, output, pol: str) -> None:
     if fmt == "html":
         from parity.report.html import write_sweep_html  # lazy: the HTML report is optional
 
@@ -220,7 +230,7 @@ def cell_text(sweep: dict, cell: dict, fail_on: str, width: int = 110) -> str:
 
 def _safe(text) -> str:
     """No control characters (a log line's ANSI escapes must not drive the terminal)."""
-    return _CONTROL.sub(" ", str(text))
+    return safe_text(_CONTROL.sub(" ", str(text)))
 
 
 
@@ -305,7 +315,9 @@ def _print_first_finding(console, sweep: dict) -> None:
 
 
 def sweep_json(sweep: dict) -> str:
-    return json.dumps(_public(sweep), indent=1) + "\n"
+    from parity.artifacts import finite_json
+
+    return json.dumps(finite_json(_public(sweep)), indent=1, allow_nan=False) + "\n"
 
 
 # -------------------------------------------------------------------------------------- markdown
@@ -316,7 +328,7 @@ _MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+!~|>-])")
 
 def md_escape(text) -> str:
     """Text safe inside a GitHub-flavoured markdown table cell (no markup, no HTML, no '|')."""
-    s = _CONTROL.sub(" ", str(text))
+    s = safe_text(_CONTROL.sub(" ", str(text)))
     s = s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     return _MD_SPECIAL.sub(r"\\\1", s)
 
@@ -380,7 +392,7 @@ def _link(path: str) -> str:
 
 def _code(text) -> str:
     """Text inside a `code span`: no backticks or newlines can break out of it."""
-    return _CONTROL.sub(" ", str(text)).replace("`", "'")
+    return safe_text(_CONTROL.sub(" ", str(text))).replace("`", "'")
 
 
 # ----------------------------------------------------------------------------------------- junit
@@ -390,7 +402,7 @@ _XML_BAD = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 def _x(text) -> str:
     """Text without the characters XML 1.0 cannot carry (ElementTree escapes the rest)."""
-    return _XML_BAD.sub("?", str(text))
+    return _XML_BAD.sub("?", safe_text(text, keep_lines=True))
 
 
 def sweep_junit(sweep: dict, fail_on: str | None = None) -> str:

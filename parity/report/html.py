@@ -25,6 +25,7 @@ from pathlib import Path
 
 from parity import policy
 from parity.artifacts import write_text_atomic
+from parity.report.text import safe_text
 
 STATE_COLOURS = {
     "equal": "#2e9d58", "divergent": "#d0392b", "missing": "#d9d9d9", "failed": "#5b1a1a",
@@ -57,7 +58,7 @@ svg.bars{width:100%;height:auto;display:block;max-width:1200px}
 
 
 def _e(x) -> str:
-    return html.escape("" if x is None else str(x), quote=True)
+    return html.escape(safe_text(x, keep_lines=True), quote=True)
 
 
 def _value(v) -> str:
@@ -498,6 +499,7 @@ def render_diff_html(d: dict, fail_on: str = "hash") -> str:
         f"<div class=muted>A <code>{_e(a.get('path'))}</code> vs B <code>{_e(b.get('path'))}</code>"
         "</div>",
         _verdict_block(verdict),
+        _said_html(d),
         f"<table>{table}</table>",
         f"<p>Steps: {_strip(cell, strip_steps)}</p>", _legend(),
         loss_html, per_html,
@@ -508,6 +510,18 @@ def render_diff_html(d: dict, fail_on: str = "hash") -> str:
         f"<p class=muted>written by parity {time.strftime('%Y-%m-%d %H:%M:%S')}</p>",
     ]
     return _page("parity diff", body)
+
+
+def _said_html(d: dict) -> str:
+    """Incomplete reasons and capture warnings of a diff (every one, as the console lists them)."""
+    items = [f"incomplete: {m}" for m in d.get("incomplete") or []]
+    for w in d.get("warnings") or []:
+        if isinstance(w, dict):
+            items.append(f"capture warning ({str(w.get('side', '?')).upper()} rank(s) "
+                         f"{w.get('ranks')}): {w.get('message')}")
+    if not items:
+        return ""
+    return "<ul class=warnings>" + "".join(f"<li>{_e(i)}</li>" for i in items) + "</ul>"
 
 
 def write_sweep_html(sweep: dict, path: str | os.PathLike, fail_on: str | None = None) -> None:

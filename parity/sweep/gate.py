@@ -45,6 +45,15 @@ def gate(sweep_dir, fail_on: str | None = None, out=None) -> int:
     sweep = st.load_sweep(sweep_dir)
     code, lines = evaluate(sweep, fail_on)
     out = out or sys.stdout
-    for line in lines:
-        out.write(line + "\n")
+
+    def write():
+        for line in lines:
+            out.write(line + "\n")
+
+    if out is sys.stdout:
+        from parity.report.stdout import print_safely
+
+        print_safely(write)
+    else:
+        write()
     return code

@@ -44,9 +44,17 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
     err = err or sys.stderr
     if jobs is not None and jobs < 1:
         raise ParityError("--jobs must be at least 1")
+    base_dir = None
     if spec is None and resume and out_dir and (Path(out_dir) / st.SPEC_COPY).is_file():
+        # the copy of the spec as it ran; its relative paths resolve where the original's did
         spec = Path(out_dir) / st.SPEC_COPY
-    sp = load_spec(spec)
+        recorded = st.read_marker(Path(out_dir)).get("spec_dir")
+        base_dir = Path(recorded) if isinstance(recorded, str) else None
+    sp = load_spec(spec, base_dir)
+    from parity.sweep.spec import default_spec_path
+
+    spec_dir = base_dir or Path(os.path.abspath(spec if spec is not None
+                                                else default_spec_path())).parent
     sweep_dir = Path(out_dir) if out_dir else DEFAULT_ROOT / safe_component(sp.name)
     sweep_dir = Path(os.path.abspath(sweep_dir))
     launcher_name = launcher or sp.launcher.type
@@ -66,6 +74,7 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
     st.prepare_sweep_dir(sweep_dir)
     lock = st.SweepLock(sweep_dir).acquire()
     try:
+        st.write_marker(sweep_dir, spec_dir)
         run = _Run(sp, lnch, sweep_dir, cells, selected, resume=resume, jobs=jobs,
                    poll_interval=poll_interval, err=err, steps=n_steps)
         sweep = run.execute(only=only, fail_on=fail_on, launcher_name=launcher_name)
@@ -76,8 +85,13 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
     from parity.report.formats import print_sweep_console
     from parity.sweep.gate import evaluate
 
-    print_sweep_console(sweep, out, fail_on=fail_on)  # ends with the gate's verdict line
     code, _ = evaluate(sweep, fail_on)
+    if out is sys.stdout:
+        from parity.report.stdout import print_safely
+
+        print_safely(lambda: print_sweep_console(sweep, out, fail_on=fail_on))
+    else:
+        print_sweep_console(sweep, out, fail_on=fail_on)  # ends with the gate's verdict line
     return code
 
 
@@ -119,13 +133,13 @@ def _dry_run(sp: Spec, cells: list[Cell], selected: set[str], sweep_dir: Path, l
 # ------------------------------------------------------------------------------------- helpers
 
 
-def _make_job(sp: Spec, cell: Cell, side: str, sweep_dir: Path) -> Job:
+def _make_job(sp: Spec, cell: Cell, side: str, sweep_dir: Path, cwd: Path | None = None) -> Job:
     cdir = st.cell_dir(sweep_dir, cell.id)
     sj = cell.sides[side]
     return Job(cell_id=cell.id, side=side, entry_argv=list(sj.entry_argv), nnodes=sp.nnodes,
                nproc_per_node=sp.nproc_per_node, env=dict(sj.env), run_dir=cdir / side,
                log_dir=cdir / "logs" / side, timeout=sp.timeout,
-               console_log=cdir / "logs" / f"{side}.console.log", cwd=sp.workdir,
+               console_log=cdir / "logs" / f"{side}.console.log", cwd=sp.workdir or cwd,
                capture=sp.capture)
 
 
@@ -148,25 +162,22 @@ def _count_lines(path: Path) -> int:
         return 0
 
 
-def _clean_finish(run_dir: Path, world_size: int) -> bool:
-    """Did every rank record a finished run (meta.json status 'ok')? Then a nonzero exit code
-    came from teardown (e.g. an abort at process exit) after all results were written."""
+def _clean_finish(run_dir: Path, world_size: int, steps: int) -> bool:
+    """Did every rank record a finished run (meta.json status 'ok') up to the last step? Only
+    then may ``tolerate_teardown_exit`` blame a nonzero exit code on teardown."""
     metas = sorted(run_dir.glob("rank-*/meta.json"))
     if len(metas) != world_size:
         return False
     for m in metas:
         try:
-            meta = json.loads(m.read_text())
-        except (OSError, ValueError):
+            if json.loads(m.read_text()).get("status") != "ok":
+                return False
+            last = max((json.loads(line)["step"] for line in
+                        (m.parent / "steps.jsonl").read_text().splitlines() if line.strip()),
+                       default=-1)
+        except (OSError, ValueError, KeyError, TypeError):
             return False
-        if meta.get("status") != "ok":
-            return False
-        # A rank that refused its configuration (exit 2 before training) still closes its
-        # record as "ok": it did not finish a run unless it recorded a step.
-        steps = (meta.get("capture") or {}).get("steps")
-        if not isinstance(steps, int):
-            steps = _count_lines(m.parent / "steps.jsonl")
-        if steps < 1:
+        if last < steps:
             return False
     return True
 
@@ -187,6 +198,10 @@ class _Run:
         self.queue: deque[tuple[Cell, str]] = deque()
         self.running: dict[int, tuple[object, Cell, str, Job]] = {}
         self.started = time.time()
+        # jobs of a spec without workdir run where the sweep was first started (recorded in the
+        # marker), so a --resume from another directory runs them where the kept sides ran
+        recorded = st.read_marker(sweep_dir).get("cwd")
+        self.cwd = Path(recorded) if isinstance(recorded, str) else None
         self.jobs_wall = 0.0  # the summed wall time of the jobs this invocation ran
         self.jobs_run = 0
 
@@ -229,7 +244,26 @@ class _Run:
 
     # ---------------------------------------------------------------------------- running
 
+    def check_resume(self) -> None:
+        """``--resume`` never deletes a finished cell: if the spec asks for other jobs than a
+        compared cell ran (its fingerprint changed), refuse before anything is touched."""
+        if not self.resume:
+            return
+        changed = []
+        for cell in self.cells:
+            old = st.read_cell(self.dir, cell.id)
+            if cell.id in self.selected and old and old.get("status") in st.COMPARED:
+                fps = {s: cell.sides[s].fingerprint(self.sp, cell) for s in SIDES}
+                if old.get("fingerprint") != fps:
+                    changed.append(cell.id)
+        if changed:
+            raise SpecError(f"--resume: {len(changed)} finished cell(s) ran other commands than "
+                            f"the spec gives now ({', '.join(changed[:3])}"
+                            f"{', ...' if len(changed) > 3 else ''}); refusing to replace them "
+                            "(rerun without --resume, or with the original spec)")
+
     def execute(self, *, only, fail_on, launcher_name) -> dict:
+        self.check_resume()
         (self.dir / st.SPEC_COPY).write_text(self.sp.text)
         self.plan()
         self._write_sweep(complete=False, only=only, fail_on=fail_on, launcher=launcher_name)
@@ -291,7 +325,7 @@ class _Run:
             keep = tuple(k for k, v in s["sides"].items() if v.get("reused"))
             st.reset_cell(self.dir, cell.id, keep_sides=keep)
             s.update(status=st.RUNNING, started=time.time())
-        job = _make_job(self.sp, cell, side, self.dir)
+        job = _make_job(self.sp, cell, side, self.dir, self.cwd)
         s["sides"][side] = {"status": "running", "label": cell.sides[side].label,
                             "run_dir": st.rel(job.run_dir, self.dir),
                             "log_dir": st.rel(job.log_dir, self.dir),
@@ -307,9 +341,10 @@ class _Run:
         self.jobs_wall += res.wall
         self.jobs_run += 1
         status, reason = res.status, res.reason
-        if status == "failed" and res.exit_code is not None and (
-                _clean_finish(job.run_dir, self.sp.world_size)):
-            status, reason = OK, f"exit code {res.exit_code} after every rank finished (tolerated)"
+        if status == "failed" and res.exit_code is not None and self.sp.tolerate_teardown_exit and (
+                _clean_finish(job.run_dir, self.sp.world_size, self.steps)):
+            status, reason = OK, (f"exit code {res.exit_code} after every rank recorded every "
+                                  "step (tolerate_teardown_exit)")
         logs = [{k: (st.rel(v, self.dir) if k in ("stdout", "stderr", "error") else v)
                  for k, v in entry.items()} for entry in res.rank_logs]
         s["sides"][side] = {
@@ -352,7 +387,8 @@ class _Run:
         if not all(s["sides"].get(x, {}).get("status") not in (None, "not_run") for x in SIDES):
             return
         cdir = st.cell_dir(self.dir, cell.id)
-        _, why, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json", self.dir)
+        _, why, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json",
+                                self.dir, tolerate_exit=self.sp.tolerate_teardown_exit)
         if not diff:
             return
         steps = diff.get("steps_compared") or []
@@ -364,7 +400,8 @@ class _Run:
         s = self.states[cell.id]
         cdir = st.cell_dir(self.dir, cell.id)
         s.setdefault("started", time.time())
-        status, reason, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json", self.dir)
+        status, reason, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json",
+                                        self.dir, tolerate_exit=self.sp.tolerate_teardown_exit)
         s.update(status=status, reason=reason, diff=diff, ended=time.time(),
                  diff_json=st.rel(cdir / "diff.json", self.dir) if diff else None)
         st.write_cell(self.dir, s)
@@ -393,7 +430,8 @@ class _Run:
         return sweep
 
 
-def _compare(ref: Path, cand: Path, diff_path: Path, root: Path) -> tuple[str, str, dict | None]:
+def _compare(ref: Path, cand: Path, diff_path: Path, root: Path, *, tolerate_exit: bool = False
+             ) -> tuple[str, str, dict | None]:
     """Diff one cell: (status, reason, diff dict). Never raises. The sides' paths are stored
     relative to the sweep directory ``root`` (like every path in cell.json and sweep.json), so a
     copied or downloaded sweep folder prints paths that exist where it now is."""
@@ -402,7 +440,7 @@ def _compare(ref: Path, cand: Path, diff_path: Path, root: Path) -> tuple[str, s
     except ImportError as e:
         return st.FAILED, f"diff engine unavailable ({e})", None
     try:
-        result = diff_runs(ref, cand)
+        result = diff_runs(ref, cand, tolerate_exit=tolerate_exit)
         result.a.path, result.b.path = st.rel(ref, root), st.rel(cand, root)
         d = result.to_dict()
         result.write_json(diff_path)
@@ -417,8 +455,18 @@ ORDER_FAILURES = policy.ORDER_FAILURES
 
 
 def classify(d: dict) -> tuple[str, str]:
-    """A cell status (parity.policy.status, as diff.json's ``status``; an incomplete diff makes
-    the cell ``failed``) and a one-line reason from a diff result's JSON."""
+    """A cell status and a one-line reason from a diff result's JSON (parity.diff.DiffResult);
+    capture warnings are appended to the reason, so every report and the gate show them."""
+    status, reason = _classify(d)
+    warns = [w for w in d.get("warnings") or [] if isinstance(w, dict)]
+    if warns:
+        w = warns[0]
+        reason += (f"; {len(warns)} capture warning(s) ({str(w.get('side', '?')).upper()}: "
+                   f"{w.get('message')})")
+    return status, reason
+
+
+def _classify(d: dict) -> tuple[str, str]:
     verdict = d.get("verdict")
     order = d.get("order") if isinstance(d.get("order"), dict) else {}
     oval = order.get("verdict")

@@ -35,6 +35,7 @@ RESERVED_PLACEHOLDERS = ("steps", "seed", "nproc_per_node", "nnodes", "world_siz
                          "run_dir")
 
 _TOP_KEYS = {"name", "description", "steps", "seed", "nproc_per_node", "nnodes", "timeout", "env",
+             "tolerate_teardown_exit",
              "workdir", "requires", "capture", "axes", "reference", "candidate", "launcher"}
 _AXIS_KEYS = {"values", "flags", "requires"}
 _SIDE_KEYS = {"label", "builtin", "args", "argv", "env", "flags"}
@@ -147,6 +148,9 @@ class Spec:
     axes: list[Axis]
     sides: dict[str, Side]
     launcher: LauncherSpec
+    # a side that exits non-zero after every rank recorded every step counts as finished (a
+    # crash in teardown, e.g. at process-group destruction); off: the exit code is the status
+    tolerate_teardown_exit: bool = False
 
     @property
     def world_size(self) -> int:
@@ -223,13 +227,40 @@ def cell_id(axes: dict, used: set[str] = frozenset()) -> str:
     return cid
 
 
+def _split_escaped(text: str, sep: str) -> list[str]:
+    """Split on ``sep`` except where a backslash escapes it; ``\\`` is a backslash. The
+    pieces keep other escapes, so a later split on another separator still sees them."""
+    out, cur, i = [], [], 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\" and i + 1 < len(text):
+            cur.append(text[i:i + 2])
+            i += 2
+            continue
+        if c == sep:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+        i += 1
+    out.append("".join(cur))
+    return out
+
+
+def _unescape(text: str) -> str:
+    return re.sub(r"\\(.)", r"\1", text)
+
+
 def parse_only(only: str | None, spec: Spec) -> dict[str, set[str]]:
-    """``'flash=true,batch_size=1|4'`` -> {axis: {value keys}}; unknown axes/values raise."""
+    """``'flash=true,batch_size=1|4'`` -> {axis: {value keys}}; unknown axes/values raise.
+
+    A value containing ``,`` or ``|`` (or ``\\``) is written with a backslash before it:
+    ``--only 'dims=2\\,4|8'`` selects the values ``2,4`` and ``8``."""
     if not only or not only.strip():
         return {}
     axes = {a.name: a for a in spec.axes}
     out: dict[str, set[str]] = {}
-    for part in only.split(","):
+    for part in _split_escaped(only, ","):
         part = part.strip()
         if not part:
             continue
@@ -242,8 +273,8 @@ def parse_only(only: str | None, spec: Spec) -> dict[str, set[str]]:
             raise SpecError(f"--only: unknown axis {name!r} (axes of {spec.name}: {known})")
         keys = axes[name].keys
         chosen = out.setdefault(name, set())
-        for v in vals.split("|"):
-            v = v.strip()
+        for v in _split_escaped(vals, "|"):
+            v = _unescape(v.strip())
             match = [k for k in keys if k == v] or [k for k in keys if k.lower() == v.lower()]
             if not match:
                 raise SpecError(f"--only: {name}={v}: not a value of axis {name} "
@@ -308,6 +339,7 @@ class _V:
     def string(self, obj, key: str, nonempty: bool = True) -> str:
         if not isinstance(obj, str):
             self.fail(key, f"must be a string, not {_tname(obj)}")
+        self.no_nul(obj, key)
         if nonempty and not obj.strip():
             self.fail(key, "must not be empty")
         return obj
@@ -341,7 +373,13 @@ class _V:
             if not isinstance(item, str):
                 self.fail(f"{key}[{i}]", f"must be a string, not {_tname(item)} "
                           f"(quote it: \"{value_key(item) if _scalar(item) else '...'}\")")
+            self.no_nul(item, f"{key}[{i}]")
         return list(obj)
+
+    def no_nul(self, s: str, key: str) -> None:
+        """A NUL cannot be passed in argv or the environment (exec would fail mid-sweep)."""
+        if "\0" in s:
+            self.fail(key, "contains a NUL character (not allowed in arguments or environment)")
 
     def env(self, obj, key: str) -> dict[str, str]:
         self.table(obj, key)
@@ -350,6 +388,7 @@ class _V:
                 self.fail(_join(key, k), "not a valid environment variable name")
             if not isinstance(v, str):
                 self.fail(_join(key, k), f"must be a string, not {_tname(v)} (quote it)")
+            self.no_nul(v, _join(key, k))
         return dict(obj)
 
     def templates(self, items: list[str], key: str, known: set[str]) -> None:
@@ -405,8 +444,9 @@ def _display(path) -> str:
         return str(path)
 
 
-def load_spec(path: str | os.PathLike | None = None) -> Spec:
-    """Read and validate a spec file (the CPU default when ``path`` is None)."""
+def load_spec(path: str | os.PathLike | None = None, base_dir: Path | None = None) -> Spec:
+    """Read and validate a spec file (the CPU default when ``path`` is None). Relative paths in
+    it resolve against ``base_dir`` (default: the spec file's folder)."""
     p = Path(path) if path is not None else default_spec_path()
     source = _display(p)
     try:
@@ -421,7 +461,7 @@ def load_spec(path: str | os.PathLike | None = None) -> Spec:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise SpecError(f"{source}: not UTF-8 text") from None
-    return parse_spec(text, source=source, base_dir=p.parent)
+    return parse_spec(text, source=source, base_dir=base_dir or p.parent.resolve())
 
 
 def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None) -> Spec:
@@ -443,6 +483,7 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
     timeout = v.number(doc.get("timeout", DEFAULT_TIMEOUT), "timeout")
     env = v.env(doc.get("env", {}), "env")
     capture = v.boolean(doc.get("capture", True), "capture")
+    tolerate = v.boolean(doc.get("tolerate_teardown_exit", False), "tolerate_teardown_exit")
     workdir = None
     if "workdir" in doc:
         wd = Path(os.path.expanduser(v.string(doc["workdir"], "workdir")))
@@ -476,6 +517,8 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
                 v.fail(f"{vkey}[{i}]", f"must be a string, integer, float or boolean, not {_tname(val)}")
             if isinstance(val, str) and not val:
                 v.fail(f"{vkey}[{i}]", "must not be an empty string")
+            if isinstance(val, str):
+                v.no_nul(val, f"{vkey}[{i}]")
             k = value_key(val)
             if k in seen:
                 v.fail(f"{vkey}[{i}]", f"duplicate value {k!r}")
@@ -531,7 +574,7 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
 
     launcher = _launcher(v, doc.get("launcher", "local"), nnodes)
     return Spec(name, description, source, text, steps, seed, nproc, nnodes, timeout, env, workdir,
-                requires, capture, axes, sides, launcher)
+                requires, capture, axes, sides, launcher, tolerate_teardown_exit=tolerate)
 
 
 def _value_map(v: _V, table, key: str, axis: Axis, what: str) -> dict[str, list[str]]:

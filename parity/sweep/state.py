@@ -30,6 +30,7 @@ from parity.sweep.spec import CELLS_DIR
 
 SWEEP_SCHEMA_VERSION = 1
 LOCK_NAME = ".parity-sweep.lock"
+MARKER = ".parity-sweep"  # JSON: {"v": 1, "spec_dir": ...}; what makes a folder a sweep dir
 SPEC_COPY = "spec.toml"
 SWEEP_JSON = "sweep.json"
 
@@ -111,13 +112,32 @@ def prepare_sweep_dir(sweep_dir: Path) -> None:
         raise ParityError(f"{sweep_dir}: exists and is not a directory")
     if sweep_dir.is_dir():
         entries = [e for e in os.listdir(sweep_dir) if e != LOCK_NAME]
-        if entries and not ((sweep_dir / SPEC_COPY).exists() or (sweep_dir / CELLS_DIR).is_dir()):
-            raise ParityError(f"{sweep_dir}: not empty and not a parity sweep directory; "
-                              "choose another --out")
+        # A spec.toml alone proves nothing (it may be the user's own file, which the sweep would
+        # overwrite): the marker, or an older sweep's sweep.json with its cells/, does.
+        legacy = (sweep_dir / SWEEP_JSON).is_file() and (sweep_dir / CELLS_DIR).is_dir()
+        if entries and not ((sweep_dir / MARKER).is_file() or legacy):
+            raise ParityError(f"{sweep_dir}: not empty and not a parity sweep directory (no "
+                              f"{MARKER} marker); choose another --out")
     try:
         (sweep_dir / CELLS_DIR).mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ParityError(f"cannot create {sweep_dir}: {e.strerror or e}") from None
+
+
+def write_marker(sweep_dir: Path, spec_dir: Path | None) -> None:
+    """Mark ``sweep_dir`` as a sweep directory and remember where the spec's relative paths
+    (``workdir``) were resolved from, so that ``--resume`` without SPEC resolves them the same."""
+    cwd = read_marker(sweep_dir).get("cwd") or os.getcwd()  # the first run's, kept
+    write_json_atomic(sweep_dir / MARKER, {"v": 1, "spec_dir": str(spec_dir) if spec_dir else None,
+                                           "cwd": cwd})
+
+
+def read_marker(sweep_dir: Path) -> dict:
+    try:
+        obj = json.loads((sweep_dir / MARKER).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return obj if isinstance(obj, dict) else {}
 
 
 def reset_cell(sweep_dir: Path, cid: str, keep_sides: tuple[str, ...] = ()) -> Path:
@@ -287,5 +307,86 @@ def load_sweep(where) -> dict:
             isinstance(c, dict) and isinstance(c.get("id"), str) and c.get("status") in STATUSES
             for c in obj["cells"]):
         raise ParityError(f"{path}: malformed sweep report (cells)")
+    bad = _malformed(obj)
+    if bad:
+        raise ParityError(f"{path}: malformed sweep report: {bad}")
     obj["_dir"] = str(path.parent)
     return obj
+
+
+_NUM = (int, float)
+_TOP_TYPES = {"name": str, "description": (str, type(None)), "spec": (str, type(None)),
+              "spec_source": (str, type(None)), "launcher": (str, type(None)),
+              "steps": (int, type(None)), "only": (str, type(None)), "fail_on": (str, type(None)),
+              "axes": list, "sides": dict, "started": (*_NUM, type(None)),
+              "ended": (*_NUM, type(None)), "wall": (*_NUM, type(None)),
+              "timing": (dict, type(None)), "complete": (bool, type(None)), "counts": dict}
+_CELL_TYPES = {"axes": dict, "reason": (str, type(None)), "requires": (list, type(None)),
+               "started": (*_NUM, type(None)), "ended": (*_NUM, type(None)),
+               "wall": (*_NUM, type(None)), "sides": dict, "diff": (dict, type(None)),
+               "diff_json": (str, type(None)), "resumed": (bool, type(None))}
+_SIDE_TYPES = {"status": (str, type(None)), "label": (str, type(None)),
+               "exit_code": (int, type(None)), "reason": (str, type(None)),
+               "command": (list, str, type(None)), "run_dir": (str, type(None)),
+               "log_dir": (str, type(None)), "console_log": (str, type(None)),
+               "rank_logs": (list, type(None)), "wall": (*_NUM, type(None)),
+               "started": (*_NUM, type(None)), "ended": (*_NUM, type(None))}
+
+
+def _malformed(obj: dict) -> str | None:
+    """The first field of a sweep report the renderers cannot read, named; None if fine.
+    (Fields are optional; a present one must have its documented type.)"""
+    def wrong(where: str, value, types) -> str | None:
+        return None if isinstance(value, types) and not (
+            isinstance(value, bool) and bool not in (types if isinstance(types, tuple)
+                                                     else (types,))) else (
+            f"{where} is {type(value).__name__}")
+
+    for k, t in _TOP_TYPES.items():
+        if k in obj and (w := wrong(k, obj[k], t)):
+            return w
+    for i, a in enumerate(obj.get("axes") or []):
+        if not isinstance(a, dict) or not isinstance(a.get("name"), str) or not isinstance(
+                a.get("values", []), list):
+            return f"axes[{i}] is not {{name, values}}"
+    for k, v in (obj.get("sides") or {}).items():
+        if not isinstance(v, dict):
+            return f"sides.{k} is {type(v).__name__}"
+    for k, v in (obj.get("counts") or {}).items():
+        if not isinstance(v, int):
+            return f"counts.{k} is {type(v).__name__}"
+    for c in obj["cells"]:
+        cid = c["id"]
+        for k, t in _CELL_TYPES.items():
+            if k in c and (w := wrong(f"cells[{cid}].{k}", c[k], t)):
+                return w
+        for sname, sd in (c.get("sides") or {}).items():
+            if not isinstance(sd, dict):
+                return f"cells[{cid}].sides.{sname} is {type(sd).__name__}"
+            for k, t in _SIDE_TYPES.items():
+                if k in sd and (w := wrong(f"cells[{cid}].sides.{sname}.{k}", sd[k], t)):
+                    return w
+            for j, rl in enumerate(sd.get("rank_logs") or []):
+                if not isinstance(rl, dict):
+                    return f"cells[{cid}].sides.{sname}.rank_logs[{j}] is {type(rl).__name__}"
+        d = c.get("diff")
+        if isinstance(d, dict):
+            for k, t in (("order", (dict, type(None))), ("divergent", (list, type(None))),
+                         ("incomplete", (list, type(None))), ("problems", (list, type(None))),
+                         ("steps_compared", (list, type(None)))):
+                if k in d and (w := wrong(f"cells[{cid}].diff.{k}", d[k], t)):
+                    return w
+            if "first_divergent_step" in d and (w := wrong(
+                    f"cells[{cid}].diff.first_divergent_step", d["first_divergent_step"],
+                    (int, type(None)))):
+                return w
+            for k, t in (("steps_compared", int), ("divergent", dict), ("per_step", dict)):
+                if k in d and not isinstance(d[k], list):
+                    return f"cells[{cid}].diff.{k} is {type(d[k]).__name__}"
+                for j, x in enumerate(d.get(k) or []):
+                    if (w := wrong(f"cells[{cid}].diff.{k}[{j}]", x, t)):
+                        return w
+            fb = (d.get("order") or {}).get("first_bucket")
+            if fb is not None and not isinstance(fb, dict):
+                return f"cells[{cid}].diff.order.first_bucket is {type(fb).__name__}"
+    return None

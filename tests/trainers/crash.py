@@ -8,6 +8,7 @@ same arguments match bitwise; ``--perturb-step K`` makes every hash from step K 
   --crash-rank R --crash-step S   rank R raises RuntimeError at step S (default: never)
   --sleep-if-exists PATH          sleep --sleep seconds first if PATH exists (to interrupt a sweep)
   --record PATH                   append one JSON line {rank, argv, env} per process (tests read it)
+  --exit-code N                   exit with N after finishing (every step recorded)
 """
 
 import argparse
@@ -32,6 +33,7 @@ def main() -> int:
     p.add_argument("--sleep-if-exists")
     p.add_argument("--sleep", type=float, default=60.0)
     p.add_argument("--record")
+    p.add_argument("--exit-code", type=int, default=0)
     p.add_argument("--value", action="append", default=[], help="echoed into --record")
     args = p.parse_args()
     rank = int(os.environ.get("RANK", "0"))
@@ -68,7 +70,7 @@ def main() -> int:
     if writer:
         writer.close("ok")
     print(f"crash.py rank {rank} done", flush=True)
-    return 0
+    return args.exit_code
 
 
 if __name__ == "__main__":
