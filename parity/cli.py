@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: one line on stderr and a documented exit code for every failure."""
     try:
         cli.main(args=argv, prog_name="parity", standalone_mode=False)
-    except SystemExit as e:
+    except SystemExit:
         raise
     except ParityError as e:
         click.echo(f"parity: error: {e}", err=True)

@@ -23,7 +23,7 @@ import numpy as np
 
 from parity.artifacts import RankData, Run, gc_paused, read_run, write_json_atomic
 from parity.diff_buckets import (
-    COLLECTIVES, UNAVAILABLE, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
+    COLLECTIVES, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
     describe_eager, eager_collectives, explain_eager, select_layout,
 )
 from parity.diff_env import numerics_env_differences

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
-from parity.artifacts import HASH_BYTES, NO_HASH, RankWriter, rank_dir
+from parity.artifacts import HASH_BYTES, NO_HASH, RankWriter
 
 LAYER_NAMES = (
     "attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",

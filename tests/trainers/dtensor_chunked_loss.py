@@ -3,7 +3,7 @@ backward per chunk (torchtitan's chunked loss, eager): each chunk all-gathers th
 (Shard -> Replicate) and reduce-scatters its gradient (Partial -> Shard). Captured through the
 API (``parity.capture.start``) by tests/test_capture_eager_collectives.py, which passes the out
 dir as argv[1]."""
-import os, socket, json, sys
+import os, socket, sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor, Shard, Replicate, Partial
