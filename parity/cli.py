@@ -219,10 +219,19 @@ def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_
     device, sweeps/cpu-default.toml elsewhere (eager FSDP2 vs a compiled SimpleFSDP-style job,
     2 ranks each). docs/sweep.md has the spec format.
     """
+    from parity.report.formats import print_sweep_console
+    from parity.report.stdout import print_safely
+    from parity.sweep.gate import evaluate
     from parity.sweep.runner import run_sweep
 
-    sys.exit(run_sweep(spec, out_dir=out_dir, only=only, jobs=jobs, resume=resume, steps=steps,
-                       dry_run=dry_run, launcher=launcher, fail_on=fail_on))
+    sweep = run_sweep(spec, out_dir=out_dir, only=only, jobs=jobs, resume=resume, steps=steps,
+                      dry_run=dry_run, launcher=launcher, fail_on=fail_on)
+    if sweep is None:  # --dry-run: the plan is printed, nothing ran
+        sys.exit(0)
+    code, _ = evaluate(sweep, fail_on)
+    # the console report ends with the gate's verdict line
+    print_safely(lambda: print_sweep_console(sweep, sys.stdout, fail_on=fail_on))
+    sys.exit(code)
 
 
 @cli.command("report", context_settings=CONTEXT,
@@ -259,9 +268,12 @@ def report_cmd(sweep_dir, fmt, output, fail_on):
               help=POLICY_HELP + " [default: the sweep's own --fail-on, recorded in sweep.json]")
 def gate_cmd(sweep_dir, fail_on):
     """Print one line per notable cell and the verdict line; exit with the verdict."""
+    from parity.report.stdout import print_safely
     from parity.sweep.gate import gate
 
-    sys.exit(gate(sweep_dir, fail_on))
+    code, lines = gate(sweep_dir, fail_on)
+    print_safely(lambda: sys.stdout.write("".join(line + "\n" for line in lines)))
+    sys.exit(code)
 
 
 def _usage_hint(e) -> str:

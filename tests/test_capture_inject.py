@@ -82,7 +82,8 @@ def test_a_rank_waits_for_torch(tmp_path):
             "print('torch' in sys.modules)\n")
     p = _run(code, PARITY_CAPTURE_DIR=tmp_path, RANK=0, WORLD_SIZE=1)
     lines = p.stdout.splitlines()
-    assert lines[0] == "['parity', 'parity.capture', 'parity.capture.inject']"
+    assert lines[0] == ("['parity', 'parity.capture', 'parity.capture.env', 'parity.capture.inject', "
+                        "'parity.capture.post_import']")
     assert lines[1] == "False"
     assert not list(tmp_path.iterdir())  # no torch: nothing written
 

@@ -12,180 +12,18 @@ allocator variables before ``import torch`` sees no difference, and a process th
 torch pays nothing beyond this module. When torch has finished importing, the session
 (session.py) installs its hooks.
 
-This module stays import-light (``os``, ``sys``): it is imported in every rank at startup.
+This module stays import-light (``os``, ``sys``, env.py, post_import.py): it is imported in every
+rank at startup. It is the top of the activation path: it imports the session (lazily), nothing
+in capture imports it.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
-ENV_DIR = "PARITY_CAPTURE_DIR"
-ENV_EVERY = "PARITY_CAPTURE_EVERY"
-ENV_GRADS = "PARITY_CAPTURE_GRADS"
-ENV_MANIFESTS = "PARITY_CAPTURE_MANIFESTS"
-ENV_HASHER = "PARITY_CAPTURE_HASHER"
-# Set (to the pid) by a process once it is a capturing rank; its children inherit it and stay out.
-ENV_ACTIVE = "PARITY_CAPTURE_ACTIVE"
-ALL_ENV = (ENV_DIR, ENV_EVERY, ENV_GRADS, ENV_MANIFESTS, ENV_HASHER, ENV_ACTIVE)
-
-# Programs that are never ranks, recognized from the command line.
-AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch")
-AGENT_SCRIPTS = ("torchrun",)
-HELPER_MARKERS = ("torch._inductor.compile_worker", "compile_worker/__main__",
-                  "multiprocessing.forkserver", "multiprocessing.resource_tracker")
-_FLAGS_WITH_ARG = ("-W", "-X", "-Q")
-
-
-def _program(argv: list[str]) -> tuple[str, str]:
-    """("module" | "script" | "command" | "", name) of a Python command line."""
-    i = 1
-    while i < len(argv):
-        a = argv[i]
-        if a == "-m" and i + 1 < len(argv):
-            return "module", argv[i + 1]
-        if a.startswith("-m") and len(a) > 2:
-            return "module", a[2:]
-        if a == "-c" or (a.startswith("-c") and len(a) > 2):
-            return "command", argv[i + 1] if a == "-c" and i + 1 < len(argv) else a[2:]
-        if a in _FLAGS_WITH_ARG:
-            i += 2
-            continue
-        if a.startswith("-") and a != "-":
-            i += 1
-            continue
-        return "script", a
-    return "", ""
-
-
-def rank_skip_reason(environ=os.environ, argv=None) -> str | None:
-    """Why this process must not capture, or None if it is a rank (or may become one).
-
-    bootstrap/sitecustomize.py applies the same rules with ``os``/``sys`` only (it must not
-    import parity in processes that are not ranks); keep the two in step.
-    """
-    if not environ.get(ENV_DIR):
-        return "capture not requested"
-    active = environ.get(ENV_ACTIVE)
-    if active and active != str(os.getpid()):
-        return "a parent process is already a capturing rank"
-    if argv is None:
-        argv = list(getattr(sys, "orig_argv", sys.argv))
-    kind, name = _program(argv)
-    if (kind == "module" and name in AGENT_MODULES) or (
-            kind == "script" and os.path.basename(name) in AGENT_SCRIPTS):
-        return "torchrun agent"
-    if any(m in name for m in HELPER_MARKERS) or (
-            kind == "command" and any(m in name for m in HELPER_MARKERS)):
-        return "helper subprocess"
-    return None
-
-
-# --------------------------------------------------------------------- post-import callbacks
-_callbacks: dict[str, list] = {}
-
-
-def _module_ready(mod) -> bool:
-    spec = getattr(mod, "__spec__", None)
-    return not getattr(spec, "_initializing", False)
-
-
-class _PostImportFinder:
-    """A meta-path finder that finds nothing itself: it wraps the loader of watched modules so
-    that callbacks run right after the module has executed."""
-
-    def __init__(self):
-        self._busy: set[str] = set()
-
-    def find_spec(self, name, path=None, target=None):
-        if name not in _callbacks or name in self._busy:
-            return None
-        self._busy.add(name)
-        try:
-            spec = None
-            for finder in list(sys.meta_path):
-                if finder is self:
-                    continue
-                fs = getattr(finder, "find_spec", None)
-                if fs is None:
-                    continue
-                spec = fs(name, path, target)
-                if spec is not None:
-                    break
-        finally:
-            self._busy.discard(name)
-        loader = getattr(spec, "loader", None) if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        try:
-            orig = loader.exec_module
-        except AttributeError:
-            return spec
-
-        def exec_module(module):
-            try:
-                orig(module)
-            finally:
-                try:
-                    del loader.exec_module  # back to the class's method
-                except AttributeError:
-                    pass
-            if getattr(module, "__name__", None) == name:
-                _fire(name, module)
-
-        try:
-            loader.exec_module = exec_module
-        except (AttributeError, TypeError):
-            return spec
-        return spec
-
-
-_finder = _PostImportFinder()
-
-
-def _fire(name: str, module) -> None:
-    for cb in _callbacks.pop(name, []):
-        try:
-            cb(module)
-        except Exception as e:  # noqa: BLE001 - never break the user's import
-            _say(f"capture disabled: {_one_line(e)}")
-    if not _callbacks and _finder in sys.meta_path:
-        sys.meta_path.remove(_finder)
-
-
-def when_imported(name: str, callback) -> None:
-    """Call ``callback(module)`` once ``name`` is imported (now, if it already is)."""
-    mod = sys.modules.get(name)
-    if mod is not None and _module_ready(mod):
-        callback(mod)
-        return
-    _callbacks.setdefault(name, []).append(callback)
-    if _finder not in sys.meta_path:
-        sys.meta_path.insert(0, _finder)
-
-
-def cancel(name: str | None = None) -> None:
-    """Forget pending callbacks (all, or those for ``name``)."""
-    if name is None:
-        _callbacks.clear()
-    else:
-        _callbacks.pop(name, None)
-    if not _callbacks and _finder in sys.meta_path:
-        sys.meta_path.remove(_finder)
-
-
-# ------------------------------------------------------------------------------------- boot
-def _one_line(e: BaseException) -> str:
-    msg = str(e).strip().splitlines()
-    return f"{e.__class__.__name__}: {msg[0]}" if msg else e.__class__.__name__
-
-
-def _say(msg: str) -> None:
-    try:
-        sys.stderr.write(f"parity: {msg}\n")
-        sys.stderr.flush()
-    except Exception:  # noqa: BLE001 - stderr closed: nothing to do
-        pass
+from parity.capture.env import (ALL_ENV, ENV_ACTIVE, ENV_DIR, ENV_EVERY, ENV_GRADS,  # noqa: F401
+                                ENV_HASHER, ENV_MANIFESTS, rank_skip_reason)
+from parity.capture.post_import import _finder, cancel, when_imported  # noqa: F401
 
 
 def _activate(_torch_module) -> None:

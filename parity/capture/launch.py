@@ -29,7 +29,7 @@ from pathlib import Path
 
 from parity import __version__
 from parity.artifacts import SCHEMA_VERSION, write_json_atomic
-from parity.capture import inject
+from parity.capture import env as cenv
 from parity.errors import EXIT_INCOMPLETE, EXIT_USAGE, ParityError
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
@@ -42,14 +42,14 @@ def capture_env(out_dir: str | os.PathLike, *, every: int = 1, grads: bool = Tru
                 base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a captured command: ``base`` (default os.environ) plus parity's vars."""
     env = dict(os.environ if base is None else base)
-    env.pop(inject.ENV_ACTIVE, None)
+    env.pop(cenv.ENV_ACTIVE, None)
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = BOOTSTRAP_DIR + (os.pathsep + old if old else "")
-    env[inject.ENV_DIR] = os.path.abspath(os.fspath(out_dir))
-    env[inject.ENV_EVERY] = str(int(every))
-    env[inject.ENV_GRADS] = "1" if grads else "0"
-    env[inject.ENV_MANIFESTS] = "1" if manifests else "0"
-    env[inject.ENV_HASHER] = hasher
+    env[cenv.ENV_DIR] = os.path.abspath(os.fspath(out_dir))
+    env[cenv.ENV_EVERY] = str(int(every))
+    env[cenv.ENV_GRADS] = "1" if grads else "0"
+    env[cenv.ENV_MANIFESTS] = "1" if manifests else "0"
+    env[cenv.ENV_HASHER] = hasher
     return env
 
 

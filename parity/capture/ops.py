@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parity.capture.hashing import host_digest
-from parity.capture.inject import _one_line, _say
+from parity.capture.env import one_line as _one_line, say as _say
 from parity.capture.names import normalize_fqn
 
 ENV_STEP = "PARITY_OPS_STEP"

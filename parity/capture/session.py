@@ -38,8 +38,9 @@ import torch
 
 from parity import __version__
 from parity.artifacts import RankWriter, rank_dir
-from parity.capture import gpu_facts, inject
-from parity.capture.inject import _one_line, _say
+from parity.capture import env as cenv
+from parity.capture import gpu_facts, post_import
+from parity.capture.env import one_line as _one_line, say as _say
 from parity.capture.names import WRAPPER_COMPONENTS, normalize_fqn  # noqa: F401 (re-exported)
 from parity.capture.hashing import (HASHERS, device_backend, digest_tensors, host_digest,
                                     local_tensor)
@@ -364,13 +365,13 @@ class Session:
             if self.manifests:
                 from parity.capture import fsdp2
 
-                inject.when_imported(fsdp2.GROUP_MODULE, self._install_fsdp2)
+                post_import.when_imported(fsdp2.GROUP_MODULE, self._install_fsdp2)
                 from parity.capture import graph_makefx
 
-                inject.when_imported(graph_makefx.TRAINER_MODULE, self._install_makefx)
+                post_import.when_imported(graph_makefx.TRAINER_MODULE, self._install_makefx)
                 from parity.capture import eager_collectives
 
-                inject.when_imported(eager_collectives.MODULES[0], self._install_eager)
+                post_import.when_imported(eager_collectives.MODULES[0], self._install_eager)
                 # Compiled-graph manifests are hooked when the trainer first calls torch.compile
                 # (see _install_global_patches); earlier, aot_autograd may be half-imported.
             if not self.lazy:
@@ -442,7 +443,7 @@ class Session:
         try:
             from parity.capture import fsdp2
 
-            inject.cancel(fsdp2.GROUP_MODULE)
+            post_import.cancel(fsdp2.GROUP_MODULE)
         except Exception:  # noqa: BLE001
             pass
 
@@ -557,7 +558,7 @@ class Session:
             r = restart[-1]
             self.warn(f"torchelastic restart {r['attempt']}: this rank's earlier attempts are "
                       f"kept; steps continue after step {r['after_step']}")
-        os.environ[inject.ENV_ACTIVE] = str(os.getpid())
+        os.environ[cenv.ENV_ACTIVE] = str(os.getpid())
         pending, self._pending_buckets = self._pending_buckets, []
         for b in pending:
             self.writer.write_bucket(b)
@@ -597,7 +598,7 @@ class Session:
         from parity.capture import fsdp2
 
         mod = sys.modules.get(fsdp2.GROUP_MODULE)
-        if mod is None or not inject._module_ready(mod):
+        if mod is None or not post_import._module_ready(mod):
             return  # half-imported: the first forward tries again
         self._fsdp_tried = True
 
@@ -1056,13 +1057,13 @@ def _env_bool(name: str, default: bool) -> bool:
 def activate_from_env() -> Session | None:
     """Start the injected session (``parity exec``); fails soft."""
     try:
-        out = os.environ.get(inject.ENV_DIR)
+        out = os.environ.get(cenv.ENV_DIR)
         if not out or _ACTIVE is not None:
             return _ACTIVE
-        every = _env_int(inject.ENV_EVERY, 1)
-        session = Session(out, every=max(every, 1), grads=_env_bool(inject.ENV_GRADS, True),
-                          manifests=_env_bool(inject.ENV_MANIFESTS, True),
-                          hasher=os.environ.get(inject.ENV_HASHER, "auto") or "auto",
+        every = _env_int(cenv.ENV_EVERY, 1)
+        session = Session(out, every=max(every, 1), grads=_env_bool(cenv.ENV_GRADS, True),
+                          manifests=_env_bool(cenv.ENV_MANIFESTS, True),
+                          hasher=os.environ.get(cenv.ENV_HASHER, "auto") or "auto",
                           lazy="RANK" not in os.environ, source="exec")
         return session.start()
     except Exception as e:  # noqa: BLE001

@@ -10,24 +10,10 @@ cells never fail the gate; tolerated findings (an order mismatch under ``hash``)
 
 from __future__ import annotations
 
-import sys
-
 from parity import policy
-from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH
 from parity.sweep import state as st
 
 POLICIES = tuple(policy.POLICIES)
-
-
-def cell_verdict(cell: dict, fail_on: str) -> str | None:
-    """'mismatch', 'incomplete' or None (holds, or not compared) for one cell under ``fail_on``."""
-    code = policy.cell_code(cell, fail_on)
-    return {EXIT_MISMATCH: "mismatch", EXIT_INCOMPLETE: "incomplete"}.get(code)
-
-
-def cell_fails(cell: dict, fail_on: str) -> bool:
-    """Does this compared cell break parity under ``fail_on``?"""
-    return policy.cell_code(cell, fail_on) == EXIT_MISMATCH
 
 
 def sweep_policy(sweep: dict, fail_on: str | None = None) -> str:
@@ -41,19 +27,7 @@ def evaluate(sweep: dict, fail_on: str | None = None) -> tuple[int, list[str]]:
     return verdict.code, lines + [verdict.line()]
 
 
-def gate(sweep_dir, fail_on: str | None = None, out=None) -> int:
-    sweep = st.load_sweep(sweep_dir)
-    code, lines = evaluate(sweep, fail_on)
-    out = out or sys.stdout
-
-    def write():
-        for line in lines:
-            out.write(line + "\n")
-
-    if out is sys.stdout:
-        from parity.report.stdout import print_safely
-
-        print_safely(write)
-    else:
-        write()
-    return code
+def gate(sweep_dir, fail_on: str | None = None) -> tuple[int, list[str]]:
+    """(exit code, lines ending with the verdict line) for the sweep in ``sweep_dir``; raises
+    ParityError (exit 2) when it is not a readable sweep. ``parity gate`` prints the lines."""
+    return evaluate(st.load_sweep(sweep_dir), fail_on)

@@ -113,12 +113,6 @@ class LocalLauncher(Launcher):
         self.grace = grace
         self.host = host
 
-    def unsupported(self, nnodes: int, nproc_per_node: int) -> str | None:
-        if nnodes > 1:
-            return (f"the local launcher runs single-node jobs; nnodes = {nnodes} needs "
-                    "the slurm launcher")
-        return None
-
     def command(self, job: Job, port: int | None = None) -> list[str]:
         endpoint = f"{self.host}:{port if port is not None else 'PORT'}"
         return exec_prefix(job) + torchrun_argv(job, endpoint)

@@ -6,8 +6,9 @@ timeout. The runner calls ``start`` and then ``poll`` until it returns a :class:
 ``cancel`` stops a job (the next ``poll`` returns its result). A launcher enforces the timeout
 itself, so that a SLURM launcher can hand it to the scheduler.
 
-Implementations: ``parity.sweep.launch_local.LocalLauncher`` and (later)
-``parity.sweep.launch_slurm.SlurmLauncher``; :func:`make_launcher` picks one by name.
+Implementations: launch_local.py (one node), launch_multinode.py (several torchrun agents on this
+machine), launch_slurm.py; they import this module, and launchers.py (the registry, imported by
+the runner) imports them and picks one by name.
 """
 
 from __future__ import annotations
@@ -255,22 +256,3 @@ def check_local_requirement(req: str, launcher_name: str) -> str | None:
     if head == "launcher":
         return None if arg == launcher_name else f"requires the {arg} launcher (this sweep: {launcher_name})"
     return f"unknown requirement {req!r}"
-
-
-def make_launcher(name: str, options: dict | None = None, grace: float = 5.0) -> Launcher:
-    """The launcher called ``name`` ("local" | "slurm"), configured from the spec's table."""
-    if name == "local":
-        # One launcher for one node or several: a multi-node job runs one torchrun agent per
-        # node on this machine (c10d rendezvous on 127.0.0.1), a one-node job as LocalLauncher.
-        from parity.sweep.launch_multinode import MultiNodeLauncher
-
-        return MultiNodeLauncher(grace=grace)
-    if name == "slurm":
-        try:
-            from parity.sweep.launch_slurm import SlurmLauncher
-        except ImportError:
-            raise ParityError("the slurm launcher is not available in this version of parity "
-                              "(parity/sweep/launch_slurm.py); run with --launcher local or "
-                              "--dry-run") from None
-        return SlurmLauncher(options or {}, grace=grace)
-    raise ParityError(f"unknown launcher {name!r} (local, slurm)")

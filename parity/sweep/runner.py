@@ -1,7 +1,7 @@
 """Run a sweep: expand the spec, run both sides of every cell through a launcher, diff each cell.
 
 The runner owns the schedule and the state on disk (parity.sweep.state); the launcher owns
-processes; the diff engine owns verdicts; parity.report.formats owns rendering. Every state
+processes; the diff engine owns verdicts; the caller (cli.py) renders and gates the result. Every state
 change of a cell is written atomically to its cell.json at once, so an interrupted sweep loses
 nothing that finished and ``--resume`` reruns only what has no complete result.
 """
@@ -23,7 +23,8 @@ from parity import policy
 from parity.errors import ParityError, SpecError
 from parity.sweep import state as st
 from parity.sweep.launch_multinode import live_rank_dir
-from parity.sweep.launcher import (CANCELLED, OK, Job, JobResult, Launcher, make_launcher)
+from parity.sweep.launcher import CANCELLED, OK, Job, JobResult, Launcher
+from parity.sweep.launchers import make_launcher
 from parity.sweep.spec import SIDES, Cell, Spec, load_spec, matches, parse_only, safe_component
 
 DEFAULT_ROOT = Path("reports")
@@ -33,12 +34,13 @@ _CONTROL = re.compile("[\x00-\x1f\x7f]")
 def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str | None = None,
               jobs: int | None = None, resume: bool = False, steps: int | None = None,
               dry_run: bool = False, launcher: str | None = None, fail_on: str = "hash",
-              grace: float = 5.0, poll_interval: float = 0.2, out=None, err=None) -> int:
-    """Run (or with ``dry_run`` only print) a sweep; return the gate's exit code.
+              grace: float = 5.0, poll_interval: float = 0.2, out=None, err=None) -> dict | None:
+    """Run a sweep and return its report (sweep.json as loaded; None with ``dry_run``, which only
+    prints the plan). The caller renders and gates it (``parity sweep``: cli.py).
 
     ``spec`` is a spec file (None: the CPU default, or with ``resume`` the spec.toml already in
-    ``out_dir``). ``out``/``err`` are the text streams for the report and progress (stdout and
-    stderr by default).
+    ``out_dir``). ``out``/``err`` are the text streams for the dry run's plan and the progress
+    (stdout and stderr by default).
     """
     out = out or sys.stdout
     err = err or sys.stderr
@@ -66,7 +68,8 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
         raise SpecError(f"--only {only!r}: matches no cell of {sp.name}")
 
     if dry_run:
-        return _dry_run(sp, cells, selected, sweep_dir, launcher_name, n_steps, grace, out)
+        _dry_run(sp, cells, selected, sweep_dir, launcher_name, n_steps, grace, out)
+        return None
 
     lnch = make_launcher(launcher_name, sp.launcher.options, grace=grace)
     if jobs is None:  # local: one job at a time (2 cores); slurm: all at once, the queue schedules
@@ -82,17 +85,7 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
         lnch.close()
         lock.release()
 
-    from parity.report.formats import print_sweep_console
-    from parity.sweep.gate import evaluate
-
-    code, _ = evaluate(sweep, fail_on)
-    if out is sys.stdout:
-        from parity.report.stdout import print_safely
-
-        print_safely(lambda: print_sweep_console(sweep, out, fail_on=fail_on))
-    else:
-        print_sweep_console(sweep, out, fail_on=fail_on)  # ends with the gate's verdict line
-    return code
+    return sweep
 
 
 # ------------------------------------------------------------------------------------ dry run
