@@ -1,6 +1,7 @@
 """The on-disk artifact schema: the one writer capture uses and the one reader everything else uses.
 
-docs/artifacts.md describes the layout; this module is its only implementation. The writer runs
+docs/artifacts.md describes the layout; this module (with rundir.py, the folder and file names)
+is its only implementation. The writer runs
 inside training processes, so it is small and does no work beyond formatting and appending lines.
 The reader is tolerant: a truncated last line, a corrupted line or a missing rank is reported in
 ``problems`` and skipped, never raised, so a killed job still yields everything it finished.
@@ -13,7 +14,6 @@ import contextlib
 import gc
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,18 +22,13 @@ import numpy as np
 import xxhash
 
 from parity.errors import ArtifactError
+from parity.rundir import (BUCKETS_FILE, HASHES_FILE, META_FILE, RUN_FILE, STEPS_FILE,
+                           rank_dir, rank_of)
 
 SCHEMA_VERSION = 1
 HASH_BYTES = 16  # xxh3-128
-HASH_HEX = 2 * HASH_BYTES
 NO_HASH = b"\0" * HASH_BYTES  # a parameter with no gradient at that step
 
-RANK_DIR = "rank-{:05d}"
-_RANK_DIR_RE = re.compile(r"^rank-(\d{5})$")
-
-
-def rank_dir(out_dir: str | os.PathLike, rank: int) -> Path:
-    return Path(out_dir) / RANK_DIR.format(rank)
 
 
 def write_text_atomic(path: str | os.PathLike, data: str) -> None:
@@ -123,14 +118,14 @@ class RankWriter:
         self.meta.setdefault("ended", None)
         self.meta.setdefault("status", "running")
         self.meta.setdefault("error", None)
-        write_json_atomic(self.dir / "meta.json", self.meta)
-        self._hashes = _LineFile(self.dir / "hashes.jsonl")
-        self._steps = _LineFile(self.dir / "steps.jsonl")
-        self._buckets = _LineFile(self.dir / "buckets.jsonl")
+        write_json_atomic(self.dir / META_FILE, self.meta)
+        self._hashes = _LineFile(self.dir / HASHES_FILE)
+        self._steps = _LineFile(self.dir / STEPS_FILE)
+        self._buckets = _LineFile(self.dir / BUCKETS_FILE)
 
     def update_meta(self, **updates) -> None:
         self.meta.update(updates)
-        write_json_atomic(self.dir / "meta.json", self.meta)
+        write_json_atomic(self.dir / META_FILE, self.meta)
 
     def write_params(self, params: list[dict]) -> None:
         """The parameter table, in the order every later hash line uses."""
@@ -261,10 +256,10 @@ class RankData:
             line = self._read_line(offset)
             hrec, raw = _parse_hash_line(line)
         except (OSError, ValueError, KeyError, TypeError):
-            self.problems.append(f"{self.path / 'hashes.jsonl'}: step {step} {kind} line unreadable")
+            self.problems.append(f"{self.path / HASHES_FILE}: step {step} {kind} line unreadable")
             return None
         if hrec.get("step") != step or hrec.get("kind") != kind or len(raw) % HASH_BYTES:
-            self.problems.append(f"{self.path / 'hashes.jsonl'}: step {step} {kind} line mismatched")
+            self.problems.append(f"{self.path / HASHES_FILE}: step {step} {kind} line mismatched")
             return None
         n = len(raw) // HASH_BYTES
         if n < len(self.params) and all(
@@ -277,7 +272,7 @@ class RankData:
 
     def _read_line(self, offset: int) -> bytes:
         """The line at ``offset``, usually in one read (a rank's hash lines have one length)."""
-        with open(self.path / "hashes.jsonl", "rb", buffering=0) as f:
+        with open(self.path / HASHES_FILE, "rb", buffering=0) as f:
             f.seek(offset)
             buf = f.read(self._line_hint)
             end = buf.find(b"\n")
@@ -382,18 +377,18 @@ def gc_paused():
 
 def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = None) -> RankData:
     problems: list[str] = []
-    meta = _read_json(path / "meta.json", problems) or {}
+    meta = _read_json(path / META_FILE, problems) or {}
     pobj = _read_json(path / "params.json", problems) or {}
     params = pobj.get("params") if isinstance(pobj.get("params"), list) else []
     params = [p for p in params if isinstance(p, dict) and isinstance(p.get("fqn"), str)]
     steps: dict[int, dict] = {}
-    for rec in _read_lines(path / "steps.jsonl", problems, ("step", "param_digest")):
+    for rec in _read_lines(path / STEPS_FILE, problems, ("step", "param_digest")):
         if isinstance(rec["step"], int):
             steps[rec["step"]] = rec
-    buckets = _read_lines(path / "buckets.jsonl", problems,
+    buckets = _read_lines(path / BUCKETS_FILE, problems,
                           ("source", "collective", "index", "entries"), _shared,
                           check=lambda b: isinstance(b["entries"], list))
-    if not (path / "buckets.jsonl").exists():
+    if not (path / BUCKETS_FILE).exists():
         problems = [p for p in problems if not p.endswith("buckets.jsonl: missing")]
     said = meta.get("rank")
     if isinstance(said, int) and not isinstance(said, bool) and said != rank:
@@ -413,8 +408,8 @@ def read_run(path: str | os.PathLike) -> Run:
         raise ArtifactError(f"{path}: not a directory")
     problems: list[str] = []
     run_meta = None
-    if (path / "run.json").exists():
-        run_meta = _read_json(path / "run.json", problems)
+    if (path / RUN_FILE).exists():
+        run_meta = _read_json(path / RUN_FILE, problems)
     ranks: dict[int, RankData] = {}
     try:
         children = sorted(path.iterdir())
@@ -423,9 +418,9 @@ def read_run(path: str | os.PathLike) -> Run:
     shared: dict[bytes, list[dict]] = {}
     with gc_paused():
         for child in children:
-            m = _RANK_DIR_RE.match(child.name)
-            if m and child.is_dir():
-                rd = read_rank(child, int(m.group(1)), shared)
+            r = rank_of(child.name)
+            if r is not None and child.is_dir():
+                rd = read_rank(child, r, shared)
                 ranks[rd.rank] = rd
                 problems.extend(rd.problems)
     if not ranks:

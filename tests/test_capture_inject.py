@@ -7,7 +7,8 @@ import types
 
 import pytest
 
-from parity.capture import inject
+from parity.capture import env as inject_env
+from parity.capture import post_import
 from parity.capture.launch import BOOTSTRAP_DIR, capture_env
 
 PY = "/usr/bin/python3"
@@ -37,31 +38,31 @@ def _run(code, **env_extra):
       "--multiprocessing-fork"], None),  # may be an mp.spawn rank: activates lazily
 ])
 def test_rank_skip_reason(argv, reason):
-    env = {inject.ENV_DIR: "/tmp/x"}
-    assert inject.rank_skip_reason(env, argv) == reason
+    env = {inject_env.ENV_DIR: "/tmp/x"}
+    assert inject_env.rank_skip_reason(env, argv) == reason
 
 
 def test_rank_skip_reason_marker_and_request():
     argv = [PY, "train.py"]
-    assert inject.rank_skip_reason({}, argv) == "capture not requested"
-    env = {inject.ENV_DIR: "/tmp/x", inject.ENV_ACTIVE: "1"}
-    assert inject.rank_skip_reason(env, argv) == "a parent process is already a capturing rank"
-    env[inject.ENV_ACTIVE] = str(os.getpid())
-    assert inject.rank_skip_reason(env, argv) is None
+    assert inject_env.rank_skip_reason({}, argv) == "capture not requested"
+    env = {inject_env.ENV_DIR: "/tmp/x", inject_env.ENV_ACTIVE: "1"}
+    assert inject_env.rank_skip_reason(env, argv) == "a parent process is already a capturing rank"
+    env[inject_env.ENV_ACTIVE] = str(os.getpid())
+    assert inject_env.rank_skip_reason(env, argv) is None
 
 
 def test_capture_env_only_adds_our_variables(tmp_path):
-    base = {"PATH": "/bin", "PYTHONPATH": "/a:/b", "FOO": "1", inject.ENV_ACTIVE: "99"}
+    base = {"PATH": "/bin", "PYTHONPATH": "/a:/b", "FOO": "1", inject_env.ENV_ACTIVE: "99"}
     env = capture_env(tmp_path, every=3, grads=False, manifests=True, hasher="device", base=base)
     assert env["PYTHONPATH"] == BOOTSTRAP_DIR + os.pathsep + "/a:/b"
-    assert env[inject.ENV_DIR] == str(tmp_path)
-    assert (env[inject.ENV_EVERY], env[inject.ENV_GRADS], env[inject.ENV_MANIFESTS],
-            env[inject.ENV_HASHER]) == ("3", "0", "1", "device")
-    assert inject.ENV_ACTIVE not in env
+    assert env[inject_env.ENV_DIR] == str(tmp_path)
+    assert (env[inject_env.ENV_EVERY], env[inject_env.ENV_GRADS], env[inject_env.ENV_MANIFESTS],
+            env[inject_env.ENV_HASHER]) == ("3", "0", "1", "device")
+    assert inject_env.ENV_ACTIVE not in env
     assert {k: v for k, v in env.items() if not k.startswith("PARITY_CAPTURE")
             and k != "PYTHONPATH"} == {"PATH": "/bin", "FOO": "1"}
     assert capture_env(tmp_path, base={})["PYTHONPATH"] == BOOTSTRAP_DIR
-    assert base[inject.ENV_ACTIVE] == "99"  # the caller's dict is not modified
+    assert base[inject_env.ENV_ACTIVE] == "99"  # the caller's dict is not modified
 
 
 def test_outside_a_captured_job_nothing_is_imported():
@@ -126,13 +127,13 @@ def test_when_imported_runs_after_the_module_executed(tmp_path, monkeypatch):
     (pkg / "mod.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     seen = []
-    inject.when_imported("pwatch_pkg.mod", lambda m: seen.append(m.X))
+    post_import.when_imported("pwatch_pkg.mod", lambda m: seen.append(m.X))
     assert seen == []
     import pwatch_pkg.mod  # noqa: F401
 
     assert seen == [1]
-    assert inject._finder not in sys.meta_path
-    inject.when_imported("pwatch_pkg.mod", lambda m: seen.append(2))  # already imported: now
+    assert post_import._finder not in sys.meta_path
+    post_import.when_imported("pwatch_pkg.mod", lambda m: seen.append(2))  # already imported: now
     assert seen == [1, 2]
     # the loader is back to its class method
     assert "exec_module" not in vars(sys.modules["pwatch_pkg.mod"].__spec__.loader)
@@ -145,7 +146,7 @@ def test_when_imported_callback_errors_do_not_break_the_import(tmp_path, monkeyp
     def boom(_m):
         raise ValueError("nope")
 
-    inject.when_imported("pwatch_bad", boom)
+    post_import.when_imported("pwatch_bad", boom)
     import pwatch_bad
 
     assert pwatch_bad.Y == 2

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from parity.artifacts import read_run
+from parity.rundir import NODES_DIR, live_rank_dir
 from parity.sweep.launch_local import LocalLauncher
-from parity.sweep.launch_multinode import (NODES_DIR, MultiNodeLauncher, combine, live_rank_dir,
+from parity.sweep.launch_multinode import (MultiNodeLauncher, combine,
                                            merge_node_runs, node_command)
 from parity.sweep.launcher import CANCELLED, FAILED, OK, TIMEOUT, Job, JobResult
 

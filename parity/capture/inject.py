@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import os
 
-from parity.capture.env import (ALL_ENV, ENV_ACTIVE, ENV_DIR, ENV_EVERY, ENV_GRADS,  # noqa: F401
-                                ENV_HASHER, ENV_MANIFESTS, rank_skip_reason)
-from parity.capture.post_import import _finder, cancel, when_imported  # noqa: F401
+from parity.capture.env import rank_skip_reason
+from parity.capture.post_import import when_imported
 
 
 def _activate(_torch_module) -> None:

@@ -17,7 +17,6 @@ signal N), or 2 if it could not be started.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import socket
@@ -31,10 +30,10 @@ from parity import __version__
 from parity.artifacts import SCHEMA_VERSION, write_json_atomic
 from parity.capture import env as cenv
 from parity.errors import EXIT_INCOMPLETE, EXIT_USAGE, ParityError
+from parity.rundir import META_FILE, RUN_FILE, count_steps, rank_dirs
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_RANK_DIR_RE = re.compile(r"^rank-\d{5}$")
 
 
 def capture_env(out_dir: str | os.PathLike, *, every: int = 1, grads: bool = True,
@@ -80,19 +79,13 @@ def summarize(out: Path) -> tuple[str, bool]:
     import json
 
     ranks, steps, sources, warnings, disabled, world = [], [], set(), 0, 0, None
-    for child in sorted(out.iterdir()):
-        if not (_RANK_DIR_RE.match(child.name) and child.is_dir()):
-            continue
+    for _, child in rank_dirs(out):
         try:
-            meta = json.loads((child / "meta.json").read_text())
+            meta = json.loads((child / META_FILE).read_text())
         except (OSError, ValueError):
             meta = {}
         cap = meta.get("capture") if isinstance(meta.get("capture"), dict) else {}
-        try:
-            with open(child / "steps.jsonl", "rb") as f:
-                n = f.read().count(b"\n")
-        except OSError:
-            n = 0
+        n = count_steps(child)
         ranks.append(child.name)
         steps.append(max(n - 1, 0) if n else 0)  # line 0 is step 0 (before the first step)
         sources.update(x for x in cap.get("manifests") or () if isinstance(x, str))
@@ -114,11 +107,10 @@ def summarize(out: Path) -> tuple[str, bool]:
 
 def _clear_previous(out: Path) -> None:
     """A run directory holds one run: drop the artifacts an earlier run left (ours only)."""
-    for child in out.iterdir():
-        if _RANK_DIR_RE.match(child.name) and child.is_dir():
-            shutil.rmtree(child, ignore_errors=True)
+    for _, child in rank_dirs(out):
+        shutil.rmtree(child, ignore_errors=True)
     try:
-        (out / "run.json").unlink()
+        (out / RUN_FILE).unlink()
     except FileNotFoundError:
         pass
 
@@ -141,11 +133,11 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
            "started": time.time(), "ended": None, "exit_code": None, "status": "running",
            "error": None, "parity": __version__, "host": socket.gethostname(),
            "capture": {"every": every, "grads": grads, "manifests": manifests, "hasher": hasher}}
-    write_json_atomic(out / "run.json", run)
+    write_json_atomic(out / RUN_FILE, run)
 
     def finish(exit_code: int | None, status: str, error: str | None) -> None:
         run.update(ended=time.time(), exit_code=exit_code, status=status, error=error)
-        write_json_atomic(out / "run.json", run)
+        write_json_atomic(out / RUN_FILE, run)
 
     env = capture_env(out, every=every, grads=grads, manifests=manifests, hasher=hasher)
     received: list[int] = []

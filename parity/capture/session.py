@@ -37,7 +37,8 @@ import weakref
 import torch
 
 from parity import __version__
-from parity.artifacts import RankWriter, rank_dir
+from parity.artifacts import RankWriter
+from parity.rundir import rank_dir
 from parity.capture import env as cenv
 from parity.capture import gpu_facts, post_import
 from parity.capture.env import one_line as _one_line, say as _say

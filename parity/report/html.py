@@ -21,10 +21,10 @@ import json
 import os
 import shlex
 import time
-from pathlib import Path
 
 from parity import policy
 from parity.artifacts import write_text_atomic
+from parity.rundir import META_FILE, rank_dir
 from parity.report.text import safe_text
 
 STATE_COLOURS = {
@@ -288,7 +288,7 @@ def _run_meta(run_dir: str | None) -> dict:
     if not run_dir:
         return {}
     try:
-        return json.loads((Path(run_dir) / "rank-00000" / "meta.json").read_text())
+        return json.loads((rank_dir(run_dir, 0) / META_FILE).read_text())
     except (OSError, ValueError):
         return {}
 

@@ -34,25 +34,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity.artifacts import SCHEMA_VERSION, write_json_atomic
+from parity.rundir import NODES_DIR, RUN_FILE, node_out_dir, rank_of
 from parity.sweep.launch_local import LocalLauncher, free_port
 from parity.sweep.launcher import (CANCELLED, FAILED, NOT_FOUND, OK, TIMEOUT, Job, JobResult,
                                    Launcher, collect_rank_logs, exec_prefix, failure_hint,
                                    torchrun_argv)
 
-NODES_DIR = "nodes"
-RUN_FILE = "run.json"
 # torchrun's console prefix (global rank instead of the local one), unless the job sets its own
 PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 PREFIX = "[rank${rank}]:"
 
 
 # ------------------------------------------------------------------------------ commands
-
-
-def node_out_dir(run_dir: str | os.PathLike, node: int | str, nnodes: int) -> Path:
-    """Where node ``node``'s ``parity exec`` writes (``RUN_DIR`` itself for a one-node job)."""
-    run_dir = Path(run_dir)
-    return run_dir if nnodes == 1 else run_dir / NODES_DIR / f"node-{node}"
 
 
 def node_log_dir(log_dir: str | os.PathLike, node: int | str, nnodes: int) -> Path:
@@ -104,16 +97,6 @@ def node_rank_logs(job: Job, summary: dict | None = None,
     return sorted(out, key=lambda e: e["rank"])
 
 
-def live_rank_dir(run_dir: str | os.PathLike, rank: int) -> Path | None:
-    """Where rank ``rank`` is writing now: ``RUN_DIR/rank-NNNNN``, or before the merge of a
-    multi-node job, ``RUN_DIR/nodes/node-K/rank-NNNNN`` (for progress displays)."""
-    name = f"rank-{rank:05d}"
-    run_dir = Path(run_dir)
-    if (run_dir / name).is_dir():
-        return run_dir / name
-    return next(iter(sorted(run_dir.glob(f"{NODES_DIR}/node-*/{name}"))), None)
-
-
 # ------------------------------------------------------------------------------ merge
 
 
@@ -145,12 +128,13 @@ def merge_node_runs(run_dir: str | os.PathLike, nnodes: int, *, error: str | Non
         ranks = []
         if d.is_dir():
             for child in sorted(d.iterdir()):
-                if child.is_dir() and child.name.startswith("rank-"):
+                r = rank_of(child.name)
+                if child.is_dir() and r is not None:
                     target = run_dir / child.name
                     if target.exists():
                         shutil.rmtree(target)
                     os.replace(child, target)
-                    ranks.append(int(child.name[5:]))
+                    ranks.append(r)
         rec = _read_json(d / RUN_FILE)
         nodes.append({"node": k, **(rec or {"status": "missing", "exit_code": None,
                                             "error": f"node {k} wrote no {RUN_FILE}"}),
@@ -188,7 +172,7 @@ def prepare_run_dir(job: Job) -> None:
     run_dir = Path(job.run_dir)
     if run_dir.is_dir():
         for child in run_dir.iterdir():
-            if child.is_dir() and (child.name.startswith("rank-") or child.name == NODES_DIR):
+            if child.is_dir() and (rank_of(child.name) is not None or child.name == NODES_DIR):
                 shutil.rmtree(child, ignore_errors=True)
         try:
             (run_dir / RUN_FILE).unlink()

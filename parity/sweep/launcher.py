@@ -21,7 +21,6 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from parity.errors import ParityError
 
 # JobResult.status values
 OK, FAILED, TIMEOUT, CANCELLED, NOT_FOUND = "ok", "failed", "timeout", "cancelled", "not_found"

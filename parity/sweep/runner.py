@@ -21,8 +21,8 @@ from pathlib import Path
 
 from parity import policy
 from parity.errors import ParityError, SpecError
+from parity.rundir import META_FILE, STEPS_FILE, count_steps, live_rank_dir, rank_dir, rank_dirs
 from parity.sweep import state as st
-from parity.sweep.launch_multinode import live_rank_dir
 from parity.sweep.launcher import CANCELLED, OK, Job, JobResult, Launcher
 from parity.sweep.launchers import make_launcher
 from parity.sweep.spec import SIDES, Cell, Spec, load_spec, matches, parse_only, safe_component
@@ -147,18 +147,13 @@ def _skip_reason(sp: Spec, lnch: Launcher, cell: Cell) -> str:
     return ""
 
 
-def _count_lines(path: Path) -> int:
-    try:
-        with open(path, "rb") as f:
-            return f.read().count(b"\n")
-    except OSError:
-        return 0
-
-
 def _clean_finish(run_dir: Path, world_size: int, steps: int) -> bool:
     """Did every rank record a finished run (meta.json status 'ok') up to the last step? Only
     then may ``tolerate_teardown_exit`` blame a nonzero exit code on teardown."""
-    metas = sorted(run_dir.glob("rank-*/meta.json"))
+    try:
+        metas = [d / META_FILE for _, d in rank_dirs(run_dir) if (d / META_FILE).is_file()]
+    except OSError:
+        return False
     if len(metas) != world_size:
         return False
     for m in metas:
@@ -166,7 +161,7 @@ def _clean_finish(run_dir: Path, world_size: int, steps: int) -> bool:
             if json.loads(m.read_text()).get("status") != "ok":
                 return False
             last = max((json.loads(line)["step"] for line in
-                        (m.parent / "steps.jsonl").read_text().splitlines() if line.strip()),
+                        (m.parent / STEPS_FILE).read_text().splitlines() if line.strip()),
                        default=-1)
         except (OSError, ValueError, KeyError, TypeError):
             return False
@@ -303,7 +298,7 @@ class _Run:
                 result = self.lnch.poll(handle)
                 if result is None:
                     live = live_rank_dir(job.run_dir, 0)
-                    self.progress.job_tick(cell.id, side, _count_lines(live / "steps.jsonl")
+                    self.progress.job_tick(cell.id, side, count_steps(live)
                                            if live else 0)
                     continue
                 del self.running[key]
@@ -346,7 +341,7 @@ class _Run:
             "wall": round(res.wall, 3), "command": res.command,
             "run_dir": st.rel(job.run_dir, self.dir), "log_dir": st.rel(job.log_dir, self.dir),
             "console_log": st.rel(job.console_log, self.dir), "rank_logs": logs,
-            "steps_recorded": _count_lines(job.run_dir / "rank-00000" / "steps.jsonl"),
+            "steps_recorded": count_steps(rank_dir(job.run_dir, 0)),
             "leftovers_killed": res.leftovers_killed,
         }
         self.progress.job_end(cell.id, side, status, res.wall, reason)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from parity.artifacts import write_json_atomic
 from parity.errors import EXIT_USAGE, ParityError
+from parity.rundir import looks_like_run
 from parity.sweep.spec import CELLS_DIR
 
 SWEEP_SCHEMA_VERSION = 1
@@ -277,7 +278,7 @@ def _what_else(p: Path) -> str:
         return (f"it is one cell of a sweep (its sweep directory is {q(str(p.parent.parent))}); "
                 f"compare its sides with `parity diff {q(str(p / 'reference'))} "
                 f"{q(str(p / 'candidate'))}`")
-    if (p / "run.json").is_file() or any(p.glob("rank-[0-9]*")):
+    if looks_like_run(p):
         return ("it is a run directory (`parity exec --out`); compare two runs with "
                 f"`parity diff REFERENCE_RUN {q(str(p))}`")
     if (p / SPEC_COPY).is_file() or (p / CELLS_DIR).is_dir():

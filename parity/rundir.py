@@ -1,0 +1,82 @@
+"""The run-directory layout (``parity exec --out RUN_DIR``), in one place (docs/artifacts.md).
+
+    RUN_DIR/run.json                   the command, its exit code and status (parity exec)
+    RUN_DIR/rank-NNNNN/meta.json       one folder per global rank: meta, hashes, steps, buckets
+    RUN_DIR/rank-NNNNN/steps.jsonl     one line per recorded step (line 0 is step 0)
+    RUN_DIR/nodes/node-K/...           a multi-node job's per-node output before the merge
+
+The writer (artifacts.RankWriter), the reader (artifacts.read_run), ``parity exec``
+(capture/launch.py), the multi-node launcher, the sweep runner and the HTML report all ask this
+module for names and paths instead of spelling them. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+RUN_FILE = "run.json"
+META_FILE = "meta.json"
+HASHES_FILE = "hashes.jsonl"
+STEPS_FILE = "steps.jsonl"
+BUCKETS_FILE = "buckets.jsonl"
+NODES_DIR = "nodes"
+RANK_DIR = "rank-{:05d}"
+_RANK_DIR_RE = re.compile(r"^rank-(\d{5})$")
+
+
+def rank_dir(out_dir: str | os.PathLike, rank: int) -> Path:
+    """``out_dir/rank-NNNNN``."""
+    return Path(out_dir) / RANK_DIR.format(rank)
+
+
+def rank_of(name: str) -> int | None:
+    """The rank a folder name stands for (``rank-00003`` -> 3), None if it is no rank folder."""
+    m = _RANK_DIR_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def rank_dirs(out_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(rank, folder) for every rank folder in ``out_dir``, by name; raises OSError if
+    ``out_dir`` cannot be listed."""
+    out = []
+    for child in sorted(Path(out_dir).iterdir()):
+        r = rank_of(child.name)
+        if r is not None and child.is_dir():
+            out.append((r, child))
+    return out
+
+
+def looks_like_run(path: str | os.PathLike) -> bool:
+    """Does ``path`` hold a run (a run.json or a rank folder)? For hints, not for reading."""
+    p = Path(path)
+    try:
+        return (p / RUN_FILE).is_file() or bool(rank_dirs(p))
+    except OSError:
+        return False
+
+
+def count_steps(rank_folder: str | os.PathLike) -> int:
+    """Lines in a rank's steps.jsonl (0 when absent): cheap, for progress and summaries."""
+    try:
+        with open(Path(rank_folder) / STEPS_FILE, "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:
+        return 0
+
+
+def node_out_dir(run_dir: str | os.PathLike, node: int | str, nnodes: int) -> Path:
+    """Where node ``node``'s ``parity exec`` writes (``RUN_DIR`` itself for a one-node job)."""
+    run_dir = Path(run_dir)
+    return run_dir if nnodes == 1 else run_dir / NODES_DIR / f"node-{node}"
+
+
+def live_rank_dir(run_dir: str | os.PathLike, rank: int) -> Path | None:
+    """Where rank ``rank`` is writing now: ``RUN_DIR/rank-NNNNN``, or before the merge of a
+    multi-node job, ``RUN_DIR/nodes/node-K/rank-NNNNN`` (for progress displays)."""
+    name = RANK_DIR.format(rank)
+    run_dir = Path(run_dir)
+    if (run_dir / name).is_dir():
+        return run_dir / name
+    return next(iter(sorted(run_dir.glob(f"{NODES_DIR}/node-*/{name}"))), None)
