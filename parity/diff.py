@@ -37,7 +37,6 @@ SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "diff.schema.json"
 VERDICTS = ("match", "hash_mismatch", "incomplete")
 FAIL_ON = tuple(policy.POLICIES)
-ORDER_FAILURES = policy.ORDER_FAILURES
 A_PREFERS = ("fsdp2", "graph")
 B_PREFERS = ("graph", "fsdp2")
 _SHOW = 5  # names shown in one-line messages

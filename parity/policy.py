@@ -18,7 +18,9 @@ Policies (``--fail-on``). Each fails on at least what its name says:
 Statuses of a compared pair (a sweep cell's ``status`` and diff.json's ``status`` alike):
 ``match``, ``hash_mismatch`` (wins over an order difference), ``order_mismatch`` (hashes equal,
 layouts differ), ``incomplete`` (no difference in what was compared, but data is missing; a sweep
-shows such a cell as ``failed``). This module imports nothing from the rest of parity but errors.
+shows such a cell as ``failed``). A sweep cell's status is decided here too (:func:`cell_status`
+from its diff, :func:`settled_cell` when the sweep stopped). This module imports nothing from the
+rest of parity but errors.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ UNAVAILABLE = "unavailable"
 
 MATCH, HASH_MISMATCH, ORDER_MISMATCH, INCOMPLETE = (
     "match", "hash_mismatch", "order_mismatch", "incomplete")
+# a sweep cell's further statuses: its jobs or its diff failed (or its data is incomplete), its
+# requirements are not met here, or it has not finished (never in a finished sweep.json)
+FAILED, SKIPPED, PENDING, RUNNING = "failed", "skipped", "pending", "running"
+COMPARED = (MATCH, HASH_MISMATCH, ORDER_MISMATCH)  # a complete result: never rerun by --resume
+CELL_STATUSES = (MATCH, HASH_MISMATCH, ORDER_MISMATCH, FAILED, SKIPPED)
 
 WORDS = {EXIT_OK: "HOLDS", EXIT_MISMATCH: "FAILS", EXIT_INCOMPLETE: "INCOMPLETE"}
 
@@ -186,6 +193,74 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         if isinstance(w, dict):
             v.warnings.append(f"{str(w.get('side', '?')).upper()}: {w.get('message')}")
     return v
+
+
+def cell_status(d: dict) -> tuple[str, str]:
+    """A sweep cell's status and one-line reason from its diff result's JSON
+    (``DiffResult.to_dict()``): match, hash_mismatch, order_mismatch, or failed (incomplete
+    data). Capture warnings are appended to the reason, so every report and the gate show them."""
+    found, reason = _cell_status(d)
+    warns = [w for w in d.get("warnings") or [] if isinstance(w, dict)]
+    if warns:
+        w = warns[0]
+        reason += (f"; {len(warns)} capture warning(s) ({str(w.get('side', '?')).upper()}: "
+                   f"{w.get('message')})")
+    return found, reason
+
+
+def _cell_status(d: dict) -> tuple[str, str]:
+    verdict = d.get("verdict")
+    order = d.get("order") if isinstance(d.get("order"), dict) else {}
+    oval = order.get("verdict")
+    st = status(verdict, oval)
+    order_note = ""
+    if oval in ORDER_FAILURES:
+        order_note = f"bucket order: {oval}{_where(order.get('first_bucket'))}"
+    elif oval and oval != "identical":
+        notes = [str(n) for n in order.get("notes") or []][:1]
+        order_note = f"bucket order {oval}" + (f" ({notes[0]})" if notes else "")
+    if st == HASH_MISMATCH:
+        step = d.get("first_divergent_step")
+        div = [x for x in d.get("divergent") or [] if isinstance(x, dict)]
+        first = [x for x in div if x.get("step") == step] or div
+        names = list(dict.fromkeys(str(x.get("fqn")) for x in first if x.get("fqn")))
+        what = ""
+        if names:
+            what = ": " + ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3
+                                                  else "")
+        reason = f"first divergent step {step}{what}"
+        if order_note and oval in ORDER_FAILURES:
+            reason += f"; {order_note}"
+        return HASH_MISMATCH, reason
+    if st == ORDER_MISMATCH:
+        return ORDER_MISMATCH, f"hashes identical; {order_note}"
+    if st == MATCH:
+        return MATCH, "bitwise identical" + (f"; {order_note}" if order_note else "")
+    why = [str(x) for x in d.get("incomplete") or []][:2]
+    why += [str(p.get("message")) for p in d.get("problems") or [] if isinstance(p, dict)][:1]
+    return FAILED, "incomplete data" + (f": {'; '.join(why)}" if why else
+                                        f" (diff verdict {verdict!r})")
+
+
+def _where(fb) -> str:
+    if not isinstance(fb, dict):
+        return ""
+    parts = [f" in {fb['collective']} bucket {fb.get('index')}" if fb.get("collective") else ""]
+    if fb.get("group"):
+        parts.append(f" ({fb['group']})")
+    if fb.get("position") is not None:
+        parts.append(f" at position {fb['position']}")
+    if isinstance(fb.get("detail"), str) and fb["detail"]:
+        parts.append(f": {fb['detail']}")
+    return "".join(parts)
+
+
+def settled_cell(found: str | None, reason: str | None) -> tuple[str, str | None]:
+    """A cell's status and reason as a sweep report states them: a cell still pending or
+    running when the sweep stopped is failed (resume reruns it)."""
+    if found not in CELL_STATUSES:
+        return FAILED, reason or "did not finish (sweep interrupted; rerun with --resume)"
+    return found, reason
 
 
 def cell_code(cell: dict, policy: str) -> int | None:

@@ -8,7 +8,7 @@ import pytest
 
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, ParityError
 from parity.sweep.gate import evaluate, gate
-from parity.sweep.runner import classify
+from parity.policy import cell_status as classify
 
 PARITY = [sys.executable, "-m", "parity"]
 

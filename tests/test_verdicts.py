@@ -176,7 +176,7 @@ def test_loss_on_one_side_only_is_said(tmp_path):
 
 def test_capture_warnings_reach_the_sweep_reason_and_the_gate():
     from parity.sweep.gate import evaluate
-    from parity.sweep.runner import classify
+    from parity.policy import cell_status as classify
 
     d = {"verdict": "match", "order": {"verdict": "identical"},
          "warnings": [{"side": "b", "ranks": [0], "message": "2 parameter(s) joined ..."}]}

@@ -25,6 +25,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from parity.capture.records import dtype_name
+
 __all__ = ["EagerCollectives", "kind_of", "MODULES"]
 
 MODULES = ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._dispatch",
@@ -209,7 +211,7 @@ class EagerCollectives:
             return  # no communication
         meta = getattr(target_spec, "tensor_meta", None)
         shape = list(meta.shape) if meta is not None else list(local_tensor.shape)
-        dtype = str(local_tensor.dtype).removeprefix("torch.")
+        dtype = dtype_name(local_tensor.dtype)
         numel = local_tensor.numel()
         size = numel * local_tensor.element_size()
         world = 1

@@ -27,13 +27,11 @@ from typing import Callable
 
 import torch
 
+from parity.capture.records import common_module, dtype_name
+
 GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _AG_ARGS = ("fsdp_params", "group")
 _RS_ARGS = ("fsdp_params", "unsharded_grads", "reduce_scatter_group", "reduce_dtype")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _arg_getter(fn: Callable, names: tuple[str, ...]) -> Callable | None:
@@ -183,14 +181,7 @@ class FSDP2Recorder:
         fqns = [fp._param_fqn for fp in fsdp_params if getattr(fp, "_param_fqn", None)]
         if not fqns:
             return None
-        parts = [f.split(".")[:-1] for f in fqns]
-        common = []
-        for comps in zip(*parts):
-            if all(c == comps[0] for c in comps):
-                common.append(comps[0])
-            else:
-                break
-        return self._normalize(".".join(common))
+        return self._normalize(common_module(fqns))
 
     def _unchanged(self, collective: str, raw: tuple) -> bool:
         """Fast path: the same parameters and sizes as last time at this position (then the
@@ -216,7 +207,7 @@ class FSDP2Recorder:
         self._emit({
             "source": "fsdp2", "collective": collective, "graph": None, "graph_id": None,
             "step": self._step(), "index": index, "group": group, "node": None,
-            "dtype": _dtype_name(dtype), "world_size": world_size,
+            "dtype": dtype_name(dtype), "world_size": world_size,
             "total_bytes": sum(e["size"] for e in entries), "entries": entries,
         })
 
@@ -248,7 +239,7 @@ class FSDP2Recorder:
             size = sum(n * d.itemsize for n, d in zip(ns, ds))
             dtype = ds[0] if len(set(ds)) == 1 else (payload_dtype or ds[0])
             entries.append({"fqn": self._fqn(fp, i), "offset": offset, "size": size,
-                            "numel": sum(ns), "dtype": _dtype_name(dtype),
+                            "numel": sum(ns), "dtype": dtype_name(dtype),
                             "shape": list(getattr(fp, "sharded_size", ()) or ())})
             offset += size
         if payload_dtype is None:
@@ -280,7 +271,7 @@ class FSDP2Recorder:
             numel = padded // world_size
             size = numel * itemsize
             entries.append({"fqn": self._fqn(fp, i), "offset": offset, "size": size,
-                            "numel": numel, "dtype": _dtype_name(dtype),
+                            "numel": numel, "dtype": dtype_name(dtype),
                             "shape": list(getattr(fp, "sharded_size", ()) or ())})
             offset += size
         self._record("reduce_scatter", self._group_fqn(fsdp_params, param_group), dtype,

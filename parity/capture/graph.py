@@ -45,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parity.capture.names import normalize_fqn  # one definition, shared with the session
+from parity.capture.records import common_module, dtype_name
 
 
 __all__ = ["install", "uninstall", "is_installed", "extract_buckets", "normalize_fqn", "source_to_fqn"]
@@ -334,23 +335,6 @@ def _group_size(arg: Any) -> int:
         raise TypeError(f"cannot read group_size from {arg!r}") from None
 
 
-def _common_group(fqns: list[str | None]) -> str:
-    mods = [f.rsplit(".", 1)[0].split(".") if "." in f else [] for f in fqns if f]
-    if not mods:
-        return ""
-    prefix: list[str] = []
-    for parts in zip(*mods):
-        if all(p == parts[0] for p in parts):
-            prefix.append(parts[0])
-        else:
-            break
-    return ".".join(prefix)
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _rs_payload_map(gm: Any, output_fqns: list[str | None]) -> dict[Any, str]:
     """Before passes: map each per-parameter reduce-scatter's input chain -> FQN.
 
@@ -504,7 +488,7 @@ def extract_buckets(
                     "offset": offset,
                     "size": size,
                     "numel": numel,
-                    "dtype": _dtype_name(dtype),
+                    "dtype": dtype_name(dtype),
                     "shape": shape,
                 }
             )
@@ -534,8 +518,8 @@ def extract_buckets(
                 "graph_id": graph_id,
                 "index": index,
                 "node": node.name,
-                "group": _common_group([e["fqn"] for e in entries]),
-                "dtype": _dtype_name(bucket_dtype) if bucket_dtype is not None else "",
+                "group": common_module([e["fqn"] for e in entries]),
+                "dtype": dtype_name(bucket_dtype) if bucket_dtype is not None else "",
                 "world_size": world_size,
                 "total_bytes": total,
                 "entries": entries,

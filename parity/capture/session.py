@@ -42,6 +42,7 @@ from parity.rundir import rank_dir
 from parity.capture import env as cenv
 from parity.capture import gpu_facts, post_import
 from parity.capture.env import one_line as _one_line, say as _say
+from parity.capture.records import dtype_name
 from parity.capture.names import WRAPPER_COMPONENTS, normalize_fqn  # noqa: F401 (re-exported)
 from parity.capture.hashing import (HASHERS, device_backend, digest_tensors, host_digest,
                                     local_tensor)
@@ -59,10 +60,6 @@ def sampled(step: int, every: int) -> bool:
 
 # ------------------------------------------------------------------------------ small helpers
 
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _placement_str(p) -> str:
@@ -931,7 +928,7 @@ class Session:
             lt = local_tensor(p)
             entry = {"fqn": normalize_fqn(raw) if raw else f"<unnamed {i}>", "raw_fqn": raw,
                      "shape": list(lt.shape), "global_shape": list(p.shape),
-                     "dtype": _dtype_name(lt.dtype), "placement": None, "mesh_coord": None}
+                     "dtype": dtype_name(lt.dtype), "placement": None, "mesh_coord": None}
             if _is_dtensor(p):
                 entry["placement"] = ", ".join(_placement_str(pl) for pl in p.placements)
                 coord = p.device_mesh.get_coordinate()
@@ -956,7 +953,7 @@ class Session:
             lt = local_tensor(t)
             self.entries.append({"fqn": normalize_fqn(fqn), "raw_fqn": fqn, "kind": "buffer",
                                  "shape": list(lt.shape), "global_shape": list(t.shape),
-                                 "dtype": _dtype_name(lt.dtype), "placement": None,
+                                 "dtype": dtype_name(lt.dtype), "placement": None,
                                  "mesh_coord": None})
             bufs.append(t)
         if bufs:
@@ -984,7 +981,7 @@ class Session:
             lt = local_tensor(p)
             self.entries.append({"fqn": normalize_fqn(raw) if raw else f"<unnamed {i}>",
                                  "raw_fqn": raw, "shape": list(lt.shape),
-                                 "global_shape": list(p.shape), "dtype": _dtype_name(lt.dtype),
+                                 "global_shape": list(p.shape), "dtype": dtype_name(lt.dtype),
                                  "placement": None, "mesh_coord": None,
                                  "since": self._step_base + self.k})
         if self._step_grads is not None:  # this step's gradients, in table order

@@ -436,69 +436,7 @@ def _compare(ref: Path, cand: Path, diff_path: Path, root: Path, *, tolerate_exi
         return st.FAILED, f"diff: {e}", None
     except Exception as e:  # a bug in the diff engine: report it on the cell, keep sweeping
         return st.FAILED, f"diff: internal error: {e.__class__.__name__}: {e}", None
-    return (*classify(d), d)
-
-
-ORDER_FAILURES = policy.ORDER_FAILURES
-
-
-def classify(d: dict) -> tuple[str, str]:
-    """A cell status and a one-line reason from a diff result's JSON (parity.diff.DiffResult);
-    capture warnings are appended to the reason, so every report and the gate show them."""
-    status, reason = _classify(d)
-    warns = [w for w in d.get("warnings") or [] if isinstance(w, dict)]
-    if warns:
-        w = warns[0]
-        reason += (f"; {len(warns)} capture warning(s) ({str(w.get('side', '?')).upper()}: "
-                   f"{w.get('message')})")
-    return status, reason
-
-
-def _classify(d: dict) -> tuple[str, str]:
-    verdict = d.get("verdict")
-    order = d.get("order") if isinstance(d.get("order"), dict) else {}
-    oval = order.get("verdict")
-    status = policy.status(verdict, oval)
-    order_note = ""
-    if oval in ORDER_FAILURES:
-        order_note = f"bucket order: {oval}{_where(order.get('first_bucket'))}"
-    elif oval and oval != "identical":
-        notes = [str(n) for n in order.get("notes") or []][:1]
-        order_note = f"bucket order {oval}" + (f" ({notes[0]})" if notes else "")
-    if status == policy.HASH_MISMATCH:
-        step = d.get("first_divergent_step")
-        div = [x for x in d.get("divergent") or [] if isinstance(x, dict)]
-        first = [x for x in div if x.get("step") == step] or div
-        names = list(dict.fromkeys(str(x.get("fqn")) for x in first if x.get("fqn")))
-        what = ""
-        if names:
-            what = ": " + ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3
-                                                  else "")
-        reason = f"first divergent step {step}{what}"
-        if order_note and oval in ORDER_FAILURES:
-            reason += f"; {order_note}"
-        return st.HASH_MISMATCH, reason
-    if status == policy.ORDER_MISMATCH:
-        return st.ORDER_MISMATCH, f"hashes identical; {order_note}"
-    if status == policy.MATCH:
-        return st.MATCH, "bitwise identical" + (f"; {order_note}" if order_note else "")
-    why = [str(x) for x in d.get("incomplete") or []][:2]
-    why += [str(p.get("message")) for p in d.get("problems") or [] if isinstance(p, dict)][:1]
-    return st.FAILED, "incomplete data" + (f": {'; '.join(why)}" if why else
-                                           f" (diff verdict {verdict!r})")
-
-
-def _where(fb) -> str:
-    if not isinstance(fb, dict):
-        return ""
-    parts = [f" in {fb['collective']} bucket {fb.get('index')}" if fb.get("collective") else ""]
-    if fb.get("group"):
-        parts.append(f" ({fb['group']})")
-    if fb.get("position") is not None:
-        parts.append(f" at position {fb['position']}")
-    if isinstance(fb.get("detail"), str) and fb["detail"]:
-        parts.append(f": {fb['detail']}")
-    return "".join(parts)
+    return (*policy.cell_status(d), d)
 
 
 # ------------------------------------------------------------------------------------ signals

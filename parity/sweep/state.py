@@ -26,6 +26,10 @@ from pathlib import Path
 
 from parity.artifacts import write_json_atomic
 from parity.errors import EXIT_USAGE, ParityError
+# cell statuses: decided in parity.policy, named here for the sweep's own modules
+from parity.policy import CELL_STATUSES as STATUSES
+from parity.policy import (COMPARED, FAILED, HASH_MISMATCH, MATCH, ORDER_MISMATCH,  # noqa: F401
+                           PENDING, RUNNING, SKIPPED, settled_cell)
 from parity.rundir import looks_like_run
 from parity.sweep.spec import CELLS_DIR
 
@@ -35,11 +39,6 @@ MARKER = ".parity-sweep"  # JSON: {"v": 1, "spec_dir": ...}; what makes a folder
 SPEC_COPY = "spec.toml"
 SWEEP_JSON = "sweep.json"
 
-# cell statuses
-MATCH, HASH_MISMATCH, ORDER_MISMATCH = "match", "hash_mismatch", "order_mismatch"
-FAILED, SKIPPED, PENDING, RUNNING = "failed", "skipped", "pending", "running"
-COMPARED = (MATCH, HASH_MISMATCH, ORDER_MISMATCH)  # a complete result: never rerun by --resume
-STATUSES = (MATCH, HASH_MISMATCH, ORDER_MISMATCH, FAILED, SKIPPED)
 
 
 def cell_dir(sweep_dir: Path, cid: str) -> Path:
@@ -257,9 +256,7 @@ def _public_cell(st: dict) -> dict:
     keys = ("id", "axes", "status", "reason", "requires", "started", "ended", "sides", "diff",
             "diff_json")
     out = {k: st.get(k) for k in keys}
-    if out["status"] not in STATUSES:  # pending/running when the sweep stopped early
-        out["status"] = FAILED
-        out["reason"] = out.get("reason") or "did not finish (sweep interrupted; rerun with --resume)"
+    out["status"], out["reason"] = settled_cell(out["status"], out["reason"])
     out["wall"] = (round(st["ended"] - st["started"], 3)
                    if st.get("started") and st.get("ended") else None)
     return out
