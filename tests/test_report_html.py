@@ -58,7 +58,8 @@ def test_sweep_html_matrix_states(tmp_path, mismatch_diff):
         {"id": "a=3", "axes": {"a": 3}, "status": "failed", "reason": "rank 1: exit 1",
          "diff": {"steps_compared": [0, 1]}},
     ]
-    page = render_sweep_html({"name": "t", "axes": {"a": {}}, "steps": 4, "cells": cells,
+    page = render_sweep_html({"name": "t", "axes": [{"name": "a", "values": [1, 2, 3]}],
+                              "steps": 4, "cells": cells,
                               "counts": {"hash_mismatch": 1, "skipped": 1, "failed": 1}})
     _no_external(page)
     assert page.count('class="strip"') == 3
@@ -98,6 +99,43 @@ def test_sweep_page_groups_findings_keeps_spec_order_and_collapses_runs(tmp_path
     assert "<details><summary>" in page and 'href="cells/x/logs/r0.err"' in page
     assert "torchrun -m trainer --steps 3" in page and "boot" not in page
     assert "Sweep matrix" not in page
+
+
+def test_axis_columns_follow_the_spec_through_a_real_sweep_json(tmp_path):
+    """sweep.json as build_sweep writes it (axes: a list in spec order) -> the same column order
+    in the HTML matrix, the console and the markdown (an alphabetical order would put alpha
+    first)."""
+    import io
+    import json
+    import textwrap
+
+    from parity.report.formats import print_sweep_console, sweep_markdown
+    from parity.sweep.spec import parse_spec
+    from parity.sweep.state import build_sweep
+
+    sp = parse_spec(textwrap.dedent("""
+        name = "order"
+        [axes]
+        zeta = [true, false]
+        alpha = [1]
+        [reference]
+        argv = ["-m", "mod"]
+        [candidate]
+        argv = ["-m", "mod", "--c"]
+        """), source="s.toml")
+    states = [{"id": c.id, "axes": c.axes, "status": "skipped", "reason": "r"} for c in sp.cells()]
+    sweep = json.loads(json.dumps(build_sweep(sp, tmp_path, states, started=0.0, ended=1.0,
+                                              complete=True, launcher="local", steps=1, only=None,
+                                              fail_on="hash")))
+    assert isinstance(sweep["axes"], list)
+    page = render_sweep_html(sweep)
+    heads = re.findall(r"<th>(zeta|alpha)</th>", page)
+    assert heads[:2] == ["zeta", "alpha"]
+    md = sweep_markdown(sweep)
+    assert md.index("zeta") < md.index("alpha")
+    con = io.StringIO()
+    print_sweep_console(sweep, con)
+    assert con.getvalue().index("zeta") < con.getvalue().index("alpha")
 
 
 def test_every_moved_position_is_marked(mismatch_diff):

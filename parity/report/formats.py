@@ -19,6 +19,7 @@ from parity import policy
 from parity.diff import ranges
 from parity.errors import ParityError
 from parity.report.text import safe_text
+from parity.sweep.state import axis_names
 
 FORMATS = ("console", "json", "markdown", "junit", "html")
 
@@ -84,16 +85,6 @@ def _open_out(path):
 
 def _public(sweep: dict) -> dict:
     return {k: v for k, v in sweep.items() if not k.startswith("_")}
-
-
-def _axis_names(sweep: dict) -> list[str]:
-    names = [a["name"] for a in sweep.get("axes") or [] if isinstance(a, dict) and "name" in a]
-    if not names:
-        for c in sweep.get("cells", []):
-            for k in (c.get("axes") or {}):
-                if k not in names:
-                    names.append(k)
-    return names
 
 
 def _value(v) -> str:
@@ -252,7 +243,7 @@ def print_sweep_console(sweep: dict, file=None, color: bool | None = None,
     title = f"parity sweep {sweep.get('name', '?')}"
     if sweep.get("description"):
         title += f" - {sweep['description']}"
-    axes = _axis_names(sweep)
+    axes = axis_names(sweep)
     t = Table(title=Text(_safe(title)), title_justify="left", show_lines=False)
     for a in axes:
         t.add_column(Text(_safe(a)))
@@ -338,7 +329,7 @@ def sweep_markdown(sweep: dict, fail_on: str | None = None) -> str:
     the matrix with ranks, the most severe finding's diff command, where the HTML page is."""
     from parity.sweep.gate import sweep_policy
 
-    axes = _axis_names(sweep)
+    axes = axis_names(sweep)
     verdict, _ = policy.judge_sweep(sweep, sweep_policy(sweep, fail_on))
     icon = {"HOLDS": "✅", "FAILS": "❌"}.get(verdict.word, "⚠️")
     lines = [f"## parity sweep `{_code(sweep.get('name', '?'))}`", ""]

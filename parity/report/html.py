@@ -25,6 +25,7 @@ import time
 from parity import policy
 from parity.artifacts import write_text_atomic
 from parity.rundir import META_FILE, rank_dir
+from parity.sweep.state import axis_names
 from parity.report.text import safe_text
 
 STATE_COLOURS = {
@@ -349,22 +350,6 @@ def _page(title: str, body: list[str]) -> str:
             "</body></html>\n")
 
 
-def _axes(sweep: dict) -> list[str]:
-    """Axis names in the spec's order."""
-    axes = sweep.get("axes")
-    if isinstance(axes, list):
-        names = [a["name"] for a in axes if isinstance(a, dict) and "name" in a]
-    elif isinstance(axes, dict):
-        names = list(axes)
-    else:
-        names = []
-    for c in sweep.get("cells") or []:
-        for k in c.get("axes") or {}:
-            if k not in names:
-                names.append(k)
-    return names
-
-
 # ------------------------------------------------------------------------------------ the pages
 
 
@@ -372,7 +357,7 @@ def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | N
     """The sweep page: the gate's verdict line, the matrix, each distinct bucket finding once,
     divergent parameters, the runs (collapsed)."""
     cells = sweep.get("cells") or []
-    axes = _axes(sweep)
+    axes = axis_names(sweep)
     n_steps = sweep.get("steps")
     all_steps = sorted({s for c in cells for s in ((c.get("diff") or {}).get("steps_compared") or [])})
     steps = list(range(0, int(n_steps) + 1)) if isinstance(n_steps, int) else all_steps or [0]

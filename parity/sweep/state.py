@@ -262,6 +262,18 @@ def _public_cell(st: dict) -> dict:
     return out
 
 
+def axis_names(sweep: dict) -> list[str]:
+    """Axis names in the spec's order: sweep.json's ``axes`` is a list of {name, values} (then
+    any axis only a cell names, in the order first seen). Every report's matrix uses this."""
+    names = [a["name"] for a in sweep.get("axes") or [] if isinstance(a, dict) and "name" in a]
+    for c in sweep.get("cells") or []:
+        for k in (c.get("axes") if isinstance(c, dict) and isinstance(c.get("axes"), dict)
+                  else {}):
+            if k not in names:
+                names.append(k)
+    return names
+
+
 def write_sweep(sweep_dir: Path, sweep: dict) -> Path:
     path = sweep_dir / SWEEP_JSON
     write_json_atomic(path, sweep)
