@@ -210,3 +210,26 @@ def test_source_names_to_fqns():
     )
     assert source_to_fqn("L['tokens']") is None
     assert normalize_fqn("layers.0._checkpoint_wrapped_module.attention.wq.weight") == "layers.0.attention.wq.weight"
+
+
+def test_a_compile_cache_that_cannot_be_disabled_is_said(monkeypatch):
+    """A cache hit skips the compilers, and so the manifest: failing to turn a cache off is a
+    capture warning (the session's warn: meta.json), never silent."""
+    import torch._inductor.config  # noqa: F401 (the real one, before it is replaced below)
+
+    from parity.capture import graph
+
+    class ReadOnly:
+        fx_graph_cache = True
+
+        def __setattr__(self, name, value):
+            raise AttributeError(f"{name} is read-only")
+
+    monkeypatch.setitem(sys.modules, "torch._inductor.config", ReadOnly())
+    said = []
+    try:
+        assert graph.install(lambda record: None, warn=said.append) is None
+    finally:
+        graph.uninstall()
+    assert len(said) == 1 and "torch._inductor.config.fx_graph_cache" in said[0]
+    assert "cache hit yields no compiled manifest" in said[0]

@@ -283,7 +283,8 @@ def _split_outputs(start: Any) -> list[Any] | None:
     return None
 
 
-def _payload_pieces(buffer: Any) -> tuple[list[Any], list[Any] | None, str]:
+def _payload_pieces(buffer: Any, warnings: list[str] | None = None
+                    ) -> tuple[list[Any], list[Any] | None, str]:
     """Decompose a collective's input buffer into its concatenated payloads.
 
     Returns (pieces, dtypes or None, pattern). ``dtypes[i]`` overrides the
@@ -307,8 +308,10 @@ def _payload_pieces(buffer: Any) -> tuple[list[Any], list[Any] | None, str]:
                 from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
 
                 dtypes = [_ALL_DTYPES[i] for i in cur.args[3]]
-            except Exception:
-                dtypes = None
+            except Exception as e:  # said: the sizes then come from the traced values' dtypes
+                if warnings is not None:
+                    warnings.append(f"{cur.name}: payload dtypes not read from torch's bucketing "
+                                    f"pass ({type(e).__name__}: {e}); traced dtypes used")
             return list(cur.args[0]), dtypes, "pre_bucket_all_gather"
         if name in _PRE_RS_OPS and isinstance(cur.args[0], (list, tuple)):
             return list(cur.args[0]), None, "pre_bucket_reduce_scatter"
@@ -420,7 +423,7 @@ def extract_buckets(
         if coalesced:
             pieces, dtypes, pattern = list(node.args[0]), None, "coalesced"
         else:
-            pieces, dtypes, pattern = _payload_pieces(node.args[0])
+            pieces, dtypes, pattern = _payload_pieces(node.args[0], warnings)
             if pattern == "cat":
                 # A plain cat may be the user's own math (e.g. the backward of
                 # a split weight); it is a bucket only if the result is split
@@ -682,7 +685,8 @@ def _wrap_aot_compile_joint(original: Callable[..., Any]) -> Callable[..., Any]:
     return _wrap_entry(original, lambda params: [], apply_defaults=True)
 
 
-def install(on_graph: OnGraph, *, disable_caches: bool = True) -> str | None:
+def install(on_graph: OnGraph, *, disable_caches: bool = True,
+            warn: Callable[[str], Any] | None = None) -> str | None:
     """Start calling ``on_graph(record)`` for every compiled forward/backward graph.
 
     Idempotent (a second call only replaces the callback). Returns None when
@@ -690,7 +694,8 @@ def install(on_graph: OnGraph, *, disable_caches: bool = True) -> str | None:
 
     ``disable_caches`` turns off the AOTAutograd and FX graph caches: on a cache
     hit the compilers (and the passes) do not run, so there would be no graph
-    to read, or an unbucketed one.
+    to read, or an unbucketed one. A cache that cannot be turned off is said
+    through ``warn`` (the session's capture warnings, in meta.json).
     """
     with _lock:
         _state["on_graph"] = on_graph
@@ -737,8 +742,13 @@ def install(on_graph: OnGraph, *, disable_caches: bool = True) -> str | None:
                     config = __import__(module_name, fromlist=["_"])
                     _state["config"].append((config, attr, getattr(config, attr)))
                     setattr(config, attr, False)
-                except Exception:
-                    pass
+                except Exception as e:  # a cache hit would then yield no manifest: say so
+                    msg = (f"cannot disable {module_name}.{attr} ({type(e).__name__}: {e}): "
+                           "a compile cache hit yields no compiled manifest")
+                    if warn is not None:
+                        warn(msg)
+                    else:
+                        _warn_once(msg)
         return None
 
 

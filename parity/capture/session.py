@@ -625,18 +625,10 @@ class Session:
             return
         self._graph_tried = True
         warn = self._manifest_warn("graph")
+        from parity.capture import graph
+
         try:
-            from parity.capture import graph
-        except ImportError as e:
-            warn(f"compiled manifests unavailable: parity.capture.graph cannot be imported "
-                 f"({_one_line(e)})")
-            return
-        install = getattr(graph, "install", None)
-        if not callable(install):
-            warn("compiled manifests unavailable: parity.capture.graph.install not found")
-            return
-        try:
-            reason = install(self._on_graph)
+            reason = graph.install(self._on_graph, warn=self.warn)
         except Exception as e:  # noqa: BLE001
             warn(f"compiled manifests unavailable: graph.install failed ({_one_line(e)})")
             return

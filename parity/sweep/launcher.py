@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -57,11 +57,6 @@ class JobResult:
     @property
     def wall(self) -> float:
         return max(0.0, self.ended - self.started)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["wall"] = round(self.wall, 3)
-        return d
 
 
 class Launcher(ABC):

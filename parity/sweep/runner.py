@@ -423,10 +423,8 @@ def _compare(ref: Path, cand: Path, diff_path: Path, root: Path, *, tolerate_exi
     """Diff one cell: (status, reason, diff dict). Never raises. The sides' paths are stored
     relative to the sweep directory ``root`` (like every path in cell.json and sweep.json), so a
     copied or downloaded sweep folder prints paths that exist where it now is."""
-    try:
-        from parity.diff import diff_runs
-    except ImportError as e:
-        return st.FAILED, f"diff engine unavailable ({e})", None
+    from parity.diff import diff_runs  # here: a --dry-run need not import pandas
+
     try:
         result = diff_runs(ref, cand, tolerate_exit=tolerate_exit)
         result.a.path, result.b.path = st.rel(ref, root), st.rel(cand, root)
