@@ -25,6 +25,7 @@ from parity.rundir import META_FILE, STEPS_FILE, count_steps, live_rank_dir, ran
 from parity.sweep import state as st
 from parity.sweep.launcher import CANCELLED, OK, Job, JobResult, Launcher
 from parity.sweep.launchers import make_launcher
+from parity.sweep.model import SideResult
 from parity.sweep.spec import SIDES, Cell, Spec, load_spec, matches, parse_only, safe_component
 
 DEFAULT_ROOT = Path("reports")
@@ -314,11 +315,10 @@ class _Run:
             st.reset_cell(self.dir, cell.id, keep_sides=keep)
             s.update(status=st.RUNNING, started=time.time())
         job = _make_job(self.sp, cell, side, self.dir, self.cwd)
-        s["sides"][side] = {"status": "running", "label": cell.sides[side].label,
-                            "run_dir": st.rel(job.run_dir, self.dir),
-                            "log_dir": st.rel(job.log_dir, self.dir),
-                            "console_log": st.rel(job.console_log, self.dir),
-                            "started": time.time()}
+        s["sides"][side] = SideResult(
+            status="running", label=cell.sides[side].label, started=time.time(),
+            run_dir=st.rel(job.run_dir, self.dir), log_dir=st.rel(job.log_dir, self.dir),
+            console_log=st.rel(job.console_log, self.dir)).to_dict()
         st.write_cell(self.dir, s)
         handle = self.lnch.start(job)
         self.running[id(handle)] = (handle, cell, side, job)
@@ -335,15 +335,13 @@ class _Run:
                                   "step (tolerate_teardown_exit)")
         logs = [{k: (st.rel(v, self.dir) if k in ("stdout", "stderr", "error") else v)
                  for k, v in entry.items()} for entry in res.rank_logs]
-        s["sides"][side] = {
-            "status": status, "label": cell.sides[side].label, "exit_code": res.exit_code,
-            "reason": reason, "started": res.started, "ended": res.ended,
-            "wall": round(res.wall, 3), "command": res.command,
-            "run_dir": st.rel(job.run_dir, self.dir), "log_dir": st.rel(job.log_dir, self.dir),
-            "console_log": st.rel(job.console_log, self.dir), "rank_logs": logs,
-            "steps_recorded": count_steps(rank_dir(job.run_dir, 0)),
-            "leftovers_killed": res.leftovers_killed,
-        }
+        s["sides"][side] = SideResult(
+            status=status, label=cell.sides[side].label, exit_code=res.exit_code,
+            reason=reason, started=res.started, ended=res.ended, wall=round(res.wall, 3),
+            command=res.command, run_dir=st.rel(job.run_dir, self.dir),
+            log_dir=st.rel(job.log_dir, self.dir), console_log=st.rel(job.console_log, self.dir),
+            rank_logs=logs, steps_recorded=count_steps(rank_dir(job.run_dir, 0)),
+            leftovers_killed=res.leftovers_killed).to_dict()
         self.progress.job_end(cell.id, side, status, res.wall, reason)
         if status == CANCELLED:  # interrupted: the cell has no result and --resume reruns it
             s.update(status=st.PENDING, reason="interrupted")
@@ -358,7 +356,8 @@ class _Run:
                 self.progress.cell_done(cell.id, st.FAILED, why)
             for other in SIDES:  # a queued other side is not run (the queue checks the status)
                 if other not in s["sides"]:
-                    s["sides"][other] = {"status": "not_run", "reason": f"not run: {side} failed"}
+                    s["sides"][other] = SideResult(status="not_run",
+                                                   reason=f"not run: {side} failed").to_dict()
             self._diff_partial(cell)
             st.write_cell(self.dir, s)
             return

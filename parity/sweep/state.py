@@ -31,6 +31,7 @@ from parity.policy import CELL_STATUSES as STATUSES
 from parity.policy import (COMPARED, FAILED, HASH_MISMATCH, MATCH, ORDER_MISMATCH,  # noqa: F401
                            PENDING, RUNNING, SKIPPED, settled_cell)
 from parity.rundir import looks_like_run
+from parity.sweep.model import CellResult, SweepReport
 from parity.sweep.spec import CELLS_DIR
 
 SWEEP_SCHEMA_VERSION = 1
@@ -187,11 +188,10 @@ def write_cell(sweep_dir: Path, state: dict) -> None:
 
 
 def new_cell_state(cell, fingerprints: dict[str, str]) -> dict:
-    return {
-        "v": SWEEP_SCHEMA_VERSION, "id": cell.id, "axes": dict(cell.axes), "status": PENDING,
-        "reason": "", "fingerprint": fingerprints, "requires": list(cell.requires),
-        "sides": {}, "diff": None, "diff_json": None, "started": None, "ended": None,
-    }
+    """cell.json of a cell not run yet (the runner updates it in place, writes it each change)."""
+    return CellResult(v=SWEEP_SCHEMA_VERSION, id=cell.id, axes=dict(cell.axes), status=PENDING,
+                      reason="", fingerprint=fingerprints, requires=list(cell.requires),
+                      sides={}, diff=None, diff_json=None, started=None, ended=None).to_dict()
 
 
 def is_complete(state: dict | None, fingerprints: dict[str, str]) -> bool:
@@ -221,45 +221,33 @@ def build_sweep(spec, sweep_dir: Path, states: list[dict], *, started: float, en
     cells = [_public_cell(st) for st in states]
     counts = {s: 0 for s in STATUSES}
     for c in cells:
-        counts[c["status"]] += 1
-    return {
-        "v": SWEEP_SCHEMA_VERSION,
-        "kind": "parity-sweep",
-        "name": spec.name,
-        "description": spec.description,
-        "spec": SPEC_COPY,
-        "spec_source": spec.source,
-        "launcher": launcher,
-        "steps": steps,
-        "seed": spec.seed,
-        "nnodes": spec.nnodes,
-        "nproc_per_node": spec.nproc_per_node,
-        "only": only,
-        "fail_on": fail_on,
-        "axes": [{"name": a.name, "values": list(a.values)} for a in spec.axes],
-        "sides": {name: {"label": s.label} for name, s in spec.sides.items()},
-        "started": started,
-        "ended": ended,
-        "wall": round(ended - started, 3) if ended else None,
+        counts[c.status] += 1
+    return SweepReport(
+        v=SWEEP_SCHEMA_VERSION, kind="parity-sweep", name=spec.name,
+        description=spec.description, spec=SPEC_COPY, spec_source=spec.source,
+        launcher=launcher, steps=steps, seed=spec.seed, nnodes=spec.nnodes,
+        nproc_per_node=spec.nproc_per_node, only=only, fail_on=fail_on,
+        axes=[{"name": a.name, "values": list(a.values)} for a in spec.axes],
+        sides={name: {"label": s.label} for name, s in spec.sides.items()},
+        started=started, ended=ended, wall=round(ended - started, 3) if ended else None,
         # this invocation: wall of the sweep vs. the summed wall of the jobs it ran (the launcher's
         # start-to-exit time of each); with jobs = 1 the difference is the sweep's own overhead
-        "timing": {"jobs": jobs, "jobs_run": jobs_run, "jobs_wall": round(jobs_wall, 3),
-                   "overhead": (round((ended - started) - jobs_wall, 3)
-                                if ended and jobs == 1 else None)},
-        "complete": complete,
-        "counts": counts,
-        "cells": cells,
-    }
+        timing={"jobs": jobs, "jobs_run": jobs_run, "jobs_wall": round(jobs_wall, 3),
+                "overhead": (round((ended - started) - jobs_wall, 3)
+                             if ended and jobs == 1 else None)},
+        complete=complete, counts=counts, cells=cells,
+    ).to_dict()
 
 
-def _public_cell(st: dict) -> dict:
-    keys = ("id", "axes", "status", "reason", "requires", "started", "ended", "sides", "diff",
-            "diff_json")
-    out = {k: st.get(k) for k in keys}
-    out["status"], out["reason"] = settled_cell(out["status"], out["reason"])
-    out["wall"] = (round(st["ended"] - st["started"], 3)
-                   if st.get("started") and st.get("ended") else None)
-    return out
+def _public_cell(st: dict) -> CellResult:
+    """A cell as sweep.json shows it: no fingerprint, its status settled, its wall time."""
+    status, reason = settled_cell(st.get("status"), st.get("reason"))
+    return CellResult(
+        id=st.get("id"), axes=st.get("axes"), status=status, reason=reason,
+        requires=st.get("requires"), started=st.get("started"), ended=st.get("ended"),
+        sides=st.get("sides"), diff=st.get("diff"), diff_json=st.get("diff_json"),
+        wall=(round(st["ended"] - st["started"], 3)
+              if st.get("started") and st.get("ended") else None))
 
 
 def axis_names(sweep: dict) -> list[str]:

@@ -1,0 +1,159 @@
+"""Typed records of a sweep: one side's job, one cell, the sweep report (docs/sweep.md).
+
+The runner builds them, state.py writes them (cell.json, sweep.json) and reads them back, and
+the reports may read them typed (``SweepReport.from_dict(load_sweep(...))``). Their JSON is the
+JSON of schema version 1 exactly: ``to_dict`` writes the keys that were set, in the order of the
+fields (a side still running has no exit code; a skipped cell has no sides), and ``from_dict``
+keeps keys it does not know in ``extra``, written back after the known ones, so a file written
+by another parity version survives a read-write round trip. Field meanings: docs/sweep.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+
+class _Unset:
+    """A field that was not set: ``to_dict`` leaves its key out."""
+
+    _it = None
+
+    def __new__(cls):
+        if cls._it is None:
+            cls._it = super().__new__(cls)
+        return cls._it
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+UNSET: Any = _Unset()
+
+
+def _plain(x):
+    return x.to_dict() if isinstance(x, _Record) else x
+
+
+class _Record:
+    """to_dict / from_dict for the dataclasses below. ``_nested`` names the fields holding other
+    records (a dict of them, or a list of them)."""
+
+    _nested: ClassVar[dict[str, tuple[str, type]]] = {}
+
+    def to_dict(self) -> dict:
+        out: dict[str, Any] = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            if f.name == "extra":
+                continue
+            v = getattr(self, f.name)
+            if v is UNSET:
+                continue
+            shape = self._nested.get(f.name)
+            if shape and v is not None:
+                kind, _ = shape
+                v = ({k: _plain(x) for k, x in v.items()} if kind == "dict"
+                     else [_plain(x) for x in v])
+            out[f.name] = v
+        for k, v in self.extra.items():  # type: ignore[attr-defined]
+            out.setdefault(k, v)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        known = {f.name for f in fields(cls) if f.name != "extra"}  # type: ignore[arg-type]
+        kw: dict[str, Any] = {}
+        for k in known & d.keys():
+            v = d[k]
+            shape = cls._nested.get(k)
+            if shape and isinstance(v, (dict, list)):
+                kind, rec = shape
+                if kind == "dict" and isinstance(v, dict):
+                    v = {n: rec.from_dict(x) if isinstance(x, dict) else x for n, x in v.items()}
+                elif kind == "list" and isinstance(v, list):
+                    v = [rec.from_dict(x) if isinstance(x, dict) else x for x in v]
+            kw[k] = v
+        return cls(**kw, extra={k: v for k, v in d.items() if k not in known})
+
+
+@dataclass
+class SideResult(_Record):
+    """One side (reference or candidate) of a cell: its job and what became of it.
+    ``status``: running | ok | failed | timeout | cancelled | not_found | not_run."""
+
+    status: str = UNSET
+    label: str | None = UNSET
+    exit_code: int | None = UNSET
+    reason: str = UNSET
+    started: float | None = UNSET
+    ended: float | None = UNSET
+    wall: float | None = UNSET
+    command: list[str] | None = UNSET
+    run_dir: str | None = UNSET  # paths relative to the sweep directory
+    log_dir: str | None = UNSET
+    console_log: str | None = UNSET
+    rank_logs: list[dict] = UNSET  # {rank, stdout, stderr, error, ...} per rank
+    steps_recorded: int = UNSET  # lines of rank 0's steps.jsonl
+    leftovers_killed: int = UNSET
+    reused: bool = UNSET  # kept from an earlier run by --resume
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class CellResult(_Record):
+    """One cell: its state in cell.json (``v``, ``fingerprint``, ``updated``, ``resumed`` set)
+    or its public form in sweep.json (``wall`` set instead). The status is decided by
+    parity.policy (``cell_status``, ``settled_cell``)."""
+
+    v: int = UNSET
+    id: str = UNSET
+    axes: dict = UNSET
+    status: str = UNSET
+    reason: str | None = UNSET
+    fingerprint: dict | None = UNSET
+    requires: list[str] | None = UNSET
+    started: float | None = UNSET
+    ended: float | None = UNSET
+    sides: dict[str, SideResult] = UNSET
+    diff: dict | None = UNSET  # the cell's DiffResult.to_dict(), or None
+    diff_json: str | None = UNSET
+    wall: float | None = UNSET
+    resumed: bool = UNSET
+    updated: float = UNSET
+    extra: dict = field(default_factory=dict)
+
+    _nested: ClassVar[dict] = {"sides": ("dict", SideResult)}
+
+
+@dataclass
+class SweepReport(_Record):
+    """sweep.json: the spec's shape, this invocation's timing, and every cell's public form."""
+
+    v: int = UNSET
+    kind: str = UNSET  # "parity-sweep"
+    name: str = UNSET
+    description: str | None = UNSET
+    spec: str | None = UNSET
+    spec_source: str | None = UNSET
+    launcher: str | None = UNSET
+    steps: int | None = UNSET
+    seed: int | None = UNSET
+    nnodes: int = UNSET
+    nproc_per_node: int = UNSET
+    only: str | None = UNSET
+    fail_on: str | None = UNSET
+    axes: list[dict] = UNSET  # [{name, values}] in the spec's order
+    sides: dict = UNSET  # {reference: {label}, candidate: {label}}
+    started: float | None = UNSET
+    ended: float | None = UNSET
+    wall: float | None = UNSET
+    timing: dict | None = UNSET
+    complete: bool = UNSET
+    counts: dict = UNSET
+    cells: list[CellResult] = UNSET
+    extra: dict = field(default_factory=dict)
+
+    _nested: ClassVar[dict] = {"cells": ("list", CellResult)}
