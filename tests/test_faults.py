@@ -1,7 +1,9 @@
 """Bad input and faults (issue 6): fuzzed readers, a full disk, runs that cannot be compared.
 
 The readers must either parse or raise parity's own error type (ParityError), never anything
-else: a traceback is a bug.
+else: a traceback is a bug. A read that succeeds must also be right: the untouched rank reads
+exactly as before, and a corrupted rank may only yield a clean ``match`` when it reads exactly as
+the original did (a corruption that silently matched would be the worst bug this tool can have).
 """
 
 import errno
@@ -11,6 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -43,12 +46,41 @@ def _mutate(src: Path, dst: Path, name: str, data: bytes) -> None:
     (dst / "rank-00001" / name).write_bytes(data)
 
 
+def _same_rank(got, want, per_parameter: bool = True) -> bool:
+    """Same parameter table, step records (roll-up digests), buckets and, with
+    ``per_parameter``, per-parameter hashes."""
+    if (got.params, got.steps, got.buckets) != (want.params, want.steps, want.buckets):
+        return False
+    for step in want.steps if per_parameter else ():
+        for kind in ("param", "grad"):
+            a, b = got.hashes(step, kind), want.hashes(step, kind)
+            if (a is None) != (b is None) or (a is not None and not np.array_equal(a, b)):
+                return False
+    return True
+
+
+_ORIGINAL: dict = {}
+
+
 def _read_and_diff(ref: Path, run: Path) -> None:
+    """Rank 1 of ``run`` is ``ref``'s, corrupted: parse or raise ParityError, and when it
+    parses, say what the bytes say."""
     try:
-        read_run(run)
-        diff_runs(ref, run).to_dict()
+        got = read_run(run)
+        d = diff_runs(ref, run).to_dict()
     except ParityError:
-        pass
+        return
+    want = _ORIGINAL.get(ref) or _ORIGINAL.setdefault(ref, read_run(ref))
+    assert 0 in got.ranks and _same_rank(got.ranks[0], want.ranks[0]), "the untouched rank changed"
+    order = d.get("order") or {}
+    clean = (d["verdict"] == "match" and not d["incomplete"] and not d["problems"]
+             and order.get("verdict") == "identical"
+             and not any((order.get("rank_disagreements") or {}).values()))
+    if clean:  # what a match compares: the table, the steps' roll-up digests, the buckets
+        # (per-parameter hashes are read only to locate a divergence: equal roll-ups are equal
+        # hashes, as written)
+        assert 1 in got.ranks and _same_rank(got.ranks[1], want.ranks[1], False), (
+            "a corrupted rank matched without a word: " + json.dumps(d)[:400])
 
 
 @FUZZ
