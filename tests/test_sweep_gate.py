@@ -1,25 +1,63 @@
-"""`parity gate`: exit codes over sweep reports (synthetic sweep.json files; no jobs run)."""
+"""`parity gate`: exit codes over sweep reports (synthetic sweep.json files; no jobs run).
 
+The cells' diff results are written by hand for each case, on top of a real diff result's JSON,
+and each is checked against parity/schemas/diff.schema.json: a hand-written dict the real diff
+engine could never produce would test nothing.
+"""
+
+import copy
 import json
 import subprocess
 import sys
+from pathlib import Path
 
+import jsonschema
 import pytest
 
-from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, ParityError
-from parity.sweep.gate import evaluate, gate
-from parity.policy import cell_status as classify
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, ParityError  # noqa: E402
+from parity.sweep.gate import evaluate, gate  # noqa: E402
+from parity.policy import cell_status as classify  # noqa: E402
+from parity.policy import status as pair_status  # noqa: E402
 
 PARITY = [sys.executable, "-m", "parity"]
+SCHEMA = json.loads((Path(__file__).resolve().parents[1] / "parity" / "schemas"
+                     / "diff.schema.json").read_text())
+_BASE: list[dict] = []
+
+
+def _base() -> dict:
+    """A real diff result's JSON (two identical synthetic runs), made once."""
+    if not _BASE:
+        import tempfile
+
+        from parity.diff import diff_runs
+        from tests.synth import make_run
+
+        with tempfile.TemporaryDirectory() as t:
+            a = make_run(Path(t) / "a", world_size=2, steps=3, n_params=2)
+            b = make_run(Path(t) / "b", world_size=2, steps=3, n_params=2)
+            _BASE.append(diff_runs(a, b).to_dict())
+    return copy.deepcopy(_BASE[0])
 
 
 def diff(verdict="match", order="identical", step=None, divergent=(), incomplete=()):
-    return {"verdict": verdict, "first_divergent_step": step, "incomplete": list(incomplete),
-            "divergent": [{"step": step, "fqn": f, "kind": "param", "ranks": [0]} for f in divergent],
-            "order": {"verdict": order, "first_bucket": None if order in ("identical", "unavailable")
-                      else {"collective": "reduce_scatter", "index": 0, "group": "layers.0",
-                            "position": 1, "detail": "w2 before w1"}, "notes": []},
-            "problems": []}
+    d = _base()
+    d.update(verdict=verdict, status=pair_status(verdict, order), first_divergent_step=step,
+             incomplete=list(incomplete), problems=[],
+             divergent=[{"step": step, "fqn": f, "kind": "param", "ranks": [0], "buckets": {
+                 c: {"a": None, "b": None} for c in ("all_gather", "reduce_scatter")}}
+                 for f in divergent])
+    if verdict != "hash_mismatch":
+        d["first_divergence"] = None
+    d["order"].update(verdict=order, notes=[], first_bucket=None if order in (
+        "identical", "unavailable") else {
+            "collective": "reduce_scatter", "verdict": order, "index": 0, "b_index": 0,
+            "group": "layers.0", "b_group": "layers.0", "position": 1, "a": None, "b": None,
+            "detail": "w2 before w1", "rows": []})
+    jsonschema.Draft202012Validator(SCHEMA).validate(d)
+    return d
 
 
 def cell(cid, status, d=None, reason=""):
