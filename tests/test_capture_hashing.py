@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from parity.artifacts import NO_HASH
 from parity.capture.hashing import device_digest, device_digests, digest_tensors, host_digest
-from parity.capture.session import normalize_fqn, sampled
+from parity.capture.names import normalize_fqn
+from parity.capture.steps import sampled
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
           torch.uint8, torch.bool]

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from parity.errors import EXIT_INCOMPLETE, EXIT_OK
+from parity.errors import EXIT_MISMATCH, EXIT_OK
 
 PARITY = [sys.executable, "-m", "parity"]
 
@@ -22,12 +22,13 @@ def test_default_sweep_two_cells(tmp_path):
     assert sweep["counts"]["skipped"] == 6 and sweep["steps"] == 2
     for c in ran:
         # eager FSDP2 and the compiled job are bitwise identical on CPU; with the upstream
-        # pass order the bucket manifests show the reorder when both sides recorded them
+        # pass order (payloads in graph order) both sides' bucket manifests show the reorder
         assert c["diff"]["verdict"] == "match", c["reason"]
         assert c["diff"]["steps_compared"] == [0, 1, 2]
-        order = c["diff"]["order"]["verdict"]
-        assert c["status"] == ("order_mismatch" if order not in ("identical", "unavailable")
-                               else "match")
+        assert (c["diff"]["a"]["bucket_source"], c["diff"]["b"]["bucket_source"]) == (
+            "fsdp2", "graph"), c["reason"]
+        assert c["diff"]["order"]["verdict"] == "order_differs", c["reason"]
+        assert c["status"] == "order_mismatch"
         for side in ("reference", "candidate"):
             s = c["sides"][side]
             assert s["status"] == "ok" and s["exit_code"] == 0
@@ -40,7 +41,7 @@ def test_default_sweep_two_cells(tmp_path):
     assert g.returncode == EXIT_OK, g.stdout
     g = subprocess.run(PARITY + ["gate", str(out), "--fail-on", "order-only"], capture_output=True,
                        text=True, timeout=120)
-    assert g.returncode in (1, EXIT_INCOMPLETE), g.stdout  # the finding, or not provable yet
+    assert g.returncode == EXIT_MISMATCH, g.stdout  # the reorder fails the order-only policy
     md = subprocess.run(PARITY + ["report", str(out), "--format", "markdown"],
                         capture_output=True, text=True, timeout=120)
     assert md.returncode == 0 and "| false | false | 4 |" in md.stdout

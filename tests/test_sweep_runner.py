@@ -339,7 +339,7 @@ def test_a_rank_that_refused_before_training_is_not_a_clean_finish(tmp_path):
     sweep whose reference was given --cudagraphs)."""
     import json
 
-    from parity.sweep.runner import _clean_finish
+    from parity.sweep.results import clean_finish as _clean_finish
 
     def rank(r, steps, lines):
         d = tmp_path / f"rank-{r:05d}"

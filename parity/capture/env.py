@@ -72,6 +72,22 @@ def rank_skip_reason(environ=os.environ, argv=None) -> str | None:
     return None
 
 
+def env_int(name: str, default: int) -> int:
+    """An integer environment variable (``default`` when unset or not an integer)."""
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """A boolean environment variable: 0/false/no/off/empty are false."""
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    return v.strip().lower() not in ("0", "false", "no", "off", "")
+
+
 def one_line(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     return f"{e.__class__.__name__}: {msg[0]}" if msg else e.__class__.__name__

@@ -26,9 +26,9 @@ from parity.capture.post_import import when_imported
 
 
 def _activate(_torch_module) -> None:
-    from parity.capture import session
+    from parity.capture import activation
 
-    s = session.activate_from_env()
+    s = activation.activate_from_env()
     if os.environ.get("PARITY_OPS_STEP"):  # only `parity bisect` reruns set it (ops.py)
         from parity.capture import ops
 

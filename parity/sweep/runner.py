@@ -1,16 +1,18 @@
 """Run a sweep: expand the spec, run both sides of every cell through a launcher, diff each cell.
 
+This module is the scheduler; progress.py shows what happens, results.py reads what a job left
+(a clean finish, the cell's diff), launchers.py picks the launcher.
+
 The runner owns the schedule and the state on disk (parity.sweep.state); the launcher owns
-processes; the diff engine owns verdicts; the caller (cli.py) renders and gates the result. Every state
-change of a cell is written atomically to its cell.json at once, so an interrupted sweep loses
-nothing that finished and ``--resume`` reruns only what has no complete result.
+processes; the diff engine and parity.policy own verdicts; the caller (cli.py) renders and gates
+the result. Every state change of a cell is written atomically to its cell.json at once, so an
+interrupted sweep loses nothing that finished and ``--resume`` reruns only what has no complete
+result.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shlex
 import signal
 import sys
@@ -19,17 +21,17 @@ import time
 from collections import deque
 from pathlib import Path
 
-from parity import policy
 from parity.errors import ParityError, SpecError
-from parity.rundir import META_FILE, STEPS_FILE, count_steps, live_rank_dir, rank_dir, rank_dirs
+from parity.rundir import count_steps, live_rank_dir, rank_dir
 from parity.sweep import state as st
 from parity.sweep.launcher import CANCELLED, OK, Job, JobResult, Launcher
 from parity.sweep.launchers import make_launcher
 from parity.sweep.model import SideResult
+from parity.sweep.progress import make_progress
+from parity.sweep.results import clean_finish, compare_cell
 from parity.sweep.spec import SIDES, Cell, Spec, load_spec, matches, parse_only, safe_component
 
 DEFAULT_ROOT = Path("reports")
-_CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 
 def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str | None = None,
@@ -146,29 +148,6 @@ def _skip_reason(sp: Spec, lnch: Launcher, cell: Cell) -> str:
         if why:
             return why
     return ""
-
-
-def _clean_finish(run_dir: Path, world_size: int, steps: int) -> bool:
-    """Did every rank record a finished run (meta.json status 'ok') up to the last step? Only
-    then may ``tolerate_teardown_exit`` blame a nonzero exit code on teardown."""
-    try:
-        metas = [d / META_FILE for _, d in rank_dirs(run_dir) if (d / META_FILE).is_file()]
-    except OSError:
-        return False
-    if len(metas) != world_size:
-        return False
-    for m in metas:
-        try:
-            if json.loads(m.read_text()).get("status") != "ok":
-                return False
-            last = max((json.loads(line)["step"] for line in
-                        (m.parent / STEPS_FILE).read_text().splitlines() if line.strip()),
-                       default=-1)
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
-        if last < steps:
-            return False
-    return True
 
 
 # ---------------------------------------------------------------------------------- execution
@@ -330,7 +309,7 @@ class _Run:
         self.jobs_run += 1
         status, reason = res.status, res.reason
         if status == "failed" and res.exit_code is not None and self.sp.tolerate_teardown_exit and (
-                _clean_finish(job.run_dir, self.sp.world_size, self.steps)):
+                clean_finish(job.run_dir, self.sp.world_size, self.steps)):
             status, reason = OK, (f"exit code {res.exit_code} after every rank recorded every "
                                   "step (tolerate_teardown_exit)")
         logs = [{k: (st.rel(v, self.dir) if k in ("stdout", "stderr", "error") else v)
@@ -374,7 +353,7 @@ class _Run:
         if not all(s["sides"].get(x, {}).get("status") not in (None, "not_run") for x in SIDES):
             return
         cdir = st.cell_dir(self.dir, cell.id)
-        _, why, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json",
+        _, why, diff = compare_cell(cdir / "reference", cdir / "candidate", cdir / "diff.json",
                                 self.dir, tolerate_exit=self.sp.tolerate_teardown_exit)
         if not diff:
             return
@@ -387,7 +366,7 @@ class _Run:
         s = self.states[cell.id]
         cdir = st.cell_dir(self.dir, cell.id)
         s.setdefault("started", time.time())
-        status, reason, diff = _compare(cdir / "reference", cdir / "candidate", cdir / "diff.json",
+        status, reason, diff = compare_cell(cdir / "reference", cdir / "candidate", cdir / "diff.json",
                                         self.dir, tolerate_exit=self.sp.tolerate_teardown_exit)
         s.update(status=status, reason=reason, diff=diff, ended=time.time(),
                  diff_json=st.rel(cdir / "diff.json", self.dir) if diff else None)
@@ -417,25 +396,6 @@ class _Run:
         return sweep
 
 
-def _compare(ref: Path, cand: Path, diff_path: Path, root: Path, *, tolerate_exit: bool = False
-             ) -> tuple[str, str, dict | None]:
-    """Diff one cell: (status, reason, diff dict). Never raises. The sides' paths are stored
-    relative to the sweep directory ``root`` (like every path in cell.json and sweep.json), so a
-    copied or downloaded sweep folder prints paths that exist where it now is."""
-    from parity.diff import diff_runs  # here: a --dry-run need not import pandas
-
-    try:
-        result = diff_runs(ref, cand, tolerate_exit=tolerate_exit)
-        result.a.path, result.b.path = st.rel(ref, root), st.rel(cand, root)
-        d = result.to_dict()
-        result.write_json(diff_path)
-    except ParityError as e:
-        return st.FAILED, f"diff: {e}", None
-    except Exception as e:  # a bug in the diff engine: report it on the cell, keep sweeping
-        return st.FAILED, f"diff: internal error: {e.__class__.__name__}: {e}", None
-    return (*policy.cell_status(d), d)
-
-
 # ------------------------------------------------------------------------------------ signals
 
 
@@ -456,108 +416,3 @@ def _install_sigterm():
 def _restore_sigterm(old) -> None:
     if old is not None and _main_thread():
         signal.signal(signal.SIGTERM, old)
-
-
-# ------------------------------------------------------------------------------------ progress
-
-
-def make_progress(err, steps: int):
-    isatty = getattr(err, "isatty", lambda: False)()
-    if isatty and os.environ.get("TERM") != "dumb":
-        try:
-            return _RichProgress(err, steps)
-        except Exception:
-            pass
-    return _PlainProgress(err, steps)
-
-
-class _PlainProgress:
-    """One line per event on stderr (CI logs); step counts at most every 15 s per job."""
-
-    def __init__(self, err, steps: int):
-        self.err, self.steps = err, steps
-        self.t0 = time.time()
-        self.jobs: dict[tuple[str, str], list] = {}  # -> [start, last step, last print]
-        self.total = self.done = 0
-
-    def _w(self, line: str) -> None:
-        line = _CONTROL.sub(" ", line)
-        self.err.write(f"[{time.time() - self.t0:7.1f}s] {line}\n")
-        self.err.flush()
-
-    def begin(self, todo: int, total: int) -> None:
-        self.total = todo
-        self._w(f"sweep: {todo} cell(s) to run of {total}")
-
-    def job_start(self, cid, side) -> None:
-        self.jobs[(cid, side)] = [time.time(), 0, time.time()]
-        self._w(f"{cid} {side}: started")
-
-    def job_tick(self, cid, side, step) -> None:
-        j = self.jobs.get((cid, side))
-        if j and step != j[1] and time.time() - j[2] >= 15:
-            j[1], j[2] = step, time.time()
-            self._w(f"{cid} {side}: step {max(0, step - 1)}/{self.steps} "
-                    f"({time.time() - j[0]:.0f}s)")
-
-    def job_end(self, cid, side, status, wall, reason) -> None:
-        self.jobs.pop((cid, side), None)
-        self._w(f"{cid} {side}: {status} in {wall:.1f}s" + (f" ({reason})" if reason else ""))
-
-    def cell_done(self, cid, status, reason) -> None:
-        self.done += 1
-        self._w(f"[{self.done}/{self.total}] {cid}: {status}" + (f" - {reason}" if reason else ""))
-
-    def refresh(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _RichProgress(_PlainProgress):
-    """A live table of running jobs (cell, side, step, elapsed) above the finished-cell lines."""
-
-    def __init__(self, err, steps: int):
-        super().__init__(err, steps)
-        from rich.console import Console
-        from rich.live import Live
-
-        self.console = Console(file=err)
-        self.steps_seen: dict[tuple[str, str], int] = {}
-        self.live = Live(self._render(), console=self.console, refresh_per_second=4,
-                         transient=True)
-        self.live.start()
-
-    def _w(self, line: str) -> None:
-        from rich.markup import escape
-
-        line = _CONTROL.sub(" ", line)
-        self.console.print(escape(f"[{time.time() - self.t0:7.1f}s] {line}"), highlight=False)
-
-    def _render(self):
-        from rich.table import Table
-        from rich.text import Text
-
-        t = Table(box=None, show_header=True, header_style="bold", pad_edge=False)
-        for col in ("cell", "side", "step", "elapsed"):
-            t.add_column(col)
-        for (cid, side), (start, _, _) in self.jobs.items():
-            step = self.steps_seen.get((cid, side), 0)
-            t.add_row(Text(cid), Text(side), f"{max(0, step - 1)}/{self.steps}",
-                      f"{time.time() - start:.0f}s")
-        t.caption = f"{self.done}/{self.total} cells done, {time.time() - self.t0:.0f}s"
-        return t
-
-    def job_start(self, cid, side) -> None:
-        self.jobs[(cid, side)] = [time.time(), 0, time.time()]
-        self._w(f"{cid} {side}: started")
-
-    def job_tick(self, cid, side, step) -> None:
-        self.steps_seen[(cid, side)] = step
-
-    def refresh(self) -> None:
-        self.live.update(self._render())
-
-    def close(self) -> None:
-        self.live.stop()

@@ -1,0 +1,32 @@
+"""Starting the injected session from the ``PARITY_CAPTURE_*`` variables (``parity exec``).
+
+inject.py calls :func:`activate_from_env` right after the trainer imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+from parity.capture import env as cenv
+from parity.capture import session
+from parity.capture.env import env_bool, env_int
+from parity.capture.env import one_line as _one_line
+from parity.capture.env import say as _say
+
+
+def activate_from_env() -> session.Session | None:
+    """Start the injected session (``parity exec``); fails soft."""
+    try:
+        out = os.environ.get(cenv.ENV_DIR)
+        active = session.current()
+        if not out or active is not None:
+            return active
+        every = env_int(cenv.ENV_EVERY, 1)
+        s = session.Session(out, every=max(every, 1), grads=env_bool(cenv.ENV_GRADS, True),
+                          manifests=env_bool(cenv.ENV_MANIFESTS, True),
+                          hasher=os.environ.get(cenv.ENV_HASHER, "auto") or "auto",
+                          lazy="RANK" not in os.environ, source="exec")
+        return s.start()
+    except Exception as e:  # noqa: BLE001
+        _say(f"capture disabled: {_one_line(e)}")
+        return None

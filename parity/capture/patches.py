@@ -1,0 +1,153 @@
+"""The process-wide patches capture needs: the loss (``Tensor.backward`` /
+``torch.autograd.backward``), results on disk before ``destroy_process_group``, the compiled-graph
+hook on the first ``torch.compile``, the error of an uncaught exception (``sys.excepthook``), and
+:func:`_tracing`, the test every hook makes before running any code (none inside a trace).
+
+The session is passed in (``install(current)``): this module does not import session.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+
+from parity.capture.env import one_line as _one_line
+
+# Installed once per process and left in place (cheap pass-throughs when no session is active),
+# so that a later user patch on top of ours is never undone by restoring an old function.
+_ORIG: dict[str, object] = {}
+# The session asked at each call (session.current, given to install): this module does not
+# import the session.
+_current = lambda: None  # noqa: E731
+
+
+def _tracing() -> bool:
+    """True inside a trace (dynamo, make_fx/export, fake tensors): capture runs no code there.
+
+    ``torch.compiler.is_compiling()`` covers dynamo only; GraphTrainer traces its training step
+    (backward included) with make_fx, where tensors are fake and a ``.item()`` would fail."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        if get_proxy_mode() is not None:
+            return True
+    except Exception:  # noqa: BLE001 - older torch: no proxy mode query
+        pass
+    try:
+        from torch._guards import detect_fake_mode
+
+        return detect_fake_mode() is not None
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _note_loss(t) -> None:
+    s = _current()
+    if s is None or s.failed:
+        return
+    s.backwards += 1
+    try:
+        if isinstance(t, (list, tuple)):
+            t = t[0] if len(t) == 1 else None
+        if isinstance(t, torch.Tensor) and t.numel() == 1:
+            s.loss_ref = t.detach()
+    except Exception:  # noqa: BLE001 - never get in the way of backward
+        pass
+
+
+def install(current) -> None:
+    """Patch ``Tensor.backward``, ``torch.autograd.backward``, ``destroy_process_group``,
+    ``torch.compile`` and ``sys.excepthook`` once per process; each asks ``current()`` for the
+    active session (None: a pass-through)."""
+    global _current
+    _current = current
+    if _ORIG:
+        return
+    orig_tensor_backward = torch.Tensor.backward
+    orig_autograd_backward = torch.autograd.backward
+
+    # Only the outermost call counts: Tensor.backward calls torch.autograd.backward, and a
+    # reentrant activation checkpoint calls it again from inside the backward pass (possibly
+    # on an autograd device thread), with tensors that are not the loss.
+    depth = [0]
+
+    def backward(self, *args, **kwargs):
+        if depth[0] or _tracing():
+            return orig_tensor_backward(self, *args, **kwargs)
+        _note_loss(self)
+        depth[0] += 1
+        try:
+            return orig_tensor_backward(self, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    def autograd_backward(tensors, *args, **kwargs):
+        if depth[0] or _tracing():
+            return orig_autograd_backward(tensors, *args, **kwargs)
+        _note_loss(tensors)
+        depth[0] += 1
+        try:
+            return orig_autograd_backward(tensors, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    for new, old in ((backward, orig_tensor_backward), (autograd_backward, orig_autograd_backward)):
+        new.__wrapped__ = old
+        new.__name__ = old.__name__
+        new.__qualname__ = old.__qualname__
+        new.__doc__ = old.__doc__
+    _ORIG["Tensor.backward"] = orig_tensor_backward
+    _ORIG["autograd.backward"] = orig_autograd_backward
+    torch.Tensor.backward = backward
+    torch.autograd.backward = autograd_backward
+
+    import torch.distributed as dist
+
+    if dist.is_available() and hasattr(dist, "destroy_process_group"):
+        orig_destroy = dist.destroy_process_group
+
+        def destroy_process_group(*args, **kwargs):
+            s = _current()
+            if s is not None:
+                s.flush_final()  # results on disk before the process group goes away
+            return orig_destroy(*args, **kwargs)
+
+        destroy_process_group.__wrapped__ = orig_destroy
+        destroy_process_group.__name__ = orig_destroy.__name__
+        destroy_process_group.__doc__ = orig_destroy.__doc__
+        _ORIG["destroy_process_group"] = orig_destroy
+        dist.destroy_process_group = destroy_process_group
+
+    orig_compile = torch.compile
+
+    def compile(*args, **kwargs):
+        s = _current()
+        if s is not None:
+            # No global module hook of ours may be traced into a compiled model: dynamo would
+            # guard on it and recompile once it is gone (and warns about global hooks).
+            target = args[0] if args else kwargs.get("model")
+            if isinstance(target, torch.nn.Module) or isinstance(
+                    getattr(target, "__self__", None), torch.nn.Module):
+                s._forget_forward_hook()
+            if s.manifests:
+                s._install_graph()
+        return orig_compile(*args, **kwargs)
+
+    functools.update_wrapper(compile, orig_compile)
+    _ORIG["compile"] = orig_compile
+    torch.compile = compile
+
+    orig_excepthook = sys.excepthook
+
+    def excepthook(tp, value, tb):
+        s = _current()
+        if s is not None:
+            s.error = _one_line(value) if value is not None else tp.__name__
+        return orig_excepthook(tp, value, tb)
+
+    _ORIG["excepthook"] = orig_excepthook
+    sys.excepthook = excepthook

@@ -1,0 +1,149 @@
+"""The step clock: which optimizer ``step()`` is a training step, and when a step is written.
+
+The global optimizer step pre-hook of the outermost ``step()`` begins training step k (a sibling
+optimizer stepping right after continues it); on step 1 the table is built and the parameters
+hashed as step 0, on a recorded step the gradients about to be consumed are hashed; the post-hook
+of the outermost ``step()`` ends step k and writes it. ``opt.step(closure)`` records what the
+closure computed. Recorded steps: :func:`sampled`.
+
+:class:`StepClock` is a part of :class:`~parity.capture.session.Session` (a mixin: its state is
+initialised in ``Session.__init__``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import weakref
+
+import torch
+
+from parity.capture.hashing import digest_tensors
+
+
+def sampled(step: int, every: int) -> bool:
+    """Steps recorded as they happen: 0, 1 and every multiple of ``every`` (plus the last, at
+    the end of the run)."""
+    return step <= 1 or step % every == 0
+
+
+class StepClock:
+    """Optimizer step hooks (state in ``Session.__init__``)."""
+
+    # -------------------------------------------------------------------------- step hooks
+    def _pre_hook(self, opt, args, kwargs):
+        if self.failed or self.stopped or os.getpid() != self.pid:
+            return None
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                outer = self._outer() if self._outer is not None else None
+                if self.depth >= 1 and opt is outer:
+                    self.depth = 0  # the previous step() of this optimizer raised midway
+                self.depth += 1
+                if self.depth == 1:
+                    self._outer = weakref.ref(opt)
+                    continuing = (self.open and self.backwards == 0
+                                  and id(opt) not in self.step_opts)
+                    if not continuing:
+                        self._begin_step()
+                    self.step_opts.add(id(opt))
+                if not self._table_final:
+                    self._forget_forward_hook()  # still there only if every forward was traced
+                    self._add_params(opt)
+                else:
+                    self._check_params(opt)
+                if self.depth == 1:
+                    wrapped = self._wrap_closure(args, kwargs)
+                    if wrapped is not None:
+                        self.capture_seconds += time.perf_counter() - t0
+                        return wrapped
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        self.capture_seconds += time.perf_counter() - t0
+        return None
+
+    def _wrap_closure(self, args, kwargs):
+        """``opt.step(closure)`` (LBFGS and the like) computes the step's loss and gradients
+        inside ``step``: the pre-hook saw the previous step's. The closure is wrapped so that
+        its first call records them (what this step consumed); its result is untouched."""
+        if "closure" in kwargs:
+            closure = kwargs["closure"]
+        elif len(args) > 1:  # args[0] is the optimizer
+            closure = args[1]
+        else:
+            return None
+        if not callable(closure):
+            return None
+        step = self.k
+        first = [True]
+
+        def closure_recorded(*a, **kw):
+            out = closure(*a, **kw)
+            if first[0]:
+                first[0] = False
+                self._closure_done(step, out)
+            return out
+
+        functools.update_wrapper(closure_recorded, closure)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_recorded}
+        return (args[0], closure_recorded, *args[2:]), kwargs
+
+    def _closure_done(self, step: int, out) -> None:
+        if self.failed or self.stopped or os.getpid() != self.pid:
+            return
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                if step != self.k:
+                    return
+                if isinstance(out, torch.Tensor) and out.numel() == 1:
+                    self._step_loss = out.detach()
+                elif self.loss_ref is not None:
+                    self._step_loss = self.loss_ref
+                if self.grads and not self._table_final:  # step 1: the table is being built
+                    self._g1 = [digest_tensors([p.grad for p in self.table], self.hasher)]
+                elif self.grads and self._step_sampled:
+                    self._step_grads = digest_tensors([p.grad for p in self.table], self.hasher)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        self.capture_seconds += time.perf_counter() - t0
+
+    def _post_hook(self, opt, args, kwargs):
+        if self.failed or self.stopped or os.getpid() != self.pid:
+            return
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                if self.depth == 0:
+                    return
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = self.k
+                    self.open = True
+                    self.backwards = 0
+                    if self._fsdp is not None:
+                        self._fsdp.new_step()
+                    if self._eager is not None:
+                        self._eager.new_step()
+                    if self.k == 1:
+                        self._write_first()
+                    elif self._step_sampled:
+                        self._write(self.k, self._step_grads)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        self.capture_seconds += time.perf_counter() - t0
+
+    def _begin_step(self) -> None:
+        if self.k >= 1 and not self._table_final:
+            self._table_final = True
+        self.k += 1
+        self.open = False
+        self.step_opts = set()
+        self._step_sampled = sampled(self.k, self.every)
+        self._step_loss = self.loss_ref
+        self._step_grads = None
+        if self._table_final and self._step_sampled and self.grads:
+            self._step_grads = digest_tensors([p.grad for p in self.table], self.hasher)

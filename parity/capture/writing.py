@@ -1,0 +1,198 @@
+"""What one rank writes: its identity, metadata (meta.json), and each recorded step.
+
+:class:`RankRecord` opens the rank's :class:`~parity.artifacts.RankWriter` (continuing the record
+of an earlier torchelastic attempt), keeps ``capture`` in meta.json current (manifest sources,
+warnings, overhead), adds the runtime facts at the first step, and writes steps 0..k. A part of
+:class:`~parity.capture.session.Session` (a mixin: state in ``Session.__init__``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+
+from parity import __version__
+from parity.artifacts import RankWriter
+from parity.capture import env as cenv
+from parity.capture import gpu_facts
+from parity.capture.env import env_int as _env_int
+from parity.capture.hashing import device_backend, digest_tensors, host_digest, local_tensor
+from parity.rundir import rank_dir
+from parity.capture.table import _Buffer
+
+
+class RankRecord:
+    """Rank identity, meta.json and step writes (state in ``Session.__init__``)."""
+
+    # ----------------------------------------------------------------------------- metadata
+    @property
+    def rank(self) -> int:
+        return self._ids()[0]
+
+    def _ids(self) -> tuple[int, int, int]:
+        rank, world, local = self._rank_arg
+        if rank is None or world is None:
+            try:
+                import torch.distributed as dist
+
+                if dist.is_available() and dist.is_initialized():
+                    rank = dist.get_rank() if rank is None else rank
+                    world = dist.get_world_size() if world is None else world
+            except Exception:  # noqa: BLE001
+                pass
+        rank = _env_int("RANK", 0) if rank is None else rank
+        world = _env_int("WORLD_SIZE", 1) if world is None else world
+        local = _env_int("LOCAL_RANK", rank if world == 1 else 0) if local is None else local
+        return rank, world, local
+
+    def _capture_meta(self) -> dict:
+        return {"every": self.every, "grads": self.grads, "manifests": list(self._manifest_sources),
+                "manifests_requested": self.manifests,
+                "hasher": self._resolved_hasher or self.hasher, "hasher_option": self.hasher,
+                "device_digest": device_backend() if self._resolved_hasher == "device" else None,
+                "source": self.source, "warnings": list(self.warnings), "disabled": self.failed,
+                "recorded_steps": self.recorded_steps, "steps": self.done,
+                "seconds": round(self.capture_seconds
+                                 + (self._fsdp.seconds if self._fsdp is not None else 0.0), 6)}
+
+    def _runtime_meta(self) -> dict:
+        """What the trainer has configured by its first step (threads, determinism, device)."""
+        dev = "cpu"
+        if self.table and type(self.table[0]) is not _Buffer:
+            d = local_tensor(self.table[0]).device
+            dev = str(d)
+        elif torch.cuda.is_available():
+            dev = f"cuda:{self._ids()[2]}"
+        det = {"use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+               "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+               "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+               "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+               "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+               "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+               "float32_matmul_precision": torch.get_float32_matmul_precision()}
+        env = {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                          "CUBLAS_WORKSPACE_CONFIG", "TORCHELASTIC_RESTART_COUNT",
+                                          "PYTHONHASHSEED")
+               if k in os.environ}
+        return {"device": dev, "deterministic": det["use_deterministic_algorithms"],
+                "determinism": det, "num_threads": torch.get_num_threads(),
+                "interop_threads": torch.get_num_interop_threads(), "env": env,
+                "gpu": gpu_facts.collect(dev) if dev.startswith("cuda") else None}
+
+    def _ensure_writer(self) -> RankWriter:
+        if self.writer is not None:
+            return self.writer
+        rank, world, local = self._ids()
+        self._rank_arg = (rank, world, local)
+        d = rank_dir(self.out_dir, rank)
+        restart = self._elastic_restart(d)
+        if restart is None:
+            # A new session starts this rank's record: drop what an earlier run left here.
+            for name in ("meta.json", "params.json", "steps.jsonl", "hashes.jsonl",
+                         "buckets.jsonl"):
+                try:
+                    os.unlink(d / name)
+                except FileNotFoundError:
+                    pass
+        meta = {"world_size": world, "local_rank": local, "host": socket.gethostname(),
+                "pid": os.getpid(), "argv": list(sys.argv), "torch": torch.__version__,
+                "parity": __version__, "device": "cuda" if torch.cuda.is_available() else "cpu",
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "num_threads": None, "interop_threads": None,
+                "capture": self._capture_meta()}
+        if restart is not None:
+            meta["restarts"] = restart
+        self.writer = RankWriter(self.out_dir, rank, meta)
+        if restart is not None:
+            r = restart[-1]
+            self.warn(f"torchelastic restart {r['attempt']}: this rank's earlier attempts are "
+                      f"kept; steps continue after step {r['after_step']}")
+        os.environ[cenv.ENV_ACTIVE] = str(os.getpid())
+        pending, self._pending_buckets = self._pending_buckets, []
+        for b in pending:
+            self.writer.write_bucket(b)
+        return self.writer
+
+    def _elastic_restart(self, d) -> list[dict] | None:
+        """A worker restarted by torchelastic (``--max-restarts``) continues its rank's record:
+        the earlier attempts' steps are kept, this attempt's step k is written as step
+        ``last + k``, and meta.json lists the restarts. None: not a restart (start afresh)."""
+        attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        if attempt <= 0 or self.source != "exec" or not (d / "steps.jsonl").exists():
+            return None
+        last = -1
+        with open(d / "steps.jsonl", "rb") as f:
+            data = f.read()
+        for line in data.split(b"\n"):
+            try:
+                last = max(last, int(json.loads(line)["step"]))
+            except (ValueError, KeyError, TypeError):
+                continue
+        for name in ("steps.jsonl", "hashes.jsonl"):  # a killed attempt may end mid-line
+            p = d / name
+            if p.exists() and p.stat().st_size and not p.read_bytes().endswith(b"\n"):
+                with open(p, "ab") as f:
+                    f.write(b"\n")
+        try:
+            old = json.loads((d / "meta.json").read_text()).get("restarts") or []
+        except (OSError, ValueError, AttributeError):
+            old = []
+        self._step_base = max(last, 0)
+        return [*old, {"attempt": attempt, "after_step": self._step_base, "time": time.time()}]
+
+    # ----------------------------------------------------------------------------- writing
+    def _loss(self, ref) -> tuple[float | None, str | None]:
+        if ref is None:
+            return None, None
+        lt = local_tensor(ref)
+        return float(lt.item()), host_digest(lt).hex()
+
+    def _write_first(self) -> None:
+        w = self._ensure_writer()
+        if self._table_dirty:
+            counts = collections.Counter(e["fqn"] for e in self.entries)
+            dupes = {f for f, c in counts.items() if c > 1}
+            if dupes:
+                self.warn(f"parameter names are not unique after normalization: "
+                          f"{', '.join(sorted(dupes)[:5])}")
+            if self._resolved_hasher is None:
+                devs = {local_tensor(p).device.type for p in self._tensors() if p is not None}
+                self._resolved_hasher = ("device" if self.hasher == "device"
+                                         or (self.hasher == "auto" and "cuda" in devs) else "xxh3")
+            w.meta.update(self._runtime_meta())
+            w.meta["capture"] = self._capture_meta()
+            w.update_meta()
+            w.write_params(self.entries)
+            if not self._step_base:  # a restarted attempt continues its rank's steps
+                w.write_step(0, b"".join(self._p0))
+            self._table_dirty = False
+        self._write(1, b"".join(self._g1) if self.grads else None)
+
+    def _write(self, step: int, grads: bytes | None) -> None:
+        params = digest_tensors(self._tensors(), self.hasher)
+        loss, loss_hash = self._loss(self._step_loss)
+        self._ensure_writer().write_step(self._step_base + step, params, grads, loss, loss_hash)
+        if step > self.written:
+            self.recorded_steps += 1
+        self.written = step
+
+    def flush_final(self) -> None:
+        """Write the last finished step if sampling skipped it (params and loss; no grads)."""
+        if self.failed or self.stopped or os.getpid() != self.pid:
+            return
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                if self.depth == 0 and self.done >= 1 and self.written < self.done:
+                    self._write(self.done, None)
+                if self.writer is not None:
+                    self.writer.update_meta(capture=self._capture_meta())
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        self.capture_seconds += time.perf_counter() - t0

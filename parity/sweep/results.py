@@ -1,0 +1,55 @@
+"""What a sweep reads back from disk once a job or a cell is done: whether every rank recorded a
+finished run (for ``tolerate_teardown_exit``), and the cell's diff (its status decided by
+parity.policy). The runner schedules; this module reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from parity import policy
+from parity.errors import ParityError
+from parity.rundir import META_FILE, STEPS_FILE, rank_dirs
+from parity.sweep import state as st
+
+
+def clean_finish(run_dir: Path, world_size: int, steps: int) -> bool:
+    """Did every rank record a finished run (meta.json status 'ok') up to the last step? Only
+    then may ``tolerate_teardown_exit`` blame a nonzero exit code on teardown."""
+    try:
+        metas = [d / META_FILE for _, d in rank_dirs(run_dir) if (d / META_FILE).is_file()]
+    except OSError:
+        return False
+    if len(metas) != world_size:
+        return False
+    for m in metas:
+        try:
+            if json.loads(m.read_text()).get("status") != "ok":
+                return False
+            last = max((json.loads(line)["step"] for line in
+                        (m.parent / STEPS_FILE).read_text().splitlines() if line.strip()),
+                       default=-1)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if last < steps:
+            return False
+    return True
+
+
+def compare_cell(ref: Path, cand: Path, diff_path: Path, root: Path, *, tolerate_exit: bool = False
+             ) -> tuple[str, str, dict | None]:
+    """Diff one cell: (status, reason, diff dict). Never raises. The sides' paths are stored
+    relative to the sweep directory ``root`` (like every path in cell.json and sweep.json), so a
+    copied or downloaded sweep folder prints paths that exist where it now is."""
+    from parity.diff import diff_runs  # here: a --dry-run need not import pandas
+
+    try:
+        result = diff_runs(ref, cand, tolerate_exit=tolerate_exit)
+        result.a.path, result.b.path = st.rel(ref, root), st.rel(cand, root)
+        d = result.to_dict()
+        result.write_json(diff_path)
+    except ParityError as e:
+        return st.FAILED, f"diff: {e}", None
+    except Exception as e:  # a bug in the diff engine: report it on the cell, keep sweeping
+        return st.FAILED, f"diff: internal error: {e.__class__.__name__}: {e}", None
+    return (*policy.cell_status(d), d)
