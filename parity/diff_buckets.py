@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import zip_longest
 
+from parity.records import BucketRecord
+
 COLLECTIVES = ("all_gather", "reduce_scatter")
 ORDER_VERDICTS = ("identical", "layout_differs", "order_differs", "partition_differs")
 SEVERITY = {v: i for i, v in enumerate(ORDER_VERDICTS)}
@@ -101,12 +103,12 @@ def _str(x):
 
 
 def _bucket(rec: dict, coll: str) -> Bucket:
-    entries = [Entry(e["fqn"], _int(e.get("offset")), _int(e.get("size")), _int(e.get("numel")),
-                     _str(e.get("dtype")))
-               for e in rec.get("entries", []) if isinstance(e, dict) and isinstance(e.get("fqn"), str)]
-    return Bucket(coll, -1, _str(rec.get("group")), _str(rec.get("dtype")),
-                  _int(rec.get("total_bytes")), entries, _int(rec.get("step")),
-                  _int(rec.get("graph_id")), _int(rec.get("index")), _str(rec.get("node")))
+    """A buckets.jsonl line read through the schema's record (parity.records), as compared."""
+    r = BucketRecord.from_dict(rec)
+    entries = [Entry(e.fqn, e.offset, e.size, e.numel, e.dtype) for e in r.entries
+               if e.fqn is not None]
+    return Bucket(coll, -1, r.group, r.dtype, r.total_bytes, entries, r.step, r.graph_id, r.index,
+                  r.node)
 
 
 def _describe_change(old: Bucket, new: Bucket) -> str:

@@ -2,13 +2,14 @@
 
 Layers, bottom to top; a module may import its own layer and the ones below, never above:
 
-    base      parity, errors, artifacts, rundir   the contract every other layer reads
-    capture   parity.capture.*                    runs inside the ranks (and `parity exec`)
-    diff      policy, diff*                       two runs -> a result; the fail-on policy
-    sweep     parity.sweep.*                      spec -> cells -> launchers -> per-cell diffs
-    bisect    bisect                              reruns a pair with op capture (uses sweep state)
-    report    parity.report.*                     renders diffs and sweeps; computes no verdicts
-    cli       cli, __main__                       parse, call the library, print, exit codes
+    base      parity, errors, text, records,    what every other layer reads: the error type,
+              artifacts, rundir                 text helpers, the artifact schema and layout
+    capture   parity.capture.*                  runs inside the ranks (and `parity exec`)
+    diff      policy, diff*                     two runs -> a result; the fail-on policy
+    sweep     parity.sweep.*                    spec -> cells -> launchers -> per-cell diffs
+    bisect    bisect                            reruns a pair with op capture (uses sweep state)
+    report    parity.report.*                   renders diffs and sweeps; computes no verdicts
+    cli       cli, __main__                     parse, call the library, print, exit codes
 
 Apart: ``parity.workloads`` (the built-in trainer) and ``parity.integrations`` (torchtitan
 configs) are users of parity like any other trainer: they import nothing from parity and parity
@@ -25,7 +26,8 @@ import parity
 ROOT = Path(parity.__file__).parent
 
 LAYERS = [
-    ("base", ("parity", "parity.errors", "parity.artifacts", "parity.rundir")),
+    ("base", ("parity", "parity.errors", "parity.text", "parity.records", "parity.artifacts",
+              "parity.rundir")),
     ("capture", ("parity.capture",)),
     ("diff", ("parity.policy", "parity.diff", "parity.diff_buckets", "parity.diff_env",
               "parity.diff_hashes")),

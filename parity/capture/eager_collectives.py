@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from parity.capture.records import dtype_name
+from parity.records import BucketEntry, BucketRecord, dtype_name
 
 __all__ = ["EagerCollectives", "kind_of", "MODULES"]
 
@@ -112,9 +112,9 @@ def _chain(owners: list[tuple], names: dict[int, str]) -> str:
 
 
 class EagerCollectives:
-    """Wraps ``redistribute_local_tensor`` and hands records to ``emit(bucket)``."""
+    """Wraps ``redistribute_local_tensor`` and hands records to ``emit(record)``."""
 
-    def __init__(self, emit: Callable[[dict], None], step: Callable[[], int],
+    def __init__(self, emit: Callable[[BucketRecord], None], step: Callable[[], int],
                  modules: Callable[[], list], tracing: Callable[[], bool],
                  normalize: Callable[[str], str]):
         self.emit = emit
@@ -123,7 +123,8 @@ class EagerCollectives:
         self.tracing = tracing
         self.normalize = normalize
         self.patches: list[tuple[Any, str, Any]] = []
-        self.current: list[dict] = []
+        # this step's calls: (record, tensor key, owner chain); names are resolved in new_step
+        self.current: list[tuple[BucketRecord, tuple, list]] = []
         self.last_signature: tuple | None = None
         self._params: dict[int, str] | None = None
         self._modules: dict[int, str] = {}
@@ -219,32 +220,29 @@ class EagerCollectives:
                            current_spec.mesh.shape):
             if a != b:
                 world *= int(n)
-        self.current.append({
-            "source": "dtensor", "collective": kind, "graph": None, "graph_id": None,
-            "index": len(self.current), "node": None, "group": "",
-            "module": _owners(), "placements":
-                f"{_placements(current_spec)} -> {_placements(target_spec)}",
-            "dtype": dtype, "world_size": world, "total_bytes": size,
-            "entries": [{"fqn": _key(local_tensor), "offset": 0, "size": size, "numel": numel,
-                         "dtype": dtype, "shape": shape}],
-        })
+        rec = BucketRecord("dtensor", kind, len(self.current),
+                           [BucketEntry(None, 0, size, numel, dtype, shape)], group="",
+                           dtype=dtype, world_size=world, total_bytes=size,
+                           placements=f"{_placements(current_spec)} -> "
+                                      f"{_placements(target_spec)}")
+        self.current.append((rec, _key(local_tensor), _owners()))
 
     def new_step(self) -> None:
         """End of an optimizer step: write this step's sequence if it is new."""
         calls, self.current = self.current, []
         if calls and self._params is None:
             self._names()  # once, at the end of the first step with eager collectives
-        for c in calls:
-            e = c["entries"][0]
-            e["fqn"] = self._fqn(e["fqn"], c["module"], e["shape"])
-            c["group"] = e["fqn"].rsplit(".", 1)[0] if e["fqn"] else ""
-            c["module"] = _chain(c["module"], self._modules)
-        sig = tuple((c["collective"], c["module"], c["placements"], c["dtype"], c["total_bytes"],
-                     c["entries"][0]["fqn"]) for c in calls)
+        for c, key, owners in calls:
+            e = c.entries[0]
+            e.fqn = self._fqn(key, owners, e.shape)
+            c.group = e.fqn.rsplit(".", 1)[0] if e.fqn else ""
+            c.module = _chain(owners, self._modules)
+        sig = tuple((c.collective, c.module, c.placements, c.dtype, c.total_bytes, c.entries[0].fqn)
+                    for c, _, _ in calls)
         if sig == self.last_signature or (not calls and self.last_signature is None):
             return
         self.last_signature = sig
         step = self.step()
-        for c in calls:
-            c["step"] = step
+        for c, _, _ in calls:
+            c.step = step
             self.emit(c)

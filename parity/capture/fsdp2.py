@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from parity.capture.records import common_module, dtype_name
+from parity.records import BucketEntry, BucketRecord, common_module, dtype_name
 
 GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _AG_ARGS = ("fsdp_params", "group")
@@ -66,7 +66,7 @@ def _calling_group(depth: int = 2):
 class FSDP2Recorder:
     """Wraps FSDP2's collective entry points and reports bucket layouts as they change.
 
-    ``emit(bucket)`` receives a bucket dict per docs/artifacts.md without ``v``; ``step()`` returns
+    ``emit(record)`` receives a :class:`~parity.records.BucketRecord` (docs/artifacts.md); ``step()`` returns
     the optimizer step the collective precedes (1-based); ``normalize`` maps FQNs; ``warn``
     records one warning; ``fail`` is called with an exception raised while recording.
     """
@@ -194,22 +194,19 @@ class FSDP2Recorder:
         return False
 
     def _record(self, collective: str, group: str | None, dtype: torch.dtype, world_size: int,
-                entries: list[dict]) -> None:
+                entries: list[BucketEntry]) -> None:
         index = self._index[collective]
         self._index[collective] = index + 1
         key = (collective, index)
         sig = (group, dtype, world_size,
-               tuple((e["fqn"], e["offset"], e["size"], e["numel"], e["dtype"], tuple(e["shape"]))
-                     for e in entries))
+               tuple((e.fqn, e.offset, e.size, e.numel, e.dtype, tuple(e.shape)) for e in entries))
         if self._last.get(key) == sig:
             return
         self._last[key] = sig
-        self._emit({
-            "source": "fsdp2", "collective": collective, "graph": None, "graph_id": None,
-            "step": self._step(), "index": index, "group": group, "node": None,
-            "dtype": dtype_name(dtype), "world_size": world_size,
-            "total_bytes": sum(e["size"] for e in entries), "entries": entries,
-        })
+        self._emit(BucketRecord(
+            "fsdp2", collective, index, entries, step=self._step(), group=group,
+            dtype=dtype_name(dtype), world_size=world_size,
+            total_bytes=sum(e.size for e in entries)))
 
     def _fqn(self, fsdp_param, i: int) -> str:
         fqn = getattr(fsdp_param, "_param_fqn", None)
@@ -238,12 +235,11 @@ class FSDP2Recorder:
                 ds = [getattr(fp, "param_dtype", None) or fp.orig_dtype]
             size = sum(n * d.itemsize for n, d in zip(ns, ds))
             dtype = ds[0] if len(set(ds)) == 1 else (payload_dtype or ds[0])
-            entries.append({"fqn": self._fqn(fp, i), "offset": offset, "size": size,
-                            "numel": sum(ns), "dtype": dtype_name(dtype),
-                            "shape": list(getattr(fp, "sharded_size", ()) or ())})
+            entries.append(BucketEntry(self._fqn(fp, i), offset, size, sum(ns), dtype_name(dtype),
+                                       list(getattr(fp, "sharded_size", ()) or ())))
             offset += size
         if payload_dtype is None:
-            payload_dtype = torch.uint8 if len({e["dtype"] for e in entries}) > 1 else ds[0]
+            payload_dtype = torch.uint8 if len({e.dtype for e in entries}) > 1 else ds[0]
         self._record("all_gather", self._group_fqn(fsdp_params, param_group), payload_dtype,
                      world_size, entries)
 
@@ -270,9 +266,8 @@ class FSDP2Recorder:
                 padded = world_size  # a 0-d gradient is padded to one element per rank
             numel = padded // world_size
             size = numel * itemsize
-            entries.append({"fqn": self._fqn(fp, i), "offset": offset, "size": size,
-                            "numel": numel, "dtype": dtype_name(dtype),
-                            "shape": list(getattr(fp, "sharded_size", ()) or ())})
+            entries.append(BucketEntry(self._fqn(fp, i), offset, size, numel, dtype_name(dtype),
+                                       list(getattr(fp, "sharded_size", ()) or ())))
             offset += size
         self._record("reduce_scatter", self._group_fqn(fsdp_params, param_group), dtype,
                      world_size, entries)

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parity.capture.names import normalize_fqn  # one definition, shared with the session
-from parity.capture.records import common_module, dtype_name
+from parity.records import common_module, dtype_name
 
 
 __all__ = ["install", "uninstall", "is_installed", "extract_buckets", "normalize_fqn", "source_to_fqn"]

@@ -44,6 +44,7 @@ from parity.capture.steps import StepClock
 from parity.capture.table import ParamTable, _module_roots
 from parity.capture.writing import RankRecord
 from parity.errors import ParityError
+from parity.records import BucketRecord
 from parity.rundir import rank_dir
 
 __all__ = ["Session", "current"]
@@ -364,9 +365,11 @@ class Session(RankRecord, StepClock, ParamTable):
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 
-    def _emit_bucket(self, bucket: dict) -> None:
+    def _emit_bucket(self, bucket: BucketRecord | dict) -> None:
         if os.getpid() != self.pid:  # a forked child (data-loader worker) inherited the hooks
             return
+        if isinstance(bucket, BucketRecord):
+            bucket = bucket.to_dict()
         with self._lock:
             if self.writer is None:
                 if self.lazy:

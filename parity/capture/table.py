@@ -19,7 +19,7 @@ import torch
 
 from parity.capture.hashing import digest_tensors, local_tensor
 from parity.capture.names import normalize_fqn
-from parity.capture.records import dtype_name
+from parity.records import dtype_name
 from parity.capture.patches import _tracing
 
 def _placement_str(p) -> str:

@@ -1,0 +1,122 @@
+"""The bucket record of the artifact schema (one line of buckets.jsonl, docs/artifacts.md), typed.
+
+Every manifest source builds a :class:`BucketRecord` (eager FSDP2: capture/fsdp2.py, compiled
+graphs: capture/graph.py and graph_makefx.py, eager DTensor collectives:
+capture/eager_collectives.py); the session stamps its step and hands ``to_dict()`` to the writer;
+the diff reads a line back with :meth:`BucketRecord.from_dict` (tolerant: a field of the wrong
+type reads as None, unknown keys are kept in ``extra``). Also how a dtype and a bucket's group are
+spelled, so that every source writes them alike. Standard library only: capture imports it in
+every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# optional keys, written after the required ones when set (docs/artifacts.md)
+_OPTIONAL = ("stage", "trace", "module", "placements")
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.float32`` -> ``"float32"`` (the artifact's dtype spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def common_module(fqns) -> str:
+    """The longest module prefix shared by parameter names (``a.b.w``, ``a.b.c.w`` -> ``a.b``);
+    a bucket's group when its owner is not known. Empty names are ignored."""
+    mods = [f.split(".")[:-1] for f in fqns if f]
+    if not mods:
+        return ""
+    prefix: list[str] = []
+    for parts in zip(*mods):
+        if all(p == parts[0] for p in parts):
+            prefix.append(parts[0])
+        else:
+            break
+    return ".".join(prefix)
+
+
+def _int(x) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _str(x) -> str | None:
+    return x if isinstance(x, str) else None
+
+
+@dataclass
+class BucketEntry:
+    """One payload of a bucket: whose it is and where it lies in the flat buffer (bytes)."""
+
+    fqn: str | None  # None: not a parameter (an eager DTensor collective of an activation)
+    offset: int | None
+    size: int | None
+    numel: int | None
+    dtype: str | None
+    shape: list[int] | None = None
+
+    def to_dict(self) -> dict:
+        return {"fqn": self.fqn, "offset": self.offset, "size": self.size, "numel": self.numel,
+                "dtype": self.dtype, "shape": self.shape}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BucketEntry":
+        shape = d.get("shape")
+        return cls(_str(d.get("fqn")), _int(d.get("offset")), _int(d.get("size")),
+                   _int(d.get("numel")), _str(d.get("dtype")),
+                   list(shape) if isinstance(shape, list) else None)
+
+
+@dataclass
+class BucketRecord:
+    """One collective bucket's layout, as one line of buckets.jsonl (without ``v``)."""
+
+    source: str | None  # "fsdp2" | "graph" | "dtensor"
+    collective: str | None  # "all_gather" | "reduce_scatter" (dtensor: also all_reduce, ...)
+    index: int | None  # issue order among this collective's buckets (per step / per graph)
+    entries: list[BucketEntry]
+    graph: str | None = None  # "forward" | "backward" for compiled graphs
+    graph_id: int | None = None
+    step: int | None = None  # stamped by the session: the step during which it was issued
+    group: str | None = None  # the module that owns the bucket
+    node: str | None = None  # the FX node (compiled graphs)
+    dtype: str | None = ""
+    world_size: int | None = 1
+    total_bytes: int | None = 0
+    stage: str | None = None  # "before_passes" | "after_passes" (compiled graphs)
+    trace: str | None = None  # "make_fx" for GraphTrainer's joint graphs
+    module: str | None = None  # dtensor: the chain of objects it was issued under
+    placements: str | None = None  # dtensor: "Shard(dim=0) -> Replicate()"
+    extra: dict = field(default_factory=dict)  # keys this version does not know, kept
+
+    def to_dict(self) -> dict:
+        d = {"source": self.source, "collective": self.collective, "graph": self.graph,
+             "graph_id": self.graph_id, "step": self.step, "index": self.index,
+             "group": self.group, "node": self.node, "dtype": self.dtype,
+             "world_size": self.world_size, "total_bytes": self.total_bytes}
+        for k in _OPTIONAL:
+            v = getattr(self, k)
+            if v is not None:
+                d[k] = v
+        for k, v in self.extra.items():
+            d.setdefault(k, v)
+        d["entries"] = [e.to_dict() for e in self.entries]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BucketRecord":
+        known = {"v", "source", "collective", "graph", "graph_id", "step", "index", "group",
+                 "node", "dtype", "world_size", "total_bytes", "entries", *_OPTIONAL}
+        entries = d.get("entries")
+        return cls(
+            _str(d.get("source")), _str(d.get("collective")), _int(d.get("index")),
+            [BucketEntry.from_dict(e) for e in entries if isinstance(e, dict)]
+            if isinstance(entries, list) else [],
+            graph=_str(d.get("graph")), graph_id=_int(d.get("graph_id")), step=_int(d.get("step")),
+            group=_str(d.get("group")), node=_str(d.get("node")), dtype=_str(d.get("dtype")),
+            world_size=_int(d.get("world_size")), total_bytes=_int(d.get("total_bytes")),
+            stage=_str(d.get("stage")), trace=_str(d.get("trace")), module=_str(d.get("module")),
+            placements=_str(d.get("placements")),
+            extra={k: v for k, v in d.items() if k not in known})
