@@ -334,26 +334,28 @@ def test_dry_run_prints_commands_and_creates_nothing(tmp_path):
 
 
 def test_a_rank_that_refused_before_training_is_not_a_clean_finish(tmp_path):
-    """A nonzero exit is tolerated only after every rank recorded a finished run; a rank that
-    exited 2 on a refused configuration closes its record as "ok" with no step (seen on a GPU
-    sweep whose reference was given --cudagraphs)."""
+    """A nonzero exit is tolerated only after every rank recorded a finished run up to the last
+    step; a rank that exited 2 on a refused configuration closes its record as "ok" with no step
+    (seen on a GPU sweep whose reference was given --cudagraphs)."""
     import json
 
     from parity.sweep.runner import _clean_finish
 
-    def rank(r, steps, lines):
+    def rank(r, steps, status="ok"):
         d = tmp_path / f"rank-{r:05d}"
         d.mkdir(exist_ok=True)
-        meta = {"status": "ok", "capture": {"steps": steps}} if steps is not None else {"status": "ok"}
-        (d / "meta.json").write_text(json.dumps(meta))
-        (d / "steps.jsonl").write_text("{}\n" * lines)
+        (d / "meta.json").write_text(json.dumps({"status": status}))
+        (d / "steps.jsonl").write_text("".join(json.dumps({"step": s}) + "\n"
+                                               for s in range(steps)))
 
-    rank(0, 3, 4)
-    rank(1, 3, 4)
-    assert _clean_finish(tmp_path, 2)
-    rank(1, 0, 0)
-    assert not _clean_finish(tmp_path, 2)
-    rank(1, None, 0)  # no capture meta (a trainer writing its own artifacts): steps.jsonl counts
-    assert not _clean_finish(tmp_path, 2)
-    rank(1, None, 2)
-    assert _clean_finish(tmp_path, 2)
+    rank(0, 4)
+    rank(1, 4)
+    assert _clean_finish(tmp_path, 2, 3)
+    rank(1, 0)  # refused before training: no step
+    assert not _clean_finish(tmp_path, 2, 3)
+    rank(1, 2)  # stopped before the last step
+    assert not _clean_finish(tmp_path, 2, 3)
+    rank(1, 4, status="failed")
+    assert not _clean_finish(tmp_path, 2, 3)
+    rank(1, 4)
+    assert not _clean_finish(tmp_path, 3, 3)  # a rank directory missing
