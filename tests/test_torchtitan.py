@@ -31,6 +31,13 @@ try:  # torchtitan imports triton at import time: both must be there
 except Exception as e:  # noqa: BLE001
     pytest.skip(f"torchtitan is not importable ({type(e).__name__}: {e}); "
                 "pip install -e '.[dev]' installs it", allow_module_level=True)
+try:  # torchtitan 0.3.0's models need torch >= 2.12 (seen on 2.11: an ImportError in every rank)
+    from torch.distributed.fsdp import DataParallelMeshDims  # noqa: F401
+except ImportError as e:
+    import torch
+
+    pytest.skip(f"torchtitan 0.3.0 needs a newer torch than {torch.__version__} ({e})",
+                allow_module_level=True)
 
 COMMON = ["--training.steps", str(STEPS), "--training.local_batch_size", "1",
           "--training.seq_len", "256", "--debug.deterministic", "--debug.seed=42"]
