@@ -1,0 +1,225 @@
+"""What the bucketing passes did, from one run's bucket manifests (pure: no torch).
+
+The manifests record every collective's byte layout; this module condenses them into the figures
+the people tuning bucketing passes compare (AutoParallel's "all-gathers 290 -> 98", topo-span
+bounded bucketing's ``max_consec_compute_between_rs``), per graph and collective kind:
+
+* ``count_before`` / ``count_after``: collectives before the trainer's passes (the graph recorded
+  with ``"stage": "before_passes"``) and after them. For eager FSDP2 "before" is one collective
+  per parameter (what an unbucketed FSDP would issue) and "after" the groups as issued.
+* ``bytes``: min / median / max of the buckets' per-rank payload (``total_bytes``).
+* ``spans``: per bucket after the passes, the index of its last member minus its first in the
+  pre-pass graph order (a member's index is the ``position`` of the pre-pass collective that
+  carried that parameter); null when the run has no pre-pass graph or no positions.
+* ``compute_between_rs``: the compute nodes between consecutive reduce-scatters of the graph
+  after the passes (differences of ``compute_before``), and its maximum
+  ``max_consec_compute_between_rs``.
+
+And module attribution: every entry's issuing module (compiled: the entry's ``module``, from the
+node's ``module_fqn`` / ``nn_module_stack`` meta; eager FSDP2: the group; eager DTensor: the
+``module`` chain) and the entries issued under a module that is not the parameter's owner or one
+of its ancestors (lm_head's chunked collectives under the loss).
+
+``summarize(buckets)`` takes one rank's bucket records (``RankData.buckets``); ``summarize_run``
+picks the lowest rank present. Ranks record the same layouts, so one rank speaks for the run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+__all__ = ["summarize", "summarize_run", "headline", "issued_elsewhere"]
+
+BEFORE = "before_passes"
+
+
+def _key(b: dict) -> tuple:
+    return (b.get("source"), b.get("graph"), b.get("graph_id"), b.get("collective"))
+
+
+def _bytes(buckets: list[dict]) -> dict | None:
+    sizes = [int(b.get("total_bytes") or 0) for b in buckets]
+    if not sizes:
+        return None
+    return {"min": min(sizes), "median": statistics.median(sizes), "max": max(sizes)}
+
+
+def _fqns(b: dict) -> list[str]:
+    return [e["fqn"] for e in b.get("entries") or [] if e.get("fqn")]
+
+
+def _spans(after: list[dict], before: list[dict]) -> list[int | None] | None:
+    """Per bucket after the passes: last member's pre-pass position minus the first's."""
+    if not before or any(not isinstance(b.get("position"), int) for b in before):
+        return None
+    where: dict[str, int] = {}
+    for b in before:
+        for f in _fqns(b):
+            where.setdefault(f, b["position"])
+    out: list[int | None] = []
+    for b in after:
+        pos = [where.get(f) for f in _fqns(b)]
+        out.append(max(pos) - min(pos) if pos and None not in pos else None)
+    return out
+
+
+def _compute_between(buckets: list[dict]) -> list[int] | None:
+    marks = [b.get("compute_before") for b in sorted(buckets, key=lambda b: b.get("position") or 0)]
+    if any(not isinstance(m, int) for m in marks):
+        return None
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def _latest_fsdp2(buckets: list[dict]) -> list[dict]:
+    """FSDP2 layouts are written when first issued and again when they change: the last one per
+    (collective, index) is the layout in force."""
+    last: dict[tuple, dict] = {}
+    for b in buckets:
+        last[(b.get("collective"), b.get("index"))] = b
+    return sorted(last.values(), key=lambda b: (b.get("collective") or "", b.get("index") or 0))
+
+
+def _latest_dtensor(buckets: list[dict]) -> list[dict]:
+    """DTensor sequences are written per step when they change: the latest step's is in force."""
+    if not buckets:
+        return []
+    last = max(int(b.get("step") or 0) for b in buckets)
+    return [b for b in buckets if int(b.get("step") or 0) == last]
+
+
+def summarize(buckets: list[dict]) -> dict:
+    """The bucketing summary of one rank's records: ``{"graphs": [...], "attribution": [...]}``."""
+    groups: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: {"before": [], "after": []})
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for b in buckets:
+        by_source[b.get("source") or "?"].append(b)
+    for source, recs in by_source.items():
+        if source == "fsdp2":
+            recs = _latest_fsdp2(recs)
+        elif source == "dtensor":
+            recs = _latest_dtensor(recs)
+        for b in recs:
+            groups[_key(b)]["before" if b.get("stage") == BEFORE else "after"].append(b)
+
+    rows = []
+    for key in sorted(groups, key=lambda k: tuple("" if x is None else str(x) for x in k)):
+        source, graph, graph_id, collective = key
+        before, after = groups[key]["before"], groups[key]["after"]
+        after.sort(key=lambda b: b.get("index") or 0)
+        row: dict[str, Any] = {
+            "source": source, "graph": graph, "graph_id": graph_id, "collective": collective,
+            "count_before": None, "count_after": len(after), "buckets": len(after),
+            "bytes": _bytes(after), "spans": None, "max_span": None,
+            "compute_between_rs": None, "max_consec_compute_between_rs": None,
+        }
+        if source == "fsdp2":
+            row["count_before"] = sum(len(b.get("entries") or []) for b in after)
+        elif before:
+            row["count_before"] = len(before)
+            spans = _spans(after, before)
+            row["spans"] = spans
+            known = [s for s in spans or [] if s is not None]
+            row["max_span"] = max(known) if known else None
+        if source == "graph" and collective == "reduce_scatter" and after:
+            between = _compute_between(after)
+            row["compute_between_rs"] = between
+            row["max_consec_compute_between_rs"] = max(between) if between else (0 if between == [] else None)
+        if not after and before:
+            row["buckets"] = 0
+        rows.append(row)
+    return {"graphs": rows, "attribution": issued_elsewhere(buckets)}
+
+
+def summarize_run(run: Any) -> dict | None:
+    """``summarize`` of the lowest rank of a ``parity.artifacts.Run``; None if it has no buckets."""
+    ranks = getattr(run, "ranks", {}) or {}
+    if not ranks:
+        return None
+    rd = ranks[min(ranks)]
+    if not rd.buckets:
+        return None
+    out = summarize(rd.buckets)
+    out["rank"] = rd.rank
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Module attribution
+# ---------------------------------------------------------------------------
+
+
+def _owner(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+def _within(module: str, owner: str) -> bool:
+    """``module`` is the owner or one of its ancestors (an FSDP group holding the parameter)."""
+    return module == "" or owner == module or owner.startswith(module + ".")
+
+
+def _chain_ok(chain: str, owner: str) -> bool:
+    """A DTensor ``module`` chain (outermost first, ``a > b``) stays within the owner: every
+    element is an ancestor-or-self module of the owner. An element naming an object outside the
+    model (``loss_fn(ChunkedLossWrapper)``) is not; a bare class name is the root module."""
+    for part in (p.strip() for p in chain.split(">")):
+        if "(" in part:
+            return False
+        if part[:1].isupper() and "." not in part:  # the root, labelled by its class
+            continue
+        if not _within(part, owner):
+            return False
+    return True
+
+
+def _entry_module(b: dict, e: dict) -> str | None:
+    if b.get("source") == "fsdp2":
+        return b.get("group")
+    return e.get("module") if e.get("module") is not None else b.get("module")
+
+
+def issued_elsewhere(buckets: list[dict]) -> list[dict]:
+    """Entries (after the passes) issued under a module that is not their parameter's owner or
+    an ancestor of it: ``{"fqn", "owner", "module", "source", "graph", "collective", "index"}``,
+    one per (fqn, module, collective, graph)."""
+    out: list[dict] = []
+    seen: set[tuple] = set()
+    for b in buckets:
+        if b.get("stage") == BEFORE:
+            continue
+        for e in b.get("entries") or []:
+            fqn, module = e.get("fqn"), _entry_module(b, e)
+            if not fqn or module is None:
+                continue
+            owner = _owner(fqn)
+            ok = _chain_ok(module, owner) if b.get("source") == "dtensor" else _within(module, owner)
+            if ok:
+                continue
+            key = (fqn, module, b.get("collective"), b.get("graph"))
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append({"fqn": fqn, "owner": owner, "module": module, "source": b.get("source"),
+                        "graph": b.get("graph"), "collective": b.get("collective"),
+                        "index": b.get("index")})
+    return out
+
+
+def headline(summary: dict | None) -> str:
+    """One short line: all-gather and reduce-scatter counts after the passes (before -> after
+    where a pre-pass count is known), e.g. ``AG 18->6 RS 18->6``; "" without a summary."""
+    if not summary:
+        return ""
+    parts = []
+    for coll, label in (("all_gather", "AG"), ("reduce_scatter", "RS")):
+        rows = [r for r in summary.get("graphs", []) if r["collective"] == coll]
+        if not rows:
+            continue
+        after = sum(r["count_after"] for r in rows)
+        befores = [r["count_before"] for r in rows]
+        if all(isinstance(x, int) for x in befores):
+            parts.append(f"{label} {sum(befores)}->{after}")
+        else:
+            parts.append(f"{label} {after}")
+    return " ".join(parts)

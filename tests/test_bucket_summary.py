@@ -1,0 +1,107 @@
+"""The bucketing summary (parity/bucket_summary.py) on synthetic records, and `parity inspect`.
+
+The real-workload checks (``--bucketing manual`` and ``auto`` on the built-in trainer) are in
+tests/test_bucket_summary_real.py."""
+
+import json
+
+from click.testing import CliRunner
+
+from parity.bucket_summary import headline, issued_elsewhere, summarize
+from parity.cli import cli
+from synth import make_run
+
+
+def _entry(fqn, size=64, module=None):
+    return {"fqn": fqn, "offset": 0, "size": size, "numel": size // 4, "dtype": "float32",
+            "shape": [size // 4], "module": module}
+
+
+def _graph_bucket(collective, index, fqns, position, compute_before, *, stage=None, graph="forward",
+                  module=None, modules=None):
+    b = {"source": "graph", "collective": collective, "graph": graph, "graph_id": 0, "step": 1,
+         "index": index, "node": f"n{position}", "group": "", "dtype": "float32", "world_size": 2,
+         "total_bytes": 64 * len(fqns), "position": position, "compute_before": compute_before,
+         "module": module,
+         "entries": [_entry(f, module=(modules or {}).get(f)) for f in fqns]}
+    if stage:
+        b["stage"] = stage
+    return b
+
+
+def test_counts_spans_and_compute_between_reduce_scatters():
+    names = [f"layers.{i}.w" for i in range(4)]
+    before = [_graph_bucket("all_gather", i, [n], 10 * i, 3 * i, stage="before_passes")
+              for i, n in enumerate(names)]
+    before += [_graph_bucket("reduce_scatter", i, [n], 100 + 10 * i, 50 + 3 * i,
+                             stage="before_passes", graph="backward")
+               for i, n in enumerate(reversed(names))]
+    after = [_graph_bucket("all_gather", 0, names[:3], 1, 0),          # members at 0, 10, 20
+             _graph_bucket("all_gather", 1, names[3:], 5, 2)]
+    after += [_graph_bucket("reduce_scatter", 0, names[2:], 40, 10, graph="backward"),
+              _graph_bucket("reduce_scatter", 1, names[:2], 90, 17, graph="backward")]
+    s = summarize(before + after)
+    rows = {(r["graph"], r["collective"]): r for r in s["graphs"]}
+    ag = rows[("forward", "all_gather")]
+    assert (ag["count_before"], ag["count_after"], ag["buckets"]) == (4, 2, 2)
+    assert ag["spans"] == [20, 0] and ag["max_span"] == 20
+    assert ag["bytes"] == {"min": 64, "median": 128.0, "max": 192}
+    assert ag["max_consec_compute_between_rs"] is None
+    rs = rows[("backward", "reduce_scatter")]
+    # pre-pass order: layers.3 at 100, layers.2 at 110, layers.1 at 120, layers.0 at 130
+    assert rs["spans"] == [10, 10]
+    assert rs["compute_between_rs"] == [7] and rs["max_consec_compute_between_rs"] == 7
+    assert headline(s) == "AG 4->2 RS 4->2"
+
+
+def test_without_a_pre_pass_graph_the_spans_are_unknown():
+    s = summarize([_graph_bucket("all_gather", 0, ["a.w", "b.w"], 3, 0)])
+    (row,) = s["graphs"]
+    assert row["count_before"] is None and row["spans"] is None and row["max_span"] is None
+    assert headline(s) == "AG 1"
+
+
+def test_eager_fsdp2_counts_the_groups_as_issued():
+    fsdp2 = [{"source": "fsdp2", "collective": "all_gather", "graph": None, "graph_id": None,
+              "step": 1, "index": i, "group": f"layers.{i}", "dtype": "float32", "world_size": 2,
+              "total_bytes": 128, "entries": [_entry(f"layers.{i}.a"), _entry(f"layers.{i}.b")]}
+             for i in range(3)]
+    changed = dict(fsdp2[0], step=2, entries=fsdp2[0]["entries"][:1], total_bytes=64)
+    s = summarize(fsdp2 + [changed])
+    (row,) = s["graphs"]
+    assert (row["count_before"], row["count_after"]) == (5, 3)  # the later layout of index 0
+    assert row["bytes"]["min"] == 64 and row["spans"] is None
+    assert s["attribution"] == []  # every parameter issued under its own group
+
+
+def test_attribution_names_payloads_issued_outside_their_owner():
+    after = [_graph_bucket("all_gather", 0, ["layers.0.wq.weight", "lm_head.weight"], 1, 0,
+                           modules={"layers.0.wq.weight": "layers.0.wq", "lm_head.weight": "loss"})]
+    dtensor = [{"source": "dtensor", "collective": "all_gather", "graph": None, "graph_id": None,
+                "step": 1, "index": 0, "group": "", "dtype": "bfloat16", "world_size": 2,
+                "total_bytes": 64, "module": "loss_fn(ChunkedLossWrapper) > lm_head",
+                "entries": [_entry("lm_head.weight")]},
+               {"source": "dtensor", "collective": "all_gather", "graph": None, "graph_id": None,
+                "step": 1, "index": 1, "group": "", "dtype": "bfloat16", "world_size": 2,
+                "total_bytes": 64, "module": "Transformer > layers.0 > layers.0.wq",
+                "entries": [_entry("layers.0.wq.weight")]}]
+    found = issued_elsewhere(after + dtensor)
+    assert [(a["fqn"], a["module"], a["source"]) for a in found] == [
+        ("lm_head.weight", "loss", "graph"),
+        ("lm_head.weight", "loss_fn(ChunkedLossWrapper) > lm_head", "dtensor")]
+    assert found[0]["owner"] == "lm_head"
+
+
+def test_inspect_prints_the_summary_and_writes_json(tmp_path):
+    run = make_run(tmp_path / "run", world_size=2, steps=2, n_params=8, bucket_layout="fsdp2")
+    out = tmp_path / "s.json"
+    res = CliRunner().invoke(cli, ["inspect", str(run), "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "Bucketing" in res.output and "all_gather" in res.output
+    data = json.loads(out.read_text())
+    assert {r["collective"] for r in data["graphs"]} == {"all_gather", "reduce_scatter"}
+
+
+def test_inspect_of_a_foreign_directory_is_exit_2(tmp_path):
+    res = CliRunner().invoke(cli, ["inspect", str(tmp_path)])
+    assert res.exit_code == 2
