@@ -5,6 +5,8 @@ tests/test_bucket_summary_real.py."""
 
 import json
 
+import pytest
+
 from click.testing import CliRunner
 
 from parity.bucket_summary import headline, issued_elsewhere, summarize
@@ -102,6 +104,10 @@ def test_inspect_prints_the_summary_and_writes_json(tmp_path):
     assert {r["collective"] for r in data["graphs"]} == {"all_gather", "reduce_scatter"}
 
 
-def test_inspect_of_a_foreign_directory_is_exit_2(tmp_path):
-    res = CliRunner().invoke(cli, ["inspect", str(tmp_path)])
-    assert res.exit_code == 2
+def test_inspect_of_a_foreign_directory_is_exit_2(tmp_path, capsys):
+    from parity import cli as cli_module
+
+    with pytest.raises(SystemExit) as e:
+        cli_module.main(["inspect", str(tmp_path)])
+    assert e.value.code == 2
+    assert "not a parity run directory" in capsys.readouterr().err
