@@ -125,7 +125,7 @@ def summarize(buckets: list[dict]) -> dict:
         if source == "graph" and collective == "reduce_scatter" and after:
             between = _compute_between(after)
             row["compute_between_rs"] = between
-            row["max_consec_compute_between_rs"] = max(between) if between else (0 if between == [] else None)
+            row["max_consec_compute_between_rs"] = max(between) if between else None
         if not after and before:
             row["buckets"] = 0
         rows.append(row)

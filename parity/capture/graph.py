@@ -390,6 +390,20 @@ def _common_group(fqns: list[str | None]) -> str:
     return ".".join(prefix)
 
 
+def _common_module(modules: list[str | None]) -> str | None:
+    """The innermost module enclosing every known module ("" the root); None if none is known."""
+    known = [m.split(".") if m else [] for m in modules if m is not None]
+    if not known:
+        return None
+    prefix: list[str] = []
+    for parts in zip(*known):
+        if all(p == parts[0] for p in parts):
+            prefix.append(parts[0])
+        else:
+            break
+    return ".".join(prefix)
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -517,7 +531,8 @@ def extract_buckets(
                 warnings.append(f"{label}: {len(pieces)} input payloads but {len(outs)} output slices")
                 outs = (outs + [None] * len(pieces))[: len(pieces)]
 
-        bucket_module = _issuing_module(node)
+        own = node_module(node)  # the collective's own annotation, when it names a module
+        own = own if own and own != PROPERTY_MODULE else None
         if kind == "all_gather":  # each payload's module: where its gathered slice is used
             if coalesced:
                 by_idx = {u.args[1]: u for u in node.users if _op_name(u) == "getitem"}
@@ -574,7 +589,7 @@ def extract_buckets(
                     "numel": numel,
                     "dtype": _dtype_name(dtype),
                     "shape": shape,
-                    "module": (module if module and module != PROPERTY_MODULE else None) or bucket_module,
+                    "module": (module if module and module != PROPERTY_MODULE else None) or own,
                 }
             )
             offset += size
@@ -595,6 +610,9 @@ def extract_buckets(
         if bucketed_from and len(bucketed_from) != len(entries):
             warnings.append(f"{label}: from_node lists {len(bucketed_from)} collectives, found {len(entries)} payloads")
 
+        # A merged bucket issued from parameter properties (SimpleFSDP) has no module of its
+        # own: it is the innermost module holding every payload's module ("" the root).
+        bucket_module = own if own is not None else _common_module([e["module"] for e in entries])
         buckets.append(
             {
                 "source": "graph",
