@@ -30,7 +30,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-__all__ = ["summarize", "summarize_run", "headline", "issued_elsewhere"]
+__all__ = ["summarize", "summarize_run", "headline", "issued_elsewhere", "pair_rows", "side_label"]
 
 BEFORE = "before_passes"
 
@@ -129,7 +129,9 @@ def summarize(buckets: list[dict]) -> dict:
         if not after and before:
             row["buckets"] = 0
         rows.append(row)
-    return {"graphs": rows, "attribution": issued_elsewhere(buckets)}
+    out = {"graphs": rows, "attribution": issued_elsewhere(buckets)}
+    out["headline"] = headline(out)
+    return out
 
 
 def summarize_run(run: Any) -> dict | None:
@@ -223,3 +225,49 @@ def headline(summary: dict | None) -> str:
         else:
             parts.append(f"{label} {after}")
     return " ".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# A and B side by side
+# ---------------------------------------------------------------------------
+
+_PHASE = {"all_gather": "forward", "reduce_scatter": "backward"}
+
+
+def _phase(row: dict) -> str:
+    """Where a row's collectives run: the graph kind for compiled graphs, else forward for
+    all-gathers and backward for reduce-scatters (eager FSDP2 issues them there)."""
+    if row.get("graph") in ("forward", "backward"):
+        return row["graph"]
+    return _PHASE.get(row.get("collective") or "", row.get("graph") or row.get("source") or "")
+
+
+def side_label(row: dict | None) -> str:
+    """What a row summarizes: ``forward #0`` (a compiled graph), ``eager FSDP2``, ``eager DTensor``."""
+    if row is None:
+        return "-"
+    if row.get("source") == "graph":
+        return f"{row.get('graph')} #{row.get('graph_id')}"
+    return {"fsdp2": "eager FSDP2", "dtensor": "eager DTensor"}.get(row.get("source"), str(row.get("source")))
+
+
+def pair_rows(a: dict | None, b: dict | None) -> list[dict]:
+    """The rows of two summaries aligned for a side-by-side table: eager FSDP2's all-gathers
+    face the compiled forward graph's, its reduce-scatters the backward graph's; the k-th graph
+    of a phase faces the other side's k-th (by graph_id). ``[{"collective", "phase", "a", "b"}]``
+    with None where a side has no such row."""
+    def keyed(summary: dict | None) -> dict[tuple, dict]:
+        rows = sorted((summary or {}).get("graphs") or [],
+                      key=lambda r: (-1 if r.get("graph_id") is None else r["graph_id"]))
+        out: dict[tuple, dict] = {}
+        seen: dict[tuple, int] = defaultdict(int)
+        for r in rows:
+            base = (r.get("collective") or "", _phase(r))
+            out[(*base, seen[base])] = r
+            seen[base] += 1
+        return out
+
+    ka, kb = keyed(a), keyed(b)
+    order = {"all_gather": 0, "reduce_scatter": 1}
+    keys = sorted(set(ka) | set(kb), key=lambda k: (order.get(k[0], 2), k[0], k[1], k[2]))
+    return [{"collective": k[0], "phase": k[1], "a": ka.get(k), "b": kb.get(k)} for k in keys]

@@ -99,7 +99,7 @@ def test_inspect_prints_the_summary_and_writes_json(tmp_path):
     out = tmp_path / "s.json"
     res = CliRunner().invoke(cli, ["inspect", str(run), "--json", str(out)])
     assert res.exit_code == 0, res.output
-    assert "Bucketing" in res.output and "all_gather" in res.output
+    assert "Bucketing (rank 0): AG 8->2 RS 8->2" in res.output and "eager FSDP2" in res.output
     data = json.loads(out.read_text())
     assert {r["collective"] for r in data["graphs"]} == {"all_gather", "reduce_scatter"}
 
@@ -111,3 +111,25 @@ def test_inspect_of_a_foreign_directory_is_exit_2(tmp_path, capsys):
         cli_module.main(["inspect", str(tmp_path)])
     assert e.value.code == 2
     assert "not a parity run directory" in capsys.readouterr().err
+
+
+def test_diff_shows_both_sides_side_by_side(tmp_path):
+    import io
+
+    from parity.diff import diff_runs
+    from parity.report.console import make_console, print_diff
+
+    a = make_run(tmp_path / "a", world_size=2, steps=2, n_params=8, bucket_layout="fsdp2")
+    b = make_run(tmp_path / "b", world_size=2, steps=2, n_params=8, bucket_layout="graph")
+    r = diff_runs(a, b)
+    d = r.to_dict()
+    assert d["bucketing"]["a"]["headline"] == "AG 8->2 RS 8->2"
+    assert d["bucketing"]["b"]["headline"] == "AG 2 RS 2"
+    buf = io.StringIO()
+    print_diff(r, make_console(file=buf))
+    text = buf.getvalue()
+    assert "Bucketing: A AG 8->2 RS 8->2 | B AG 2 RS 2" in text
+    # eager FSDP2's all-gathers face the compiled forward graph's, on one line per figure
+    line = next(x for x in text.splitlines() if "AG (forward)" in x)
+    assert "eager FSDP2" in line and "forward #0" in line
+    assert all(len(x) <= 100 for x in text.splitlines()[1:])

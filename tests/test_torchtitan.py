@@ -85,7 +85,7 @@ def _run(workdir: Path, name: str) -> Job:
     out = workdir / f"run-{name}"
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_LOGS="recompiles",
                PYTHONWARNINGS="default")
-    cmd = [sys.executable, "-m", "cli", "exec", "--out", str(out), "--", sys.executable, "-m",
+    cmd = [sys.executable, "-m", "parity", "exec", "--out", str(out), "--", sys.executable, "-m",
            "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
            str(LAUNCH), *SIDES[name], *COMMON, "--dump_folder", str(workdir / f"dump-{name}")]
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
@@ -112,7 +112,7 @@ def jit(workdir):
 
 def _diff(a: Job, b: Job, tmp_path: Path) -> dict:
     out = tmp_path / "diff.json"
-    proc = subprocess.run([sys.executable, "-m", "cli", "diff", str(a.out), str(b.out),
+    proc = subprocess.run([sys.executable, "-m", "parity", "diff", str(a.out), str(b.out),
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr

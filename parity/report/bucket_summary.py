@@ -1,17 +1,19 @@
 """Console rendering of the bucketing summary (parity/bucket_summary.py): one run for
-`parity inspect`, A and B side by side for `parity diff`."""
+`parity inspect`, A and B side by side for `parity diff`.
+
+The side-by-side table has a row per figure (not per column) so that it stays within 100
+columns however many graphs a run has; a figure that differs between the sides is marked."""
 
 from __future__ import annotations
 
+from rich import box
 from rich.table import Table
 
+from parity.bucket_summary import headline, pair_rows, side_label
 from parity.report.console import T
 
-
-def _graph_label(row: dict) -> str:
-    if row["source"] == "graph":
-        return f"{row['graph']} #{row['graph_id']}"
-    return {"fsdp2": "eager FSDP2", "dtensor": "eager DTensor"}.get(row["source"], str(row["source"]))
+MAX_ATTRIBUTION = 20
+_ABBR = {"all_gather": "AG", "reduce_scatter": "RS"}
 
 
 def _count(row: dict | None) -> str:
@@ -27,64 +29,79 @@ def _bytes(row: dict | None) -> str:
         return "-"
     med = b["median"]
     med = int(med) if float(med).is_integer() else med
-    return f"{b['min']} / {med} / {b['max']}"
+    return f"{b['min']}/{med}/{b['max']}"
 
 
 def _num(value) -> str:
     return "-" if value is None else str(value)
 
 
-def _key(row: dict) -> tuple:
-    return (row["source"], row["graph"] or "", -1 if row["graph_id"] is None else row["graph_id"],
-            row["collective"])
-
-
 def print_summary(summary: dict | None, console, title: str = "Bucketing") -> None:
     """One run: a row per graph and collective kind, then the attribution lines."""
     if not summary or not summary.get("graphs"):
-        console.print(T("bucketing: no bucket manifests recorded"))
+        console.print(T("Bucketing: no bucket manifests recorded"))
         return
-    table = Table(title=f"{title} (rank {summary.get('rank', 0)})", title_justify="left")
-    for col in ("graph", "collective", "count before -> after", "bytes min / median / max",
-                "max span", "max compute between RS"):
-        table.add_column(col)
-    for row in summary["graphs"]:
-        table.add_row(T(_graph_label(row)), T(row["collective"]), T(_count(row)), T(_bytes(row)),
+    console.print(T(f"{title} (rank {summary.get('rank', 0)}): {headline(summary)}"))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, just in (("graph", "left"), ("coll.", "left"), ("before -> after", "right"),
+                      ("bytes min/median/max", "right"), ("max span", "right"),
+                      ("max compute btw RS", "right")):
+        table.add_column(col, justify=just, no_wrap=True)
+    order = {"all_gather": 0, "reduce_scatter": 1}
+    rows = sorted(summary["graphs"], key=lambda r: (
+        order.get(r["collective"], 2), -1 if r["graph_id"] is None else r["graph_id"]))
+    for row in rows:
+        table.add_row(T(side_label(row)), T(_ABBR.get(row["collective"], row["collective"])),
+                      T(_count(row)), T(_bytes(row)),
                       T(_num(row["max_span"])), T(_num(row["max_consec_compute_between_rs"])))
     console.print(table)
     print_attribution(summary.get("attribution") or [], console)
 
 
+def attribution_line(a: dict) -> str:
+    where = a.get("graph") or a.get("source")
+    return (f"{a['fqn']} ({a['collective']}, {where}) issued under module {a['module']!r}, "
+            f"not its owner {a['owner'] or '(root)'!r}")
+
+
 def print_attribution(rows: list[dict], console, side: str = "") -> None:
     prefix = f"{side}: " if side else ""
-    for a in rows[:20]:
-        where = a["graph"] or a["source"]
-        console.print(T(f"{prefix}{a['fqn']} ({a['collective']}, {where}) issued under module "
-                        f"{a['module']!r}, not its owner {a['owner'] or '(root)'!r}"))
-    if len(rows) > 20:
-        console.print(T(f"{prefix}... and {len(rows) - 20} more parameters issued outside their owner"))
+    for a in rows[:MAX_ATTRIBUTION]:
+        console.print(T(prefix + attribution_line(a)))
+    if len(rows) > MAX_ATTRIBUTION:
+        console.print(T(f"{prefix}... and {len(rows) - MAX_ATTRIBUTION} more parameters issued "
+                        "outside their owner"))
+
+
+FIGURES = (
+    ("collectives before -> after", _count),
+    ("bytes min/median/max", _bytes),
+    ("max span", lambda r: _num(r and r.get("max_span"))),
+    ("max compute between RS", lambda r: _num(r and r.get("max_consec_compute_between_rs"))),
+)
 
 
 def print_summary_pair(a: dict | None, b: dict | None, console) -> None:
-    """A and B side by side: counts, bytes, spans and compute between RS per graph/collective."""
+    """A and B side by side: per collective kind and phase, one line per figure; "*" marks a
+    figure whose values differ."""
     if not (a and a.get("graphs")) and not (b and b.get("graphs")):
         return
-    rows_a = {_key(r): r for r in (a or {}).get("graphs", [])}
-    rows_b = {_key(r): r for r in (b or {}).get("graphs", [])}
-    table = Table(title="Bucketing (A vs B)", title_justify="left")
-    for col in ("graph", "collective", "count A", "count B", "bytes A", "bytes B",
-                "max span A / B", "max compute between RS A / B"):
-        table.add_column(col)
-    keys = sorted(set(rows_a) | set(rows_b), key=lambda k: tuple(str(x) for x in k))
-    for k in keys:
-        ra, rb = rows_a.get(k), rows_b.get(k)
-        any_row = ra or rb
-        table.add_row(
-            T(_graph_label(any_row)), T(any_row["collective"]), T(_count(ra)), T(_count(rb)),
-            T(_bytes(ra)), T(_bytes(rb)),
-            T(f"{_num(ra and ra['max_span'])} / {_num(rb and rb['max_span'])}"),
-            T(f"{_num(ra and ra['max_consec_compute_between_rs'])} / "
-              f"{_num(rb and rb['max_consec_compute_between_rs'])}"))
+    console.print(T(f"Bucketing: A {headline(a) or 'no manifests'} | B {headline(b) or 'no manifests'}"))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("collective", no_wrap=True)
+    table.add_column("figure", no_wrap=True)
+    table.add_column("A", justify="right", no_wrap=True)
+    table.add_column("B", justify="right", no_wrap=True)
+    table.add_column("", width=1)
+    for pair in pair_rows(a, b):
+        ra, rb = pair["a"], pair["b"]
+        table.add_row(T(f"{_ABBR.get(pair['collective'], pair['collective'])} ({pair['phase']})"), T("graph"),
+                      T(side_label(ra)), T(side_label(rb)), T(""))
+        for name, fmt in FIGURES:
+            va, vb = fmt(ra), fmt(rb)
+            if name == "max compute between RS" and va == vb == "-":
+                continue
+            table.add_row(T(""), T(name), T(va), T(vb), T("*" if va != vb else "", "bold red"))
     console.print(table)
     print_attribution((a or {}).get("attribution") or [], console, "A")
     print_attribution((b or {}).get("attribution") or [], console, "B")
