@@ -30,7 +30,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-__all__ = ["summarize", "summarize_run", "headline", "issued_elsewhere", "pair_rows", "side_label"]
+__all__ = ["summarize", "summarize_run", "headline", "issued_elsewhere", "pair_rows", "side_label",
+           "cell_headline"]
 
 BEFORE = "before_passes"
 
@@ -271,3 +272,17 @@ def pair_rows(a: dict | None, b: dict | None) -> list[dict]:
     order = {"all_gather": 0, "reduce_scatter": 1}
     keys = sorted(set(ka) | set(kb), key=lambda k: (order.get(k[0], 2), k[0], k[1], k[2]))
     return [{"collective": k[0], "phase": k[1], "a": ka.get(k), "b": kb.get(k)} for k in keys]
+
+
+def cell_headline(diff: dict | None) -> str:
+    """A sweep cell's bucketing in one short string from its diff JSON: ``AG 21->3 RS 21->3 vs
+    AG 21->1 RS 21->1`` (reference vs candidate; one string when both are the same); "" when
+    neither side recorded manifests or the diff predates the summary."""
+    bucketing = (diff or {}).get("bucketing") if isinstance(diff, dict) else None
+    if not isinstance(bucketing, dict):
+        return ""
+    a, b = (headline(bucketing.get(k)) if isinstance(bucketing.get(k), dict) else ""
+            for k in ("a", "b"))
+    if not a and not b:
+        return ""
+    return a if a == b else f"{a or '-'} vs {b or '-'}"

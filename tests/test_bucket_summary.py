@@ -133,3 +133,39 @@ def test_diff_shows_both_sides_side_by_side(tmp_path):
     line = next(x for x in text.splitlines() if "AG (forward)" in x)
     assert "eager FSDP2" in line and "forward #0" in line
     assert all(len(x) <= 100 for x in text.splitlines()[1:])
+
+
+def _sweep_with_bucketing(tmp_path):
+    def summary(ag, rs, before=None):
+        rows = [{"source": "graph", "graph": g, "graph_id": 0, "collective": c, "count_before": before,
+                 "count_after": n, "buckets": n, "bytes": None, "spans": None, "max_span": None,
+                 "compute_between_rs": None, "max_consec_compute_between_rs": None}
+                for g, c, n in (("forward", "all_gather", ag), ("backward", "reduce_scatter", rs))]
+        return {"graphs": rows, "attribution": []}
+
+    cell = {"id": "c0", "axes": {"bucketing": "auto"}, "status": "match", "reason": "bitwise identical",
+            "diff": {"verdict": "match", "bucketing": {"a": summary(3, 3, 21), "b": summary(1, 1, 21)}},
+            "sides": {}, "started": 1.0, "ended": 2.0}
+    sweep = {"v": 1, "kind": "parity-sweep", "name": "b", "complete": True,
+             "axes": [{"name": "bucketing", "values": ["auto"]}], "sides": {},
+             "counts": {"match": 1}, "cells": [cell]}
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    return sweep
+
+
+def test_sweep_reports_show_the_bucketing_headline_per_cell(tmp_path):
+    import io
+
+    from parity.bucket_summary import cell_headline
+    from parity.report.formats import print_sweep_console, sweep_markdown
+    from parity.report.html import render_sweep_html
+
+    sweep = _sweep_with_bucketing(tmp_path)
+    want = "AG 21->3 RS 21->3 vs AG 21->1 RS 21->1"
+    assert cell_headline(sweep["cells"][0]["diff"]) == want
+    assert cell_headline({"verdict": "match"}) == ""  # a diff written before issue 14
+    buf = io.StringIO()
+    print_sweep_console(sweep, file=buf, color=False)
+    assert "AG 21->3 RS 21->3 vs" in buf.getvalue()
+    assert f"`{want}`" in sweep_markdown(sweep)
+    assert want.replace(">", "&gt;") in render_sweep_html(sweep)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from parity import policy
 from parity.artifacts import write_text_atomic
+from parity.bucket_summary import cell_headline
 
 STATE_COLOURS = {
     "equal": "#2e9d58", "divergent": "#d0392b", "missing": "#d9d9d9", "failed": "#5b1a1a",
@@ -401,7 +402,8 @@ def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | N
             f"<tr>{vals}<td><span class=badge style=\"background:{STATUS_COLOURS.get(status, '#444')}"
             f"\">{_e(status)}</span>{tol}</td><td>{_e(where)}</td>"
             f"<td>{_strip(c, steps)}</td><td>{layout}</td>"
-            f"<td class=\"muted detail\">{_e(c.get('reason'))}</td></tr>")
+            f"<td class=\"muted detail\">{_e(c.get('reason'))}</td>"
+            f"<td class=mono>{_e(cell_headline(diff))}</td></tr>")
     counts: dict[str, int] = {}
     for c in cells:
         counts[c.get("status", "?")] = counts.get(c.get("status", "?"), 0) + 1
@@ -415,7 +417,7 @@ def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | N
         "<h2>Cells</h2>", _legend(),
         f"<div class=wide><table><tr>{head}<th>status</th><th>diverges at</th>"
         f"<th title=\"step 0: initial parameters\">steps {_e(steps[0])}-{_e(steps[-1])}</th>"
-        f"<th></th><th>detail</th></tr>",
+        f"<th></th><th>detail</th><th>bucketing A vs B</th></tr>",
         "".join(rows), "</table></div>",
         "<h2>Bucket layout findings</h2>",
         findings or "<p class=muted>Every compared bucket layout is identical.</p>",
