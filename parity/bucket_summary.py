@@ -75,11 +75,21 @@ def _compute_between(buckets: list[dict]) -> list[int] | None:
 
 def _latest_fsdp2(buckets: list[dict]) -> list[dict]:
     """FSDP2 layouts are written when first issued and again when they change: the last one per
-    (collective, index) is the layout in force."""
+    (collective, index) is the layout in force. Each gets the phase it was issued in as its
+    ``graph``: a group's first all-gather of the step is the forward's, a second one the
+    backward's (a group resharded after forward is gathered again for its backward);
+    reduce-scatters are the backward's."""
     last: dict[tuple, dict] = {}
     for b in buckets:
         last[(b.get("collective"), b.get("index"))] = b
-    return sorted(last.values(), key=lambda b: (b.get("collective") or "", b.get("index") or 0))
+    out, gathered = [], set()
+    for b in sorted(last.values(), key=lambda b: (b.get("collective") or "", b.get("index") or 0)):
+        phase = "backward"
+        if b.get("collective") == "all_gather":
+            phase = "backward" if b.get("group") in gathered else "forward"
+            gathered.add(b.get("group"))
+        out.append({**b, "graph": b.get("graph") or phase})
+    return out
 
 
 def _latest_dtensor(buckets: list[dict]) -> list[dict]:
@@ -112,7 +122,8 @@ def summarize(buckets: list[dict]) -> dict:
         row: dict[str, Any] = {
             "source": source, "graph": graph, "graph_id": graph_id, "collective": collective,
             "count_before": None, "count_after": len(after), "buckets": len(after),
-            "bytes": _bytes(after), "spans": None, "max_span": None,
+            "bytes": _bytes(after), "sizes": [int(b.get("total_bytes") or 0) for b in after],
+            "spans": None, "max_span": None,
             "compute_between_rs": None, "max_consec_compute_between_rs": None,
         }
         if source == "fsdp2":
@@ -249,6 +260,8 @@ def side_label(row: dict | None) -> str:
         return "-"
     if row.get("source") == "graph":
         return f"{row.get('graph')} #{row.get('graph_id')}"
+    if row.get("source") == "fsdp2" and row.get("graph"):
+        return f"eager FSDP2 {row['graph']}"
     return {"fsdp2": "eager FSDP2", "dtensor": "eager DTensor"}.get(row.get("source"), str(row.get("source")))
 
 
@@ -270,7 +283,9 @@ def pair_rows(a: dict | None, b: dict | None) -> list[dict]:
 
     ka, kb = keyed(a), keyed(b)
     order = {"all_gather": 0, "reduce_scatter": 1}
-    keys = sorted(set(ka) | set(kb), key=lambda k: (order.get(k[0], 2), k[0], k[1], k[2]))
+    phases = {"forward": 0, "backward": 1}
+    keys = sorted(set(ka) | set(kb), key=lambda k: (order.get(k[0], 2), k[0], phases.get(k[1], 2),
+                                                      k[1], k[2]))
     return [{"collective": k[0], "phase": k[1], "a": ka.get(k), "b": kb.get(k)} for k in keys]
 
 

@@ -102,6 +102,9 @@ class LossStep:
     # the world has a loss at this step
     a_total: float | None = None
     b_total: float | None = None
+    # every compared rank's loss, in ranks_compared order (the HTML report's per-rank lines)
+    a_ranks: list | None = None
+    b_ranks: list | None = None
 
 
 @dataclass
@@ -191,7 +194,8 @@ class DiffResult:
                 "first_divergent_step": self.loss.first_divergent_step,
                 "steps": [{"step": s.step, "a": s.a, "b": s.b, "equal": s.equal,
                            "ranks_differing": s.ranks_differing, "a_total": s.a_total,
-                           "b_total": s.b_total} for s in self.loss.steps],
+                           "b_total": s.b_total, "a_ranks": s.a_ranks, "b_ranks": s.b_ranks}
+                          for s in self.loss.steps],
             },
             "order": {
                 "verdict": o.verdict, "a_source": o.a_source, "b_source": o.b_source,
@@ -315,7 +319,9 @@ def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
         if equal is False and first is None:
             first = s
         rows.append(LossStep(s, la, lb, equal, int(n_diff), _loss_total(ra, s, world),
-                             _loss_total(rb, s, world)))
+                             _loss_total(rb, s, world),
+                             [_loss_value(x.steps.get(s)) for x in ra],
+                             [_loss_value(x.steps.get(s)) for x in rb]))
     return LossComparison(captured, ranks[0] if ranks else None, first, rows)
 
 

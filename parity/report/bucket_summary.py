@@ -43,13 +43,15 @@ def print_summary(summary: dict | None, console, title: str = "Bucketing") -> No
         return
     console.print(T(f"{title} (rank {summary.get('rank', 0)}): {headline(summary)}"))
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for col, just in (("graph", "left"), ("coll.", "left"), ("before -> after", "right"),
+    for col, just in (("graph", "left"), ("coll.", "left"), ("count", "right"),
                       ("bytes min/median/max", "right"), ("max span", "right"),
                       ("max compute btw RS", "right")):
         table.add_column(col, justify=just, no_wrap=True)
     order = {"all_gather": 0, "reduce_scatter": 1}
+    phases = {"forward": 0, "backward": 1}
     rows = sorted(summary["graphs"], key=lambda r: (
-        order.get(r["collective"], 2), -1 if r["graph_id"] is None else r["graph_id"]))
+        order.get(r["collective"], 2), -1 if r["graph_id"] is None else r["graph_id"],
+        phases.get(r["graph"], 2)))
     for row in rows:
         table.add_row(T(side_label(row)), T(_ABBR.get(row["collective"], row["collective"])),
                       T(_count(row)), T(_bytes(row)),
