@@ -169,7 +169,10 @@ def _owner(fqn: str) -> str:
 
 
 def _within(module: str, owner: str) -> bool:
-    """``module`` is the owner or one of its ancestors (an FSDP group holding the parameter)."""
+    """``module`` is the owner or one of its ancestors (an FSDP group holding the parameter; a
+    group of several modules, ``norm, lm_head``, holds each of them)."""
+    if ", " in module:
+        return any(_within(m, owner) for m in module.split(", "))
     return module == "" or owner == module or owner.startswith(module + ".")
 
 

@@ -74,6 +74,11 @@ def test_eager_fsdp2_counts_the_groups_as_issued():
     assert (row["count_before"], row["count_after"]) == (5, 3)  # the later layout of index 0
     assert row["bytes"]["min"] == 64 and row["spans"] is None
     assert s["attribution"] == []  # every parameter issued under its own group
+    # a group of several modules (fully_shard([norm, lm_head])) holds each of them
+    root = dict(fsdp2[0], group="norm, lm_head", entries=[_entry("norm.weight"),
+                                                          _entry("lm_head.weight")])
+    assert issued_elsewhere([root]) == []
+    assert [a["fqn"] for a in issued_elsewhere([dict(root, group="norm")])] == ["lm_head.weight"]
 
 
 def test_attribution_names_payloads_issued_outside_their_owner():

@@ -223,12 +223,14 @@ def _is_compute(node: Any) -> bool:
     return not getattr(node.target, "is_view", False)
 
 
-def _issuing_module(node: Any) -> str | None:
+def _issuing_module(node: Any, own_first: bool = True) -> str | None:
     """The module a collective was issued under: the node's own module annotation, else (a
     SimpleFSDP all-gather issued from a parameter property, or a node without module meta) the
-    module of the first computing node that uses its result, found through waits and views."""
+    module of the first computing node that uses its result, found through waits and views.
+    ``own_first=False`` for one payload's slice of a merged bucket: the pass copies the first
+    member's annotation onto the bucket's nodes, so only the slice's users say where it is used."""
     own = node_module(node)
-    if own and own != PROPERTY_MODULE:
+    if own_first and own and own != PROPERTY_MODULE:
         return own
     frontier, seen = list(node.users), set()
     for _ in range(256):
@@ -575,7 +577,8 @@ def extract_buckets(
                     full = list(val.shape)
                     shape = [full[0] // world_size, *full[1:]] if full else []
             if kind == "all_gather":
-                module = _issuing_module(ag_outs[i]) if ag_outs[i] is not None else None
+                out = ag_outs[i]
+                module = _issuing_module(out, own_first=out is node) if out is not None else None
             else:  # the module whose backward produced the gradient
                 module = next((node_module(c) for c in _walk_back(piece) if _is_compute(c)), None)
             size = numel * dtype.itemsize
@@ -589,7 +592,8 @@ def extract_buckets(
                     "numel": numel,
                     "dtype": _dtype_name(dtype),
                     "shape": shape,
-                    "module": (module if module and module != PROPERTY_MODULE else None) or own,
+                    "module": (module if module and module != PROPERTY_MODULE else None)
+                    or (own if len(pieces) == 1 else None),
                 }
             )
             offset += size
@@ -610,9 +614,11 @@ def extract_buckets(
         if bucketed_from and len(bucketed_from) != len(entries):
             warnings.append(f"{label}: from_node lists {len(bucketed_from)} collectives, found {len(entries)} payloads")
 
-        # A merged bucket issued from parameter properties (SimpleFSDP) has no module of its
-        # own: it is the innermost module holding every payload's module ("" the root).
-        bucket_module = own if own is not None else _common_module([e["module"] for e in entries])
+        # A merged bucket is issued under the innermost module holding every payload's module
+        # ("" the root); a single collective under its own annotation when it has one.
+        # A merged bucket's own annotation is its first member's (copied by the pass).
+        common = _common_module([e["module"] for e in entries])
+        bucket_module = own if (own is not None and len(entries) == 1) or common is None else common
         buckets.append(
             {
                 "source": "graph",
