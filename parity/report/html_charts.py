@@ -197,7 +197,7 @@ def bucketing_svg(a: dict | None, b: dict | None) -> str:
     pairs = pair_rows(a, b)
     if not pairs:
         return ""
-    left, bar_w, bar_h, gap = 150, 560, 22, 8
+    left, bar_w, bar_h, gap = 200, 450, 22, 8
     y = 0.0
     parts = []
     for pair in pairs:
@@ -235,13 +235,12 @@ def bucketing_svg(a: dict | None, b: dict | None) -> str:
             texts = [f"count {mine[0]}", f"max span {'-' if mine[1] is None else mine[1]}"]
             if pair["collective"] == "reduce_scatter":
                 texts.append(f"max compute btw RS {'-' if mine[2] is None else mine[2]}")
-            tx = left + bar_w + 14
-            for k, t in enumerate(texts):
-                red = mine[k] != other[k]
-                parts.append(f'<text x="{tx}" y="{y + 15:.1f}" font-size="11.5"'
-                             f'{f" fill={chr(34)}{DIFF_COLOUR}{chr(34)} font-weight={chr(34)}600{chr(34)}" if red else ""}>'
-                             f'{_e(t)}</text>')
-                tx += 6.2 * len(t) + 14
+            for k, (t, tx) in enumerate(zip(texts, (12, 112, 215))):
+                # a count that differs is a finding; a span or gap only when both sides know it
+                red = mine[k] != other[k] and (k == 0 or None not in (mine[k], other[k]))
+                mark = f' fill="{DIFF_COLOUR}" font-weight="600"' if red else ""
+                parts.append(f'<text x="{left + bar_w + tx}" y="{y + 15:.1f}" font-size="11.5"'
+                             f'{mark}>{_e(t)}</text>')
             y += bar_h + gap
         y += 10
     parts.append(f'<text x="0" y="{y + 8:.1f}" font-size="11" fill="#555">one segment per bucket, '
