@@ -128,6 +128,8 @@ def summarize(buckets: list[dict]) -> dict:
         }
         if source == "fsdp2":
             row["count_before"] = sum(len(b.get("entries") or []) for b in after)
+        elif source == "dtensor":  # issued one by one, outside any pass: nothing merged them
+            row["count_before"] = len(after)
         elif before:
             row["count_before"] = len(before)
             spans = _spans(after, before)
@@ -202,11 +204,21 @@ def issued_elsewhere(buckets: list[dict]) -> list[dict]:
     one per (fqn, module, collective, graph)."""
     out: list[dict] = []
     seen: set[tuple] = set()
+    # A payload's module as its own collective had it before the passes merged it: a merged
+    # bucket's nodes carry the annotation of one member (the pass copies it), the pre-pass
+    # collectives each their own.
+    pre: dict[tuple, str] = {}
+    for b in buckets:
+        if b.get("stage") == BEFORE:
+            for e in b.get("entries") or []:
+                if e.get("fqn") and e.get("module") is not None:
+                    pre.setdefault((b.get("graph_id"), b.get("collective"), e["fqn"]), e["module"])
     for b in buckets:
         if b.get("stage") == BEFORE:
             continue
         for e in b.get("entries") or []:
-            fqn, module = e.get("fqn"), _entry_module(b, e)
+            fqn = e.get("fqn")
+            module = pre.get((b.get("graph_id"), b.get("collective"), fqn), _entry_module(b, e))
             if not fqn or module is None:
                 continue
             owner = _owner(fqn)

@@ -174,3 +174,16 @@ def test_sweep_reports_show_the_bucketing_headline_per_cell(tmp_path):
     assert "AG 21->3 RS 21->3 vs" in buf.getvalue()
     assert f"`{want}`" in sweep_markdown(sweep)
     assert want.replace(">", "&gt;") in render_sweep_html(sweep)
+
+
+def test_attribution_takes_a_merged_payloads_module_from_the_pre_pass_graph():
+    """A merged bucket's nodes carry one member's annotation (torchtitan's make_fx graphs): the
+    pre-pass collective of each payload says where it was issued."""
+    before = [_graph_bucket("all_gather", i, [f], i, 0, stage="before_passes",
+                            modules={f: f.rsplit(".", 1)[0]})
+              for i, f in enumerate(["layers.0.wq.weight", "layers.0.wo.weight"])]
+    after = [_graph_bucket("all_gather", 0, ["layers.0.wq.weight", "layers.0.wo.weight"], 5, 0,
+                           modules={"layers.0.wq.weight": "layers.0.wq",
+                                    "layers.0.wo.weight": "layers.0.wq"})]
+    assert issued_elsewhere(after) != []  # the copied annotation alone would blame wo
+    assert issued_elsewhere(before + after) == []
