@@ -197,7 +197,7 @@ def bucketing_svg(a: dict | None, b: dict | None) -> str:
     pairs = pair_rows(a, b)
     if not pairs:
         return ""
-    left, bar_w, bar_h, gap = 200, 450, 22, 8
+    left, bar_w, bar_h, gap = 200, 430, 22, 8
     y = 0.0
     parts = []
     for pair in pairs:
@@ -235,7 +235,7 @@ def bucketing_svg(a: dict | None, b: dict | None) -> str:
             texts = [f"count {mine[0]}", f"max span {'-' if mine[1] is None else mine[1]}"]
             if pair["collective"] == "reduce_scatter":
                 texts.append(f"max compute btw RS {'-' if mine[2] is None else mine[2]}")
-            for k, (t, tx) in enumerate(zip(texts, (12, 112, 215))):
+            for k, (t, tx) in enumerate(zip(texts, (12, 105, 195))):
                 # a count that differs is a finding; a span or gap only when both sides know it
                 red = mine[k] != other[k] and (k == 0 or None not in (mine[k], other[k]))
                 mark = f' fill="{DIFF_COLOUR}" font-weight="600"' if red else ""
