@@ -31,7 +31,7 @@ from collections import defaultdict
 from typing import Any
 
 __all__ = ["summarize", "summarize_run", "headline", "issued_elsewhere", "pair_rows", "side_label",
-           "cell_headline"]
+           "cell_headline", "bucket_homes", "moved_between", "summarize_pair"]
 
 BEFORE = "before_passes"
 
@@ -143,7 +143,7 @@ def summarize(buckets: list[dict]) -> dict:
         if not after and before:
             row["buckets"] = 0
         rows.append(row)
-    out = {"graphs": rows, "attribution": issued_elsewhere(buckets)}
+    out = {"graphs": rows, "attribution": issued_elsewhere(buckets), "homes": bucket_homes(buckets)}
     out["headline"] = headline(out)
     return out
 
@@ -198,6 +198,115 @@ def _entry_module(b: dict, e: dict) -> str | None:
     return e.get("module") if e.get("module") is not None else b.get("module")
 
 
+def _pre_modules(buckets: list[dict]) -> dict[tuple, str]:
+    """(graph_id, collective, fqn) -> the module of that payload's own pre-pass collective."""
+    pre: dict[tuple, str] = {}
+    for b in buckets:
+        if b.get("stage") == BEFORE:
+            for e in b.get("entries") or []:
+                if e.get("fqn") and e.get("module") is not None:
+                    pre.setdefault((b.get("graph_id"), b.get("collective"), e["fqn"]), e["module"])
+    return pre
+
+
+def _common_module(modules: list[str]) -> str | None:
+    """The innermost module enclosing every module given ("" the root); None for none."""
+    if not modules:
+        return None
+    split = [m.split(".") if m else [] for m in modules]
+    prefix: list[str] = []
+    for parts in zip(*split):
+        if all(p == parts[0] for p in parts):
+            prefix.append(parts[0])
+        else:
+            break
+    return ".".join(prefix)
+
+
+def bucket_homes(buckets: list[dict]) -> dict[str, dict[str, str]]:
+    """collective -> fqn -> the module whose bucket carries that parameter's payload (after the
+    passes; the first bucket of the step, so the forward's for an all-gather): eager FSDP2 the
+    innermost module holding its group (``norm, lm_head`` -> the root), a compiled bucket the
+    innermost module holding its payloads' modules, eager DTensor the chain it was issued under."""
+    pre = _pre_modules(buckets)
+    recs: list[dict] = []
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for b in buckets:
+        if b.get("stage") != BEFORE:
+            by_source[b.get("source") or "?"].append(b)
+    for source, rs in by_source.items():
+        recs += _latest_fsdp2(rs) if source == "fsdp2" else (
+            _latest_dtensor(rs) if source == "dtensor" else rs)
+    phase = {"forward": 0, "backward": 1}
+    recs.sort(key=lambda b: (phase.get(b.get("graph") or "", 2), b.get("graph_id") or 0,
+                             b.get("index") or 0))
+    out: dict[str, dict[str, str]] = defaultdict(dict)
+    for b in recs:
+        source, coll = b.get("source"), b.get("collective") or ""
+        fqns = _fqns(b)
+        if source == "fsdp2":
+            home = _common_module([g.strip() for g in (b.get("group") or "").split(",")])
+        elif source == "dtensor":
+            home = _chain_home(b.get("module") or "")
+        else:
+            mods = [pre.get((b.get("graph_id"), coll, e.get("fqn")), e.get("module"))
+                    for e in b.get("entries") or [] if e.get("fqn")]
+            home = _common_module([m for m in mods if m is not None])
+            if home is None:
+                home = b.get("module")
+        if home is None:
+            continue
+        for f in fqns:
+            out[coll].setdefault(f, home)
+    return dict(out)
+
+
+def _chain_home(chain: str) -> str:
+    """A DTensor ``module`` chain as a home: kept whole when it passes through an object outside
+    the model (``loss_fn(ChunkedLossWrapper) > lm_head``), else its innermost module (a bare
+    class name is the root)."""
+    parts = [p.strip() for p in chain.split(">") if p.strip()]
+    if any("(" in p for p in parts):
+        return chain
+    mods = [p for p in parts if not (p[:1].isupper() and "." not in p)]
+    return mods[-1] if mods else ""
+
+
+def _related(x: str, y: str) -> bool:
+    """One module is the other or one of its ancestors (a bucket of a block vs the root's bucket
+    that merged it: not a move); a chain through an object outside the model is related to
+    nothing but itself."""
+    if x == y:
+        return True
+    if "(" in x or "(" in y:
+        return False
+    return x == "" or y == "" or x.startswith(y + ".") or y.startswith(x + ".")
+
+
+def moved_between(a: dict | None, b: dict | None) -> list[dict]:
+    """Parameters whose payload is carried by an unrelated module's bucket in B than in A (neither
+    module holds the other: merging blocks into the root's bucket is not a move, a payload
+    issued under the loss instead of its model's bucket is), grouped:
+    ``[{"collective", "a_module", "b_module", "fqns"}]``. Only parameters both sides place are
+    compared."""
+    ha, hb = (a or {}).get("homes") or {}, (b or {}).get("homes") or {}
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for coll in sorted(set(ha) & set(hb)):
+        for fqn, ma in ha[coll].items():
+            mb = hb[coll].get(fqn)
+            if mb is not None and not _related(ma, mb):
+                groups[(coll, ma, mb)].append(fqn)
+    return [{"collective": c, "a_module": ma, "b_module": mb, "fqns": fqns}
+            for (c, ma, mb), fqns in groups.items()]
+
+
+def summarize_pair(run_a: Any, run_b: Any) -> dict:
+    """The diff's ``bucketing``: both sides' summaries and the parameters whose bucket moved to
+    another module's between them."""
+    a, b = summarize_run(run_a), summarize_run(run_b)
+    return {"a": a, "b": b, "moved": moved_between(a, b)}
+
+
 def issued_elsewhere(buckets: list[dict]) -> list[dict]:
     """Entries (after the passes) issued under a module that is not their parameter's owner or
     an ancestor of it: ``{"fqn", "owner", "module", "source", "graph", "collective", "index"}``,
@@ -207,12 +316,7 @@ def issued_elsewhere(buckets: list[dict]) -> list[dict]:
     # A payload's module as its own collective had it before the passes merged it: a merged
     # bucket's nodes carry the annotation of one member (the pass copies it), the pre-pass
     # collectives each their own.
-    pre: dict[tuple, str] = {}
-    for b in buckets:
-        if b.get("stage") == BEFORE:
-            for e in b.get("entries") or []:
-                if e.get("fqn") and e.get("module") is not None:
-                    pre.setdefault((b.get("graph_id"), b.get("collective"), e["fqn"]), e["module"])
+    pre = _pre_modules(buckets)
     for b in buckets:
         if b.get("stage") == BEFORE:
             continue
@@ -264,6 +368,8 @@ _PHASE = {"all_gather": "forward", "reduce_scatter": "backward"}
 def _phase(row: dict) -> str:
     """Where a row's collectives run: the graph kind for compiled graphs, else forward for
     all-gathers and backward for reduce-scatters (eager FSDP2 issues them there)."""
+    if row.get("source") == "dtensor":
+        return "DTensor"
     if row.get("graph") in ("forward", "backward"):
         return row["graph"]
     return _PHASE.get(row.get("collective") or "", row.get("graph") or row.get("source") or "")

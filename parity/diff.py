@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.artifacts import RankData, Run, gc_paused, read_run, write_json_atomic
-from parity.bucket_summary import summarize_run
+from parity.bucket_summary import summarize_pair
 from parity.diff_buckets import (
     COLLECTIVES, UNAVAILABLE, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
     describe_eager, eager_collectives, explain_eager, select_layout,
@@ -136,7 +136,7 @@ class DiffResult:
     order: OrderComparison
     problems: list[Problem] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
-    bucketing: dict = field(default_factory=dict)  # side -> parity.bucket_summary.summarize_run
+    bucketing: dict = field(default_factory=dict)  # parity.bucket_summary.summarize_pair
     schema_version: int = SCHEMA_VERSION
 
     # -- policy (parity.policy owns the rule and the words)
@@ -583,7 +583,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
         problems=problems, stats={"cells_drilled": hc.cells_drilled},
-        bucketing={"a": summarize_run(run_a), "b": summarize_run(run_b)},
+        bucketing=summarize_pair(run_a, run_b),
     )
 
 

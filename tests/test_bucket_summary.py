@@ -187,3 +187,34 @@ def test_attribution_takes_a_merged_payloads_module_from_the_pre_pass_graph():
                                     "layers.0.wo.weight": "layers.0.wq"})]
     assert issued_elsewhere(after) != []  # the copied annotation alone would blame wo
     assert issued_elsewhere(before + after) == []
+
+
+def test_moved_names_payloads_carried_by_an_unrelated_modules_bucket():
+    from parity.bucket_summary import moved_between
+
+    def fsdp2(index, group, fqns):
+        return {"source": "fsdp2", "collective": "all_gather", "graph": None, "graph_id": None,
+                "step": 1, "index": index, "group": group, "dtype": "float32", "world_size": 2,
+                "total_bytes": 64 * len(fqns), "entries": [_entry(f) for f in fqns]}
+
+    eager = summarize([fsdp2(0, "norm, lm_head", ["norm.weight", "lm_head.weight"]),
+                       fsdp2(1, "layers.0", ["layers.0.wq.weight", "layers.0.wo.weight"])])
+    # B: the blocks merged into the root's bucket (not a move), lm_head gathered under the loss
+    merged = _graph_bucket("all_gather", 0, ["norm.weight", "layers.0.wq.weight",
+                                             "layers.0.wo.weight"], 1, 0,
+                           modules={"norm.weight": "norm", "layers.0.wq.weight": "layers.0.wq",
+                                    "layers.0.wo.weight": "layers.0.wo"})
+    chunked = {"source": "dtensor", "collective": "all_gather", "graph": None, "graph_id": None,
+               "step": 1, "index": 0, "group": "", "dtype": "bfloat16", "world_size": 2,
+               "total_bytes": 64, "module": "loss_fn(ChunkedLossWrapper) > lm_head",
+               "entries": [_entry("lm_head.weight")]}
+    compiled = summarize([merged, chunked])
+    assert compiled["homes"]["all_gather"]["layers.0.wq.weight"] == ""
+    assert moved_between(eager, compiled) == [
+        {"collective": "all_gather", "a_module": "", "b_module": "loss_fn(ChunkedLossWrapper) > lm_head",
+         "fqns": ["lm_head.weight"]}]
+    # a block's payload in a sibling block's bucket is a move
+    sibling = summarize([_graph_bucket("all_gather", 0, ["layers.0.wq.weight"], 1, 0,
+                                       modules={"layers.0.wq.weight": "layers.1.wq"})])
+    assert [(m["a_module"], m["b_module"]) for m in moved_between(eager, sibling)] == [
+        ("layers.0", "layers.1.wq")]

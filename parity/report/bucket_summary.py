@@ -13,7 +13,7 @@ from parity.bucket_summary import headline, pair_rows, side_label
 from parity.report.console import T
 
 MAX_ATTRIBUTION = 20
-_ABBR = {"all_gather": "AG", "reduce_scatter": "RS"}
+_ABBR = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "all_to_all": "A2A"}
 
 
 def _count(row: dict | None) -> str:
@@ -76,14 +76,29 @@ def print_attribution(rows: list[dict], console, side: str = "") -> None:
 
 
 FIGURES = (
-    ("collectives before -> after", _count),
-    ("bytes min/median/max", _bytes),
+    ("count before -> after", _count),
+    ("bytes min/med/max", _bytes),
     ("max span", lambda r: _num(r and r.get("max_span"))),
-    ("max compute between RS", lambda r: _num(r and r.get("max_consec_compute_between_rs"))),
+    ("max compute btw RS", lambda r: _num(r and r.get("max_consec_compute_between_rs"))),
 )
 
 
-def print_summary_pair(a: dict | None, b: dict | None, console) -> None:
+def moved_line(m: dict, limit: int = 3) -> str:
+    names = ", ".join(m["fqns"][:limit]) + (f" (+{len(m['fqns']) - limit} more)"
+                                            if len(m["fqns"]) > limit else "")
+    n = len(m["fqns"])
+    return (f"{m['collective']}: {n} parameter{'s' if n > 1 else ''} in the bucket of "
+            f"{m['a_module'] or '(root)'!r} in A, of {m['b_module'] or '(root)'!r} in B: {names}")
+
+
+def print_moved(moved: list[dict], console) -> None:
+    for m in moved[:MAX_ATTRIBUTION]:
+        console.print(T("moved: " + moved_line(m)))
+    if len(moved) > MAX_ATTRIBUTION:
+        console.print(T(f"moved: ... and {len(moved) - MAX_ATTRIBUTION} more"))
+
+
+def print_summary_pair(a: dict | None, b: dict | None, console, moved: list | None = None) -> None:
     """A and B side by side: per collective kind and phase, one line per figure; "*" marks a
     figure whose values differ."""
     if not (a and a.get("graphs")) and not (b and b.get("graphs")):
@@ -101,9 +116,12 @@ def print_summary_pair(a: dict | None, b: dict | None, console) -> None:
                       T(side_label(ra)), T(side_label(rb)), T(""))
         for name, fmt in FIGURES:
             va, vb = fmt(ra), fmt(rb)
-            if name == "max compute between RS" and va == vb == "-":
+            if name == "max compute btw RS" and va == vb == "-":
                 continue
-            table.add_row(T(""), T(name), T(va), T(vb), T("*" if va != vb else "", "bold red"))
+            # a span or gap one side cannot know is no finding
+            differs = va != vb and (name.startswith(("count", "bytes")) or "-" not in (va, vb))
+            table.add_row(T(""), T(name), T(va), T(vb), T("*" if differs else "", "bold red"))
     console.print(table)
     print_attribution((a or {}).get("attribution") or [], console, "A")
     print_attribution((b or {}).get("attribution") or [], console, "B")
+    print_moved(moved or [], console)

@@ -418,7 +418,7 @@ def print_diff(result: DiffResult, console: Console | None = None, fail_on: str 
     if r.bucketing:  # issue 14: what the bucketing passes did, A and B side by side
         from parity.report.bucket_summary import print_summary_pair
 
-        print_summary_pair(r.bucketing.get("a"), r.bucketing.get("b"), c)
+        print_summary_pair(r.bucketing.get("a"), r.bucketing.get("b"), c, r.bucketing.get("moved"))
     warnings = [T(f"incomplete: {m}", "yellow") for m in r.incomplete]
     probs = r.problems
     for p in probs[:MAX_PROBLEMS]:

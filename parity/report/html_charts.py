@@ -275,4 +275,19 @@ def bucketing_section(d: dict) -> str:
     heads = (f"<p>A <code>{_e((a or {}).get('headline') or 'no manifests')}</code> &nbsp; B "
              f"<code>{_e((b or {}).get('headline') or 'no manifests')}</code> <span class=muted>"
              "collectives before -> after the passes (docs/inspect.md)</span></p>")
-    return ("<h2>Bucketing, A vs B</h2>" + heads + bucketing_svg(a, b) + attribution_html(a, b))
+    return ("<h2>Bucketing, A vs B</h2>" + heads + bucketing_svg(a, b) + attribution_html(a, b)
+            + moved_html(bk.get("moved") or []))
+
+
+def moved_html(moved: list[dict]) -> str:
+    """Parameters whose payload another module's bucket carries in B than in A."""
+    if not moved:
+        return ""
+    rows = "".join(
+        f"<tr><td>{_e(m.get('collective'))}</td><td class=mono>{_e(m.get('a_module') or '(root)')}"
+        f"</td><td class=mono>{_e(m.get('b_module') or '(root)')}</td><td>{len(m.get('fqns') or [])}"
+        f"</td><td class=mono>{_e(', '.join((m.get('fqns') or [])[:6]))}"
+        f"{' ...' if len(m.get('fqns') or []) > 6 else ''}</td></tr>" for m in moved[:100])
+    return ("<p>Parameters carried by another module's bucket in B than in A:</p><div class=wide>"
+            "<table><tr><th>collective</th><th>bucket of (A)</th><th>bucket of (B)</th><th>n</th>"
+            "<th>parameters</th></tr>" + rows + "</table></div>")
