@@ -136,8 +136,8 @@ class DiffResult:
     order: OrderComparison
     problems: list[Problem] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
-    bucketing: dict = field(default_factory=dict)  # parity.bucket_summary.summarize_pair
     schema_version: int = SCHEMA_VERSION
+    bucketing: dict = field(default_factory=dict)  # parity.bucket_summary.summarize_pair
 
     # -- policy (parity.policy owns the rule and the words)
     def exit_code(self, fail_on: str = "hash") -> int:
@@ -579,11 +579,11 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int)
         a=sides["a"], b=sides["b"], verdict=verdict, incomplete=incomplete, world_size=ws,
         ranks_compared=ranks, steps_compared=steps_compared,
         params_compared=_n_compared(aligns),
+        bucketing=summarize_pair(run_a, run_b),
         kinds_compared=["param", "grad"] if hc.grads_compared else ["param"],
         params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
         problems=problems, stats={"cells_drilled": hc.cells_drilled},
-        bucketing=summarize_pair(run_a, run_b),
     )
 
 

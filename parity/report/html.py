@@ -25,8 +25,6 @@ from pathlib import Path
 
 from parity import policy
 from parity.artifacts import write_text_atomic
-from parity.bucket_summary import cell_headline
-from parity.report import html_charts as charts
 
 STATE_COLOURS = {
     "equal": "#2e9d58", "divergent": "#d0392b", "missing": "#d9d9d9", "failed": "#5b1a1a",
@@ -381,6 +379,8 @@ def _axes(sweep: dict) -> list[str]:
 def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | None = None) -> str:
     """The sweep page: the gate's verdict line, the matrix, each distinct bucket finding once,
     divergent parameters, the runs (collapsed)."""
+    from parity.bucket_summary import cell_headline
+
     cells = sweep.get("cells") or []
     axes = _axes(sweep)
     n_steps = sweep.get("steps")
@@ -445,6 +445,8 @@ def render_diff_html(d: dict, fail_on: str = "hash") -> str:
     """The page of one ``parity diff`` (``DiffResult.to_dict()``): what the console shows, the
     verdict line, summary, loss side by side, per-step counts, divergent parameters, and the
     first differing bucket as a picture."""
+    from parity.report import html_charts as charts
+
     verdict = policy.judge_pair(d, fail_on)
     a, b = d.get("a") or {}, d.get("b") or {}
     steps = d.get("steps_compared") or []
