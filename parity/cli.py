@@ -132,7 +132,7 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
 @cli.command("inspect", context_settings=CONTEXT,
              short_help="One run's bucketing: collective counts, bucket sizes, spans, modules.",
              epilog=_exits("0  printed (a run without bucket manifests says so)",
-                           "2  not a parity run directory",
+                           "2  not a parity run directory, or --json FILE cannot be written",
                            "4  internal error in parity (PARITY_DEBUG=1 shows the traceback)"))
 @click.argument("run_dir", type=click.Path())
 @click.option("--json", "json_file", type=click.Path(dir_okay=False),
