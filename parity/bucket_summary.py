@@ -15,10 +15,13 @@ bounded bucketing's ``max_consec_compute_between_rs``), per graph and collective
   after the passes (differences of ``compute_before``), and its maximum
   ``max_consec_compute_between_rs``.
 
-And module attribution: every entry's issuing module (compiled: the entry's ``module``, from the
-node's ``module_fqn`` / ``nn_module_stack`` meta; eager FSDP2: the group; eager DTensor: the
-``module`` chain) and the entries issued under a module that is not the parameter's owner or one
-of its ancestors (lm_head's chunked collectives under the loss).
+And module attribution: every entry's issuing module (compiled: the module of that payload's
+own pre-pass collective when recorded, else the entry's ``module``, from the nodes'
+``module_fqn`` / ``nn_module_stack`` meta; eager FSDP2: the group; eager DTensor: the ``module``
+chain) and the entries issued under a module that is not the parameter's owner or one of its
+ancestors (lm_head's chunked collectives under the loss); ``homes``, the module whose bucket
+carries each parameter, and for a diff the parameters whose home moved to an unrelated module
+(``moved_between``).
 
 ``summarize(buckets)`` takes one rank's bucket records (``RankData.buckets``); ``summarize_run``
 picks the lowest rank present. Ranks record the same layouts, so one rank speaks for the run.
