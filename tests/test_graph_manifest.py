@@ -29,7 +29,9 @@ BUCKET_KEYS = {
     "total_bytes",
     "entries",
 }
-ENTRY_KEYS = {"fqn", "offset", "size", "numel", "dtype", "shape"}
+ENTRY_KEYS = {"fqn", "offset", "size", "numel", "dtype", "shape", "module"}
+# Optional keys (issue 14): where the collective sits in its graph and the module it was issued under.
+BUCKET_KEYS |= {"position", "compute_before", "module"}
 
 _FSDP2_GROUPS = r"""
 import json

@@ -161,6 +161,20 @@ def test_graph_trainer_manifests_carry_parameter_fqns(fx, jit):
     jit_fqns = {e["fqn"] for b in jit.buckets() if b["source"] == "graph" for e in b["entries"]}
     assert "layers.0.attention.wo.weight" in jit_fqns
 
+    # the bucketing summary (issue 14): make_fx's graph before and after the passes pair up, and
+    # the chunked loss's lm_head all-gathers show as issued under the loss, not under lm_head
+    from parity.artifacts import read_run
+    from parity.bucket_summary import summarize_run
+
+    fx_rows = summarize_run(read_run(fx.out))["graphs"]
+    ag = [r for r in fx_rows if r["source"] == "graph" and r["collective"] == "all_gather"
+          and r["graph"] == "forward"]
+    assert ag and all(r["count_before"] > r["count_after"] > 0 for r in ag), fx_rows
+    jit_summary = summarize_run(read_run(jit.out))
+    assert [(a["fqn"], a["collective"], a["source"]) for a in jit_summary["attribution"]] == [
+        ("lm_head.weight", "all_gather", "dtensor")]
+    assert jit_summary["attribution"][0]["module"].startswith("loss_fn(")
+
 
 def test_eager_vs_jit_names_the_chunked_lm_head_reduce_scatters(eager, jit, tmp_path):
     eager_recs = [b for b in jit.buckets() if b["source"] == "dtensor"]

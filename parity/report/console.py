@@ -418,6 +418,10 @@ def print_diff(result: DiffResult, console: Console | None = None, fail_on: str 
     section = _bucket_section(r)
     if section:
         c.print(Group(*section))
+    if r.bucketing:  # issue 14: what the bucketing passes did, A and B side by side
+        from parity.report.bucket_summary import print_summary_pair
+
+        print_summary_pair(r.bucketing.get("a"), r.bucketing.get("b"), c, r.bucketing.get("moved"))
     warnings = [T(f"incomplete: {m}", "yellow") for m in r.incomplete]
     for w in getattr(r, "warnings", [])[:MAX_PROBLEMS]:
         warnings.append(T(f"capture warning: {w.side.upper()} rank(s) {ranges(w.ranks)}: "
