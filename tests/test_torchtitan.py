@@ -31,13 +31,26 @@ try:  # torchtitan imports triton at import time: both must be there
 except Exception as e:  # noqa: BLE001
     pytest.skip(f"torchtitan is not importable ({type(e).__name__}: {e}); "
                 "pip install -e '.[dev]' installs it", allow_module_level=True)
-try:  # torchtitan 0.3.0's models need torch >= 2.12 (seen on 2.11: an ImportError in every rank)
-    from torch.distributed.fsdp import DataParallelMeshDims  # noqa: F401
-except ImportError as e:
+def _torch_too_old_for_torchtitan() -> str | None:
+    """torchtitan 0.3.0 uses torch 2.13 APIs: seen failing in every rank on 2.11 (no
+    ``DataParallelMeshDims``) and 2.12 (``create_block_mask`` without ``separate_full_blocks``)."""
+    import inspect
+
+    try:
+        from torch.distributed.fsdp import DataParallelMeshDims  # noqa: F401
+        from torch.nn.attention.flex_attention import create_block_mask
+    except ImportError as e:
+        return str(e)
+    if "separate_full_blocks" not in inspect.signature(create_block_mask).parameters:
+        return "create_block_mask() has no separate_full_blocks"
+    return None
+
+
+if _torch_too_old_for_torchtitan():
     import torch
 
-    pytest.skip(f"torchtitan 0.3.0 needs a newer torch than {torch.__version__} ({e})",
-                allow_module_level=True)
+    pytest.skip(f"torchtitan 0.3.0 needs torch >= 2.13, this is {torch.__version__} "
+                f"({_torch_too_old_for_torchtitan()})", allow_module_level=True)
 
 COMMON = ["--training.steps", str(STEPS), "--training.local_batch_size", "1",
           "--training.seq_len", "256", "--debug.deterministic", "--debug.seed=42"]
