@@ -135,6 +135,30 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
     sys.exit(code)
 
 
+@cli.command("inspect", context_settings=CONTEXT,
+             short_help="One run's bucketing: collective counts, bucket sizes, spans, modules.",
+             epilog=_exits("0  printed (a run without bucket manifests says so)",
+                           "2  not a parity run directory, or --json FILE cannot be written",
+                           "4  internal error in parity (PARITY_DEBUG=1 shows the traceback)"))
+@click.argument("run_dir", type=click.Path())
+@click.option("--json", "json_file", type=click.Path(dir_okay=False),
+              help="Also write the summary as JSON to FILE [default: not written].")
+def inspect_cmd(run_dir, json_file):
+    """Summarize the bucket manifests of RUN_DIR (written by `parity exec --out`): per graph and
+    collective kind the count before and after the passes, bucket bytes, each bucket's span in
+    the pre-pass graph, the compute nodes between reduce-scatters, and the parameters issued
+    under a module that is not their owner. docs/inspect.md explains the figures."""
+    from parity.artifacts import read_run, write_json_atomic
+    from parity.bucket_summary import summarize_run
+    from parity.report.bucket_summary import print_summary
+    from parity.report.console import make_console
+
+    summary = summarize_run(read_run(run_dir))
+    print_summary(summary, make_console())
+    if json_file:
+        write_json_atomic(json_file, summary or {"graphs": [], "attribution": []})
+
+
 EXIT_BISECT = ("\b\nExit codes:\n"
                "  0  no aligned op differs at that step (or the runs do not diverge)\n"
                "  1  a differing op is named\n"

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.artifacts import RankData, Run, gc_paused, read_run, write_json_atomic
+from parity.bucket_summary import summarize_pair
 from parity.diff_buckets import (
     COLLECTIVES, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
     describe_eager, eager_collectives, explain_eager, select_layout,
@@ -100,6 +101,9 @@ class LossStep:
     # the world has a loss at this step
     a_total: float | None = None
     b_total: float | None = None
+    # every compared rank's loss, in ranks_compared order (the HTML report's per-rank lines)
+    a_ranks: list | None = None
+    b_ranks: list | None = None
 
 
 @dataclass
@@ -143,6 +147,7 @@ class DiffResult:
     # what capture said while recording (meta.json ``capture.warnings``), per side and message
     warnings: list[CaptureWarning] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
+    bucketing: dict = field(default_factory=dict)  # parity.bucket_summary.summarize_pair
 
     # -- policy (parity.policy owns the rule and the words)
     def exit_code(self, fail_on: str = "hash") -> int:
@@ -199,7 +204,8 @@ class DiffResult:
                 "first_divergent_step": self.loss.first_divergent_step,
                 "steps": [{"step": s.step, "a": s.a, "b": s.b, "equal": s.equal,
                            "ranks_differing": s.ranks_differing, "a_total": s.a_total,
-                           "b_total": s.b_total} for s in self.loss.steps],
+                           "b_total": s.b_total, "a_ranks": s.a_ranks, "b_ranks": s.b_ranks}
+                          for s in self.loss.steps],
             },
             "order": {
                 "verdict": o.verdict, "a_source": o.a_source, "b_source": o.b_source,
@@ -214,6 +220,7 @@ class DiffResult:
             "warnings": [{"side": w.side, "ranks": list(w.ranks), "message": w.message}
                          for w in self.warnings],
             "stats": dict(self.stats),
+            "bucketing": dict(self.bucketing),
         }
 
     def write_json(self, path: str | Path) -> None:
@@ -324,7 +331,9 @@ def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
         if equal is False and first is None:
             first = s
         rows.append(LossStep(s, la, lb, equal, int(n_diff), _loss_total(ra, s, world),
-                             _loss_total(rb, s, world)))
+                             _loss_total(rb, s, world),
+                             [_loss_value(x.steps.get(s)) for x in ra],
+                             [_loss_value(x.steps.get(s)) for x in rb]))
     return LossComparison(captured, ranks[0] if ranks else None, first, rows)
 
 
@@ -636,6 +645,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         a=sides["a"], b=sides["b"], verdict=verdict, incomplete=incomplete, world_size=ws,
         ranks_compared=ranks, steps_compared=steps_compared,
         params_compared=_n_compared(aligns),
+        bucketing=summarize_pair(run_a, run_b),
         kinds_compared=["param", "grad"] if hc.grads_compared else ["param"],
         params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,

@@ -23,19 +23,25 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def common_module(fqns) -> str:
-    """The longest module prefix shared by parameter names (``a.b.w``, ``a.b.c.w`` -> ``a.b``);
-    a bucket's group when its owner is not known. Empty names are ignored."""
-    mods = [f.split(".")[:-1] for f in fqns if f]
-    if not mods:
-        return ""
+def common_prefix(names) -> str | None:
+    """The longest dotted prefix of every name (``a.b``, ``a.b.c`` -> ``a.b``; ``""`` is the
+    root); None when no name is given (None entries are skipped)."""
+    known = [n.split(".") if n else [] for n in names if n is not None]
+    if not known:
+        return None
     prefix: list[str] = []
-    for parts in zip(*mods):
+    for parts in zip(*known):
         if all(p == parts[0] for p in parts):
             prefix.append(parts[0])
         else:
             break
     return ".".join(prefix)
+
+
+def common_module(fqns) -> str:
+    """The module holding every parameter (``a.b.w``, ``a.b.c.w`` -> ``a.b``): a bucket's group
+    when its owner is not known. Empty names are ignored."""
+    return common_prefix([f.rsplit(".", 1)[0] if "." in f else "" for f in fqns if f]) or ""
 
 
 def _int(x) -> int | None:
@@ -56,17 +62,21 @@ class BucketEntry:
     numel: int | None
     dtype: str | None
     shape: list[int] | None = None
+    module: str | None = None  # compiled graphs: the module the payload's collective ran under
 
     def to_dict(self) -> dict:
-        return {"fqn": self.fqn, "offset": self.offset, "size": self.size, "numel": self.numel,
-                "dtype": self.dtype, "shape": self.shape}
+        d = {"fqn": self.fqn, "offset": self.offset, "size": self.size, "numel": self.numel,
+             "dtype": self.dtype, "shape": self.shape}
+        if self.module is not None:
+            d["module"] = self.module
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "BucketEntry":
         shape = d.get("shape")
         return cls(_str(d.get("fqn")), _int(d.get("offset")), _int(d.get("size")),
                    _int(d.get("numel")), _str(d.get("dtype")),
-                   list(shape) if isinstance(shape, list) else None)
+                   list(shape) if isinstance(shape, list) else None, _str(d.get("module")))
 
 
 @dataclass

@@ -24,5 +24,12 @@ def test_chunked_redistributions_are_recorded_with_parameter_and_module(tmp_path
              (1, "reduce_scatter", "loss_fn(ChunkLoss)", None, [4, 3],
               "Partial(sum) -> Shard(dim=0)")]
     assert got == chunk * 2  # step 2 repeats step 1's sequence: not written again
+    # module attribution (issue 14): the weight's all-gather was issued under the loss function
+    from parity.artifacts import read_run
+    from parity.bucket_summary import summarize_run
+
+    found = summarize_run(read_run(out))["attribution"]
+    assert [(a["fqn"], a["module"], a["collective"]) for a in found] == [
+        ("0.weight", "loss_fn(ChunkLoss) > 0", "all_gather")]
     meta = json.loads((out / "rank-00000" / "meta.json").read_text())
     assert "dtensor" in meta["capture"]["manifests"]

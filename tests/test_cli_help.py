@@ -10,7 +10,7 @@ from parity.cli import cli
 from parity.errors import ParityError
 from parity.sweep.state import load_sweep
 
-COMMANDS = ("exec", "diff", "bisect", "sweep", "report", "gate")
+COMMANDS = ("exec", "diff", "inspect", "bisect", "sweep", "report", "gate")
 
 
 def help_of(*args) -> str:

@@ -29,7 +29,9 @@ BUCKET_KEYS = {
     "total_bytes",
     "entries",
 }
-ENTRY_KEYS = {"fqn", "offset", "size", "numel", "dtype", "shape"}
+ENTRY_KEYS = {"fqn", "offset", "size", "numel", "dtype", "shape", "module"}
+# Optional keys (issue 14): where the collective sits in its graph and the module it was issued under.
+BUCKET_KEYS |= {"position", "compute_before", "module"}
 
 _FSDP2_GROUPS = r"""
 import json
@@ -49,7 +51,11 @@ state = model._get_fsdp_state()
 state._lazy_init()
 groups = {}
 for s in state._state_ctx.all_states:
-    for g in s._fsdp_param_groups:
+    # torch 2.13 keeps a list of groups per state; 2.11/2.12 one group or None
+    gs = getattr(s, "_fsdp_param_groups", None)
+    if gs is None:
+        gs = [s._fsdp_param_group] if getattr(s, "_fsdp_param_group", None) else []
+    for g in gs:
         groups[g._module_fqn] = [p._param_fqn for p in g.fsdp_params]
 print(json.dumps(groups))
 dist.destroy_process_group()

@@ -30,7 +30,7 @@ LAYERS = [
               "parity.rundir")),
     ("capture", ("parity.capture",)),
     ("diff", ("parity.policy", "parity.diff", "parity.diff_buckets", "parity.diff_env",
-              "parity.diff_hashes")),
+              "parity.diff_hashes", "parity.bucket_summary")),
     ("sweep", ("parity.sweep",)),
     ("bisect", ("parity.bisect",)),
     ("report", ("parity.report",)),

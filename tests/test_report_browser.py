@@ -123,3 +123,44 @@ def test_swap_of_two_small_parameters_is_visible_and_marked(tmp_path):
     assert shot.is_file()
     if os.environ.get("PARITY_SAVE_SWAP_SCREENSHOT"):
         shutil.copy(shot, os.environ["PARITY_SAVE_SWAP_SCREENSHOT"])
+
+
+CHART_MEASURE = """<pre id="measure"></pre><script>
+const r = e => e.getBoundingClientRect();
+document.getElementById("measure").textContent = JSON.stringify({
+  window: window.innerWidth,
+  charts: [...document.querySelectorAll("svg.chart")].map(s => [s.getAttribute("aria-label"),
+                                                               r(s).width, r(s).right]),
+  loss: [...document.querySelectorAll("polyline.loss-line")].map(e => r(e).width),
+  segments: document.querySelectorAll("rect.bucket-seg").length});
+</script></body>"""
+
+
+def test_diff_page_charts_render_in_chromium(tmp_path):
+    """The diff page's charts (issue 14) lay out inside a 1000 px window: every chart drawn,
+    none cut off, the loss lines span the steps."""
+    import json
+
+    from parity.diff import diff_runs
+    from parity.report.html import render_diff_html
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from synth import make_run
+
+    a = make_run(tmp_path / "a", world_size=2, steps=4, n_params=8)
+    b = make_run(tmp_path / "b", world_size=2, steps=4, n_params=8, bucket_layout="graph",
+                 diverge_at=2, diverge_rank=1, diverge_param=3)
+    page = render_diff_html(diff_runs(a, b).to_dict())
+    probe = tmp_path / "charts.html"
+    probe.write_text(page.replace("</body>", CHART_MEASURE))
+    dom = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
+                          "--window-size=1000,1400", "--dump-dom", probe.as_uri()],
+                         capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    text = dom.stdout.split('<pre id="measure">', 1)[1].split("</pre>", 1)[0]
+    m = json.loads(text.replace("&quot;", '"'))
+    labels = [c[0] for c in m["charts"]]
+    assert labels == ["loss per step", "divergent parameters per step", "bucketing summary"]
+    assert all(width > 300 and right <= m["window"] for _, width, right in m["charts"]), m
+    assert len(m["loss"]) == 2 and all(w > 200 for w in m["loss"]), m
+    assert m["segments"] == 8  # A: 2 + 2 FSDP2 groups; B: 2 + 2 graph buckets

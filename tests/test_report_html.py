@@ -167,3 +167,28 @@ def test_diff_page_has_its_own_wording_and_the_consoles_content(mismatch_diff):
     assert "Loss of rank" in page and "Divergent per step" in page
     assert "step 0: initial parameters" in page
     assert "First divergence" in page and ("[backward]" in page or "[forward]" in page)
+
+
+def test_diff_page_charts_loss_divergence_and_bucketing(mismatch_diff):
+    """Issue 14: the loss of both sides (and each rank's), divergent parameters per step and the
+    bucketing summary as inline SVG; no scripts."""
+    result, tmp = mismatch_diff
+    out = tmp / "charts.html"
+    write_diff_html(result, out)
+    page = out.read_text()
+    _no_external(page)
+    assert 'aria-label="loss per step"' in page
+    assert page.count('class="loss-line"') == 2 and page.count('class="loss-rank"') == 4  # 2 ranks
+    assert 'class="loss-differs"' in page  # the loss of step 2 differs on rank 1
+    assert 'aria-label="divergent parameters per step"' in page
+    assert 'aria-label="bucketing summary"' in page
+    assert page.count('class="bucket-seg" data-side="A"') == 2  # FSDP2: one group, AG + RS
+    assert "Bucketing, A vs B" in page
+
+
+def test_bucket_table_shows_both_sizes_where_they_differ():
+    from parity.report.html import _size_cell
+
+    assert _size_cell({"size": 64}, {"size": 64}) == "64"
+    assert "64 / 128" in _size_cell({"size": 64}, {"size": 128})
+    assert _size_cell({}, {"size": 128}) == "128"

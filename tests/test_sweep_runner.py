@@ -341,22 +341,21 @@ def test_a_rank_that_refused_before_training_is_not_a_clean_finish(tmp_path):
 
     from parity.sweep.results import clean_finish as _clean_finish
 
-    def rank(r, steps, lines):
+    def rank(r, steps, status="ok"):
         d = tmp_path / f"rank-{r:05d}"
         d.mkdir(exist_ok=True)
-        meta = {"status": "ok", "capture": {"steps": steps}} if steps is not None else {"status": "ok"}
-        (d / "meta.json").write_text(json.dumps(meta))
+        (d / "meta.json").write_text(json.dumps({"status": status}))
         (d / "steps.jsonl").write_text("".join(json.dumps({"step": s}) + "\n"
-                                               for s in range(lines)))
+                                               for s in range(steps)))
 
-    rank(0, 3, 4)
-    rank(1, 3, 4)
+    rank(0, 4)
+    rank(1, 4)
     assert _clean_finish(tmp_path, 2, 3)
-    rank(1, 0, 0)
+    rank(1, 0)  # refused before training: no step
     assert not _clean_finish(tmp_path, 2, 3)
-    rank(1, None, 0)  # no capture meta (a trainer writing its own artifacts): steps.jsonl counts
+    rank(1, 2)  # stopped before the last step
     assert not _clean_finish(tmp_path, 2, 3)
-    rank(1, None, 2)  # stopped after step 1 of 3
+    rank(1, 4, status="failed")
     assert not _clean_finish(tmp_path, 2, 3)
-    rank(1, None, 4)
-    assert _clean_finish(tmp_path, 2, 3)
+    rank(1, 4)
+    assert not _clean_finish(tmp_path, 3, 3)  # a rank directory missing

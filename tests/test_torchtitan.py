@@ -31,6 +31,26 @@ try:  # torchtitan imports triton at import time: both must be there
 except Exception as e:  # noqa: BLE001
     pytest.skip(f"torchtitan is not importable ({type(e).__name__}: {e}); "
                 "pip install -e '.[dev]' installs it", allow_module_level=True)
+def _torch_too_old_for_torchtitan() -> str | None:
+    """torchtitan 0.3.0 uses torch 2.13 APIs: seen failing in every rank on 2.11 (no
+    ``DataParallelMeshDims``) and 2.12 (``create_block_mask`` without ``separate_full_blocks``)."""
+    import inspect
+
+    try:
+        from torch.distributed.fsdp import DataParallelMeshDims  # noqa: F401
+        from torch.nn.attention.flex_attention import create_block_mask
+    except ImportError as e:
+        return str(e)
+    if "separate_full_blocks" not in inspect.signature(create_block_mask).parameters:
+        return "create_block_mask() has no separate_full_blocks"
+    return None
+
+
+if _torch_too_old_for_torchtitan():
+    import torch
+
+    pytest.skip(f"torchtitan 0.3.0 needs torch >= 2.13, this is {torch.__version__} "
+                f"({_torch_too_old_for_torchtitan()})", allow_module_level=True)
 
 COMMON = ["--training.steps", str(STEPS), "--training.local_batch_size", "1",
           "--training.seq_len", "256", "--debug.deterministic", "--debug.seed=42"]
@@ -153,6 +173,20 @@ def test_graph_trainer_manifests_carry_parameter_fqns(fx, jit):
                and len(b["entries"]) > 1 for b in after)
     jit_fqns = {e["fqn"] for b in jit.buckets() if b["source"] == "graph" for e in b["entries"]}
     assert "layers.0.attention.wo.weight" in jit_fqns
+
+    # the bucketing summary (issue 14): make_fx's graph before and after the passes pair up, and
+    # the chunked loss's lm_head all-gathers show as issued under the loss, not under lm_head
+    from parity.artifacts import read_run
+    from parity.bucket_summary import summarize_run
+
+    fx_rows = summarize_run(read_run(fx.out))["graphs"]
+    ag = [r for r in fx_rows if r["source"] == "graph" and r["collective"] == "all_gather"
+          and r["graph"] == "forward"]
+    assert ag and all(r["count_before"] > r["count_after"] > 0 for r in ag), fx_rows
+    jit_summary = summarize_run(read_run(jit.out))
+    assert [(a["fqn"], a["collective"], a["source"]) for a in jit_summary["attribution"]] == [
+        ("lm_head.weight", "all_gather", "dtensor")]
+    assert jit_summary["attribution"][0]["module"].startswith("loss_fn(")
 
 
 def test_eager_vs_jit_names_the_chunked_lm_head_reduce_scatters(eager, jit, tmp_path):

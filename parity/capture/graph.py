@@ -44,8 +44,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from parity.capture.names import normalize_fqn  # one definition, shared with the session
-from parity.records import common_module, dtype_name
+from parity.capture.names import PROPERTY_MODULE, node_module, normalize_fqn  # shared with the session
+from parity.records import common_module, common_prefix, dtype_name
 
 
 __all__ = ["install", "uninstall", "is_installed", "extract_buckets", "normalize_fqn", "source_to_fqn"]
@@ -202,6 +202,51 @@ def _op_name(node: Any) -> str:
     if node.target is operator.getitem:
         return "getitem"
     return ""
+
+
+# Not compute, for ``compute_before``: communication, its waits, bucket plumbing (the buffer
+# a bucket is packed into and split out of) and allocations; views are skipped by schema.
+_NOT_COMPUTE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "fsdp", "bucketing", "_dtensor")
+_PLUMBING_OPS = frozenset(
+    (*_CAT_OPS, *_COPY_OPS, *_SPLIT_OPS, "aten::empty", "aten::empty_strided", "aten::new_empty",
+     "aten::new_empty_strided", "aten::zeros", "aten::full", "aten::clone", "aten::contiguous",
+     "aten::slice_scatter", "aten::_to_copy", "prims::convert_element_type"))
+
+
+def _is_compute(node: Any) -> bool:
+    """True for a call_function node that computes: not a collective, wait, getitem, view,
+    cast, copy, allocation or bucket cat/split (what ``max_consec_compute_between_rs`` counts)."""
+    name = _op_name(node)
+    if not name or name == "getitem" or name in _PLUMBING_OPS:
+        return False
+    if name.split("::", 1)[0] in _NOT_COMPUTE_NAMESPACES:
+        return False
+    return not getattr(node.target, "is_view", False)
+
+
+def _issuing_module(node: Any, own_first: bool = True) -> str | None:
+    """The module a collective was issued under: the node's own module annotation, else (a
+    SimpleFSDP all-gather issued from a parameter property, or a node without module meta) the
+    module of the first computing node that uses its result, found through waits and views.
+    ``own_first=False`` for one payload's slice of a merged bucket: the pass copies the first
+    member's annotation onto the bucket's nodes, so only the slice's users say where it is used."""
+    own = node_module(node)
+    if own_first and own and own != PROPERTY_MODULE:
+        return own
+    frontier, seen = list(node.users), set()
+    for _ in range(256):
+        if not frontier:
+            break
+        cur = frontier.pop(0)
+        if cur in seen:
+            continue
+        seen.add(cur)
+        if _is_compute(cur):
+            mod = node_module(cur)
+            if mod and mod != PROPERTY_MODULE:
+                return mod
+        frontier.extend(cur.users)
+    return own or None
 
 
 def _val(node: Any) -> Any:
@@ -386,6 +431,16 @@ def extract_buckets(
     """
     warnings = warnings if warnings is not None else []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    # Where each node sits: its index in graph order and the compute nodes before it (the
+    # bucketing summary's spans and compute-between-reduce-scatters, parity/bucket_summary.py).
+    position: dict[Any, int] = {}
+    compute_before: dict[Any, int] = {}
+    computed = 0
+    for i, n in enumerate(gm.graph.nodes):
+        position[n] = i
+        compute_before[n] = computed
+        if _is_compute(n):
+            computed += 1
     placeholder_fqn = {n: (input_fqns[i] if i < len(input_fqns) else None) for i, n in enumerate(placeholders)}
     buckets: list[dict] = []
     counters = {"all_gather": 0, "reduce_scatter": 0}
@@ -451,6 +506,18 @@ def extract_buckets(
                 warnings.append(f"{label}: {len(pieces)} input payloads but {len(outs)} output slices")
                 outs = (outs + [None] * len(pieces))[: len(pieces)]
 
+        own = node_module(node)  # the collective's own annotation, when it names a module
+        own = own if own and own != PROPERTY_MODULE else None
+        if kind == "all_gather":  # each payload's module: where its gathered slice is used
+            if coalesced:
+                by_idx = {u.args[1]: u for u in node.users if _op_name(u) == "getitem"}
+                ag_outs = [by_idx.get(i) for i in range(len(pieces))]
+            elif pattern == "single":
+                ag_outs = [node]
+            else:
+                ag_outs = _split_outputs(node) or []
+            ag_outs = (ag_outs + [None] * len(pieces))[: len(pieces)]
+
         entries = []
         offset = 0
         for i, piece in enumerate(pieces):
@@ -482,6 +549,11 @@ def extract_buckets(
                 else:
                     full = list(val.shape)
                     shape = [full[0] // world_size, *full[1:]] if full else []
+            if kind == "all_gather":
+                out = ag_outs[i]
+                module = _issuing_module(out, own_first=out is node) if out is not None else None
+            else:  # the module whose backward produced the gradient
+                module = next((node_module(c) for c in _walk_back(piece) if _is_compute(c)), None)
             size = numel * dtype.itemsize
             if fqn is None:
                 warnings.append(f"{label}: payload {i} at offset {offset} not traced to a parameter")
@@ -493,6 +565,8 @@ def extract_buckets(
                     "numel": numel,
                     "dtype": dtype_name(dtype),
                     "shape": shape,
+                    "module": (module if module and module != PROPERTY_MODULE else None)
+                    or (own if len(pieces) == 1 else None),
                 }
             )
             offset += size
@@ -513,6 +587,11 @@ def extract_buckets(
         if bucketed_from and len(bucketed_from) != len(entries):
             warnings.append(f"{label}: from_node lists {len(bucketed_from)} collectives, found {len(entries)} payloads")
 
+        # A merged bucket is issued under the innermost module holding every payload's module
+        # ("" the root); a single collective under its own annotation when it has one.
+        # A merged bucket's own annotation is its first member's (copied by the pass).
+        common = common_prefix([e["module"] for e in entries])
+        bucket_module = own if (own is not None and len(entries) == 1) or common is None else common
         buckets.append(
             {
                 "source": "graph",
@@ -526,6 +605,9 @@ def extract_buckets(
                 "world_size": world_size,
                 "total_bytes": total,
                 "entries": entries,
+                "position": position[node],
+                "compute_before": compute_before[node],
+                "module": bucket_module,
             }
         )
     return buckets

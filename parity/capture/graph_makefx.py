@@ -129,7 +129,8 @@ def _grad_fqns(module: Any) -> list[str]:
             if p.requires_grad]
 
 
-def _record(traced: Any, module: Any, stage: str, pre: dict | None) -> tuple[dict, dict | None]:
+def _record(traced: Any, module: Any, stage: str, pre: dict | None,
+            graph_id: int | None = None) -> tuple[dict, dict | None]:
     gm = traced.gm
     n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     inputs = placeholder_fqns(traced, n_ph)
@@ -138,7 +139,8 @@ def _record(traced: Any, module: Any, stage: str, pre: dict | None) -> tuple[dic
     rs_map = reduce_scatter_targets(gm, outputs)
     if pre:
         rs_map = {**rs_map, **pre}  # pre-pass nodes still in the graph name their payloads
-    graph_id = next(graph_walk._graph_ids)
+    if graph_id is None:
+        graph_id = next(graph_walk._graph_ids)
     buckets = graph_walk.extract_buckets(gm, inputs, outputs, "joint", graph_id=graph_id,
                                          warnings=warnings, rs_payload_fqns=rs_map)
     split_joint(gm, buckets)
@@ -160,7 +162,7 @@ def _wrap_tracer(original: Callable) -> Callable:
             if hooks is not None:
                 try:
                     record, rs_map = _record(traced, module, "before_passes", None)
-                    _state["pre"] = (weakref.ref(traced.gm), rs_map)
+                    _state["pre"] = (weakref.ref(traced.gm), rs_map, record["graph_id"])
                     hooks["on_graph"](record)
                 except Exception as e:  # noqa: BLE001 - never break the trainer
                     hooks["warn"](f"compiled manifests: make_fx graph before passes not read "
@@ -185,11 +187,14 @@ def _wrap_runner(original: Callable) -> Callable:
         if gm is not None and seen is not None and gm not in seen:
             seen.add(gm)
             try:
-                pre_ref, rs_map = _state.get("pre") or (None, None)
+                pre_ref, rs_map, pre_id = _state.get("pre") or (None, None, None)
                 # the passes mutate the traced graph in place: its pre-pass nodes identify
                 # reduce-scatter payloads from the input side
                 rs_map = rs_map if rs_map else None
-                record, _ = _record(traced, kwargs.get("module"), "after_passes", rs_map)
+                # the same graph before and after the passes shares one graph_id, so that the
+                # bucketing summary pairs them (parity/bucket_summary.py)
+                record, _ = _record(traced, kwargs.get("module"), "after_passes", rs_map,
+                                    graph_id=pre_id if pre_ref is not None else None)
                 if pre_ref is None:
                     record["warnings"].append("no graph before passes (precompiled artifact)")
                 hooks["on_graph"](record)

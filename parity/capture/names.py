@@ -8,6 +8,9 @@ the graph hook and the session both use it.
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 WRAPPER_COMPONENTS = frozenset(
     {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_fsdp_module",
      "module_wrapped"})
@@ -41,3 +44,47 @@ def normalize_fqn(fqn: str) -> str:
         out.append(c)
         i += 1
     return ".".join(out)
+
+
+# ---------------------------------------------------------------------------
+# The module a graph node was traced under (op-level capture, bucket attribution)
+# ---------------------------------------------------------------------------
+
+PROPERTY_MODULE = "(parameter property)"
+
+_BRACKET = re.compile(r"\[\s*(?:'([^']*)'|\"([^\"]*)\"|(-?\d+))\s*\]")
+_OWNER = re.compile(r"type\((\s*[LG](?:\.self|\['self'\])[^)]*)\)")
+
+
+def stack_module(path: str) -> str:
+    """``L['self'].layers[1].ffn_norm`` (an ``nn_module_stack`` path) -> ``layers.1.ffn_norm``.
+
+    A module reached through a parameter property (SimpleFSDP's all-gather parametrization:
+    ``dict(type(L.self.norm).__dict__).weight.fget.__closure__...``) is one object shared by
+    many parameters, named by dynamo after the first access: it is reported as
+    ``(parameter property)``, not as a module it does not belong to."""
+    if _OWNER.search(path) or "__closure__" in path:
+        return PROPERTY_MODULE
+    path = re.sub(r"^[LG]\.self\b", "", path)
+    path = re.sub(r"^\s*[LG]\[[^\]]*\]", "", path)
+    path = _BRACKET.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
+    parts = [p for p in path.split(".") if p and p not in ("_modules", "_parameters")]
+    return normalize_fqn(".".join(parts))
+
+
+def node_module(node: Any) -> str:
+    """The module an FX node was traced under: torchtitan's ``module_fqn`` annotation (in
+    ``meta["custom"]`` or ``meta``) when present, else the innermost ``nn_module_stack`` entry
+    (``fwd_nn_module_stack`` for backward nodes); "" when the node carries neither."""
+    meta = getattr(node, "meta", None) or {}
+    custom = meta.get("custom")
+    for holder in (custom if isinstance(custom, dict) else {}, meta):
+        fqn = holder.get("module_fqn")
+        if isinstance(fqn, str):
+            return normalize_fqn(fqn)
+    stack = meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    last = list(stack.values())[-1]
+    path = last[0] if isinstance(last, (tuple, list)) else str(last)
+    return stack_module(path) if isinstance(path, str) else ""

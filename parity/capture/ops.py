@@ -47,14 +47,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parity.capture.hashing import host_digest
-from parity.capture.env import one_line as _one_line, say as _say
-from parity.capture.names import normalize_fqn
+from parity.capture.env import one_line as _one_line
+from parity.capture.env import say as _say
+from parity.capture.names import PROPERTY_MODULE, node_module, normalize_fqn, stack_module  # noqa: F401
 
 ENV_STEP = "PARITY_OPS_STEP"
 ENV_EXIT = "PARITY_OPS_EXIT"
 OPS_DIR = "ops"
 GRAD_OP = "parity.grad"
-PROPERTY_MODULE = "(parameter property)"
 
 # Communication and bucket plumbing: recorded (so the streams show them) but never hashed or
 # aligned op by op; their effect is compared through the gradients they produce.
@@ -105,36 +105,8 @@ def _tensors(tree) -> list:
     return [x for x in flat if isinstance(x, torch.Tensor)]
 
 
-_BRACKET = re.compile(r"\[\s*(?:'([^']*)'|\"([^\"]*)\"|(-?\d+))\s*\]")
-
-
-_OWNER = re.compile(r"type\((\s*[LG](?:\.self|\['self'\])[^)]*)\)")
-
-
-def stack_module(path: str) -> str:
-    """``L['self'].layers[1].ffn_norm`` (an ``nn_module_stack`` path) -> ``layers.1.ffn_norm``.
-
-    A module reached through a parameter property (SimpleFSDP's all-gather parametrization:
-    ``dict(type(L.self.norm).__dict__).weight.fget.__closure__...``) is one object shared by
-    many parameters, named by dynamo after the first access: it is reported as
-    ``(parameter property)``, not as a module it does not belong to."""
-    if _OWNER.search(path) or "__closure__" in path:
-        return PROPERTY_MODULE
-    path = re.sub(r"^[LG]\.self\b", "", path)
-    path = re.sub(r"^\s*[LG]\[[^\]]*\]", "", path)
-    path = _BRACKET.sub(lambda m: "." + next(g for g in m.groups() if g is not None), path)
-    parts = [p for p in path.split(".") if p and p not in ("_modules", "_parameters")]
-    return normalize_fqn(".".join(parts))
-
-
-def _node_module(node) -> str:
-    meta = node.meta
-    stack = meta.get("nn_module_stack") or meta.get("fwd_nn_module_stack") or {}
-    if not stack:
-        return ""
-    last = list(stack.values())[-1]
-    path = last[0] if isinstance(last, (tuple, list)) else str(last)
-    return stack_module(path) if isinstance(path, str) else ""
+# The module of a graph node (shared with the compiled-graph walk): parity/capture/names.py.
+_node_module = node_module
 
 
 class _Mode(TorchDispatchMode):

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from parity import policy
 from parity.diff import DiffResult, ranges
-from parity.report.text import safe_text
+from parity.report.text import T
 
 PLAIN_WIDTH = 100
 MAX_DIVERGENT_ROWS = 20
@@ -45,11 +45,6 @@ def make_console(file=None, width: int | None = None, force_terminal: bool | Non
     if width is None and not console.is_terminal and not os.environ.get("COLUMNS"):
         console.width = PLAIN_WIDTH
     return console
-
-
-def T(s, style: str | None = None) -> Text:
-    """Literal text (never markup; control, bidi and surrogate characters escaped)."""
-    return Text(safe_text(s, keep_lines=True), style=style or "")
 
 
 def _ranks(ranks: list[int], limit: int = 32) -> str:
@@ -418,6 +413,10 @@ def print_diff(result: DiffResult, console: Console | None = None, fail_on: str 
     section = _bucket_section(r)
     if section:
         c.print(Group(*section))
+    if r.bucketing:  # issue 14: what the bucketing passes did, A and B side by side
+        from parity.report.bucket_summary import print_summary_pair
+
+        print_summary_pair(r.bucketing.get("a"), r.bucketing.get("b"), c, r.bucketing.get("moved"))
     warnings = [T(f"incomplete: {m}", "yellow") for m in r.incomplete]
     for w in getattr(r, "warnings", [])[:MAX_PROBLEMS]:
         warnings.append(T(f"capture warning: {w.side.upper()} rank(s) {ranges(w.ranks)}: "

@@ -16,6 +16,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from parity import policy
+from parity.bucket_summary import cell_headline
 from parity.diff import ranges
 from parity.errors import ParityError
 from parity.report.text import safe_text
@@ -249,12 +250,14 @@ def print_sweep_console(sweep: dict, file=None, color: bool | None = None,
         t.add_column(Text(_safe(a)))
     t.add_column("status")
     t.add_column("detail", overflow="fold")
+    t.add_column("bucketing A vs B", overflow="fold")  # issue 14: collective counts per side
     t.add_column("time", justify="right")
     for c in sweep.get("cells") or []:
         status = c.get("status", "?")
         row = [Text(_safe(_value((c.get("axes") or {}).get(a)))) for a in axes]
         row.append(Text(STATUS_TEXT.get(status, status), style=STATUS_STYLE.get(status, "")))
         row.append(Text(_safe(c.get("reason") or "")))
+        row.append(Text(_safe(cell_headline(c.get("diff")))))
         row.append(_secs(_cell_time(c)))
         t.add_row(*row)
     console.print(t)
@@ -342,7 +345,7 @@ def sweep_markdown(sweep: dict, fail_on: str | None = None) -> str:
         lines.append(" vs ".join(f"{md_escape(k)}: {md_escape(v.get('label', k))}"
                                  for k, v in sides.items() if isinstance(v, dict)))
         lines.append("")
-    header = [*(md_escape(a) for a in axes), "status", "ranks", "detail", "time"]
+    header = [*(md_escape(a) for a in axes), "status", "ranks", "detail", "bucketing A vs B", "time"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] * len(header)) + "|")
     for c in sweep.get("cells") or []:
@@ -351,6 +354,8 @@ def sweep_markdown(sweep: dict, fail_on: str | None = None) -> str:
         row.append(f"{STATUS_ICON.get(status, '')} {md_escape(STATUS_TEXT.get(status, status))}")
         row.append(md_escape(cell_ranks(c)))
         row.append(md_escape(c.get("reason") or ""))
+        head = cell_headline(c.get("diff"))
+        row.append(f"`{_code(head)}`" if head else "")
         row.append(md_escape(_secs(_cell_time(c))))
         lines.append("| " + " | ".join(row) + " |")
     failed = [c for c in sweep.get("cells") or [] if c.get("status") == "failed"]

@@ -223,17 +223,26 @@ def _bucket_section(fb: dict, anchor: str, labels: tuple[str, str], cells: list[
         ids = ", ".join(f"<code>{_e(c.get('id'))}</code>" for c in cells)
         seen = f"<p class=muted>The same finding in {len(cells)} cell(s): {ids}</p>"
     table = ["<div class=wide><table><tr><th>pos</th><th>A parameter</th><th>A offset</th>"
-             "<th>B parameter</th><th>B offset</th><th>size</th><th>dtype</th></tr>"]
+             "<th>B parameter</th><th>B offset</th><th>size (A / B where they differ)</th>"
+             "<th>dtype</th></tr>"]
     for r in fb.get("rows") or []:
         ra, rb = r.get("a") or {}, r.get("b") or {}
         style = ' style="background:#fde2e0"' if not r.get("same", True) else ""
         table.append(f"<tr{style}><td>{_e(r.get('position'))}</td><td class=mono>{_e(ra.get('fqn'))}"
                      f"</td><td>{_e(ra.get('offset'))}</td><td class=mono>{_e(rb.get('fqn'))}</td>"
-                     f"<td>{_e(rb.get('offset'))}</td><td>{_e(ra.get('size', rb.get('size')))}</td>"
+                     f"<td>{_e(rb.get('offset'))}</td><td>{_size_cell(ra, rb)}</td>"
                      f"<td>{_e(ra.get('dtype', rb.get('dtype')))}</td></tr>")
     table.append("</table></div>")
     return (f'<section id="{anchor}"><h3>{head}</h3>{seen}{where}{bucket_svg(fb, *labels)}'
             f'{"".join(table)}</section>')
+
+
+def _size_cell(ra: dict, rb: dict) -> str:
+    """Both sides' sizes where they differ (A / B, marked), else the one size."""
+    sa, sb = ra.get("size"), rb.get("size")
+    if ra and rb and sa != sb:
+        return f'<b class=sizediff style="color:{MARK}">{_e(sa)} / {_e(sb)}</b>'
+    return _e(sa if ra else sb)
 
 
 def _bucket_findings(cells: list[dict], labels: tuple[str, str]) -> tuple[str, dict]:
@@ -356,6 +365,8 @@ def _page(title: str, body: list[str]) -> str:
 def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | None = None) -> str:
     """The sweep page: the gate's verdict line, the matrix, each distinct bucket finding once,
     divergent parameters, the runs (collapsed)."""
+    from parity.bucket_summary import cell_headline
+
     cells = sweep.get("cells") or []
     axes = axis_names(sweep)
     n_steps = sweep.get("steps")
@@ -387,7 +398,8 @@ def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | N
             f"<tr>{vals}<td><span class=badge style=\"background:{STATUS_COLOURS.get(status, '#444')}"
             f"\">{_e(status)}</span>{tol}</td><td>{_e(where)}</td>"
             f"<td>{_strip(c, steps)}</td><td>{layout}</td>"
-            f"<td class=\"muted detail\">{_e(c.get('reason'))}</td></tr>")
+            f"<td class=\"muted detail\">{_e(c.get('reason'))}</td>"
+            f"<td class=mono>{_e(cell_headline(diff))}</td></tr>")
     counts: dict[str, int] = {}
     for c in cells:
         counts[c.get("status", "?")] = counts.get(c.get("status", "?"), 0) + 1
@@ -401,7 +413,7 @@ def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | N
         "<h2>Cells</h2>", _legend(),
         f"<div class=wide><table><tr>{head}<th>status</th><th>diverges at</th>"
         f"<th title=\"step 0: initial parameters\">steps {_e(steps[0])}-{_e(steps[-1])}</th>"
-        f"<th></th><th>detail</th></tr>",
+        f"<th></th><th>detail</th><th>bucketing A vs B</th></tr>",
         "".join(rows), "</table></div>",
         "<h2>Bucket layout findings</h2>",
         findings or "<p class=muted>Every compared bucket layout is identical.</p>",
@@ -419,6 +431,8 @@ def render_diff_html(d: dict, fail_on: str = "hash") -> str:
     """The page of one ``parity diff`` (``DiffResult.to_dict()``): what the console shows, the
     verdict line, summary, loss side by side, per-step counts, divergent parameters, and the
     first differing bucket as a picture."""
+    from parity.report import html_charts as charts
+
     verdict = policy.judge_pair(d, fail_on)
     a, b = d.get("a") or {}, d.get("b") or {}
     steps = d.get("steps_compared") or []
@@ -464,14 +478,16 @@ def render_diff_html(d: dict, fail_on: str = "hash") -> str:
                          f"{_e(repr(s.get('a')))}</td><td class=mono>{_e(repr(s.get('b')))}</td>"
                          f"<td>{'equal' if eq else ('-' if eq is None else 'DIFFERS')}</td></tr>")
     loss_rows = "".join(loss_rows)
-    loss_html = (f"<h2>Loss of rank {_e(loss.get('rank'))}, side by side</h2><table><tr><th>step"
+    loss_html = (f"<h2>Loss of rank {_e(loss.get('rank'))}, side by side</h2>"
+                 f"{charts.loss_svg(loss, d.get('ranks_compared') or [])}<table><tr><th>step"
                  f"</th><th>A</th><th>B</th><th>bitwise</th></tr>{loss_rows}</table>"
                  if loss.get("captured") and loss_rows else "<p class=muted>Loss not captured.</p>")
     per = [p for p in d.get("per_step") or [] if isinstance(p, dict)]
     per_html = ""
     if per:
         per_html = ("<h2>Divergent per step</h2><p class=muted>parameters and gradients whose hash "
-                    "differs on any rank</p><table><tr><th>step</th><th>params</th><th>grads</th>"
+                    "differs on any rank</p>" + charts.divergent_svg(d)
+                    + "<table><tr><th>step</th><th>params</th><th>grads</th>"
                     "<th>ranks</th></tr>" + "".join(
                         f"<tr><td>{_e(p.get('step'))}</td><td>{_e(p.get('params'))}</td>"
                         f"<td>{_e(p.get('grads'))}</td><td>{_e(p.get('ranks'))}</td></tr>"
@@ -492,6 +508,7 @@ def render_diff_html(d: dict, fail_on: str = "hash") -> str:
         _divergent_table([(cell, anchors.get(None, ""))], show_cell=False),
         "<h2>First differing bucket</h2>",
         findings or "<p class=muted>Every compared bucket layout is identical.</p>",
+        charts.bucketing_section(d),
         f"<p class=muted>written by parity {time.strftime('%Y-%m-%d %H:%M:%S')}</p>",
     ]
     return _page("parity diff", body)

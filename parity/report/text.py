@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from rich.text import Text
+
 # C0 and C1 controls, DEL, bidi marks/embeddings/overrides/isolates, lone surrogates
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
                      "\ud800-\udfff]")
@@ -27,3 +29,8 @@ def safe_text(text, keep_lines: bool = False) -> str:
     with ``keep_lines``)."""
     s = "" if text is None else str(text)
     return (_UNSAFE_KEEP_LINES if keep_lines else _UNSAFE).sub(_escape, s)
+
+
+def T(s, style: str | None = None) -> Text:
+    """Literal rich text for the console (never markup; unsafe characters escaped)."""
+    return Text(safe_text(s, keep_lines=True), style=style or "")

@@ -1,0 +1,427 @@
+"""What the bucketing passes did, from one run's bucket manifests (pure: no torch).
+
+The manifests record every collective's byte layout; this module condenses them into the figures
+the people tuning bucketing passes compare (AutoParallel's "all-gathers 290 -> 98", topo-span
+bounded bucketing's ``max_consec_compute_between_rs``), per graph and collective kind:
+
+* ``count_before`` / ``count_after``: collectives before the trainer's passes (the graph recorded
+  with ``"stage": "before_passes"``) and after them. For eager FSDP2 "before" is one collective
+  per parameter (what an unbucketed FSDP would issue) and "after" the groups as issued.
+* ``bytes``: min / median / max of the buckets' per-rank payload (``total_bytes``).
+* ``spans``: per bucket after the passes, the index of its last member minus its first in the
+  pre-pass graph order (a member's index is the ``position`` of the pre-pass collective that
+  carried that parameter); null when the run has no pre-pass graph or no positions.
+* ``compute_between_rs``: the compute nodes between consecutive reduce-scatters of the graph
+  after the passes (differences of ``compute_before``), and its maximum
+  ``max_consec_compute_between_rs``.
+
+And module attribution: every entry's issuing module (compiled: the module of that payload's
+own pre-pass collective when recorded, else the entry's ``module``, from the nodes'
+``module_fqn`` / ``nn_module_stack`` meta; eager FSDP2: the group; eager DTensor: the ``module``
+chain) and the entries issued under a module that is not the parameter's owner or one of its
+ancestors (lm_head's chunked collectives under the loss); ``homes``, the module whose bucket
+carries each parameter, and for a diff the parameters whose home moved to an unrelated module
+(``moved_between``).
+
+``summarize(buckets)`` takes one rank's bucket records (``RankData.buckets``); ``summarize_run``
+picks the lowest rank present. Ranks record the same layouts, so one rank speaks for the run.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+__all__ = ["summarize", "summarize_run", "headline", "issued_elsewhere", "pair_rows", "side_label",
+           "cell_headline", "bucket_homes", "moved_between", "summarize_pair"]
+
+BEFORE = "before_passes"
+
+
+def _key(b: dict) -> tuple:
+    return (b.get("source"), b.get("graph"), b.get("graph_id"), b.get("collective"))
+
+
+def _bytes(buckets: list[dict]) -> dict | None:
+    sizes = [int(b.get("total_bytes") or 0) for b in buckets]
+    if not sizes:
+        return None
+    return {"min": min(sizes), "median": statistics.median(sizes), "max": max(sizes)}
+
+
+def _fqns(b: dict) -> list[str]:
+    return [e["fqn"] for e in b.get("entries") or [] if e.get("fqn")]
+
+
+def _spans(after: list[dict], before: list[dict]) -> list[int | None] | None:
+    """Per bucket after the passes: last member's pre-pass position minus the first's."""
+    if not before or any(not isinstance(b.get("position"), int) for b in before):
+        return None
+    where: dict[str, int] = {}
+    for b in before:
+        for f in _fqns(b):
+            where.setdefault(f, b["position"])
+    out: list[int | None] = []
+    for b in after:
+        pos = [where.get(f) for f in _fqns(b)]
+        out.append(max(pos) - min(pos) if pos and None not in pos else None)
+    return out
+
+
+def _compute_between(buckets: list[dict]) -> list[int] | None:
+    marks = [b.get("compute_before") for b in sorted(buckets, key=lambda b: b.get("position") or 0)]
+    if any(not isinstance(m, int) for m in marks):
+        return None
+    return [b - a for a, b in zip(marks, marks[1:])]
+
+
+def _latest_fsdp2(buckets: list[dict]) -> list[dict]:
+    """FSDP2 layouts are written when first issued and again when they change: the last one per
+    (collective, index) is the layout in force. Each gets the phase it was issued in as its
+    ``graph``: a group's first all-gather of the step is the forward's, a second one the
+    backward's (a group resharded after forward is gathered again for its backward);
+    reduce-scatters are the backward's."""
+    last: dict[tuple, dict] = {}
+    for b in buckets:
+        last[(b.get("collective"), b.get("index"))] = b
+    out, gathered = [], set()
+    for b in sorted(last.values(), key=lambda b: (b.get("collective") or "", b.get("index") or 0)):
+        phase = "backward"
+        if b.get("collective") == "all_gather":
+            phase = "backward" if b.get("group") in gathered else "forward"
+            gathered.add(b.get("group"))
+        out.append({**b, "graph": b.get("graph") or phase})
+    return out
+
+
+def _latest_dtensor(buckets: list[dict]) -> list[dict]:
+    """DTensor sequences are written per step when they change: the latest step's is in force."""
+    if not buckets:
+        return []
+    last = max(int(b.get("step") or 0) for b in buckets)
+    return [b for b in buckets if int(b.get("step") or 0) == last]
+
+
+def summarize(buckets: list[dict]) -> dict:
+    """The bucketing summary of one rank's records: ``{"graphs": [...], "attribution": [...]}``."""
+    groups: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: {"before": [], "after": []})
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for b in buckets:
+        by_source[b.get("source") or "?"].append(b)
+    for source, recs in by_source.items():
+        if source == "fsdp2":
+            recs = _latest_fsdp2(recs)
+        elif source == "dtensor":
+            recs = _latest_dtensor(recs)
+        for b in recs:
+            groups[_key(b)]["before" if b.get("stage") == BEFORE else "after"].append(b)
+
+    rows = []
+    for key in sorted(groups, key=lambda k: tuple("" if x is None else str(x) for x in k)):
+        source, graph, graph_id, collective = key
+        before, after = groups[key]["before"], groups[key]["after"]
+        after.sort(key=lambda b: b.get("index") or 0)
+        row: dict[str, Any] = {
+            "source": source, "graph": graph, "graph_id": graph_id, "collective": collective,
+            "count_before": None, "count_after": len(after), "buckets": len(after),
+            "bytes": _bytes(after), "sizes": [int(b.get("total_bytes") or 0) for b in after],
+            "spans": None, "max_span": None,
+            "compute_between_rs": None, "max_consec_compute_between_rs": None,
+        }
+        if source == "fsdp2":
+            row["count_before"] = sum(len(b.get("entries") or []) for b in after)
+        elif source == "dtensor":  # issued one by one, outside any pass: nothing merged them
+            row["count_before"] = len(after)
+        elif before:
+            row["count_before"] = len(before)
+            spans = _spans(after, before)
+            row["spans"] = spans
+            known = [s for s in spans or [] if s is not None]
+            row["max_span"] = max(known) if known else None
+        if source == "graph" and collective == "reduce_scatter" and after:
+            between = _compute_between(after)
+            row["compute_between_rs"] = between
+            row["max_consec_compute_between_rs"] = max(between) if between else None
+        if not after and before:
+            row["buckets"] = 0
+        rows.append(row)
+    out = {"graphs": rows, "attribution": issued_elsewhere(buckets), "homes": bucket_homes(buckets)}
+    out["headline"] = headline(out)
+    return out
+
+
+def summarize_run(run: Any) -> dict | None:
+    """``summarize`` of the lowest rank of a ``parity.artifacts.Run``; None if it has no buckets."""
+    ranks = getattr(run, "ranks", {}) or {}
+    if not ranks:
+        return None
+    rd = ranks[min(ranks)]
+    if not rd.buckets:
+        return None
+    out = summarize(rd.buckets)
+    out["rank"] = rd.rank
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Module attribution
+# ---------------------------------------------------------------------------
+
+
+def _owner(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+def _within(module: str, owner: str) -> bool:
+    """``module`` is the owner or one of its ancestors (an FSDP group holding the parameter; a
+    group of several modules, ``norm, lm_head``, holds each of them)."""
+    if ", " in module:
+        return any(_within(m, owner) for m in module.split(", "))
+    return module == "" or owner == module or owner.startswith(module + ".")
+
+
+def _chain_ok(chain: str, owner: str) -> bool:
+    """A DTensor ``module`` chain (outermost first, ``a > b``) stays within the owner: every
+    element is an ancestor-or-self module of the owner. An element naming an object outside the
+    model (``loss_fn(ChunkedLossWrapper)``) is not; a bare class name is the root module."""
+    for part in (p.strip() for p in chain.split(">")):
+        if "(" in part:
+            return False
+        if part[:1].isupper() and "." not in part:  # the root, labelled by its class
+            continue
+        if not _within(part, owner):
+            return False
+    return True
+
+
+def _entry_module(b: dict, e: dict) -> str | None:
+    if b.get("source") == "fsdp2":
+        return b.get("group")
+    return e.get("module") if e.get("module") is not None else b.get("module")
+
+
+def _pre_modules(buckets: list[dict]) -> dict[tuple, str]:
+    """(graph_id, collective, fqn) -> the module of that payload's own pre-pass collective."""
+    pre: dict[tuple, str] = {}
+    for b in buckets:
+        if b.get("stage") == BEFORE:
+            for e in b.get("entries") or []:
+                if e.get("fqn") and e.get("module") is not None:
+                    pre.setdefault((b.get("graph_id"), b.get("collective"), e["fqn"]), e["module"])
+    return pre
+
+
+def _common_module(modules: list[str]) -> str | None:
+    """The innermost module enclosing every module given ("" the root); None for none."""
+    if not modules:
+        return None
+    split = [m.split(".") if m else [] for m in modules]
+    prefix: list[str] = []
+    for parts in zip(*split):
+        if all(p == parts[0] for p in parts):
+            prefix.append(parts[0])
+        else:
+            break
+    return ".".join(prefix)
+
+
+def bucket_homes(buckets: list[dict]) -> dict[str, dict[str, str]]:
+    """collective -> fqn -> the module whose bucket carries that parameter's payload (after the
+    passes; the first bucket of the step, so the forward's for an all-gather): eager FSDP2 the
+    innermost module holding its group (``norm, lm_head`` -> the root), a compiled bucket the
+    innermost module holding its payloads' modules, eager DTensor the chain it was issued under."""
+    pre = _pre_modules(buckets)
+    recs: list[dict] = []
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for b in buckets:
+        if b.get("stage") != BEFORE:
+            by_source[b.get("source") or "?"].append(b)
+    for source, rs in by_source.items():
+        recs += _latest_fsdp2(rs) if source == "fsdp2" else (
+            _latest_dtensor(rs) if source == "dtensor" else rs)
+    phase = {"forward": 0, "backward": 1}
+    recs.sort(key=lambda b: (phase.get(b.get("graph") or "", 2), b.get("graph_id") or 0,
+                             b.get("index") or 0))
+    out: dict[str, dict[str, str]] = defaultdict(dict)
+    for b in recs:
+        source, coll = b.get("source"), b.get("collective") or ""
+        fqns = _fqns(b)
+        if source == "fsdp2":
+            home = _common_module([g.strip() for g in (b.get("group") or "").split(",")])
+        elif source == "dtensor":
+            home = _chain_home(b.get("module") or "")
+        else:
+            mods = [pre.get((b.get("graph_id"), coll, e.get("fqn")), e.get("module"))
+                    for e in b.get("entries") or [] if e.get("fqn")]
+            home = _common_module([m for m in mods if m is not None])
+            if home is None:
+                home = b.get("module")
+        if home is None:
+            continue
+        for f in fqns:
+            out[coll].setdefault(f, home)
+    return dict(out)
+
+
+def _chain_home(chain: str) -> str:
+    """A DTensor ``module`` chain as a home: kept whole when it passes through an object outside
+    the model (``loss_fn(ChunkedLossWrapper) > lm_head``), else its innermost module (a bare
+    class name is the root)."""
+    parts = [p.strip() for p in chain.split(">") if p.strip()]
+    if any("(" in p for p in parts):
+        return chain
+    mods = [p for p in parts if not (p[:1].isupper() and "." not in p)]
+    return mods[-1] if mods else ""
+
+
+def _related(x: str, y: str) -> bool:
+    """One module is the other or one of its ancestors (a bucket of a block vs the root's bucket
+    that merged it: not a move); a chain through an object outside the model is related to
+    nothing but itself."""
+    if x == y:
+        return True
+    if "(" in x or "(" in y:
+        return False
+    return x == "" or y == "" or x.startswith(y + ".") or y.startswith(x + ".")
+
+
+def moved_between(a: dict | None, b: dict | None) -> list[dict]:
+    """Parameters whose payload is carried by an unrelated module's bucket in B than in A (neither
+    module holds the other: merging blocks into the root's bucket is not a move, a payload
+    issued under the loss instead of its model's bucket is), grouped:
+    ``[{"collective", "a_module", "b_module", "fqns"}]``. Only parameters both sides place are
+    compared."""
+    ha, hb = (a or {}).get("homes") or {}, (b or {}).get("homes") or {}
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for coll in sorted(set(ha) & set(hb)):
+        for fqn, ma in ha[coll].items():
+            mb = hb[coll].get(fqn)
+            if mb is not None and not _related(ma, mb):
+                groups[(coll, ma, mb)].append(fqn)
+    return [{"collective": c, "a_module": ma, "b_module": mb, "fqns": fqns}
+            for (c, ma, mb), fqns in groups.items()]
+
+
+def summarize_pair(run_a: Any, run_b: Any) -> dict:
+    """The diff's ``bucketing``: both sides' summaries and the parameters whose bucket moved to
+    another module's between them."""
+    a, b = summarize_run(run_a), summarize_run(run_b)
+    return {"a": a, "b": b, "moved": moved_between(a, b)}
+
+
+def issued_elsewhere(buckets: list[dict]) -> list[dict]:
+    """Entries (after the passes) issued under a module that is not their parameter's owner or
+    an ancestor of it: ``{"fqn", "owner", "module", "source", "graph", "collective", "index"}``,
+    one per (fqn, module, collective, graph)."""
+    out: list[dict] = []
+    seen: set[tuple] = set()
+    # A payload's module as its own collective had it before the passes merged it: a merged
+    # bucket's nodes carry the annotation of one member (the pass copies it), the pre-pass
+    # collectives each their own.
+    pre = _pre_modules(buckets)
+    for b in buckets:
+        if b.get("stage") == BEFORE:
+            continue
+        for e in b.get("entries") or []:
+            fqn = e.get("fqn")
+            module = pre.get((b.get("graph_id"), b.get("collective"), fqn), _entry_module(b, e))
+            if not fqn or module is None:
+                continue
+            owner = _owner(fqn)
+            ok = _chain_ok(module, owner) if b.get("source") == "dtensor" else _within(module, owner)
+            if ok:
+                continue
+            key = (fqn, module, b.get("collective"), b.get("graph"))
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append({"fqn": fqn, "owner": owner, "module": module, "source": b.get("source"),
+                        "graph": b.get("graph"), "collective": b.get("collective"),
+                        "index": b.get("index")})
+    return out
+
+
+def headline(summary: dict | None) -> str:
+    """One short line: all-gather and reduce-scatter counts after the passes (before -> after
+    where a pre-pass count is known), e.g. ``AG 18->6 RS 18->6``; "" without a summary."""
+    if not summary:
+        return ""
+    parts = []
+    for coll, label in (("all_gather", "AG"), ("reduce_scatter", "RS")):
+        rows = [r for r in summary.get("graphs", []) if r["collective"] == coll]
+        if not rows:
+            continue
+        after = sum(r["count_after"] for r in rows)
+        befores = [r["count_before"] for r in rows]
+        if all(isinstance(x, int) for x in befores):
+            parts.append(f"{label} {sum(befores)}->{after}")
+        else:
+            parts.append(f"{label} {after}")
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------------------
+# A and B side by side
+# ---------------------------------------------------------------------------
+
+_PHASE = {"all_gather": "forward", "reduce_scatter": "backward"}
+
+
+def _phase(row: dict) -> str:
+    """Where a row's collectives run: the graph kind for compiled graphs, else forward for
+    all-gathers and backward for reduce-scatters (eager FSDP2 issues them there)."""
+    if row.get("source") == "dtensor":
+        return "DTensor"
+    if row.get("graph") in ("forward", "backward"):
+        return row["graph"]
+    return _PHASE.get(row.get("collective") or "", row.get("graph") or row.get("source") or "")
+
+
+def side_label(row: dict | None) -> str:
+    """What a row summarizes: ``forward #0`` (a compiled graph), ``eager FSDP2``, ``eager DTensor``."""
+    if row is None:
+        return "-"
+    if row.get("source") == "graph":
+        return f"{row.get('graph')} #{row.get('graph_id')}"
+    if row.get("source") == "fsdp2" and row.get("graph"):
+        return f"eager FSDP2 {row['graph']}"
+    return {"fsdp2": "eager FSDP2", "dtensor": "eager DTensor"}.get(row.get("source"), str(row.get("source")))
+
+
+def pair_rows(a: dict | None, b: dict | None) -> list[dict]:
+    """The rows of two summaries aligned for a side-by-side table: eager FSDP2's all-gathers
+    face the compiled forward graph's, its reduce-scatters the backward graph's; the k-th graph
+    of a phase faces the other side's k-th (by graph_id). ``[{"collective", "phase", "a", "b"}]``
+    with None where a side has no such row."""
+    def keyed(summary: dict | None) -> dict[tuple, dict]:
+        rows = sorted((summary or {}).get("graphs") or [],
+                      key=lambda r: (-1 if r.get("graph_id") is None else r["graph_id"]))
+        out: dict[tuple, dict] = {}
+        seen: dict[tuple, int] = defaultdict(int)
+        for r in rows:
+            base = (r.get("collective") or "", _phase(r))
+            out[(*base, seen[base])] = r
+            seen[base] += 1
+        return out
+
+    ka, kb = keyed(a), keyed(b)
+    order = {"all_gather": 0, "reduce_scatter": 1}
+    phases = {"forward": 0, "backward": 1}
+    keys = sorted(set(ka) | set(kb), key=lambda k: (order.get(k[0], 2), k[0], phases.get(k[1], 2),
+                                                      k[1], k[2]))
+    return [{"collective": k[0], "phase": k[1], "a": ka.get(k), "b": kb.get(k)} for k in keys]
+
+
+def cell_headline(diff: dict | None) -> str:
+    """A sweep cell's bucketing in one short string from its diff JSON: ``AG 21->3 RS 21->3 vs
+    AG 21->1 RS 21->1`` (reference vs candidate; one string when both are the same); "" when
+    neither side recorded manifests or the diff predates the summary."""
+    bucketing = (diff or {}).get("bucketing") if isinstance(diff, dict) else None
+    if not isinstance(bucketing, dict):
+        return ""
+    a, b = (headline(bucketing.get(k)) if isinstance(bucketing.get(k), dict) else ""
+            for k in ("a", "b"))
+    if not a and not b:
+        return ""
+    return a if a == b else f"{a or '-'} vs {b or '-'}"

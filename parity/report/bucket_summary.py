@@ -1,0 +1,127 @@
+"""Console rendering of the bucketing summary (parity/bucket_summary.py): one run for
+`parity inspect`, A and B side by side for `parity diff`.
+
+The side-by-side table has a row per figure (not per column) so that it stays within 100
+columns however many graphs a run has; a figure that differs between the sides is marked."""
+
+from __future__ import annotations
+
+from rich import box
+from rich.table import Table
+
+from parity.bucket_summary import headline, pair_rows, side_label
+from parity.report.text import T
+
+MAX_ATTRIBUTION = 20
+_ABBR = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "all_to_all": "A2A"}
+
+
+def _count(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    before = row.get("count_before")
+    return f"{before} -> {row['count_after']}" if isinstance(before, int) else str(row["count_after"])
+
+
+def _bytes(row: dict | None) -> str:
+    b = row.get("bytes") if row else None
+    if not b:
+        return "-"
+    med = b["median"]
+    med = int(med) if float(med).is_integer() else med
+    return f"{b['min']}/{med}/{b['max']}"
+
+
+def _num(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def print_summary(summary: dict | None, console, title: str = "Bucketing") -> None:
+    """One run: a row per graph and collective kind, then the attribution lines."""
+    if not summary or not summary.get("graphs"):
+        console.print(T("Bucketing: no bucket manifests recorded"))
+        return
+    console.print(T(f"{title} (rank {summary.get('rank', 0)}): {headline(summary)}"))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col, just in (("graph", "left"), ("coll.", "left"), ("count", "right"),
+                      ("bytes min/median/max", "right"), ("max span", "right"),
+                      ("max compute btw RS", "right")):
+        table.add_column(col, justify=just, no_wrap=True)
+    order = {"all_gather": 0, "reduce_scatter": 1}
+    phases = {"forward": 0, "backward": 1}
+    rows = sorted(summary["graphs"], key=lambda r: (
+        order.get(r["collective"], 2), -1 if r["graph_id"] is None else r["graph_id"],
+        phases.get(r["graph"], 2)))
+    for row in rows:
+        table.add_row(T(side_label(row)), T(_ABBR.get(row["collective"], row["collective"])),
+                      T(_count(row)), T(_bytes(row)),
+                      T(_num(row["max_span"])), T(_num(row["max_consec_compute_between_rs"])))
+    console.print(table)
+    print_attribution(summary.get("attribution") or [], console)
+
+
+def attribution_line(a: dict) -> str:
+    where = a.get("graph") or a.get("source")
+    return (f"{a['fqn']} ({a['collective']}, {where}) issued under module {a['module']!r}, "
+            f"not its owner {a['owner'] or '(root)'!r}")
+
+
+def print_attribution(rows: list[dict], console, side: str = "") -> None:
+    prefix = f"{side}: " if side else ""
+    for a in rows[:MAX_ATTRIBUTION]:
+        console.print(T(prefix + attribution_line(a)))
+    if len(rows) > MAX_ATTRIBUTION:
+        console.print(T(f"{prefix}... and {len(rows) - MAX_ATTRIBUTION} more parameters issued "
+                        "outside their owner"))
+
+
+FIGURES = (
+    ("count before -> after", _count),
+    ("bytes min/med/max", _bytes),
+    ("max span", lambda r: _num(r and r.get("max_span"))),
+    ("max compute btw RS", lambda r: _num(r and r.get("max_consec_compute_between_rs"))),
+)
+
+
+def moved_line(m: dict, limit: int = 3) -> str:
+    names = ", ".join(m["fqns"][:limit]) + (f" (+{len(m['fqns']) - limit} more)"
+                                            if len(m["fqns"]) > limit else "")
+    n = len(m["fqns"])
+    return (f"{m['collective']}: {n} parameter{'s' if n > 1 else ''} in the bucket of "
+            f"{m['a_module'] or '(root)'!r} in A, of {m['b_module'] or '(root)'!r} in B: {names}")
+
+
+def print_moved(moved: list[dict], console) -> None:
+    for m in moved[:MAX_ATTRIBUTION]:
+        console.print(T("moved: " + moved_line(m)))
+    if len(moved) > MAX_ATTRIBUTION:
+        console.print(T(f"moved: ... and {len(moved) - MAX_ATTRIBUTION} more"))
+
+
+def print_summary_pair(a: dict | None, b: dict | None, console, moved: list | None = None) -> None:
+    """A and B side by side: per collective kind and phase, one line per figure; "*" marks a
+    figure whose values differ."""
+    if not (a and a.get("graphs")) and not (b and b.get("graphs")):
+        return
+    console.print(T(f"Bucketing: A {headline(a) or 'no manifests'} | B {headline(b) or 'no manifests'}"))
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("collective", no_wrap=True)
+    table.add_column("figure", no_wrap=True)
+    table.add_column("A", justify="right", no_wrap=True)
+    table.add_column("B", justify="right", no_wrap=True)
+    table.add_column("", width=1)
+    for pair in pair_rows(a, b):
+        ra, rb = pair["a"], pair["b"]
+        table.add_row(T(f"{_ABBR.get(pair['collective'], pair['collective'])} ({pair['phase']})"), T("graph"),
+                      T(side_label(ra)), T(side_label(rb)), T(""))
+        for name, fmt in FIGURES:
+            va, vb = fmt(ra), fmt(rb)
+            if name == "max compute btw RS" and va == vb == "-":
+                continue
+            # a span or gap one side cannot know is no finding
+            differs = va != vb and (name.startswith(("count", "bytes")) or "-" not in (va, vb))
+            table.add_row(T(""), T(name), T(va), T(vb), T("*" if differs else "", "bold red"))
+    console.print(table)
+    print_attribution((a or {}).get("attribution") or [], console, "A")
+    print_attribution((b or {}).get("attribution") or [], console, "B")
+    print_moved(moved or [], console)
