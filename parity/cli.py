@@ -149,7 +149,7 @@ def inspect_cmd(run_dir, json_file):
     the pre-pass graph, the compute nodes between reduce-scatters, and the parameters issued
     under a module that is not their owner. docs/inspect.md explains the figures."""
     from parity.artifacts import read_run, write_json_atomic
-    from parity.bucket_summary import summarize_run
+    from parity.diff.bucket_summary import summarize_run
     from parity.report.bucket_summary import print_summary
     from parity.report.console import make_console
 

@@ -9,7 +9,7 @@ import pytest
 
 from click.testing import CliRunner
 
-from parity.bucket_summary import headline, issued_elsewhere, summarize
+from parity.diff.bucket_summary import headline, issued_elsewhere, summarize
 from parity.cli import cli
 from synth import make_run
 
@@ -161,7 +161,7 @@ def _sweep_with_bucketing(tmp_path):
 def test_sweep_reports_show_the_bucketing_headline_per_cell(tmp_path):
     import io
 
-    from parity.bucket_summary import cell_headline
+    from parity.diff.bucket_summary import cell_headline
     from parity.report.formats import print_sweep_console, sweep_markdown
     from parity.report.html import render_sweep_html
 
@@ -190,7 +190,7 @@ def test_attribution_takes_a_merged_payloads_module_from_the_pre_pass_graph():
 
 
 def test_moved_names_payloads_carried_by_an_unrelated_modules_bucket():
-    from parity.bucket_summary import moved_between
+    from parity.diff.bucket_summary import moved_between
 
     def fsdp2(index, group, fqns):
         return {"source": "fsdp2", "collective": "all_gather", "graph": None, "graph_id": None,

@@ -8,7 +8,7 @@ root's) and ``--bucketing auto`` (everything in one bucket on this small model).
 
 import pytest
 
-from parity.bucket_summary import headline, summarize
+from parity.diff.bucket_summary import headline, summarize
 from workload_harness import COMPILED_REGISTRATION, COMPILED_SWAPPED, run_job
 
 pytest.importorskip("torch")

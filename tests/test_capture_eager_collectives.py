@@ -26,7 +26,7 @@ def test_chunked_redistributions_are_recorded_with_parameter_and_module(tmp_path
     assert got == chunk * 2  # step 2 repeats step 1's sequence: not written again
     # module attribution (issue 14): the weight's all-gather was issued under the loss function
     from parity.artifacts import read_run
-    from parity.bucket_summary import summarize_run
+    from parity.diff.bucket_summary import summarize_run
 
     found = summarize_run(read_run(out))["attribution"]
     assert [(a["fqn"], a["module"], a["collective"]) for a in found] == [

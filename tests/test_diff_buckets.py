@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from synth import default_fqns, make_run  # noqa: E402
 
 from parity.diff import diff_runs  # noqa: E402
-from parity.diff_buckets import Bucket, Entry, align_buckets  # noqa: E402
+from parity.diff.buckets import Bucket, Entry, align_buckets  # noqa: E402
 
 F = default_fqns(8)  # F[0:4] layer 0, F[4:8] layer 1
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from parity.capture.eager_collectives import kind_of
-from parity.diff_buckets import eager_collectives, explain_eager, select_layout
+from parity.diff.buckets import eager_collectives, explain_eager, select_layout
 
 
 def _spec(*placements):

@@ -8,7 +8,7 @@ import torch
 from parity.artifacts import rank_dir
 from parity.capture import gpu_facts
 from parity.diff import diff_runs
-from parity.diff_env import numerics_env_differences
+from parity.diff.env import numerics_env_differences
 from synth import make_run
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "driver": "570.124.06",

@@ -5,7 +5,7 @@ Layers, bottom to top; a module may import its own layer and the ones below, nev
     base      parity, errors, text, records,    what every other layer reads: the error type,
               artifacts, rundir                 text helpers, the artifact schema and layout
     capture   parity.capture.*                  runs inside the ranks (and `parity exec`)
-    diff      policy, diff*                     two runs -> a result; the fail-on policy
+    diff      policy, parity.diff.*             two runs -> a result; the fail-on policy
     sweep     parity.sweep.*                    spec -> cells -> launchers -> per-cell diffs
     bisect    bisect                            reruns a pair with op capture (uses sweep state)
     report    parity.report.*                   renders diffs and sweeps; computes no verdicts
@@ -29,8 +29,7 @@ LAYERS = [
     ("base", ("parity", "parity.errors", "parity.text", "parity.records", "parity.artifacts",
               "parity.rundir")),
     ("capture", ("parity.capture",)),
-    ("diff", ("parity.policy", "parity.diff", "parity.diff_buckets", "parity.diff_env",
-              "parity.diff_hashes", "parity.bucket_summary")),
+    ("diff", ("parity.policy", "parity.diff")),
     ("sweep", ("parity.sweep",)),
     ("bisect", ("parity.bisect",)),
     ("report", ("parity.report",)),

@@ -51,7 +51,7 @@ def test_real_sweep_report_renders_in_chromium(tmp_path):
 
 
 def _bucket(sizes_a: list[tuple[str, int]], order_b: list[int]) -> dict:
-    """A first_bucket dict (as parity.diff_buckets writes it): B holds A's entries in ``order_b``."""
+    """A first_bucket dict (as parity.diff.buckets writes it): B holds A's entries in ``order_b``."""
     def entries(items):
         out, off = [], 0
         for fqn, size in items:

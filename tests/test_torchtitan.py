@@ -177,7 +177,7 @@ def test_graph_trainer_manifests_carry_parameter_fqns(fx, jit):
     # the bucketing summary (issue 14): make_fx's graph before and after the passes pair up, and
     # the chunked loss's lm_head all-gathers show as issued under the loss, not under lm_head
     from parity.artifacts import read_run
-    from parity.bucket_summary import summarize_run
+    from parity.diff.bucket_summary import summarize_run
 
     fx_rows = summarize_run(read_run(fx.out))["graphs"]
     ag = [r for r in fx_rows if r["source"] == "graph" and r["collective"] == "all_gather"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich import box
 from rich.table import Table
 
-from parity.bucket_summary import headline, pair_rows, side_label
+from parity.diff.bucket_summary import headline, pair_rows, side_label
 from parity.report.text import T
 
 MAX_ATTRIBUTION = 20

@@ -18,7 +18,8 @@ from rich.table import Table
 from rich.text import Text
 
 from parity import policy
-from parity.diff import DiffResult, ranges
+from parity.diff import DiffResult
+from parity.text import ranges
 from parity.report.text import T
 
 PLAIN_WIDTH = 100

@@ -16,8 +16,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from parity import policy
-from parity.bucket_summary import cell_headline
-from parity.diff import ranges
+from parity.diff.bucket_summary import cell_headline
+from parity.text import ranges
 from parity.errors import ParityError
 from parity.report.text import safe_text
 from parity.sweep.state import axis_names

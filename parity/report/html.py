@@ -365,7 +365,7 @@ def _page(title: str, body: list[str]) -> str:
 def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | None = None) -> str:
     """The sweep page: the gate's verdict line, the matrix, each distinct bucket finding once,
     divergent parameters, the runs (collapsed)."""
-    from parity.bucket_summary import cell_headline
+    from parity.diff.bucket_summary import cell_headline
 
     cells = sweep.get("cells") or []
     axes = axis_names(sweep)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import html
 import math
 
-from parity.bucket_summary import pair_rows, side_label
+from parity.diff.bucket_summary import pair_rows, side_label
 
 W = 1000  # SVG user units
 A_COLOUR, B_COLOUR, DIFF_COLOUR = "#2f6db5", "#e08a1e", "#d0392b"

@@ -1,274 +1,37 @@
-"""Compare two capture outputs: ``diff_runs(a_dir, b_dir) -> DiffResult``.
+"""The diff engine: ``diff_runs(a_dir, b_dir) -> DiffResult`` (result.py).
 
-A is the reference (usually eager FSDP2), B the candidate. The result is the data model of
-``parity diff``: the console report (``parity.report.console``) renders it, ``to_dict`` /
-``write_json`` serialize it (schema ``parity/schemas/diff.schema.json``, documented in
-docs/diff.md), and ``exit_code`` applies a ``--fail-on`` policy. Nothing here prints.
-
-The work is split: ``parity.diff_hashes`` (per-parameter hashes: alignment, roll-ups, drill-down)
-and ``parity.diff_buckets`` (bucket layouts). This module reads the runs, checks that they are
-comparable, and assembles the result.
+A is the reference (usually eager FSDP2), B the candidate. This module reads the runs, checks
+that they are comparable, and assembles the result; hashes.py compares per-parameter hashes
+(alignment, roll-ups, drill-down), buckets.py the bucket layouts (and whether every rank of a
+side agrees), bucket_summary.py what the bucketing passes did, env.py the numerics environment.
+Nothing here prints.
 """
 
 from __future__ import annotations
 
-import json
 import operator
 import struct
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from parity.artifacts import RankData, Run, gc_paused, read_run, write_json_atomic
-from parity.bucket_summary import summarize_pair
-from parity.diff_buckets import (
-    COLLECTIVES, BucketPair, Layout, OrderComparison, check_ranks, compare_layouts,
-    describe_eager, eager_collectives, explain_eager, select_layout,
-)
-from parity.diff_env import numerics_env_differences
-from parity.diff_hashes import (
-    DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, StepCount, compare_hashes, param_keys,
-)
-from parity import policy
+from parity.artifacts import RankData, Run, gc_paused, read_run
+from parity.diff.bucket_summary import summarize_pair
+from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
+                                 explain_eager)
+from parity.diff.env import numerics_env_differences
+from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, compare_hashes,
+                                param_keys)
+from parity.diff.result import (CaptureWarning, DiffResult, Divergence, FirstDivergence,
+                                LossComparison, LossStep, Problem, Side)
 from parity.errors import EXIT_INCOMPLETE, ParityError
+from parity.text import ranges
 
-SCHEMA_VERSION = 1
-SCHEMA_PATH = Path(__file__).parent / "schemas" / "diff.schema.json"
-VERDICTS = ("match", "hash_mismatch", "incomplete")
-FAIL_ON = tuple(policy.POLICIES)
-A_PREFERS = ("fsdp2", "graph")
-B_PREFERS = ("graph", "fsdp2")
 _SHOW = 5  # names shown in one-line messages
 
 
-# ------------------------------------------------------------------------------------ the model
-
-
-@dataclass
-class Side:
-    """One run as the diff saw it."""
-
-    path: str
-    world_size: int | None
-    ranks: list[int]  # ranks with a usable parameter table
-    missing_ranks: list[int]  # ranks of range(world_size) without one
-    steps: list[int]  # steps complete on every usable rank
-    status: str | None  # run.json status, if any
-    bucket_source: str | None  # "fsdp2" | "graph" | None (no manifests)
-
-
-@dataclass
-class Problem:
-    side: str | None  # "a" | "b" | None
-    message: str
-
-
-@dataclass
-class Divergence:
-    """One parameter (FQN) whose param or grad hash differs at ``step`` on ``ranks``."""
-
-    step: int
-    fqn: str
-    kind: str  # "param" | "grad"
-    ranks: list[int]
-    buckets: dict[str, dict[str, dict | None]]  # collective -> {"a": ref, "b": ref}
-
-
-@dataclass
-class FirstDivergence:
-    step: int
-    origin: str  # init | forward | backward | optimizer | param | loss
-    grad_before_param: bool
-    previous_step: int | None  # the step before, compared and matching (None: none captured)
-    params: int
-    grads: int | None
-    ranks: list[int]
-    loss_differs: bool | None
-    explanation: str
-
-
-@dataclass
-class LossStep:
-    step: int
-    a: float | None  # the loss of the reference rank (lowest rank compared)
-    b: float | None
-    equal: bool | None  # bitwise equal on every rank compared (None: not captured)
-    ranks_differing: int
-    # the sum of every rank's loss: what a trainer that logs the global loss shows (torchtitan:
-    # each rank records its share, local sum / global token count); None unless every rank of
-    # the world has a loss at this step
-    a_total: float | None = None
-    b_total: float | None = None
-    # every compared rank's loss, in ranks_compared order (the HTML report's per-rank lines)
-    a_ranks: list | None = None
-    b_ranks: list | None = None
-
-
-@dataclass
-class LossComparison:
-    captured: bool
-    rank: int | None
-    first_divergent_step: int | None
-    steps: list[LossStep]
-
-
-@dataclass
-class CaptureWarning:
-    """A warning capture recorded on some ranks of one side (meta.json ``capture.warnings``)."""
-
-    side: str  # "a" | "b"
-    ranks: list[int]
-    message: str
-
-
-@dataclass
-class DiffResult:
-    a: Side
-    b: Side
-    verdict: str  # match | hash_mismatch | incomplete
-    incomplete: list[str]  # why the data is incomplete (empty: complete)
-    world_size: int | None
-    ranks_compared: list[int]
-    steps_compared: list[int]
-    params_compared: int
-    kinds_compared: list[str]  # ["param"] or ["param", "grad"]
-    params_only_in_a: list[str]
-    params_only_in_b: list[str]
-    first_divergent_step: int | None
-    first_divergence: FirstDivergence | None
-    divergent: list[Divergence]
-    per_step: list[StepCount]
-    loss: LossComparison
-    order: OrderComparison
-    problems: list[Problem] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
-    # what capture said while recording (meta.json ``capture.warnings``), per side and message
-    warnings: list[CaptureWarning] = field(default_factory=list)
-    schema_version: int = SCHEMA_VERSION
-    bucketing: dict = field(default_factory=dict)  # parity.bucket_summary.summarize_pair
-
-    # -- policy (parity.policy owns the rule and the words)
-    def exit_code(self, fail_on: str = "hash") -> int:
-        """0 parity holds under ``fail_on``, 1 it does not, 3 data incomplete (docs/diff.md)."""
-        return policy.pair_code(self.verdict, self.order.verdict, bool(self.incomplete), fail_on)
-
-    def judge(self, fail_on: str = "hash") -> policy.Verdict:
-        """The verdict line's parts under ``fail_on`` (rendered by every report alike)."""
-        fd = self.first_divergence
-        return policy.judge_pair({
-            "verdict": self.verdict, "incomplete": self.incomplete,
-            "kinds_compared": self.kinds_compared, "loss": {"captured": self.loss.captured},
-            "steps_compared": self.steps_compared, "ranks_compared": self.ranks_compared,
-            "params_compared": self.params_compared, "first_divergent_step":
-            self.first_divergent_step, "first_divergence": None if fd is None else
-            {"ranks": list(fd.ranks), "origin": fd.origin},
-            "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket},
-            "params_only_in_a": self.params_only_in_a, "params_only_in_b": self.params_only_in_b,
-        }, fail_on)
-
-    # -- serialization
-    def to_dict(self) -> dict:
-        o = self.order
-        return {
-            "schema_version": self.schema_version,
-            "verdict": self.verdict,
-            "status": policy.status(self.verdict, self.order.verdict),
-            "incomplete": list(self.incomplete),
-            "a": _side_dict(self.a),
-            "b": _side_dict(self.b),
-            "world_size": self.world_size,
-            "ranks_compared": list(self.ranks_compared),
-            "steps_compared": list(self.steps_compared),
-            "params_compared": self.params_compared,
-            "kinds_compared": list(self.kinds_compared),
-            "params_only_in_a": list(self.params_only_in_a),
-            "params_only_in_b": list(self.params_only_in_b),
-            "first_divergent_step": self.first_divergent_step,
-            "first_divergence": None if self.first_divergence is None else {
-                "step": self.first_divergence.step, "origin": self.first_divergence.origin,
-                "grad_before_param": self.first_divergence.grad_before_param,
-                "previous_step": self.first_divergence.previous_step,
-                "params": self.first_divergence.params, "grads": self.first_divergence.grads,
-                "ranks": list(self.first_divergence.ranks),
-                "loss_differs": self.first_divergence.loss_differs,
-                "explanation": self.first_divergence.explanation,
-            },
-            "divergent": [{"step": d.step, "fqn": d.fqn, "kind": d.kind, "ranks": list(d.ranks),
-                           "buckets": d.buckets} for d in self.divergent],
-            "per_step": [{"step": c.step, "params": c.params, "grads": c.grads, "ranks": c.ranks,
-                          "exact": c.exact} for c in self.per_step],
-            "loss": {
-                "captured": self.loss.captured, "rank": self.loss.rank,
-                "first_divergent_step": self.loss.first_divergent_step,
-                "steps": [{"step": s.step, "a": s.a, "b": s.b, "equal": s.equal,
-                           "ranks_differing": s.ranks_differing, "a_total": s.a_total,
-                           "b_total": s.b_total, "a_ranks": s.a_ranks, "b_ranks": s.b_ranks}
-                          for s in self.loss.steps],
-            },
-            "order": {
-                "verdict": o.verdict, "a_source": o.a_source, "b_source": o.b_source,
-                "rank": o.rank, "compared": list(o.compared),
-                "first_bucket": o.first_bucket,
-                "pairs": [_pair_dict(p) for p in o.pairs],
-                "counts": o.counts, "notes": list(o.notes),
-                "rank_disagreements": {k: list(v) for k, v in o.rank_disagreements.items()},
-                "eager": {k: [dict(x) for x in v] for k, v in o.eager.items()},
-            },
-            "problems": [{"side": p.side, "message": p.message} for p in self.problems],
-            "warnings": [{"side": w.side, "ranks": list(w.ranks), "message": w.message}
-                         for w in self.warnings],
-            "stats": dict(self.stats),
-            "bucketing": dict(self.bucketing),
-        }
-
-    def write_json(self, path: str | Path) -> None:
-        """Write ``to_dict()`` atomically (temporary file + rename)."""
-        write_json_atomic(path, self.to_dict(), indent=None if len(self.divergent) > 200 else 1)
-
-
-def _side_dict(s: Side) -> dict:
-    return {"path": s.path, "world_size": s.world_size, "ranks": list(s.ranks),
-            "missing_ranks": list(s.missing_ranks), "steps": list(s.steps), "status": s.status,
-            "bucket_source": s.bucket_source}
-
-
-def _pair_dict(p: BucketPair) -> dict:
-    return {"collective": p.collective, "verdict": p.verdict,
-            "a": {"buckets": list(p.a), "groups": list(p.a_groups)},
-            "b": {"buckets": list(p.b), "groups": list(p.b_groups)},
-            "position": p.position, "a_entry": p.a_entry, "b_entry": p.b_entry,
-            "detail": p.detail, "moved": list(p.moved)}
-
-
-def load_diff_json(path: str | Path) -> dict:
-    """A diff JSON written by ``write_json`` (as a dict); ParityError if it is not one."""
-    try:
-        obj = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ParityError(f"{path}: not a readable diff JSON ({e.__class__.__name__})") from None
-    if not isinstance(obj, dict) or obj.get("schema_version") != SCHEMA_VERSION:
-        raise ParityError(f"{path}: not a schema-{SCHEMA_VERSION} diff JSON")
-    return obj
-
-
 # ---------------------------------------------------------------------------------- the diff
-
-
-
-
-def ranges(xs: list[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
-    xs = sorted(set(xs))
-    out, i = [], 0
-    while i < len(xs):
-        j = i
-        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
-            j += 1
-        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 def _names(names: list[str], n: int = _SHOW) -> str:
@@ -586,7 +349,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, check)
 
     # -- buckets
-    layouts, order = _compare_buckets(run_a, run_b, usable, ranks)
+    layouts, order = compare_buckets(run_a, run_b, usable, ranks)
 
     # -- first divergence
     first_hash = hc.first_step
@@ -743,7 +506,7 @@ def _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, shape_rows: s
 def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
     if not ranks or not steps:
         return
-    from parity.diff_hashes import presence_table
+    from parity.diff.hashes import presence_table
 
     pa, pb = presence_table(ra, steps), presence_table(rb, steps)
     for name, mine, other in (("A", pa, pb), ("B", pb, pa)):
@@ -779,91 +542,3 @@ def _unaligned(ranks, aligns, glob_only: set, incomplete: list[str]) -> None:
         incomplete.append(f"{n} table entries on rank(s) {ranges(bad)} have no counterpart on "
                           "the other side's same rank (parameters placed on other ranks); not "
                           "compared")
-
-
-_ENTRY_KEY = operator.itemgetter("fqn", "offset", "size", "numel", "dtype")
-MAX_LAYOUT_CHECKS = 16  # distinct per-rank manifests examined in detail, per side
-
-
-def _raw_signature(recs: list[dict]):
-    """What a rank's manifests say, cheaply (C-level tuples); None if entries lack keys."""
-    try:
-        return tuple((r.get("source"), r.get("collective"), r.get("graph"), r.get("graph_id"),
-                      r.get("index"), r.get("dtype"), r.get("total_bytes"),
-                      tuple(map(_ENTRY_KEY, r["entries"]))) for r in recs)
-    except (KeyError, TypeError):
-        return None
-
-
-def _compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks: list[int]):
-    """Layouts of the reference rank of each side, the order comparison, and whether every
-    rank of a side has the reference rank's layout (ranks with byte-identical manifests share
-    one parsed list and are not re-examined)."""
-    layouts: dict[str, Layout] = {}
-    disagree: dict[str, list[str]] = {}
-    for side, run, prefer in (("a", run_a, A_PREFERS), ("b", run_b, B_PREFERS)):
-        present = [r for r in sorted(run.ranks) if r in usable[side]] or sorted(run.ranks)
-        ref = ranks[0] if ranks else (present[0] if present else None)
-        disagree[side] = []
-        if ref is None or ref not in run.ranks:
-            layouts[side] = Layout(None, None, {c: [] for c in COLLECTIVES})
-            continue
-        ref_recs = run.ranks[ref].buckets
-        layouts[side] = ref_layout = select_layout(ref_recs, prefer, ref)
-        by_list: dict[int, list[int]] = {}
-        for r in present:
-            by_list.setdefault(id(run.ranks[r].buckets), []).append(r)
-        if len(by_list) == 1:
-            continue
-        ref_raw = _raw_signature(ref_recs)
-        ref_sig = ref_layout.signature()
-        bad: list[int] = []
-        examined: dict[tuple | None, bool] = {}
-        reps: dict[int, Layout] = {ref: ref_layout}
-        unexamined = 0
-        for key, rs in by_list.items():
-            recs = run.ranks[rs[0]].buckets
-            if recs is ref_recs:
-                continue
-            raw = _raw_signature(recs)
-            if raw is not None and raw == ref_raw:
-                continue
-            same = examined.get(raw) if raw is not None else None
-            if same is None:
-                if len(reps) > MAX_LAYOUT_CHECKS:
-                    unexamined += len(rs)
-                    continue
-                lay = select_layout(recs, prefer, rs[0])
-                same = lay.signature() == ref_sig
-                if raw is not None:
-                    examined[raw] = same
-                if not same:
-                    reps[rs[0]] = lay
-            if not same:
-                bad.extend(rs)
-        msgs = check_ranks(reps, ref) if len(reps) > 1 else []
-        if len(bad) > len(msgs):
-            msgs.append(f"{len(bad)} rank(s) in all differ from rank {ref}: {ranges(bad)}")
-        if unexamined:
-            msgs.append(f"{unexamined} more rank(s) record other manifests; not examined")
-        disagree[side] = msgs
-    order = compare_layouts(layouts["a"], layouts["b"])
-    order.rank_disagreements = disagree
-    # what the layout comparison cannot show comes first in the notes (they are cut when long)
-    first_notes: list[str] = []
-    for side, run in (("a", run_a), ("b", run_b)):
-        for (coll, fqn), n in sorted(layouts[side].repeats.items()):
-            first_notes.append(f"{coll}: {fqn} is carried by {n} buckets of {side.upper()}'s "
-                               "graph; compared: the first")
-        ref = layouts[side].rank
-        order.eager[side] = eager_collectives(run.ranks[ref].buckets) if ref in run.ranks else []
-        if order.eager[side]:
-            first_notes.append(f"eager collectives outside graphs in {side.upper()} (per step): "
-                               + "; ".join(describe_eager(x) for x in order.eager[side]))
-    order.notes[:0] = first_notes
-    return layouts, order
-
-
-__all__ = ["diff_runs", "DiffResult", "CaptureWarning", "Side", "Problem", "Divergence", "FirstDivergence",
-           "LossStep", "LossComparison", "load_diff_json", "SCHEMA_VERSION", "SCHEMA_PATH", "VERDICTS",
-           "FAIL_ON", "KINDS", "ranges"]

@@ -18,10 +18,13 @@ components), so a bucket split or merged on one side forms one group. Each group
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from itertools import zip_longest
 
+from parity.artifacts import Run
 from parity.records import BucketRecord
+from parity.text import ranges
 
 COLLECTIVES = ("all_gather", "reduce_scatter")
 ORDER_VERDICTS = ("identical", "layout_differs", "order_differs", "partition_differs")
@@ -546,3 +549,91 @@ def explain_eager(fqn: str, shape: str | None, la: Layout, lb: Layout,
     tail = (": the gradient is summed in a different order (chunked reduce-scatters)"
             if chunked else "")
     return f"{fqn}'s gradient: " + ", ".join(parts) + tail
+
+
+# ------------------------------------------------------------- per-rank agreement, both sides
+A_PREFERS = ("fsdp2", "graph")
+B_PREFERS = ("graph", "fsdp2")
+
+
+_ENTRY_KEY = operator.itemgetter("fqn", "offset", "size", "numel", "dtype")
+MAX_LAYOUT_CHECKS = 16  # distinct per-rank manifests examined in detail, per side
+
+
+def _raw_signature(recs: list[dict]):
+    """What a rank's manifests say, cheaply (C-level tuples); None if entries lack keys."""
+    try:
+        return tuple((r.get("source"), r.get("collective"), r.get("graph"), r.get("graph_id"),
+                      r.get("index"), r.get("dtype"), r.get("total_bytes"),
+                      tuple(map(_ENTRY_KEY, r["entries"]))) for r in recs)
+    except (KeyError, TypeError):
+        return None
+
+
+def compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks: list[int]):
+    """Layouts of the reference rank of each side, the order comparison, and whether every
+    rank of a side has the reference rank's layout (ranks with byte-identical manifests share
+    one parsed list and are not re-examined)."""
+    layouts: dict[str, Layout] = {}
+    disagree: dict[str, list[str]] = {}
+    for side, run, prefer in (("a", run_a, A_PREFERS), ("b", run_b, B_PREFERS)):
+        present = [r for r in sorted(run.ranks) if r in usable[side]] or sorted(run.ranks)
+        ref = ranks[0] if ranks else (present[0] if present else None)
+        disagree[side] = []
+        if ref is None or ref not in run.ranks:
+            layouts[side] = Layout(None, None, {c: [] for c in COLLECTIVES})
+            continue
+        ref_recs = run.ranks[ref].buckets
+        layouts[side] = ref_layout = select_layout(ref_recs, prefer, ref)
+        by_list: dict[int, list[int]] = {}
+        for r in present:
+            by_list.setdefault(id(run.ranks[r].buckets), []).append(r)
+        if len(by_list) == 1:
+            continue
+        ref_raw = _raw_signature(ref_recs)
+        ref_sig = ref_layout.signature()
+        bad: list[int] = []
+        examined: dict[tuple | None, bool] = {}
+        reps: dict[int, Layout] = {ref: ref_layout}
+        unexamined = 0
+        for key, rs in by_list.items():
+            recs = run.ranks[rs[0]].buckets
+            if recs is ref_recs:
+                continue
+            raw = _raw_signature(recs)
+            if raw is not None and raw == ref_raw:
+                continue
+            same = examined.get(raw) if raw is not None else None
+            if same is None:
+                if len(reps) > MAX_LAYOUT_CHECKS:
+                    unexamined += len(rs)
+                    continue
+                lay = select_layout(recs, prefer, rs[0])
+                same = lay.signature() == ref_sig
+                if raw is not None:
+                    examined[raw] = same
+                if not same:
+                    reps[rs[0]] = lay
+            if not same:
+                bad.extend(rs)
+        msgs = check_ranks(reps, ref) if len(reps) > 1 else []
+        if len(bad) > len(msgs):
+            msgs.append(f"{len(bad)} rank(s) in all differ from rank {ref}: {ranges(bad)}")
+        if unexamined:
+            msgs.append(f"{unexamined} more rank(s) record other manifests; not examined")
+        disagree[side] = msgs
+    order = compare_layouts(layouts["a"], layouts["b"])
+    order.rank_disagreements = disagree
+    # what the layout comparison cannot show comes first in the notes (they are cut when long)
+    first_notes: list[str] = []
+    for side, run in (("a", run_a), ("b", run_b)):
+        for (coll, fqn), n in sorted(layouts[side].repeats.items()):
+            first_notes.append(f"{coll}: {fqn} is carried by {n} buckets of {side.upper()}'s "
+                               "graph; compared: the first")
+        ref = layouts[side].rank
+        order.eager[side] = eager_collectives(run.ranks[ref].buckets) if ref in run.ranks else []
+        if order.eager[side]:
+            first_notes.append(f"eager collectives outside graphs in {side.upper()} (per step): "
+                               + "; ".join(describe_eager(x) for x in order.eager[side]))
+    order.notes[:0] = first_notes
+    return layouts, order

@@ -1,0 +1,230 @@
+"""The result of ``parity diff``: the data model (:class:`DiffResult` and its parts), its JSON
+(``to_dict``, ``write_json``; schema ``parity/schemas/diff.schema.json``, docs/diff.md) and
+the ``--fail-on`` verdict it asks parity.policy for. The engine (engine.py) builds it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parity import policy
+from parity.artifacts import write_json_atomic
+from parity.diff.buckets import BucketPair, OrderComparison
+from parity.diff.hashes import StepCount
+from parity.errors import ParityError
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).parent.parent / "schemas" / "diff.schema.json"
+VERDICTS = ("match", "hash_mismatch", "incomplete")
+FAIL_ON = tuple(policy.POLICIES)
+
+
+# ------------------------------------------------------------------------------------ the model
+
+
+@dataclass
+class Side:
+    """One run as the diff saw it."""
+
+    path: str
+    world_size: int | None
+    ranks: list[int]  # ranks with a usable parameter table
+    missing_ranks: list[int]  # ranks of range(world_size) without one
+    steps: list[int]  # steps complete on every usable rank
+    status: str | None  # run.json status, if any
+    bucket_source: str | None  # "fsdp2" | "graph" | None (no manifests)
+
+
+@dataclass
+class Problem:
+    side: str | None  # "a" | "b" | None
+    message: str
+
+
+@dataclass
+class Divergence:
+    """One parameter (FQN) whose param or grad hash differs at ``step`` on ``ranks``."""
+
+    step: int
+    fqn: str
+    kind: str  # "param" | "grad"
+    ranks: list[int]
+    buckets: dict[str, dict[str, dict | None]]  # collective -> {"a": ref, "b": ref}
+
+
+@dataclass
+class FirstDivergence:
+    step: int
+    origin: str  # init | forward | backward | optimizer | param | loss
+    grad_before_param: bool
+    previous_step: int | None  # the step before, compared and matching (None: none captured)
+    params: int
+    grads: int | None
+    ranks: list[int]
+    loss_differs: bool | None
+    explanation: str
+
+
+@dataclass
+class LossStep:
+    step: int
+    a: float | None  # the loss of the reference rank (lowest rank compared)
+    b: float | None
+    equal: bool | None  # bitwise equal on every rank compared (None: not captured)
+    ranks_differing: int
+    # the sum of every rank's loss: what a trainer that logs the global loss shows (torchtitan:
+    # each rank records its share, local sum / global token count); None unless every rank of
+    # the world has a loss at this step
+    a_total: float | None = None
+    b_total: float | None = None
+    # every compared rank's loss, in ranks_compared order (the HTML report's per-rank lines)
+    a_ranks: list | None = None
+    b_ranks: list | None = None
+
+
+@dataclass
+class LossComparison:
+    captured: bool
+    rank: int | None
+    first_divergent_step: int | None
+    steps: list[LossStep]
+
+
+@dataclass
+class CaptureWarning:
+    """A warning capture recorded on some ranks of one side (meta.json ``capture.warnings``)."""
+
+    side: str  # "a" | "b"
+    ranks: list[int]
+    message: str
+
+
+@dataclass
+class DiffResult:
+    a: Side
+    b: Side
+    verdict: str  # match | hash_mismatch | incomplete
+    incomplete: list[str]  # why the data is incomplete (empty: complete)
+    world_size: int | None
+    ranks_compared: list[int]
+    steps_compared: list[int]
+    params_compared: int
+    kinds_compared: list[str]  # ["param"] or ["param", "grad"]
+    params_only_in_a: list[str]
+    params_only_in_b: list[str]
+    first_divergent_step: int | None
+    first_divergence: FirstDivergence | None
+    divergent: list[Divergence]
+    per_step: list[StepCount]
+    loss: LossComparison
+    order: OrderComparison
+    problems: list[Problem] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    # what capture said while recording (meta.json ``capture.warnings``), per side and message
+    warnings: list[CaptureWarning] = field(default_factory=list)
+    schema_version: int = SCHEMA_VERSION
+    bucketing: dict = field(default_factory=dict)  # parity.diff.bucket_summary.summarize_pair
+
+    # -- policy (parity.policy owns the rule and the words)
+    def exit_code(self, fail_on: str = "hash") -> int:
+        """0 parity holds under ``fail_on``, 1 it does not, 3 data incomplete (docs/diff.md)."""
+        return policy.pair_code(self.verdict, self.order.verdict, bool(self.incomplete), fail_on)
+
+    def judge(self, fail_on: str = "hash") -> policy.Verdict:
+        """The verdict line's parts under ``fail_on`` (rendered by every report alike)."""
+        fd = self.first_divergence
+        return policy.judge_pair({
+            "verdict": self.verdict, "incomplete": self.incomplete,
+            "kinds_compared": self.kinds_compared, "loss": {"captured": self.loss.captured},
+            "steps_compared": self.steps_compared, "ranks_compared": self.ranks_compared,
+            "params_compared": self.params_compared, "first_divergent_step":
+            self.first_divergent_step, "first_divergence": None if fd is None else
+            {"ranks": list(fd.ranks), "origin": fd.origin},
+            "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket},
+            "params_only_in_a": self.params_only_in_a, "params_only_in_b": self.params_only_in_b,
+        }, fail_on)
+
+    # -- serialization
+    def to_dict(self) -> dict:
+        o = self.order
+        return {
+            "schema_version": self.schema_version,
+            "verdict": self.verdict,
+            "status": policy.status(self.verdict, self.order.verdict),
+            "incomplete": list(self.incomplete),
+            "a": _side_dict(self.a),
+            "b": _side_dict(self.b),
+            "world_size": self.world_size,
+            "ranks_compared": list(self.ranks_compared),
+            "steps_compared": list(self.steps_compared),
+            "params_compared": self.params_compared,
+            "kinds_compared": list(self.kinds_compared),
+            "params_only_in_a": list(self.params_only_in_a),
+            "params_only_in_b": list(self.params_only_in_b),
+            "first_divergent_step": self.first_divergent_step,
+            "first_divergence": None if self.first_divergence is None else {
+                "step": self.first_divergence.step, "origin": self.first_divergence.origin,
+                "grad_before_param": self.first_divergence.grad_before_param,
+                "previous_step": self.first_divergence.previous_step,
+                "params": self.first_divergence.params, "grads": self.first_divergence.grads,
+                "ranks": list(self.first_divergence.ranks),
+                "loss_differs": self.first_divergence.loss_differs,
+                "explanation": self.first_divergence.explanation,
+            },
+            "divergent": [{"step": d.step, "fqn": d.fqn, "kind": d.kind, "ranks": list(d.ranks),
+                           "buckets": d.buckets} for d in self.divergent],
+            "per_step": [{"step": c.step, "params": c.params, "grads": c.grads, "ranks": c.ranks,
+                          "exact": c.exact} for c in self.per_step],
+            "loss": {
+                "captured": self.loss.captured, "rank": self.loss.rank,
+                "first_divergent_step": self.loss.first_divergent_step,
+                "steps": [{"step": s.step, "a": s.a, "b": s.b, "equal": s.equal,
+                           "ranks_differing": s.ranks_differing, "a_total": s.a_total,
+                           "b_total": s.b_total, "a_ranks": s.a_ranks, "b_ranks": s.b_ranks}
+                          for s in self.loss.steps],
+            },
+            "order": {
+                "verdict": o.verdict, "a_source": o.a_source, "b_source": o.b_source,
+                "rank": o.rank, "compared": list(o.compared),
+                "first_bucket": o.first_bucket,
+                "pairs": [_pair_dict(p) for p in o.pairs],
+                "counts": o.counts, "notes": list(o.notes),
+                "rank_disagreements": {k: list(v) for k, v in o.rank_disagreements.items()},
+                "eager": {k: [dict(x) for x in v] for k, v in o.eager.items()},
+            },
+            "problems": [{"side": p.side, "message": p.message} for p in self.problems],
+            "warnings": [{"side": w.side, "ranks": list(w.ranks), "message": w.message}
+                         for w in self.warnings],
+            "stats": dict(self.stats),
+            "bucketing": dict(self.bucketing),
+        }
+
+    def write_json(self, path: str | Path) -> None:
+        """Write ``to_dict()`` atomically (temporary file + rename)."""
+        write_json_atomic(path, self.to_dict(), indent=None if len(self.divergent) > 200 else 1)
+
+
+def _side_dict(s: Side) -> dict:
+    return {"path": s.path, "world_size": s.world_size, "ranks": list(s.ranks),
+            "missing_ranks": list(s.missing_ranks), "steps": list(s.steps), "status": s.status,
+            "bucket_source": s.bucket_source}
+
+
+def _pair_dict(p: BucketPair) -> dict:
+    return {"collective": p.collective, "verdict": p.verdict,
+            "a": {"buckets": list(p.a), "groups": list(p.a_groups)},
+            "b": {"buckets": list(p.b), "groups": list(p.b_groups)},
+            "position": p.position, "a_entry": p.a_entry, "b_entry": p.b_entry,
+            "detail": p.detail, "moved": list(p.moved)}
+
+
+def load_diff_json(path: str | Path) -> dict:
+    """A diff JSON written by ``write_json`` (as a dict); ParityError if it is not one."""
+    try:
+        obj = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ParityError(f"{path}: not a readable diff JSON ({e.__class__.__name__})") from None
+    if not isinstance(obj, dict) or obj.get("schema_version") != SCHEMA_VERSION:
+        raise ParityError(f"{path}: not a schema-{SCHEMA_VERSION} diff JSON")
+    return obj
