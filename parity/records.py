@@ -14,8 +14,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# optional keys, written after the required ones when set (docs/artifacts.md)
-_OPTIONAL = ("stage", "trace", "module", "placements")
+class _Absent:
+    """An optional key the record does not have (``None`` is written as ``null``; ABSENT is
+    not written at all), so a line reads back and writes out unchanged."""
+
+    def __repr__(self) -> str:
+        return "ABSENT"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+ABSENT: Any = _Absent()
+# optional record keys, written after the required ones when present (docs/artifacts.md)
+_OPTIONAL = {"stage": str, "trace": str, "module": str, "placements": str, "position": int,
+             "compute_before": int}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -62,12 +75,12 @@ class BucketEntry:
     numel: int | None
     dtype: str | None
     shape: list[int] | None = None
-    module: str | None = None  # compiled graphs: the module the payload's collective ran under
+    module: str | None = ABSENT  # compiled graphs: the module the payload was issued under
 
     def to_dict(self) -> dict:
         d = {"fqn": self.fqn, "offset": self.offset, "size": self.size, "numel": self.numel,
              "dtype": self.dtype, "shape": self.shape}
-        if self.module is not None:
+        if self.module is not ABSENT:
             d["module"] = self.module
         return d
 
@@ -76,7 +89,8 @@ class BucketEntry:
         shape = d.get("shape")
         return cls(_str(d.get("fqn")), _int(d.get("offset")), _int(d.get("size")),
                    _int(d.get("numel")), _str(d.get("dtype")),
-                   list(shape) if isinstance(shape, list) else None, _str(d.get("module")))
+                   list(shape) if isinstance(shape, list) else None,
+                   _str(d["module"]) if "module" in d else ABSENT)
 
 
 @dataclass
@@ -89,26 +103,31 @@ class BucketRecord:
     entries: list[BucketEntry]
     graph: str | None = None  # "forward" | "backward" for compiled graphs
     graph_id: int | None = None
-    step: int | None = None  # stamped by the session: the step during which it was issued
+    step: int | None = ABSENT  # stamped by the session: the step during which it was issued
     group: str | None = None  # the module that owns the bucket
     node: str | None = None  # the FX node (compiled graphs)
     dtype: str | None = ""
     world_size: int | None = 1
     total_bytes: int | None = 0
-    stage: str | None = None  # "before_passes" | "after_passes" (compiled graphs)
-    trace: str | None = None  # "make_fx" for GraphTrainer's joint graphs
-    module: str | None = None  # dtensor: the chain of objects it was issued under
-    placements: str | None = None  # dtensor: "Shard(dim=0) -> Replicate()"
+    # optional (ABSENT: not written)
+    stage: str | None = ABSENT  # "before_passes" | "after_passes" (compiled graphs)
+    trace: str | None = ABSENT  # "make_fx" for GraphTrainer's joint graphs
+    module: str | None = ABSENT  # the module it was issued under (dtensor: the object chain)
+    placements: str | None = ABSENT  # dtensor: "Shard(dim=0) -> Replicate()"
+    position: int | None = ABSENT  # compiled graphs: the collective's position in the graph
+    compute_before: int | None = ABSENT  # compiled graphs: compute ops issued before it
     extra: dict = field(default_factory=dict)  # keys this version does not know, kept
 
     def to_dict(self) -> dict:
         d = {"source": self.source, "collective": self.collective, "graph": self.graph,
-             "graph_id": self.graph_id, "step": self.step, "index": self.index,
-             "group": self.group, "node": self.node, "dtype": self.dtype,
-             "world_size": self.world_size, "total_bytes": self.total_bytes}
+             "graph_id": self.graph_id}
+        if self.step is not ABSENT:  # a compiled graph's record has none until the session's
+            d["step"] = self.step
+        d.update(index=self.index, group=self.group, node=self.node, dtype=self.dtype,
+                 world_size=self.world_size, total_bytes=self.total_bytes)
         for k in _OPTIONAL:
             v = getattr(self, k)
-            if v is not None:
+            if v is not ABSENT:
                 d[k] = v
         for k, v in self.extra.items():
             d.setdefault(k, v)
@@ -124,9 +143,9 @@ class BucketRecord:
             _str(d.get("source")), _str(d.get("collective")), _int(d.get("index")),
             [BucketEntry.from_dict(e) for e in entries if isinstance(e, dict)]
             if isinstance(entries, list) else [],
-            graph=_str(d.get("graph")), graph_id=_int(d.get("graph_id")), step=_int(d.get("step")),
+            graph=_str(d.get("graph")), graph_id=_int(d.get("graph_id")),
+            step=_int(d["step"]) if "step" in d else ABSENT,
             group=_str(d.get("group")), node=_str(d.get("node")), dtype=_str(d.get("dtype")),
             world_size=_int(d.get("world_size")), total_bytes=_int(d.get("total_bytes")),
-            stage=_str(d.get("stage")), trace=_str(d.get("trace")), module=_str(d.get("module")),
-            placements=_str(d.get("placements")),
+            **{k: (_str(d[k]) if t is str else _int(d[k])) for k, t in _OPTIONAL.items() if k in d},
             extra={k: v for k, v in d.items() if k not in known})

@@ -1,4 +1,4 @@
-"""The bucketing summary (parity/bucket_summary.py) on synthetic records, and `parity inspect`.
+"""The bucketing summary (parity/diff/bucket_summary.py) on synthetic records, and `parity inspect`.
 
 The real-workload checks (``--bucketing manual`` and ``auto`` on the built-in trainer) are in
 tests/test_bucket_summary_real.py."""

@@ -1,4 +1,4 @@
-"""The bucketing summary (parity/bucket_summary.py) on the built-in workload's real compiled graphs.
+"""The bucketing summary (parity/diff/bucket_summary.py) on the built-in workload's real compiled graphs.
 
 Reuses the session-cached compiled jobs of tests/workload_harness.py (the same jobs
 tests/test_graph_manifest.py and tests/test_workload.py run), so it adds no job of its own when

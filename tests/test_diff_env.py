@@ -1,5 +1,5 @@
 """GPU facts in meta.json (capture/gpu_facts.py) and the diff's warning when they differ
-(diff_env.py)."""
+(parity/diff/env.py)."""
 
 import json
 

@@ -12,7 +12,9 @@ LINES = [
     {"source": "graph", "collective": "reduce_scatter", "graph": "backward", "graph_id": 3,
      "step": 1, "index": 2, "group": "layers", "node": "reduce_scatter_tensor_1",
      "dtype": "bfloat16", "world_size": 8, "total_bytes": 64, "stage": "before_passes",
-     "trace": "make_fx", "entries": [ENTRY, dict(ENTRY, fqn="layers.1.w", offset=64)]},
+     "trace": "make_fx", "position": 7, "compute_before": 3, "module": None,
+     "entries": [dict(ENTRY, module="layers.0"), dict(ENTRY, fqn="layers.1.w", offset=64,
+                                                     module=None)]},
     {"source": "dtensor", "collective": "all_reduce", "graph": None, "graph_id": None, "step": 2,
      "index": 0, "group": "", "node": None, "dtype": "float32", "world_size": 2,
      "total_bytes": 64, "module": "loss_fn(ChunkedLossWrapper) > lm_head",
@@ -27,6 +29,11 @@ def test_lines_round_trip():
         assert rec.to_dict() == line
         assert list(rec.to_dict())[-1] == "entries"
     assert BucketRecord.from_dict(LINES[2]).extra == {"from_a_newer_parity": {"x": 1}}
+    # a key written as null stays null; a key never written stays out
+    rec = BucketRecord.from_dict(LINES[1])
+    assert rec.module is None and "module" in rec.to_dict()
+    assert "module" not in BucketRecord.from_dict(LINES[0]).to_dict()
+    assert "module" not in BucketRecord.from_dict(LINES[0]).entries[0].to_dict()
 
 
 def test_a_malformed_line_reads_as_none_not_as_an_error():

@@ -136,7 +136,7 @@ def main() -> int:
         from parity.capture import graph
 
         def on_graph(record: dict) -> None:
-            result["graphs"].append(record)
+            result["graphs"].append(dict(record, buckets=[b.to_dict() for b in record["buckets"]]))
             write()
 
         graph.install(on_graph)

@@ -66,9 +66,10 @@ def _calling_group(depth: int = 2):
 class FSDP2Recorder:
     """Wraps FSDP2's collective entry points and reports bucket layouts as they change.
 
-    ``emit(record)`` receives a :class:`~parity.records.BucketRecord` (docs/artifacts.md); ``step()`` returns
-    the optimizer step the collective precedes (1-based); ``normalize`` maps FQNs; ``warn``
-    records one warning; ``fail`` is called with an exception raised while recording.
+    ``emit(record)`` receives a :class:`~parity.records.BucketRecord` (docs/artifacts.md);
+    ``step()`` returns the optimizer step the collective precedes (1-based); ``normalize`` maps
+    FQNs; ``warn`` records one warning; ``fail`` is called with an exception raised while
+    recording.
     """
 
     def __init__(self, emit, step, normalize, warn, fail):

@@ -2,7 +2,7 @@
 
 Why: two runs that differ in any of these can legitimately differ bitwise (another GPU model or
 cuBLAS/cuDNN picks other kernels, TF32 rounds matmul inputs, NCCL changes reduction order), so
-the diff names them (``parity/diff_env.py``) before anyone hunts for a bug in the trainer.
+the diff names them (``parity/diff/env.py``) before anyone hunts for a bug in the trainer.
 
 Everything is read from what the process already loaded; nothing initializes CUDA (the call is
 made after the trainer's first step, when CUDA is initialized if the job uses it) and nothing

@@ -16,7 +16,7 @@ trainer is edited) sees:
   inside the graph (backward runs in the graph: no ``.backward()`` call happens at run time).
 
 Nothing runs inside the trace: the wrappers act on the tracer's *result* and on the runner's
-outputs, after make_fx is done. The FX walk itself is graph.py's ``extract_buckets``.
+outputs, after make_fx is done. The FX walk itself is graph_walk.py's ``extract_buckets``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from parity.capture import graph as graph_walk
+from parity.capture import graph, graph_walk
+from parity.capture.names import normalize_fqn
+from parity.records import BucketRecord
 
 __all__ = ["TRAINER_MODULE", "install", "uninstall", "placeholder_fqns", "split_joint"]
 
@@ -47,7 +49,7 @@ def placeholder_fqns(traced: Any, n_placeholders: int) -> list[str | None]:
     for i, fqn in enumerate(getattr(traced, "state_fqns", None) or ()):
         layout = layouts.get(i)
         n = getattr(layout, "num_tensors", 1) if layout is not None else 1
-        fqns.extend([graph_walk.normalize_fqn(fqn)] * max(int(n), 1))
+        fqns.extend([normalize_fqn(fqn)] * max(int(n), 1))
     fqns = fqns[:n_placeholders]
     return fqns + [None] * (n_placeholders - len(fqns))
 
@@ -64,7 +66,7 @@ def _output_fqns(traced: Any, grad_fqns: list[str]) -> list[str | None]:
     return out
 
 
-def split_joint(gm: Any, buckets: list[dict]) -> None:
+def split_joint(gm: Any, buckets: list[BucketRecord]) -> None:
     """Label each bucket of a joint graph ``forward`` or ``backward`` (in place).
 
     A node traced under autograd's backward carries ``meta["autograd_backward"]``; a node made
@@ -78,8 +80,7 @@ def split_joint(gm: Any, buckets: list[dict]) -> None:
             in_backward = True
         where[node.name] = "backward" if (flag or (flag is None and in_backward)) else "forward"
     for b in buckets:
-        b["graph"] = where.get(b.get("node"), "backward" if b["collective"] == "reduce_scatter"
-                               else "forward")
+        b.graph = where.get(b.node, "backward" if b.collective == "reduce_scatter" else "forward")
 
 
 def reduce_scatter_targets(gm: Any, output_fqns: list[str | None], *,
@@ -125,7 +126,7 @@ def reduce_scatter_targets(gm: Any, output_fqns: list[str | None], *,
 def _grad_fqns(module: Any) -> list[str]:
     if module is None:
         return []
-    return [graph_walk.normalize_fqn(n) for n, p in module.named_parameters(remove_duplicate=False)
+    return [normalize_fqn(n) for n, p in module.named_parameters(remove_duplicate=False)
             if p.requires_grad]
 
 
@@ -140,13 +141,13 @@ def _record(traced: Any, module: Any, stage: str, pre: dict | None,
     if pre:
         rs_map = {**rs_map, **pre}  # pre-pass nodes still in the graph name their payloads
     if graph_id is None:
-        graph_id = next(graph_walk._graph_ids)
+        graph_id = next(graph._graph_ids)
     buckets = graph_walk.extract_buckets(gm, inputs, outputs, "joint", graph_id=graph_id,
                                          warnings=warnings, rs_payload_fqns=rs_map)
     split_joint(gm, buckets)
     for b in buckets:
-        b["stage"] = stage
-        b["trace"] = "make_fx"
+        b.stage = stage
+        b.trace = "make_fx"
     return ({"graph": "joint", "graph_id": graph_id, "buckets": buckets, "warnings": warnings,
              "stage": stage}, rs_map)
 
@@ -192,7 +193,7 @@ def _wrap_runner(original: Callable) -> Callable:
                 # reduce-scatter payloads from the input side
                 rs_map = rs_map if rs_map else None
                 # the same graph before and after the passes shares one graph_id, so that the
-                # bucketing summary pairs them (parity/bucket_summary.py)
+                # bucketing summary pairs them (parity/diff/bucket_summary.py)
                 record, _ = _record(traced, kwargs.get("module"), "after_passes", rs_map,
                                     graph_id=pre_id if pre_ref is not None else None)
                 if pre_ref is None:

@@ -352,15 +352,11 @@ class Session(RankRecord, StepClock, ParamTable):
             with self._lock:
                 for w in record.get("warnings") or ():
                     self.warn(f"graph {record.get('graph_id')}: {w}")
-                for b in record.get("buckets") or ():
-                    b = dict(b)
-                    b.setdefault("source", "graph")
-                    b.setdefault("graph", record.get("graph"))
-                    b.setdefault("graph_id", record.get("graph_id"))
-                    b["step"] = self.done + 1
-                    b["entries"] = [dict(e, fqn=normalize_fqn(e["fqn"]))
-                                    if isinstance(e.get("fqn"), str) else e
-                                    for e in b.get("entries") or ()]
+                for b in record.get("buckets") or ():  # BucketRecords (graph_walk.py)
+                    b.step = self.done + 1
+                    for e in b.entries:
+                        if isinstance(e.fqn, str):
+                            e.fqn = normalize_fqn(e.fqn)
                     self._emit_bucket(b)
         except Exception as e:  # noqa: BLE001
             self._fail(e)

@@ -15,6 +15,6 @@ from parity.diff.result import (FAIL_ON, SCHEMA_PATH, SCHEMA_VERSION, VERDICTS, 
                                 LossStep, Problem, Side, load_diff_json)
 from parity.text import ranges
 
-__all__ = ["diff_runs", "DiffResult", "CaptureWarning", "Side", "Problem", "Divergence", "FirstDivergence",
-           "LossStep", "LossComparison", "load_diff_json", "SCHEMA_VERSION", "SCHEMA_PATH", "VERDICTS",
-           "FAIL_ON", "KINDS", "ranges"]
+__all__ = ["diff_runs", "DiffResult", "CaptureWarning", "Side", "Problem", "Divergence",
+           "FirstDivergence", "LossStep", "LossComparison", "load_diff_json", "SCHEMA_VERSION",
+           "SCHEMA_PATH", "VERDICTS", "FAIL_ON", "KINDS", "ranges"]

@@ -1,4 +1,4 @@
-"""Console rendering of the bucketing summary (parity/bucket_summary.py): one run for
+"""Console rendering of the bucketing summary (parity/diff/bucket_summary.py): one run for
 `parity inspect`, A and B side by side for `parity diff`.
 
 The side-by-side table has a row per figure (not per column) so that it stays within 100

@@ -1,6 +1,6 @@
 """Small inline-SVG charts for the diff page (parity/report/html.py): the loss of both sides per
 step (and each rank's), the divergent parameters per step, and the bucketing summary
-(parity/bucket_summary.py) of A and B side by side.
+(parity/diff/bucket_summary.py) of A and B side by side.
 
 Why hand-made SVG: the page must stay one self-contained file without scripts (it is opened from
 CI artifacts, offline), and these charts are a few lines and bars. Every SVG scales to the page
