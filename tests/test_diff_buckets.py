@@ -178,10 +178,34 @@ def test_ranks_that_disagree_within_a_side(tmp_path):
         return b
 
     r = run_pair(tmp_path, world_size=4, b={"bucket_hook": rank1})
-    assert r.order.verdict == "identical"  # rank 0 is compared
     assert r.order.rank_disagreements["a"] == []
     msgs = r.order.rank_disagreements["b"]
     assert msgs and msgs[0].startswith("rank 1: all_gather bucket 0 (layers.0) differs")
+    # rank 0 is identical, but B's rank 1 differs from A's rank 1: never "identical"
+    assert r.order.verdict == "order_differs" and r.order.rank == 1
+    assert r.order.first_bucket["collective"] == "all_gather"
+    assert r.exit_code("any") == 1 and r.exit_code("hash") == 0
+
+
+def test_ranks_that_disagree_the_same_way_on_both_sides_are_identical(tmp_path):
+    def rank1(b, rank):
+        if rank == 1 and b["collective"] == "all_gather" and b["index"] == 0:
+            b["entries"] = b["entries"][::-1]
+        return b
+
+    r = run_pair(tmp_path, world_size=4, a={"bucket_hook": rank1}, b={"bucket_hook": rank1})
+    assert r.order.verdict == "identical" and r.exit_code("any") == 0
+
+
+def test_a_rank_without_buckets_on_one_side_is_never_identical(tmp_path):
+    """Found by the fuzz tests: B's rank 1 recorded no bucket layouts at all, the reference
+    rank matched, and --fail-on any said "identical", exit 0."""
+    r = run_pair(tmp_path, world_size=2, b={"bucket_hook": lambda b, rank: None if rank == 1
+                                            else b})
+    assert r.order.verdict == "unavailable"
+    assert any(n.startswith("rank(s) 1 recorded bucket layouts that cannot be compared")
+               for n in r.order.notes)
+    assert r.exit_code("any") == 3 and r.exit_code("hash") == 0
 
 
 def test_no_manifests_on_one_side_is_unavailable(tmp_path):

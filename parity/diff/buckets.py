@@ -570,16 +570,61 @@ def _raw_signature(recs: list[dict]):
         return None
 
 
+def _compare_odd_ranks(order: OrderComparison, run_a: Run, run_b: Run, ranks: list[int],
+                       odd: dict[str, list[int]], not_examined: dict[str, int]) -> None:
+    """The verdict compares the reference rank's layouts; a rank whose layout differs from its
+    side's reference (on either side) is compared A against B on that rank too, so that a rank
+    that recorded other buckets, or none, can never hide behind an identical reference rank.
+    The worst finding wins; a rank whose layouts cannot be compared makes an ``identical``
+    verdict ``unavailable`` (said, and incomplete under policies that need layouts)."""
+    check = sorted(set(odd["a"]) | set(odd["b"]))
+    if not check and not any(not_examined.values()):
+        return
+    worst, worst_rank, worst_cmp, lacking = order.verdict, None, None, []
+    for r in check[:MAX_LAYOUT_CHECKS]:
+        if r not in run_a.ranks or r not in run_b.ranks or (ranks and r not in ranks):
+            continue
+        la = select_layout(run_a.ranks[r].buckets, A_PREFERS, r)
+        lb = select_layout(run_b.ranks[r].buckets, B_PREFERS, r)
+        cmp = compare_layouts(la, lb)
+        if cmp.verdict == UNAVAILABLE or any(c not in cmp.compared for c in order.compared):
+            lacking.append(r)
+            continue
+        if worst in SEVERITY and SEVERITY[cmp.verdict] > SEVERITY[worst]:
+            worst, worst_rank, worst_cmp = cmp.verdict, r, cmp
+    if worst_cmp is not None:
+        order.verdict, order.rank = worst, worst_rank
+        order.first_bucket, order.pairs, order.counts = (worst_cmp.first_bucket, worst_cmp.pairs,
+                                                         worst_cmp.counts)
+        order.notes.insert(0, f"rank {worst_rank}'s layouts differ from the reference rank's on a "
+                              f"side and from the other side's: {worst} (shown for rank "
+                              f"{worst_rank})")
+    unseen = len(check) - MAX_LAYOUT_CHECKS if len(check) > MAX_LAYOUT_CHECKS else 0
+    unseen += sum(not_examined.values())
+    if lacking or unseen:
+        what = []
+        if lacking:
+            what.append(f"rank(s) {ranges(lacking)} recorded bucket layouts that cannot be "
+                        "compared with the other side's on that rank (none, or other collectives)")
+        if unseen:
+            what.append(f"{unseen} rank(s) with other layouts not examined")
+        order.notes.insert(0, "; ".join(what))
+        if order.verdict == "identical":
+            order.verdict = UNAVAILABLE
+
+
 def compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks: list[int]):
     """Layouts of the reference rank of each side, the order comparison, and whether every
     rank of a side has the reference rank's layout (ranks with byte-identical manifests share
     one parsed list and are not re-examined)."""
     layouts: dict[str, Layout] = {}
     disagree: dict[str, list[str]] = {}
+    odd: dict[str, list[int]] = {}  # ranks whose layout differs from their side's reference
+    not_examined: dict[str, int] = {}
     for side, run, prefer in (("a", run_a, A_PREFERS), ("b", run_b, B_PREFERS)):
         present = [r for r in sorted(run.ranks) if r in usable[side]] or sorted(run.ranks)
         ref = ranks[0] if ranks else (present[0] if present else None)
-        disagree[side] = []
+        disagree[side], odd[side], not_examined[side] = [], [], 0
         if ref is None or ref not in run.ranks:
             layouts[side] = Layout(None, None, {c: [] for c in COLLECTIVES})
             continue
@@ -622,8 +667,10 @@ def compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks:
         if unexamined:
             msgs.append(f"{unexamined} more rank(s) record other manifests; not examined")
         disagree[side] = msgs
+        odd[side], not_examined[side] = sorted(bad), unexamined
     order = compare_layouts(layouts["a"], layouts["b"])
     order.rank_disagreements = disagree
+    _compare_odd_ranks(order, run_a, run_b, ranks, odd, not_examined)
     # what the layout comparison cannot show comes first in the notes (they are cut when long)
     first_notes: list[str] = []
     for side, run in (("a", run_a), ("b", run_b)):
