@@ -133,8 +133,13 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
-def _ids(cells: list[dict], show: int = 3) -> str:
-    ids = [str(c.get("id")) for c in cells]
+def _is_cell(c) -> bool:
+    """A cell record (a CellResult), not a stray value a hand-edited sweep.json left in cells."""
+    return hasattr(c, "status") and hasattr(c, "diff")
+
+
+def _ids(cells: list, show: int = 3) -> str:
+    ids = [str(c.id) for c in cells]
     return ", ".join(ids[:show]) + (f" +{len(ids) - show} more" if len(ids) > show else "")
 
 
@@ -263,34 +268,36 @@ def settled_cell(found: str | None, reason: str | None) -> tuple[str, str | None
     return found, reason
 
 
-def cell_code(cell: dict, policy: str) -> int | None:
-    """Exit code of a compared sweep cell under ``policy`` (None for a cell not compared)."""
-    if cell.get("status") not in (MATCH, HASH_MISMATCH, ORDER_MISMATCH):
+def cell_code(cell, policy: str) -> int | None:
+    """Exit code of a compared sweep cell (a ``parity.sweep.model.CellResult``: this layer sits
+    below the sweep and reads its fields without importing it) under ``policy`` (None for a cell
+    not compared)."""
+    if cell.status not in (MATCH, HASH_MISMATCH, ORDER_MISMATCH):
         return None
-    diff = cell.get("diff") if isinstance(cell.get("diff"), dict) else {}
+    diff = cell.diff if isinstance(cell.diff, dict) else {}
     order = diff.get("order") if isinstance(diff.get("order"), dict) else {}
-    hv = HASH_MISMATCH if cell["status"] == HASH_MISMATCH else MATCH
+    hv = HASH_MISMATCH if cell.status == HASH_MISMATCH else MATCH
     ov = order.get("verdict")
-    if cell["status"] == ORDER_MISMATCH and ov not in ORDER_FAILURES:
+    if cell.status == ORDER_MISMATCH and ov not in ORDER_FAILURES:
         ov = "order_differs"
     return pair_code(hv, ov, False, policy)
 
 
-def judge_sweep(sweep: dict, policy: str) -> tuple[Verdict, list[str]]:
-    """The gate's verdict on a loaded sweep report, and one line per cell worth naming
+def judge_sweep(sweep, policy: str) -> tuple[Verdict, list[str]]:
+    """The gate's verdict on a loaded sweep report (a ``parity.sweep.model.SweepReport``), and one line per cell worth naming
     (failing, failed, unproven, tolerated, skipped)."""
     check(policy)
-    cells = [c for c in sweep.get("cells") or [] if isinstance(c, dict)]
+    cells = [c for c in sweep.cells or [] if _is_cell(c)]
     codes = [cell_code(c, policy) for c in cells]
     compared = [c for c, k in zip(cells, codes) if k is not None]
     failing = [c for c, k in zip(cells, codes) if k == EXIT_MISMATCH]
     unproven = [c for c, k in zip(cells, codes) if k == EXIT_INCOMPLETE]
-    tolerated = [c for c, k in zip(cells, codes) if k == EXIT_OK and c.get("status") != MATCH]
-    failed = [c for c in cells if c.get("status") == "failed"]
-    skipped = [c for c in cells if c.get("status") == "skipped"]
+    tolerated = [c for c, k in zip(cells, codes) if k == EXIT_OK and c.status != MATCH]
+    failed = [c for c in cells if c.status == "failed"]
+    skipped = [c for c in cells if c.status == "skipped"]
     other = [c for c in cells if c not in compared and c not in failed and c not in skipped]
     problems = []
-    if not sweep.get("complete", True):
+    if not sweep.is_complete():
         problems.append("the sweep did not finish")
     if not compared:
         problems.append("no cell was compared")
@@ -303,7 +310,7 @@ def judge_sweep(sweep: dict, policy: str) -> tuple[Verdict, list[str]]:
     v = Verdict(code, policy, subject="PARITY")
     by_status: dict[str, list[dict]] = {}
     for c in failing:
-        by_status.setdefault(c["status"], []).append(c)
+        by_status.setdefault(c.status, []).append(c)
     for s, cs in by_status.items():
         v.failed.append(f"{len(cs)} {s} ({_ids(cs)})")
     if failed:
@@ -312,7 +319,7 @@ def judge_sweep(sweep: dict, policy: str) -> tuple[Verdict, list[str]]:
     v.held.append(f"{held}/{len(compared)} compared cells hold")
     by_status = {}
     for c in tolerated:
-        by_status.setdefault(c["status"], []).append(c)
+        by_status.setdefault(c.status, []).append(c)
     for s, cs in by_status.items():
         v.tolerated.append(f"{len(cs)} {s} ({_ids(cs)})")
     if unproven:
@@ -324,24 +331,24 @@ def judge_sweep(sweep: dict, policy: str) -> tuple[Verdict, list[str]]:
     v.not_compared += problems
     lines = []
     for c in failing:
-        lines.append(f"FAILS     {c['id']}: {c['status']}: {c.get('reason') or ''}".rstrip(": "))
+        lines.append(f"FAILS     {c.id}: {c.status}: {c.reason or ''}".rstrip(": "))
     for c in failed:
-        lines.append(f"FAILED    {c['id']}: {c.get('reason') or 'failed'}")
+        lines.append(f"FAILED    {c.id}: {c.reason or 'failed'}")
     for c in unproven:
-        order = (c.get("diff") or {}).get("order") or {}
-        lines.append(f"UNPROVEN  {c['id']}: bucket layouts {order.get('verdict') or 'not recorded'}"
+        order = (c.diff or {}).get("order") or {}
+        lines.append(f"UNPROVEN  {c.id}: bucket layouts {order.get('verdict') or 'not recorded'}"
                      f" (--fail-on {policy} needs both sides' bucket layouts)")
     for c in tolerated:
-        lines.append(f"tolerated {c['id']}: {c['status']}: {c.get('reason') or ''}".rstrip(": "))
+        lines.append(f"tolerated {c.id}: {c.status}: {c.reason or ''}".rstrip(": "))
     for c in skipped:
-        lines.append(f"skipped   {c['id']}: {c.get('reason') or ''}".rstrip(": "))
+        lines.append(f"skipped   {c.id}: {c.reason or ''}".rstrip(": "))
     for c in compared:  # capture warnings: said for every compared cell, failing or not
-        diff = c.get("diff") if isinstance(c.get("diff"), dict) else {}
+        diff = c.diff if isinstance(c.diff, dict) else {}
         warns = [w for w in diff.get("warnings") or [] if isinstance(w, dict)]
         for w in warns:
-            v.warnings.append(f"{c['id']} ({str(w.get('side', '?')).upper()}: {w.get('message')})")
+            v.warnings.append(f"{c.id} ({str(w.get('side', '?')).upper()}: {w.get('message')})")
         if warns:
             w = warns[0]
-            lines.append(f"warning   {c['id']}: {_plural(len(warns), 'capture warning')} "
+            lines.append(f"warning   {c.id}: {_plural(len(warns), 'capture warning')} "
                          f"({str(w.get('side', '?')).upper()}: {w.get('message')})")
     return v, lines

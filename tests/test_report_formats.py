@@ -169,7 +169,7 @@ def test_html_dispatches_lazily(sweep_dir, tmp_path, monkeypatch):
     mod.write_sweep_html = lambda sweep, path, **kw: seen.update(sweep=sweep, path=path)
     monkeypatch.setitem(sys.modules, "parity.report.html", mod)
     render_sweep(sweep_dir, "html", str(tmp_path / "r.html"))
-    assert seen["path"] == str(tmp_path / "r.html") and seen["sweep"]["name"] == "fmt"
+    assert seen["path"] == str(tmp_path / "r.html") and seen["sweep"].name == "fmt"
 
 
 def test_unknown_format_and_bad_dir(tmp_path):

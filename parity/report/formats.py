@@ -20,6 +20,7 @@ from parity.diff.bucket_summary import cell_headline
 from parity.text import ranges
 from parity.errors import ParityError
 from parity.report.text import safe_text
+from parity.sweep.model import CellResult, SideResult, SweepReport, as_report, got
 from parity.sweep.state import axis_names
 
 FORMATS = ("console", "json", "markdown", "junit", "html")
@@ -36,26 +37,26 @@ def render_sweep(sweep_dir, fmt: str = "console", output=None, fail_on: str | No
     """Render the sweep in ``sweep_dir`` (or its sweep.json) to ``output`` (a path) or stdout,
     under ``fail_on`` (default: the policy the sweep ran under), as ``parity gate`` judges it."""
     from parity.sweep.gate import sweep_policy
-    from parity.sweep.state import load_sweep
+    from parity.sweep.state import load_report
 
     if fmt not in FORMATS:
         raise ParityError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
-    sweep = load_sweep(sweep_dir)  # checks the fields the renderers read, naming a bad one
+    sweep = load_report(sweep_dir)  # checks the fields the renderers read, naming a bad one
     pol = sweep_policy(sweep, fail_on)
     try:
         _render(sweep, fmt, output, pol)
     except (AttributeError, TypeError, KeyError, ValueError) as e:  # deeper than load_sweep checks
-        raise ParityError(f"{sweep['_dir']}/sweep.json: malformed sweep report "
+        raise ParityError(f"{sweep.dir}/sweep.json: malformed sweep report "
                           f"({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                           ) from None
 
 
-def _render(sweep: dict, fmt: str, output, pol: str) -> None:
+def _render(sweep: SweepReport, fmt: str, output, pol: str) -> None:
     if fmt == "html":
         from parity.report.html import write_sweep_html  # lazy: the HTML report is optional
 
-        path = output or os.path.join(sweep["_dir"], "report.html")
-        write_sweep_html(dict(_public(sweep), _dir=sweep["_dir"]), path, fail_on=pol)
+        path = output or os.path.join(sweep.dir, "report.html")
+        write_sweep_html(sweep, path, fail_on=pol)
         sys.stdout.write(f"{path}\n")
         return
     if fmt == "console":
@@ -84,10 +85,6 @@ def _open_out(path):
         raise ParityError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def _public(sweep: dict) -> dict:
-    return {k: v for k, v in sweep.items() if not k.startswith("_")}
-
-
 def _value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -100,34 +97,34 @@ def _secs(x) -> str:
     return f"{x:.0f}s" if x >= 10 else f"{x:.1f}s"
 
 
-def _summary(sweep: dict) -> str:
-    counts = sweep.get("counts") or {}
+def _summary(sweep: SweepReport) -> str:
+    counts = sweep.counts or {}
     parts = [f"{n} {STATUS_TEXT.get(s, s).lower()}" for s, n in counts.items() if n]
-    total = len(sweep.get("cells") or [])
-    tail = "" if sweep.get("complete", True) else " (sweep did not finish)"
+    total = len(sweep.cells or [])
+    tail = "" if sweep.is_complete() else " (sweep did not finish)"
     return f"{total} cells: " + (", ".join(parts) or "none") + tail
 
 
-def _cell_time(c: dict):
-    sides = c.get("sides") or {}
-    walls = [s.get("wall") for s in sides.values() if isinstance(s, dict)
-             and isinstance(s.get("wall"), (int, float))]
-    return sum(walls) if walls else c.get("wall")
+def _cell_time(c: CellResult):
+    sides = c.sides or {}
+    walls = [s.wall for s in sides.values() if isinstance(s, SideResult)
+             and isinstance(s.wall, (int, float))]
+    return sum(walls) if walls else got(c.wall)
 
 
-def _failure_logs(c: dict) -> list[str]:
+def _failure_logs(c: CellResult) -> list[str]:
     """The log files worth opening for a failed cell: the failed side's ranks, console first."""
     out = []
-    for name, s in (c.get("sides") or {}).items():
-        if not isinstance(s, dict) or s.get("status") in ("ok", "not_run"):
+    for name, s in (c.sides or {}).items():
+        if not isinstance(s, SideResult) or got(s.status) in ("ok", "not_run"):
             continue
-        m = re.search(r"\brank (\d+):", str(s.get("reason") or ""))
+        m = re.search(r"\brank (\d+):", str(s.reason or ""))
         blamed = int(m.group(1)) if m else None
-        ranks = [r for r in s.get("rank_logs") or [] if isinstance(r, dict) and r.get("stderr")]
+        ranks = [r for r in s.rank_logs or [] if isinstance(r, dict) and r.get("stderr")]
         ranks.sort(key=lambda r: (r.get("rank") != blamed, r.get("rank", 0)))
         out += [r["stderr"] for r in ranks[:1]]
-        if s.get("console_log"):
-            out.append(s["console_log"])
+        if s.console_log:
+            out.append(s.console_log)
         out += [r["stderr"] for r in ranks[1:]]
     return out
 
@@ -135,14 +132,14 @@ def _failure_logs(c: dict) -> list[str]:
 SEVERITY = {"failed": 0, "hash_mismatch": 1, "order_mismatch": 2}  # the first finding shown
 
 
-def first_finding(sweep: dict) -> dict | None:
+def first_finding(sweep: SweepReport) -> CellResult | None:
     """The most severe cell (failed, then hash mismatch, then order mismatch), first in matrix
     order among equals."""
-    cells = [c for c in sweep.get("cells") or [] if c.get("status") in SEVERITY]
-    return min(cells, key=lambda c: SEVERITY[c["status"]]) if cells else None
+    cells = [c for c in sweep.cells or [] if isinstance(c, CellResult) and c.status in SEVERITY]
+    return min(cells, key=lambda c: SEVERITY[c.status]) if cells else None
 
 
-def side_path(sweep: dict, path) -> str | None:
+def side_path(sweep: SweepReport, path) -> str | None:
     """A path recorded in the sweep (relative to the sweep directory) as seen from here: joined
     to the directory the sweep was read from, so a moved or downloaded folder still works."""
     if not path:
@@ -150,12 +147,12 @@ def side_path(sweep: dict, path) -> str | None:
     path = str(path)
     if os.path.isabs(path):
         return path
-    return os.path.join(sweep.get("_dir") or ".", path)
+    return os.path.join(sweep.dir or ".", path)
 
 
-def diff_command(sweep: dict, cell: dict) -> str | None:
+def diff_command(sweep: SweepReport, cell: CellResult) -> str | None:
     """``parity diff REF CAND`` for a compared cell, shell-quoted, to be printed unwrapped."""
-    diff = cell.get("diff") or {}
+    diff = cell.diff or {}
     a = side_path(sweep, (diff.get("a") or {}).get("path"))
     b = side_path(sweep, (diff.get("b") or {}).get("path"))
     if not (a and b):
@@ -163,20 +160,20 @@ def diff_command(sweep: dict, cell: dict) -> str | None:
     return f"parity diff {shlex.quote(a)} {shlex.quote(b)}"
 
 
-def cell_ranks(cell: dict) -> str:
+def cell_ranks(cell: CellResult) -> str:
     """The ranks a cell's finding is on: divergent ranks of a hash mismatch, else the rank whose
     bucket layouts were compared."""
-    diff = cell.get("diff") if isinstance(cell.get("diff"), dict) else {}
+    diff = cell.diff if isinstance(cell.diff, dict) else {}
     fd = diff.get("first_divergence") if isinstance(diff.get("first_divergence"), dict) else {}
-    if cell.get("status") == "hash_mismatch" and fd.get("ranks"):
+    if cell.status == "hash_mismatch" and fd.get("ranks"):
         return ranges(fd["ranks"])
-    if cell.get("status") == "order_mismatch":
+    if cell.status == "order_mismatch":
         r = (diff.get("order") or {}).get("rank")
         return "" if r is None else str(r)
     return ""
 
 
-def cell_text(sweep: dict, cell: dict, fail_on: str, width: int = 110) -> str:
+def cell_text(sweep: SweepReport, cell: CellResult, fail_on: str, width: int = 110) -> str:
     """A cell as the console shows it (JUnit failure bodies): verdict line, reason, divergent
     parameters, per-step counts, the first differing bucket, the diff command."""
     import io
@@ -188,11 +185,11 @@ def cell_text(sweep: dict, cell: dict, fail_on: str, width: int = 110) -> str:
     buf = io.StringIO()
     con = Console(file=buf, width=width, no_color=True, force_terminal=False, highlight=False,
                   emoji=False, soft_wrap=False)
-    diff = cell.get("diff") if isinstance(cell.get("diff"), dict) else None
+    diff = cell.diff if isinstance(cell.diff, dict) else None
     say = lambda text: con.print(_safe(text), markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     if diff:
         say(policy.judge_pair(diff, fail_on).line())
-    say(f"{cell.get('status')}: {cell.get('reason') or ''}")
+    say(f"{got(cell.status)}: {cell.reason or ''}")
     if diff:
         div = [d for d in diff.get("divergent") or [] if isinstance(d, dict)]
         if div:
@@ -226,24 +223,26 @@ def _safe(text) -> str:
 
 
 
-def print_sweep_console(sweep: dict, file=None, color: bool | None = None,
+def print_sweep_console(sweep: SweepReport | dict, file=None, color: bool | None = None,
                         fail_on: str | None = None) -> None:
     """The matrix: one row per cell, its axis values, status and the reason; the most severe
-    finding; and last the gate's verdict line under ``fail_on`` (default: the sweep's)."""
+    finding; and last the gate's verdict line under ``fail_on`` (default: the sweep's).
+    ``sweep``: typed, or sweep.json as ``load_sweep`` returns it."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
+    sweep = as_report(sweep)
     file = file or sys.stdout
     isatty = getattr(file, "isatty", lambda: False)()
     width = None if isatty else int(os.environ.get("COLUMNS", "140") or 140)
     console = Console(file=file, width=width, no_color=(color is False) or None,
                       force_terminal=False if color is False else None, highlight=False,
                       soft_wrap=False)
-    title = f"parity sweep {sweep.get('name', '?')}"
-    if sweep.get("description"):
-        title += f" - {sweep['description']}"
+    title = f"parity sweep {got(sweep.name, '?')}"
+    if sweep.description:
+        title += f" - {sweep.description}"
     axes = axis_names(sweep)
     t = Table(title=Text(_safe(title)), title_justify="left", show_lines=False)
     for a in axes:
@@ -252,25 +251,25 @@ def print_sweep_console(sweep: dict, file=None, color: bool | None = None,
     t.add_column("detail", overflow="fold")
     t.add_column("bucketing A vs B", overflow="fold")  # issue 14: collective counts per side
     t.add_column("time", justify="right")
-    for c in sweep.get("cells") or []:
-        status = c.get("status", "?")
-        row = [Text(_safe(_value((c.get("axes") or {}).get(a)))) for a in axes]
+    for c in sweep.cells or []:
+        status = got(c.status, "?")
+        row = [Text(_safe(_value((c.axes or {}).get(a)))) for a in axes]
         row.append(Text(STATUS_TEXT.get(status, status), style=STATUS_STYLE.get(status, "")))
-        row.append(Text(_safe(c.get("reason") or "")))
-        row.append(Text(_safe(cell_headline(c.get("diff")))))
+        row.append(Text(_safe(c.reason or "")))
+        row.append(Text(_safe(cell_headline(got(c.diff)))))
         row.append(_secs(_cell_time(c)))
         t.add_row(*row)
     console.print(t)
     console.print(escape(_safe(_summary(sweep))), highlight=False)
-    for c in sweep.get("cells") or []:
-        if c.get("status") == "failed":
+    for c in sweep.cells or []:
+        if c.status == "failed":
             logs = [side_path(sweep, p) for p in _failure_logs(c)]
             if logs:
                 shown = ", ".join(logs[:3]) + (f" (+{len(logs) - 3} more)" if len(logs) > 3 else "")
-                console.print(escape(_safe(f"  {c['id']}: logs: {shown}")), highlight=False)
+                console.print(escape(_safe(f"  {c.id}: logs: {shown}")), highlight=False)
     _print_first_finding(console, sweep)
-    if sweep.get("_dir"):
-        d = shlex.quote(sweep["_dir"])
+    if sweep.dir:
+        d = shlex.quote(sweep.dir)
         console.print(_safe(f"report: {os.path.join(d, 'sweep.json')}  (parity report {d} "
                             f"--format html|markdown|junit; parity gate {d})"), markup=False,
                       highlight=False, soft_wrap=True)
@@ -281,7 +280,7 @@ def print_sweep_console(sweep: dict, file=None, color: bool | None = None,
     console.print(verdict_text(verdict), soft_wrap=True)
 
 
-def _print_first_finding(console, sweep: dict) -> None:
+def _print_first_finding(console, sweep: SweepReport) -> None:
     """The most severe cell's finding in full (failed, hash mismatch, order mismatch): the
     reason, the bucket side by side, and how to diff it (one unwrapped, copyable line)."""
     from parity.report.console import first_bucket_section
@@ -289,12 +288,12 @@ def _print_first_finding(console, sweep: dict) -> None:
     c = first_finding(sweep)
     if c is None:
         return
-    diff = c.get("diff") or {}
+    diff = c.diff or {}
     console.print()
-    console.print(_safe(f"First finding (most severe), cell {c['id']}: {c['status']}"),
+    console.print(_safe(f"First finding (most severe), cell {c.id}: {c.status}"),
                   style="bold", markup=False, highlight=False, soft_wrap=True)
-    console.print(_safe(f"  {c.get('reason') or ''}"), markup=False, highlight=False)
-    if c.get("status") == "failed":
+    console.print(_safe(f"  {c.reason or ''}"), markup=False, highlight=False)
+    if c.status == "failed":
         for p in _failure_logs(c)[:3]:
             console.print(_safe(f"  log: {side_path(sweep, p)}"), markup=False, highlight=False,
                           soft_wrap=True)
@@ -308,10 +307,13 @@ def _print_first_finding(console, sweep: dict) -> None:
 # ------------------------------------------------------------------------------------------ json
 
 
-def sweep_json(sweep: dict) -> str:
+def sweep_json(sweep: SweepReport | dict) -> str:
+    """The report as JSON: as it was read (its keys in the file's order), else ``to_dict``."""
     from parity.artifacts import finite_json
 
-    return json.dumps(finite_json(_public(sweep)), indent=1, allow_nan=False) + "\n"
+    report = as_report(sweep)
+    data = report.source if report.source is not None else report.to_dict()
+    return json.dumps(finite_json(data), indent=1, allow_nan=False) + "\n"
 
 
 # -------------------------------------------------------------------------------------- markdown
@@ -327,20 +329,21 @@ def md_escape(text) -> str:
     return _MD_SPECIAL.sub(r"\\\1", s)
 
 
-def sweep_markdown(sweep: dict, fail_on: str | None = None) -> str:
+def sweep_markdown(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
     """A report fit for a CI job summary ($GITHUB_STEP_SUMMARY): the gate's verdict line first,
     the matrix with ranks, the most severe finding's diff command, where the HTML page is."""
     from parity.sweep.gate import sweep_policy
 
+    sweep = as_report(sweep)
     axes = axis_names(sweep)
     verdict, _ = policy.judge_sweep(sweep, sweep_policy(sweep, fail_on))
     icon = {"HOLDS": "✅", "FAILS": "❌"}.get(verdict.word, "⚠️")
-    lines = [f"## parity sweep `{_code(sweep.get('name', '?'))}`", ""]
+    lines = [f"## parity sweep `{_code(got(sweep.name, '?'))}`", ""]
     lines += [f"{icon} **{md_escape(verdict.head())}**: {md_escape(verdict.body())}", ""]
-    if sweep.get("description"):
-        lines += [md_escape(sweep["description"]), ""]
+    if sweep.description:
+        lines += [md_escape(sweep.description), ""]
     lines += [md_escape(_summary(sweep)), ""]
-    sides = sweep.get("sides") or {}
+    sides = sweep.sides or {}
     if sides:
         lines.append(" vs ".join(f"{md_escape(k)}: {md_escape(v.get('label', k))}"
                                  for k, v in sides.items() if isinstance(v, dict)))
@@ -348,33 +351,33 @@ def sweep_markdown(sweep: dict, fail_on: str | None = None) -> str:
     header = [*(md_escape(a) for a in axes), "status", "ranks", "detail", "bucketing A vs B", "time"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] * len(header)) + "|")
-    for c in sweep.get("cells") or []:
-        status = c.get("status", "?")
-        row = [md_escape(_value((c.get("axes") or {}).get(a))) for a in axes]
+    for c in sweep.cells or []:
+        status = got(c.status, "?")
+        row = [md_escape(_value((c.axes or {}).get(a))) for a in axes]
         row.append(f"{STATUS_ICON.get(status, '')} {md_escape(STATUS_TEXT.get(status, status))}")
         row.append(md_escape(cell_ranks(c)))
-        row.append(md_escape(c.get("reason") or ""))
-        head = cell_headline(c.get("diff"))
+        row.append(md_escape(c.reason or ""))
+        head = cell_headline(got(c.diff))
         row.append(f"`{_code(head)}`" if head else "")
         row.append(md_escape(_secs(_cell_time(c))))
         lines.append("| " + " | ".join(row) + " |")
-    failed = [c for c in sweep.get("cells") or [] if c.get("status") == "failed"]
+    failed = [c for c in sweep.cells or [] if c.status == "failed"]
     if failed:
         lines += ["", "<details><summary>logs of failed cells</summary>", ""]
         for c in failed:
             logs = _failure_logs(c)
-            lines.append(f"- {md_escape(c['id'])}: " + (", ".join(f"`{_code(p)}`" for p in logs)
+            lines.append(f"- {md_escape(c.id)}: " + (", ".join(f"`{_code(p)}`" for p in logs)
                                                         or "no logs"))
         lines += ["", "</details>"]
     first = first_finding(sweep)
     cmd = diff_command(sweep, first) if first else None
     if cmd:
-        lines += ["", f"Most severe finding ({md_escape(first['id'])}): `{_code(cmd)}`"]
-    if sweep.get("_dir"):
-        html = os.path.join(sweep["_dir"], "report.html")
+        lines += ["", f"Most severe finding ({md_escape(first.id)}): `{_code(cmd)}`"]
+    if sweep.dir:
+        html = os.path.join(sweep.dir, "report.html")
         lines += ["", f"HTML report: [{md_escape(html)}]({_link(html)})"
                   + ("" if os.path.exists(html) else
-                     f" (write it with `parity report {_code(sweep['_dir'])} --format html`)")]
+                     f" (write it with `parity report {_code(sweep.dir)} --format html`)")]
     lines.append("")
     return "\n".join(lines)
 
@@ -401,26 +404,27 @@ def _x(text) -> str:
     return _XML_BAD.sub("?", safe_text(text, keep_lines=True))
 
 
-def sweep_junit(sweep: dict, fail_on: str | None = None) -> str:
+def sweep_junit(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
     """JUnit XML, as ``parity gate`` judges under ``fail_on`` (default: the sweep's policy): one
     testcase per cell; failing the policy -> failure (body: the cell's console text), failed or
     unproven -> error, skipped -> skipped; a tolerated finding passes and says so."""
     from parity.sweep.gate import sweep_policy
 
+    sweep = as_report(sweep)
     pol = sweep_policy(sweep, fail_on)
     verdict, _ = policy.judge_sweep(sweep, pol)
-    name = f"parity.{sweep.get('name', 'sweep')}"
-    cells = sweep.get("cells") or []
+    name = f"parity.{got(sweep.name, 'sweep')}"
+    cells = sweep.cells or []
     counts = {"tests": len(cells), "failures": 0, "errors": 0, "skipped": 0}
     suite = ET.Element("testsuite", name=_x(name))
     total_time = 0.0
     for c in cells:
-        status = c.get("status")
+        status = got(c.status)
         t = _cell_time(c) or 0.0
         total_time += t
-        case = ET.SubElement(suite, "testcase", classname=_x(name), name=_x(c.get("id", "?")),
+        case = ET.SubElement(suite, "testcase", classname=_x(name), name=_x(got(c.id, "?")),
                              time=f"{t:.3f}")
-        reason = _x(c.get("reason") or "")
+        reason = _x(c.reason or "")
         code = policy.cell_code(c, pol)
         tolerated = ""
         if code == 1:
@@ -442,11 +446,11 @@ def sweep_junit(sweep: dict, fail_on: str | None = None) -> str:
             counts["skipped"] += 1
             ET.SubElement(case, "skipped", message=reason)
         out = [tolerated + cell_text(sweep, c, pol)] if tolerated else []
-        for side, s in (c.get("sides") or {}).items():
-            if isinstance(s, dict) and s.get("run_dir"):
-                out.append(f"{side}: run {side_path(sweep, s.get('run_dir'))} logs "
-                           f"{side_path(sweep, s.get('log_dir'))} console "
-                           f"{side_path(sweep, s.get('console_log'))}")
+        for side, s in (c.sides or {}).items():
+            if isinstance(s, SideResult) and s.run_dir:
+                out.append(f"{side}: run {side_path(sweep, s.run_dir)} logs "
+                           f"{side_path(sweep, got(s.log_dir))} console "
+                           f"{side_path(sweep, got(s.console_log))}")
         if out:
             ET.SubElement(case, "system-out").text = _x("\n".join(out))
     props = ET.Element("properties")

@@ -25,6 +25,7 @@ import time
 from parity import policy
 from parity.artifacts import write_text_atomic
 from parity.rundir import META_FILE, rank_dir
+from parity.sweep.model import CellResult, SideResult, SweepReport, as_report, got
 from parity.sweep.state import axis_names
 from parity.report.text import safe_text
 
@@ -90,12 +91,12 @@ def _verdict_block(v: policy.Verdict) -> str:
 # ------------------------------------------------------------------------------------- strips
 
 
-def _step_states(cell: dict, steps: list[int]) -> list[tuple[str, str]]:
+def _step_states(cell: CellResult, steps: list[int]) -> list[tuple[str, str]]:
     """(state, tooltip) per step for one cell's strip."""
-    status = cell.get("status")
+    status = got(cell.status)
     if status == "skipped":
-        return [("skipped", f"step {s}: skipped ({cell.get('reason') or ''})") for s in steps]
-    diff = cell.get("diff") or {}
+        return [("skipped", f"step {s}: skipped ({cell.reason or ''})") for s in steps]
+    diff = cell.diff or {}
     compared = set(diff.get("steps_compared") or [])
     first = diff.get("first_divergent_step")
     counts = {p.get("step"): p for p in diff.get("per_step") or [] if isinstance(p, dict)}
@@ -114,7 +115,7 @@ def _step_states(cell: dict, steps: list[int]) -> list[tuple[str, str]]:
     return out
 
 
-def _strip(cell: dict, steps: list[int]) -> str:
+def _strip(cell: CellResult, steps: list[int]) -> str:
     w, gap, h = 18, 2, 18
     states = _step_states(cell, steps)
     rects = []
@@ -206,7 +207,7 @@ def _fingerprint(fb: dict) -> str:
                            digest_size=8).hexdigest()
 
 
-def _bucket_section(fb: dict, anchor: str, labels: tuple[str, str], cells: list[dict]) -> str:
+def _bucket_section(fb: dict, anchor: str, labels: tuple[str, str], cells: list[CellResult]) -> str:
     a, b = fb.get("a") or {}, fb.get("b") or {}
     head = (f"{_e(fb.get('collective'))} bucket {_e(fb.get('index'))} "
             f"({_e(fb.get('group') or 'root')}) vs candidate bucket {_e(fb.get('b_index'))}: "
@@ -219,8 +220,8 @@ def _bucket_section(fb: dict, anchor: str, labels: tuple[str, str], cells: list[
                  f"<code>{_e(b.get('fqn'))}</code> @ byte {_e(b.get('offset'))}. "
                  f"<span class=muted>{_e(fb.get('detail'))}</span></p>")
     seen = ""
-    if cells and cells[0].get("id") is not None:
-        ids = ", ".join(f"<code>{_e(c.get('id'))}</code>" for c in cells)
+    if cells and got(cells[0].id) is not None:
+        ids = ", ".join(f"<code>{_e(got(c.id))}</code>" for c in cells)
         seen = f"<p class=muted>The same finding in {len(cells)} cell(s): {ids}</p>"
     table = ["<div class=wide><table><tr><th>pos</th><th>A parameter</th><th>A offset</th>"
              "<th>B parameter</th><th>B offset</th><th>size (A / B where they differ)</th>"
@@ -245,12 +246,12 @@ def _size_cell(ra: dict, rb: dict) -> str:
     return _e(sa if ra else sb)
 
 
-def _bucket_findings(cells: list[dict], labels: tuple[str, str]) -> tuple[str, dict]:
+def _bucket_findings(cells: list[CellResult], labels: tuple[str, str]) -> tuple[str, dict]:
     """One section per distinct finding (cells grouped); {cell id: anchor}."""
-    groups: dict[str, list[dict]] = {}
+    groups: dict[str, list[CellResult]] = {}
     fbs: dict[str, dict] = {}
     for c in cells:
-        fb = ((c.get("diff") or {}).get("order") or {}).get("first_bucket")
+        fb = ((c.diff or {}).get("order") or {}).get("first_bucket")
         if isinstance(fb, dict):
             key = _fingerprint(fb)
             groups.setdefault(key, []).append(c)
@@ -259,7 +260,7 @@ def _bucket_findings(cells: list[dict], labels: tuple[str, str]) -> tuple[str, d
     for i, (key, cs) in enumerate(groups.items()):
         anchor = f"bucket-{i}"
         for c in cs:
-            anchors[c.get("id")] = anchor
+            anchors[got(c.id)] = anchor
         sections.append(_bucket_section(fbs[key], anchor, labels, cs))
     return "".join(sections), anchors
 
@@ -267,10 +268,10 @@ def _bucket_findings(cells: list[dict], labels: tuple[str, str]) -> tuple[str, d
 # ------------------------------------------------------------------------------------ tables
 
 
-def _divergent_table(cells: list[tuple[dict, str]], show_cell: bool = True) -> str:
+def _divergent_table(cells: list[tuple[CellResult, str]], show_cell: bool = True) -> str:
     rows = []
     for cell, anchor in cells:
-        for d in (cell.get("diff") or {}).get("divergent") or []:
+        for d in (cell.diff or {}).get("divergent") or []:
             buckets = d.get("buckets") or {}
             where = []
             for coll, sides in buckets.items() if isinstance(buckets, dict) else []:
@@ -281,7 +282,7 @@ def _divergent_table(cells: list[tuple[dict, str]], show_cell: bool = True) -> s
                             where.append(f"{side.upper()} {coll} #{loc.get('index')} @ "
                                          f"{loc.get('offset')}")
             link = f'<a href="#{anchor}">bucket picture</a>' if anchor else ""
-            first = f"<td>{_e(cell.get('id'))}</td>" if show_cell else ""
+            first = f"<td>{_e(got(cell.id))}</td>" if show_cell else ""
             rows.append(f"<tr>{first}<td>{_e(d.get('step'))}</td>"
                         f"<td>{_e(d.get('kind'))}</td><td class=mono>{_e(d.get('fqn'))}</td>"
                         f"<td>{_e(','.join(map(str, d.get('ranks') or [])))}</td>"
@@ -323,26 +324,26 @@ def _href(path: str, page_dir: str | None) -> str:
     return html.escape(path.replace(os.sep, "/").replace(" ", "%20"), quote=True)
 
 
-def _runs(sweep: dict, page_dir: str | None) -> str:
-    base = sweep.get("_dir") or ""
+def _runs(sweep: SweepReport, page_dir: str | None) -> str:
+    base = sweep.dir or ""
     rows = []
 
     def here(p):
         return os.path.join(base, p) if p and base and not os.path.isabs(p) else p
 
-    for cell in sweep.get("cells") or []:
-        for side, s in (cell.get("sides") or {}).items():
-            if not isinstance(s, dict) or s.get("status") == "not_run":
+    for cell in sweep.cells or []:
+        for side, s in (cell.sides or {}).items():
+            if not isinstance(s, SideResult) or s.status == "not_run":
                 continue
-            meta = _run_meta(here(s.get("run_dir")))
-            logs = [s.get("console_log")] + [r.get(k) for r in s.get("rank_logs") or []
+            meta = _run_meta(here(got(s.run_dir)))
+            logs = [got(s.console_log)] + [r.get(k) for r in s.rank_logs or []
                                              if isinstance(r, dict) for k in ("stdout", "stderr")]
             links = " ".join(f'<a href="{_href(here(p), page_dir)}">{_e(os.path.basename(p))}</a>'
                              for p in logs if p)
-            rows.append(f"<tr><td>{_e(cell.get('id'))}</td><td>{_e(side)}</td>"
-                        f"<td>{_e(s.get('status'))}</td><td>{_e(meta.get('torch'))}</td>"
+            rows.append(f"<tr><td>{_e(got(cell.id))}</td><td>{_e(side)}</td>"
+                        f"<td>{_e(got(s.status))}</td><td>{_e(meta.get('torch'))}</td>"
                         f"<td>{_e(meta.get('world_size'))}</td>"
-                        f"<td class=mono>{_e(trainer_command(s.get('command')))}</td>"
+                        f"<td class=mono>{_e(trainer_command(got(s.command)))}</td>"
                         f"<td>{links}</td></tr>")
     if not rows:
         return ""
@@ -362,29 +363,32 @@ def _page(title: str, body: list[str]) -> str:
 # ------------------------------------------------------------------------------------ the pages
 
 
-def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | None = None) -> str:
+def render_sweep_html(sweep: SweepReport | dict, fail_on: str | None = None,
+                      page_dir: str | None = None) -> str:
     """The sweep page: the gate's verdict line, the matrix, each distinct bucket finding once,
-    divergent parameters, the runs (collapsed)."""
+    divergent parameters, the runs (collapsed). ``sweep``: typed, or sweep.json as
+    ``load_sweep`` returns it."""
     from parity.diff.bucket_summary import cell_headline
 
-    cells = sweep.get("cells") or []
+    sweep = as_report(sweep)
+    cells = sweep.cells or []
     axes = axis_names(sweep)
-    n_steps = sweep.get("steps")
-    all_steps = sorted({s for c in cells for s in ((c.get("diff") or {}).get("steps_compared") or [])})
+    n_steps = got(sweep.steps)
+    all_steps = sorted({s for c in cells for s in ((c.diff or {}).get("steps_compared") or [])})
     steps = list(range(0, int(n_steps) + 1)) if isinstance(n_steps, int) else all_steps or [0]
-    sides = sweep.get("sides") or {}
+    sides = sweep.sides or {}
     labels = (str((sides.get("reference") or {}).get("label") or "reference"),
               str((sides.get("candidate") or {}).get("label") or "candidate"))
-    pol = policy.check(fail_on or sweep.get("fail_on") or policy.DEFAULT)
+    pol = policy.check(fail_on or sweep.fail_on or policy.DEFAULT)
     verdict, _ = policy.judge_sweep(sweep, pol)
     findings, anchors = _bucket_findings(cells, labels)
     head = "".join(f"<th>{_e(a)}</th>" for a in axes)
     rows = []
     for c in cells:
-        status = c.get("status", "?")
-        diff = c.get("diff") or {}
-        vals = "".join(f"<td>{_e(_value((c.get('axes') or {}).get(a)))}</td>" for a in axes)
-        anchor = anchors.get(c.get("id"))
+        status = got(c.status, "?")
+        diff = c.diff or {}
+        vals = "".join(f"<td>{_e(_value((c.axes or {}).get(a)))}</td>" for a in axes)
+        anchor = anchors.get(got(c.id))
         layout = f'<a href="#{anchor}">layout</a>' if anchor else ""
         code = policy.cell_code(c, pol)
         tol = " <span class=muted>(tolerated)</span>" if code == 0 and status != "match" else ""
@@ -398,16 +402,16 @@ def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | N
             f"<tr>{vals}<td><span class=badge style=\"background:{STATUS_COLOURS.get(status, '#444')}"
             f"\">{_e(status)}</span>{tol}</td><td>{_e(where)}</td>"
             f"<td>{_strip(c, steps)}</td><td>{layout}</td>"
-            f"<td class=\"muted detail\">{_e(c.get('reason'))}</td>"
+            f"<td class=\"muted detail\">{_e(got(c.reason))}</td>"
             f"<td class=mono>{_e(cell_headline(diff))}</td></tr>")
     counts: dict[str, int] = {}
     for c in cells:
-        counts[c.get("status", "?")] = counts.get(c.get("status", "?"), 0) + 1
+        counts[got(c.status, "?")] = counts.get(got(c.status, "?"), 0) + 1
     summary = ", ".join(f"{v} {k}" for k, v in counts.items())
-    name = sweep.get("name", "sweep")
+    name = got(sweep.name, "sweep")
     body = [
         f"<h1>parity sweep: {_e(name)}</h1>",
-        f"<div class=muted>{_e(sweep.get('description'))}</div>",
+        f"<div class=muted>{_e(got(sweep.description))}</div>",
         _verdict_block(verdict),
         f"<p>{len(cells)} cells: {_e(summary)}</p>",
         "<h2>Cells</h2>", _legend(),
@@ -418,10 +422,10 @@ def render_sweep_html(sweep: dict, fail_on: str | None = None, page_dir: str | N
         "<h2>Bucket layout findings</h2>",
         findings or "<p class=muted>Every compared bucket layout is identical.</p>",
         "<h2>Divergent parameters</h2>",
-        _divergent_table([(c, anchors.get(c.get("id"), "")) for c in cells]),
+        _divergent_table([(c, anchors.get(got(c.id), "")) for c in cells]),
         _runs(sweep, page_dir),
         f"<p class=muted>written by parity {time.strftime('%Y-%m-%d %H:%M:%S')}"
-        + (f"; sweep directory <code>{_e(sweep['_dir'])}</code>" if sweep.get("_dir") else "")
+        + (f"; sweep directory <code>{_e(sweep.dir)}</code>" if sweep.dir else "")
         + "</p>",
     ]
     return _page(f"parity sweep: {name}", body)
@@ -492,7 +496,7 @@ def render_diff_html(d: dict, fail_on: str = "hash") -> str:
                         f"<tr><td>{_e(p.get('step'))}</td><td>{_e(p.get('params'))}</td>"
                         f"<td>{_e(p.get('grads'))}</td><td>{_e(p.get('ranks'))}</td></tr>"
                         for p in per) + "</table>")
-    cell = {"id": None, "status": status, "diff": d}
+    cell = CellResult(id=None, status=status, diff=d)
     findings, anchors = _bucket_findings([cell], ("reference", "candidate"))
     strip_steps = list(range(0, (max(steps) if steps else 0) + 1))
     body = [
@@ -526,9 +530,10 @@ def _said_html(d: dict) -> str:
     return "<ul class=warnings>" + "".join(f"<li>{_e(i)}</li>" for i in items) + "</ul>"
 
 
-def write_sweep_html(sweep: dict, path: str | os.PathLike, fail_on: str | None = None) -> None:
-    """Write the sweep's page (``sweep`` is the sweep JSON, with ``_dir`` when known); links to
-    logs are relative to the page's folder."""
+def write_sweep_html(sweep: SweepReport | dict, path: str | os.PathLike,
+                     fail_on: str | None = None) -> None:
+    """Write the sweep's page (``sweep``: a SweepReport, its ``dir`` set when known, or sweep.json
+    as ``load_sweep`` returns it); links to logs are relative to the page's folder."""
     page_dir = os.path.dirname(os.path.abspath(path))
     write_text_atomic(path, render_sweep_html(sweep, fail_on, page_dir))
 

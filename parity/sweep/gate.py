@@ -12,22 +12,25 @@ from __future__ import annotations
 
 from parity import policy
 from parity.sweep import state as st
+from parity.sweep.model import SweepReport, as_report
 
 POLICIES = tuple(policy.POLICIES)
 
 
-def sweep_policy(sweep: dict, fail_on: str | None = None) -> str:
+def sweep_policy(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
     """``fail_on`` if given, else the policy the sweep ran under (else the default)."""
-    return policy.check(fail_on or sweep.get("fail_on") or policy.DEFAULT)
+    return policy.check(fail_on or as_report(sweep).fail_on or policy.DEFAULT)
 
 
-def evaluate(sweep: dict, fail_on: str | None = None) -> tuple[int, list[str]]:
-    """(exit code, report lines ending with the verdict line) for a loaded sweep report."""
-    verdict, lines = policy.judge_sweep(sweep, sweep_policy(sweep, fail_on))
+def evaluate(sweep: SweepReport | dict, fail_on: str | None = None) -> tuple[int, list[str]]:
+    """(exit code, report lines ending with the verdict line) for a loaded sweep report (typed,
+    or sweep.json as ``load_sweep`` returns it)."""
+    report = as_report(sweep)
+    verdict, lines = policy.judge_sweep(report, sweep_policy(report, fail_on))
     return verdict.code, lines + [verdict.line()]
 
 
 def gate(sweep_dir, fail_on: str | None = None) -> tuple[int, list[str]]:
     """(exit code, lines ending with the verdict line) for the sweep in ``sweep_dir``; raises
     ParityError (exit 2) when it is not a readable sweep. ``parity gate`` prints the lines."""
-    return evaluate(st.load_sweep(sweep_dir), fail_on)
+    return evaluate(st.load_report(sweep_dir), fail_on)

@@ -1,7 +1,7 @@
 """Typed records of a sweep: one side's job, one cell, the sweep report (docs/sweep.md).
 
 The runner builds them, state.py writes them (cell.json, sweep.json) and reads them back, and
-the reports may read them typed (``SweepReport.from_dict(load_sweep(...))``). Their JSON is the
+the reports read them typed (``state.load_report`` or ``as_report``). Their JSON is the
 JSON of schema version 1 exactly: ``to_dict`` writes the keys that were set, in the order of the
 fields (a side still running has no exit code; a skipped cell has no sides), and ``from_dict``
 keeps keys it does not know in ``extra``, written back after the known ones, so a file written
@@ -34,6 +34,17 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
+def got(value, default=None):
+    """``value``, or ``default`` when the field was not set (what ``dict.get(key, default)``
+    gave the reports when they read sweep.json as dicts)."""
+    return default if value is UNSET else value
+
+
+def _local(f) -> bool:
+    """A field that is not part of the JSON (where the record was read from)."""
+    return f.name == "extra" or bool(f.metadata.get("local"))
+
+
 def _plain(x):
     return x.to_dict() if isinstance(x, _Record) else x
 
@@ -47,7 +58,7 @@ class _Record:
     def to_dict(self) -> dict:
         out: dict[str, Any] = {}
         for f in fields(self):  # type: ignore[arg-type]
-            if f.name == "extra":
+            if _local(f):
                 continue
             v = getattr(self, f.name)
             if v is UNSET:
@@ -64,7 +75,7 @@ class _Record:
 
     @classmethod
     def from_dict(cls, d: dict):
-        known = {f.name for f in fields(cls) if f.name != "extra"}  # type: ignore[arg-type]
+        known = {f.name for f in fields(cls) if not _local(f)}  # type: ignore[arg-type]
         kw: dict[str, Any] = {}
         for k in known & d.keys():
             v = d[k]
@@ -155,5 +166,25 @@ class SweepReport(_Record):
     counts: dict = UNSET
     cells: list[CellResult] = UNSET
     extra: dict = field(default_factory=dict)
+    # the directory sweep.json was read from (its recorded paths are relative to it); not JSON
+    dir: str | None = field(default=None, compare=False, metadata={"local": True})
+    # sweep.json as read, key order and all (``parity report --format json`` reprints it); not JSON
+    source: dict | None = field(default=None, compare=False, repr=False,
+                                metadata={"local": True})
 
     _nested: ClassVar[dict] = {"cells": ("list", CellResult)}
+
+    def is_complete(self) -> bool:
+        """False when the sweep did not finish; a report without ``complete`` counts as finished."""
+        return bool(got(self.complete, True))
+
+
+def as_report(sweep) -> SweepReport:
+    """A sweep report typed: ``sweep`` itself, or a sweep.json dict (as ``load_sweep`` returns
+    it: its ``_dir`` becomes ``dir``; other ``_`` keys are in-memory only and dropped)."""
+    if isinstance(sweep, SweepReport):
+        return sweep
+    public = {k: v for k, v in sweep.items() if not k.startswith("_")}
+    report = SweepReport.from_dict(public)
+    report.dir, report.source = sweep.get("_dir"), public
+    return report

@@ -31,7 +31,7 @@ from parity.policy import CELL_STATUSES as STATUSES
 from parity.policy import (COMPARED, FAILED, HASH_MISMATCH, MATCH, ORDER_MISMATCH,  # noqa: F401
                            PENDING, RUNNING, SKIPPED, settled_cell)
 from parity.rundir import looks_like_run
-from parity.sweep.model import CellResult, SweepReport
+from parity.sweep.model import CellResult, SweepReport, as_report
 from parity.sweep.spec import CELLS_DIR
 
 SWEEP_SCHEMA_VERSION = 1
@@ -250,13 +250,14 @@ def _public_cell(st: dict) -> CellResult:
               if st.get("started") and st.get("ended") else None))
 
 
-def axis_names(sweep: dict) -> list[str]:
+def axis_names(sweep) -> list[str]:
     """Axis names in the spec's order: sweep.json's ``axes`` is a list of {name, values} (then
-    any axis only a cell names, in the order first seen). Every report's matrix uses this."""
-    names = [a["name"] for a in sweep.get("axes") or [] if isinstance(a, dict) and "name" in a]
-    for c in sweep.get("cells") or []:
-        for k in (c.get("axes") if isinstance(c, dict) and isinstance(c.get("axes"), dict)
-                  else {}):
+    any axis only a cell names, in the order first seen). Every report's matrix uses this.
+    ``sweep`` is a SweepReport or sweep.json as a dict."""
+    report = as_report(sweep)
+    names = [a["name"] for a in report.axes or [] if isinstance(a, dict) and "name" in a]
+    for c in report.cells or []:
+        for k in (c.axes if isinstance(c, CellResult) and isinstance(c.axes, dict) else {}):
             if k not in names:
                 names.append(k)
     return names
@@ -310,6 +311,11 @@ def load_sweep(where) -> dict:
         raise ParityError(f"{path}: malformed sweep report: {bad}")
     obj["_dir"] = str(path.parent)
     return obj
+
+
+def load_report(where) -> SweepReport:
+    """``load_sweep`` typed: the reports and the gate read this (``dir`` is where it was read)."""
+    return as_report(load_sweep(where))
 
 
 _NUM = (int, float)
