@@ -66,3 +66,26 @@ def test_cell_json_round_trips_and_unset_fields_stay_out():
     assert "exit_code" not in cell.sides["reference"].to_dict()
     assert SideResult(status="not_run", reason="r").to_dict() == {"status": "not_run",
                                                                  "reason": "r"}
+
+
+def test_load_report_is_typed_and_the_readers_agree_with_the_dict(tmp_path):
+    """load_report gives the reports a SweepReport (``dir`` set, no ``_dir`` key); the gate and
+    the JSON/markdown renderers say the same of it as of the dict load_sweep returns."""
+    from parity.report.formats import sweep_json, sweep_markdown
+    from parity.sweep.gate import evaluate
+    from parity.sweep.model import as_report
+    from parity.sweep.state import load_report
+
+    _sweep(tmp_path)
+    rep = load_report(tmp_path)
+    assert isinstance(rep, SweepReport) and rep.dir == str(tmp_path) and "_dir" not in rep.extra
+    assert isinstance(rep.cells[0].sides["reference"], SideResult)
+    assert rep.cells[0].sides["reference"].exit_code == 0 and not rep.is_complete()
+    loaded = load_sweep(tmp_path)
+    assert evaluate(rep) == evaluate(loaded) and evaluate(rep)[0] == 3  # did not finish
+    assert sweep_markdown(rep) == sweep_markdown(loaded)
+    on_disk = json.loads((tmp_path / "sweep.json").read_text())
+    assert json.dumps(json.loads(sweep_json(rep))) == json.dumps(on_disk)  # key order included
+    built = SweepReport.from_dict(rep.to_dict())  # not read from a file: JSON via to_dict
+    assert built.source is None and json.loads(sweep_json(built)) == rep.to_dict()
+    assert as_report(rep) is rep
