@@ -179,19 +179,7 @@ class ParamTable:
         self._ensure_writer()
         names = self._names(new)
         for p in new:
-            raw = names.get(id(p))
-            i = len(self.table)
-            self._table_ids[id(p)] = i
-            self.table.append(p)
-            lt = local_tensor(p)
-            entry = {"fqn": normalize_fqn(raw) if raw else f"<unnamed {i}>", "raw_fqn": raw,
-                     "shape": list(lt.shape), "global_shape": list(p.shape),
-                     "dtype": dtype_name(lt.dtype), "placement": None, "mesh_coord": None}
-            if _is_dtensor(p):
-                entry["placement"] = ", ".join(_placement_str(pl) for pl in p.placements)
-                coord = p.device_mesh.get_coordinate()
-                entry["mesh_coord"] = list(coord) if coord is not None else None
-            self.entries.append(entry)
+            self._append_param(p, names.get(id(p)))
         self._p0.append(digest_tensors(new, self.hasher))
         if self.grads:
             self._g1.append(digest_tensors([p.grad for p in new], self.hasher))
@@ -199,6 +187,22 @@ class ParamTable:
         if not self._buffers_added:
             self._buffers_added = True
             self._add_buffers()
+
+    def _append_param(self, p, raw: str | None, **extra) -> None:
+        """One parameter joins the table: its params.json entry (a DTensor's placement and mesh
+        coordinate included), ``extra`` keys after the common ones (``since`` for late joiners)."""
+        i = len(self.table)
+        self._table_ids[id(p)] = i
+        self.table.append(p)
+        lt = local_tensor(p)
+        entry = {"fqn": normalize_fqn(raw) if raw else f"<unnamed {i}>", "raw_fqn": raw,
+                 "shape": list(lt.shape), "global_shape": list(p.shape),
+                 "dtype": dtype_name(lt.dtype), "placement": None, "mesh_coord": None, **extra}
+        if _is_dtensor(p):
+            entry["placement"] = ", ".join(_placement_str(pl) for pl in p.placements)
+            coord = p.device_mesh.get_coordinate()
+            entry["mesh_coord"] = list(coord) if coord is not None else None
+        self.entries.append(entry)
 
     def _add_buffers(self) -> None:
         """Persistent buffers of the modules that hold the parameters join the table after the
@@ -232,16 +236,7 @@ class ParamTable:
             return
         names = self._names(new)
         for p in new:
-            raw = names.get(id(p))
-            i = len(self.table)
-            self._table_ids[id(p)] = i
-            self.table.append(p)
-            lt = local_tensor(p)
-            self.entries.append({"fqn": normalize_fqn(raw) if raw else f"<unnamed {i}>",
-                                 "raw_fqn": raw, "shape": list(lt.shape),
-                                 "global_shape": list(p.shape), "dtype": dtype_name(lt.dtype),
-                                 "placement": None, "mesh_coord": None,
-                                 "since": self._step_base + self.k})
+            self._append_param(p, names.get(id(p)), since=self._step_base + self.k)
         if self._step_grads is not None:  # this step's gradients, in table order
             self._step_grads += digest_tensors([p.grad for p in new], self.hasher)
         self._ensure_writer().write_params(self.entries)
