@@ -27,7 +27,7 @@ ROOT = Path(parity.__file__).parent
 
 LAYERS = [
     ("base", ("parity", "parity.errors", "parity.text", "parity.records", "parity.artifacts",
-              "parity.rundir")),
+              "parity.rundir", "parity.nccl_model")),
     ("capture", ("parity.capture",)),
     ("diff", ("parity.policy", "parity.diff")),
     ("sweep", ("parity.sweep",)),
