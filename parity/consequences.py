@@ -55,7 +55,7 @@ def lead_key(consequence: str | None, verdict: str | None, index: int) -> tuple:
 
 
 def counts_phrase(counts: dict | None) -> str:
-    """'6 reduction-order buckets (sums may change), 1 copy-only (values unchanged)'."""
+    """'6 reduction-order buckets (sums may change), 1 copy-only bucket (values unchanged)'."""
     if not isinstance(counts, dict):
         return ""
     parts = []
@@ -64,7 +64,8 @@ def counts_phrase(counts: dict | None) -> str:
         if isinstance(n, int) and n:
             tail = {COPY_ONLY: "values unchanged", REDUCTION_ORDER: "sums may change",
                     REDUCTION_STRUCTURE: "sums change"}[c]
-            parts.append(f"{n} {TITLE[c]} ({tail})")
+            parts.append(f"{n} {TITLE[c].replace(' ', '-')} bucket{'s' if n != 1 else ''} "
+                         f"({tail})")
     return ", ".join(parts)
 
 
@@ -85,3 +86,35 @@ def reduction_phrase(ro: dict | None) -> str | None:
     if unp:
         what += f", {len(unp)} bucket{'s' if len(unp) != 1 else ''} not predicted"
     return what
+
+
+def reduction_state(d: dict) -> str | None:
+    """What policy ``reduction`` makes of a diff (``DiffResult.to_dict()`` or a cell's diff):
+    ``fails`` (a reduction difference, predicted at risk when a prediction was asked),
+    ``unknown`` (a reduction difference the prediction could not derive), ``tolerated``
+    (copy-only differences, or reductions predicted to give the same sums), None (a diff
+    written without consequence classes)."""
+    order = d.get("order") if isinstance(d.get("order"), dict) else {}
+    counts = order.get("consequences")
+    if not isinstance(counts, dict):
+        return None
+    if not any(counts.get(c) for c in REDUCTIONS):
+        return "tolerated"
+    ro = d.get("reduction_order")
+    if not isinstance(ro, dict):
+        return "fails"
+    return {"differs": "fails", "same": "tolerated"}.get(ro.get("verdict"), "unknown")
+
+
+def order_suffix(order: dict) -> str:
+    """What follows the bucket-order phrase on the verdict line: the lead's class in words and
+    how many differing buckets fall in each class, e.g. ': reduction order, sums may change
+    (6 reduction order (sums may change), 1 copy-only (values unchanged))'."""
+    fb = order.get("first_bucket") if isinstance(order.get("first_bucket"), dict) else {}
+    lead = fb.get("consequence")
+    out = f": {WORDS[lead]}" if lead in WORDS else ""
+    counts = order.get("consequences") if isinstance(order.get("consequences"), dict) else {}
+    if sum(v for v in counts.values() if isinstance(v, int)) > 1 or (
+            counts and lead not in counts):
+        out += f" [{counts_phrase(counts)}]"
+    return out

@@ -77,6 +77,7 @@ class ReductionPrediction:
     rank: int | None = None  # the captured rank whose layouts were used
     source: str | None = None  # "model" | the NCCL log's path
     model: str = MODEL
+    notes: list[str] = field(default_factory=list)  # what of an NCCL log could not be used
 
     def fqns(self) -> set[str]:
         """The parameters at risk (what an emulated run may show diverging)."""
@@ -89,7 +90,7 @@ class ReductionPrediction:
                 "elements_at_risk": sum(x.elements for x in self.at_risk),
                 "params_checked": self.params_checked,
                 "unpredicted": [dict(x) for x in self.unpredicted],
-                "rank": self.rank, "source": self.source or "model"}
+                "rank": self.rank, "source": self.source or "model", "notes": list(self.notes)}
 
 
 # ---------------------------------------------------------------- per-rank layout at world W
@@ -330,6 +331,17 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     elif pred.unpredicted:
         pred.verdict = UNKNOWN
     return pred
+
+
+def topology_of(at: str | None, nccl_log: str | None) -> tuple[Topology | None, list[str]]:
+    """``--at`` / ``--nccl-log`` -> the topology to predict at (None: neither) and notes on what
+    of the log could not be used. Bad input raises a one-line ParityError (exit 2)."""
+    from parity.nccl_log import parse_nccl_log
+
+    topo = parse_topology(at) if at else None
+    if nccl_log:
+        return parse_nccl_log(nccl_log, topo)
+    return topo, []
 
 
 def shapes_of(params: list[dict]) -> dict[str, list[int]]:

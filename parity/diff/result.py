@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity import policy
+from parity.consequences import reduction_state
 from parity.artifacts import write_json_atomic
 from parity.diff.buckets import BucketPair, OrderComparison
 from parity.diff.hashes import StepCount
@@ -131,7 +132,16 @@ class DiffResult:
     # -- policy (parity.policy owns the rule and the words)
     def exit_code(self, fail_on: str = "hash") -> int:
         """0 parity holds under ``fail_on``, 1 it does not, 3 data incomplete (docs/diff.md)."""
-        return policy.pair_code(self.verdict, self.order.verdict, bool(self.incomplete), fail_on)
+        return policy.pair_code(self.verdict, self.order.verdict, bool(self.incomplete), fail_on,
+                                reduction_state({"order": {"consequences": self.order.consequences},
+                                                 "reduction_order": self._reduction_dict()}))
+
+    def to_dict_reduction(self) -> dict | None:
+        """``reduction_order`` as in the JSON (None: no ``--at``)."""
+        return self._reduction_dict()
+
+    def _reduction_dict(self) -> dict | None:
+        return None if self.reduction_order is None else self.reduction_order.to_dict()
 
     def judge(self, fail_on: str = "hash") -> policy.Verdict:
         """The verdict line's parts under ``fail_on`` (rendered by every report alike)."""
@@ -145,8 +155,7 @@ class DiffResult:
             {"ranks": list(fd.ranks), "origin": fd.origin},
             "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket,
                       "consequences": self.order.consequences},
-            "reduction_order": None if self.reduction_order is None else
-            self.reduction_order.to_dict(),
+            "reduction_order": self._reduction_dict(),
             "params_only_in_a": self.params_only_in_a, "params_only_in_b": self.params_only_in_b,
         }, fail_on)
 
@@ -200,8 +209,7 @@ class DiffResult:
                 "consequences": dict(o.consequences),
                 "structure": [dict(x) for x in o.structure],
             },
-            "reduction_order": None if self.reduction_order is None else
-            self.reduction_order.to_dict(),
+            "reduction_order": self._reduction_dict(),
             "problems": [{"side": p.side, "message": p.message} for p in self.problems],
             "warnings": [{"side": w.side, "ranks": list(w.ranks), "message": w.message}
                          for w in self.warnings],
