@@ -211,6 +211,7 @@ class BucketPair:
     moved: list[dict] = field(default_factory=list)  # partition: [{fqn, a, b}]
     partner: tuple[int | None, int | None] = (None, None)  # the two buckets shown side by side
     consequence: str | None = None  # parity.consequences: copy_only | reduction_order | ...
+    rows: list[dict] = field(default_factory=list)  # the partner buckets side by side (differing)
 
 
 @dataclass
@@ -436,6 +437,11 @@ def compare_layouts(la: Layout, lb: Layout) -> OrderComparison:
         verdict = max((p.verdict for p in pairs), key=SEVERITY.__getitem__, default="identical")
     for p in pairs:
         p.consequence = consequences.classify(p.collective, p.verdict)
+        if p.verdict != "identical":  # every differing bucket can be drawn (HTML)
+            ia, ib = p.partner
+            p.rows = side_by_side(
+                next((x for x in la.buckets[p.collective] if x.index == ia), None),
+                next((x for x in lb.buckets[p.collective] if x.index == ib), None))
     # the headline: the most consequential difference (a reduction before a copy), then a
     # payload order before sizes, then issue order
     differing = [(consequences.lead_key(p.consequence, p.verdict, i), p)

@@ -233,7 +233,8 @@ def _pair_dict(p: BucketPair) -> dict:
             "a": {"buckets": list(p.a), "groups": list(p.a_groups)},
             "b": {"buckets": list(p.b), "groups": list(p.b_groups)},
             "position": p.position, "a_entry": p.a_entry, "b_entry": p.b_entry,
-            "detail": p.detail, "moved": list(p.moved), "consequence": p.consequence}
+            "detail": p.detail, "moved": list(p.moved), "consequence": p.consequence,
+            "rows": list(p.rows)}
 
 
 def load_diff_json(path: str | Path) -> dict:
