@@ -244,7 +244,11 @@ def _cell_status(d: dict) -> tuple[str, str]:
     st = status(verdict, oval)
     order_note = ""
     if oval in ORDER_FAILURES:
-        order_note = f"bucket order: {oval}{_where(order.get('first_bucket'))}"
+        order_note = (f"bucket order: {oval}{_where(order.get('first_bucket'))}"
+                      + consequences.order_suffix(order))
+        predicted = consequences.reduction_phrase(d.get("reduction_order"))
+        if predicted:
+            order_note += f"; {predicted}"
     elif oval and oval != "identical":
         notes = [str(n) for n in order.get("notes") or []][:1]
         order_note = f"bucket order {oval}" + (f" ({notes[0]})" if notes else "")
