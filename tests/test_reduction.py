@@ -106,3 +106,112 @@ def test_consequence_classes_and_lead():
                    (cq.lead_key(cq.REDUCTION_ORDER, "order_differs", 3), "rs")])
     assert [k[1] for k in keys] == ["rs", "rs-layout", "ag"]
     assert "values unchanged" in cq.counts_phrase({cq.COPY_ONLY: 1})
+
+
+# ------------------------------------------------------------------------------ NCCL logs
+
+LOG_HEAD = "node1:100:100 [0] NCCL INFO comm 0x55 rank 0 nRanks 4 nNodes 2 localRanks 2 localRank 0 MNNVL 0\n"
+
+
+def _log(tmp_path, rings, cut=False, tuning=()):
+    lines = [LOG_HEAD]
+    for c, r in enumerate(rings):
+        tail = " ..." if cut else ""
+        lines.append(f"node1:100:100 [0] NCCL INFO Channel {c:02d}/{len(rings):02d} :"
+                     + "".join(f" {x:3d}" for x in r) + tail + "\n")
+    lines.append("node1:100:100 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC\n")
+    lines += [f"node1:100:100 [0] NCCL INFO {t}\n" for t in tuning]
+    p = tmp_path / "nccl.log"
+    p.write_text("".join(lines))
+    return p
+
+
+def test_nccl_log_rings_replace_the_model(tmp_path):
+    from parity.nccl_log import parse_nccl_log
+
+    big = {"p0": [65536, 1], "p1": [65536, 1]}  # 4 channels at 4 ranks (512 KiB)
+    lay = _layouts([["p0", "p1"]], [["p1", "p0"]], big)
+    # the model's 2x2 rings alternate per channel: moving by two channels keeps each ring
+    assert predict(lay, big, "2x2", 4).verdict == "same"
+    # every channel on one ring: nothing can differ, whatever the model would say for 2x2
+    topo, notes = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3)] * 4))
+    assert (topo.nodes, topo.gpus, len(topo.rings)) == (2, 2, 4) and not notes
+    assert predict(lay, big, topo, 4).verdict == "same"
+    # p0 moves from channels 0-1 to 2-3: other rings
+    topo, _ = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3)] * 2 + [(0, 3, 2, 1)] * 2))
+    assert predict(lay, big, topo, 4).verdict == "differs"
+    # the same ring pairs on both sides: same sums
+    topo, _ = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3), (0, 3, 2, 1)] * 2))
+    assert predict(lay, big, topo, 4).verdict == "same"
+    # a cut line cannot be used: the model's rings, said
+    topo, notes = parse_nccl_log(_log(tmp_path, [(0, 1)] * 4, cut=True))
+    assert topo.rings is None and "cannot be used" in notes[0] and "cut" in notes[0]
+
+
+def test_nccl_log_tuning_lines_set_the_channels_of_that_size(tmp_path):
+    from parity.nccl_log import parse_nccl_log
+    from parity.nccl_model import reduce_scatter_segments
+
+    line = ("ReduceScatter: 32768 Bytes -> Algo RING proto SIMPLE channel{Lo..Hi}={0..0}")
+    topo, notes = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3), (0, 3, 2, 1)] * 2,
+                                      tuning=[line]))
+    assert len(reduce_scatter_segments(topo, 2048, 4)) == 1  # 2048 x 4 B x 4 ranks: 1 channel
+    lay = _layouts([["p0", "p1"]], [["p1", "p0"]], SHAPES)
+    assert predict(lay, SHAPES, topo, 4).verdict == "same"
+    pat = "ReduceScatter: 99 Bytes -> Algo PAT proto SIMPLE channel{Lo..Hi}={0..1}"
+    _, notes = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3)] * 2, tuning=[pat]))
+    assert "PAT" in notes[0]
+
+
+def test_nccl_log_errors_are_one_line(tmp_path):
+    from parity.errors import ParityError
+    from parity.nccl_log import parse_nccl_log
+
+    empty = tmp_path / "empty.log"
+    empty.write_text("hello\n")
+    for path in (empty, tmp_path / "missing.log"):
+        with pytest.raises(ParityError) as e:
+            parse_nccl_log(path)
+        assert "\n" not in str(e.value) and e.value.exit_code == 2
+
+
+# ------------------------------------------------------------------------- the policy
+
+
+def _d(order_verdict, consequences, ro=None, verdict="match"):
+    return {"verdict": verdict, "incomplete": [], "kinds_compared": ["param"], "loss": {},
+            "steps_compared": [0], "ranks_compared": [0], "params_compared": 1,
+            "order": {"verdict": order_verdict, "consequences": consequences,
+                      "first_bucket": {"collective": "all_gather", "index": 0, "position": 0,
+                                       "consequence": "copy_only"}},
+            "reduction_order": ro}
+
+
+def test_policy_reduction():
+    from parity import policy
+
+    copy = _d("order_differs", {"copy_only": 1})
+    v = policy.judge_pair(copy, "reduction")
+    assert v.code == 0 and "values unchanged" in v.line() and "tolerated" in v.line()
+    assert policy.judge_pair(copy, "any").code == 1
+    red = _d("order_differs", {"reduction_order": 2, "copy_only": 1})
+    assert policy.judge_pair(red, "reduction").code == 1
+    assert policy.judge_pair(red, "hash").code == 0
+    topo = {"spec": "8x8"}
+    same = _d("order_differs", {"reduction_order": 2}, {"verdict": "same", "topology": topo,
+                                                        "model": "m", "at_risk": []})
+    v = policy.judge_pair(same, "reduction")
+    assert v.code == 0 and "same sums predicted" in v.line()
+    risky = _d("order_differs", {"reduction_order": 2}, {
+        "verdict": "differs", "topology": topo, "model": "m",
+        "at_risk": [{"fqn": "w", "elements": 10, "fraction": 0.5, "bucket": {}}]})
+    v = policy.judge_pair(risky, "reduction")
+    assert v.code == 1 and "10 elements of 1 parameter at risk" in v.line()
+    unknown = _d("order_differs", {"reduction_order": 1}, {"verdict": "unknown", "topology": topo,
+                                                           "model": "m", "at_risk": []})
+    assert policy.judge_pair(unknown, "reduction").code == 3
+    old = _d("order_differs", None)  # a diff written before consequence classes
+    assert policy.judge_pair(old, "reduction").code == 1
+    assert policy.judge_pair(_d("order_differs", {"copy_only": 1}, verdict="hash_mismatch"),
+                             "reduction").code == 1
+    assert policy.judge_pair(_d("unavailable", {}), "reduction").code == 3
