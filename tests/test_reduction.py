@@ -215,3 +215,36 @@ def test_policy_reduction():
     assert policy.judge_pair(_d("order_differs", {"copy_only": 1}, verdict="hash_mismatch"),
                              "reduction").code == 1
     assert policy.judge_pair(_d("unavailable", {}), "reduction").code == 3
+
+
+# ------------------------------------------------------------------ reports and the sweep key
+
+
+def test_html_draws_every_differing_bucket_reductions_first(tmp_path):
+    from tests.synth import make_run
+
+    from parity.diff import diff_runs
+    from parity.report.html import render_diff_html
+
+    a = make_run(tmp_path / "a", world_size=2, steps=1, n_params=8)
+    b = make_run(tmp_path / "b", world_size=2, steps=1, n_params=8, bucket_order="reversed")
+    d = diff_runs(a, b, at="2x2:channels=4").to_dict()
+    page = render_diff_html(d, "reduction")
+    heads = [x.split("</h3>")[0] for x in page.split("<h3>")[1:]]
+    colls = [h.split(" bucket")[0] for h in heads if " bucket " in h]
+    assert colls.count("reduce_scatter") == 2 and colls.count("all_gather") == 2
+    assert colls.index("all_gather") > max(i for i, c in enumerate(colls) if c == "reduce_scatter")
+    assert "values unchanged" in page and "Reduction order at 2x2:channels=4" in page
+
+
+def test_sweep_spec_at():
+    from parity.errors import ParityError
+    from parity.sweep.spec import parse_spec
+
+    base = ('name = "x"\n[axes.mode]\nvalues = ["a"]\n[reference]\nargv = ["echo"]\n'
+            '[candidate]\nargv = ["echo"]\n')
+    assert parse_spec(base).at is None
+    assert parse_spec('at = "8x8"\n' + base).at == "8x8"
+    with pytest.raises(ParityError) as e:
+        parse_spec('at = "8by8"\n' + base)
+    assert "at: topology" in str(e.value) and e.value.exit_code == 2
