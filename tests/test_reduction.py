@@ -248,3 +248,38 @@ def test_sweep_spec_at():
     with pytest.raises(ParityError) as e:
         parse_spec('at = "8by8"\n' + base)
     assert "at: topology" in str(e.value) and e.value.exit_code == 2
+
+
+def test_a_gradient_reduced_by_more_collectives_is_reduction_structure():
+    from parity.diff.buckets import compare_layouts
+    from parity.diff.reduction import annotate
+
+    lay = _layouts([["p0", "p1"]], [["p1"], ["p0"]], SHAPES)
+    lay["b"].repeats[("reduce_scatter", "p0")] = 8  # a chunked loss: 8 reduce-scatters of p0
+    order = compare_layouts(lay["a"], lay["b"])
+    annotate(order, lay, SHAPES)
+    assert order.structure == [{"fqn": "p0", "a": 1, "b": 8}]
+    assert order.consequences == {"reduction_structure": 1}
+    assert order.first_bucket["consequence"] == "reduction_structure"
+    p = predict(lay, SHAPES, "1x4", capture_world=4)  # even on one node: summed differently
+    assert {x.fqn: x.why for x in p.at_risk} == {"p0": "structure"}
+
+
+def test_a_sweep_cell_is_diffed_at_the_spec_topology(tmp_path):
+    from tests.synth import make_run
+
+    from parity import policy
+    from parity.sweep.results import compare_cell
+
+    a = make_run(tmp_path / "a", world_size=2, steps=1, n_params=8)
+    b = make_run(tmp_path / "b", world_size=2, steps=1, n_params=8, bucket_layout="graph",
+                 bucket_order="reversed-rs")
+    status, reason, d = compare_cell(a, b, tmp_path / "diff.json", tmp_path, at="1x2")
+    assert status == "order_mismatch" and d["reduction_order"]["verdict"] == "same"
+    assert "reduction order at 1x2" in reason and "sums may change" in reason
+
+    class Cell:  # what policy.cell_code reads of a sweep cell
+        status, diff = "order_mismatch", d
+    assert policy.cell_code(Cell, "reduction") == 0 and policy.cell_code(Cell, "any") == 1
+    Cell.diff = {**d, "reduction_order": None}
+    assert policy.cell_code(Cell, "reduction") == 1
