@@ -1,6 +1,7 @@
 """parity's benchmarks: every figure is a ratio against a baseline measured in the same run.
 
-    python benchmarks/run.py [--quick] [--json FILE] [--only hash,capture,diff,sweep,cuda]
+    python benchmarks/run.py [--quick] [--json FILE]
+                             [--only hash,capture,diff,sweep,control,early_stop,cuda]
 
 Figures (targets from the performance issue; a figure that misses its target is marked MISS,
 the run still exits 0 so CI tracks numbers rather than machine noise):
@@ -13,6 +14,8 @@ the run still exits 0 so CI tracks numbers rather than machine noise):
   diff_seconds_step20 <= 10 s, diff_peak_gib < 4   256-rank x 25-step x 1,500-parameter pair
   diff_seconds_step2                  the same pair diverging at step 2 (should cost much less)
   sweep_overhead                      wall time of a small sweep / sum of its jobs' wall times
+  control_cost, early_stop_saving     what the determinism control costs and an early stop saves
+                                      in wall time (benchmarks/sweep_features.py)
   cuda_* (only with CUDA; otherwise the line "cuda  no CUDA: skipped")
     cuda_digest_gbps, cuda_read_gbps, cuda_d2h_xxh3_gbps, cuda_torch_digest_gbps
                                       the device digest as capture runs it (Triton kernel where
@@ -49,6 +52,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from parity.capture.hashing import digest_tensors  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from sweep_features import bench_control, bench_early_stop  # noqa: E402
 
 TARGETS = {
     "cuda_digest_vs_read_fp32": (">=", 0.8),
@@ -370,8 +376,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes; about two minutes")
     ap.add_argument("--json", dest="json_file", help="write every figure to this JSON file")
-    ap.add_argument("--only", default="hash,capture,diff,sweep,cuda",
-                    help="comma-separated subset of: hash, capture, diff, sweep, cuda")
+    ap.add_argument("--only", default="hash,capture,diff,sweep,control,early_stop,cuda",
+                    help="comma-separated subset of: hash, capture, diff, sweep, control, "
+                         "early_stop, cuda")
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     figures: dict = {"quick": args.quick, "torch": torch.__version__, "cpus": os.cpu_count()}
@@ -381,6 +388,8 @@ def main(argv=None) -> int:
                "capture": lambda: bench_capture(args.quick, tmp),
                "diff": lambda: bench_diff(args.quick, tmp / "diff"),
                "sweep": lambda: bench_sweep(args.quick, tmp),
+               "control": lambda: bench_control(args.quick, tmp / "control"),
+               "early_stop": lambda: bench_early_stop(args.quick, tmp / "early_stop"),
                "cuda": lambda: bench_cuda(args.quick, tmp)}
     try:
         for name in wanted:

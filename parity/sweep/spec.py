@@ -35,7 +35,7 @@ RESERVED_PLACEHOLDERS = ("steps", "seed", "nproc_per_node", "nnodes", "world_siz
                          "run_dir")
 
 _TOP_KEYS = {"name", "description", "steps", "seed", "nproc_per_node", "nnodes", "timeout", "env",
-             "tolerate_teardown_exit",
+             "tolerate_teardown_exit", "control", "stop_after_divergence",
              "workdir", "requires", "capture", "axes", "reference", "candidate", "launcher"}
 _AXIS_KEYS = {"values", "flags", "requires"}
 _SIDE_KEYS = {"label", "builtin", "args", "argv", "env", "flags"}
@@ -151,6 +151,10 @@ class Spec:
     # a side that exits non-zero after every rank recorded every step counts as finished (a
     # crash in teardown, e.g. at process-group destruction); off: the exit code is the status
     tolerate_teardown_exit: bool = False
+    # issue 23: run each distinct reference job twice and diff the repeat (parity/sweep/control.py)
+    control: bool = False
+    # issue 23: stop both jobs K steps after the first divergent step (parity/sweep/early_stop.py)
+    stop_after_divergence: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -484,6 +488,9 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
     env = v.env(doc.get("env", {}), "env")
     capture = v.boolean(doc.get("capture", True), "capture")
     tolerate = v.boolean(doc.get("tolerate_teardown_exit", False), "tolerate_teardown_exit")
+    control = v.boolean(doc.get("control", False), "control")
+    stop_after = (v.integer(doc["stop_after_divergence"], "stop_after_divergence", 0)
+                  if "stop_after_divergence" in doc else None)
     workdir = None
     if "workdir" in doc:
         wd = Path(os.path.expanduser(v.string(doc["workdir"], "workdir")))
@@ -574,7 +581,8 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
 
     launcher = _launcher(v, doc.get("launcher", "local"), nnodes)
     return Spec(name, description, source, text, steps, seed, nproc, nnodes, timeout, env, workdir,
-                requires, capture, axes, sides, launcher, tolerate_teardown_exit=tolerate)
+                requires, capture, axes, sides, launcher, tolerate_teardown_exit=tolerate,
+                control=control, stop_after_divergence=stop_after)
 
 
 def _value_map(v: _V, table, key: str, axis: Axis, what: str) -> dict[str, list[str]]:
