@@ -1,11 +1,12 @@
 """Issue 23 items 1, 2 and 4 with real torchrun jobs: the determinism control, shared reference
 jobs, and the numerics fingerprint in meta.json.
 
-One sweep (module fixture) of tests/trainers/noisy.py under ``parity exec``: axis ``ref`` gives
-the reference ``--noise 1:2`` (rank 1 seeds noise from the clock and its pid from step 2 on: a
-nondeterministic reference) or nothing; axis ``cand`` gives the candidate ``--perturb 1:1`` (a
-systematic divergence at step 1) or nothing, and the reference nothing, so the two cells of one
-``ref`` value share their reference job. 2 distinct reference jobs + 2 controls + 4 candidates.
+One sweep (module fixture) of tests/trainers/noisy.py under ``parity exec``: the reference runs
+``--noise 1:2`` (rank 1 adds noise seeded from the clock and its pid from step 2 on: a
+nondeterministic reference); axis ``cand`` gives the candidate ``--perturb 1:1`` (a systematic
+divergence at step 1) or nothing, and the reference nothing, so both cells share one reference
+job: 1 reference + 1 control + 2 candidates. The deterministic control is checked by
+benchmarks/sweep_features.py (a real sweep) and here on the pure logic.
 """
 
 import json
@@ -25,27 +26,21 @@ SPEC = f'''
 name = "control"
 steps = 3
 nproc_per_node = 2
-timeout = 300
+timeout = 600
 control = true
 
 [env]
 OMP_NUM_THREADS = "1"
 
-[axes.ref]
-values = ["quiet", "noisy"]
-
 [axes.cand]
 values = ["same", "perturb"]
 
 [reference]
-argv = ["{TRAINER}", "--steps", "{{steps}}"]
-[reference.flags.ref]
-noisy = ["--noise", "1:2"]
+argv = ["{TRAINER}", "--steps", "{{steps}}", "--noise", "1:2"]
 [reference.flags.cand]
 
 [candidate]
 argv = ["{TRAINER}", "--steps", "{{steps}}"]
-[candidate.flags.ref]
 [candidate.flags.cand]
 perturb = ["--perturb", "1:1"]
 '''
@@ -75,32 +70,29 @@ def cells(sweep):
 def test_control_statuses_and_gate(swept):
     _, _, out, r, sweep, _ = swept
     c = cells(sweep)
-    quiet_same, quiet_pert = c["ref=quiet,cand=same"], c["ref=quiet,cand=perturb"]
-    noisy_same, noisy_pert = c["ref=noisy,cand=same"], c["ref=noisy,cand=perturb"]
-    assert quiet_same["status"] == "match", quiet_same["reason"]
-    assert quiet_same["control"]["verdict"] == "deterministic"
-    assert "reference deterministic" in quiet_same["reason"]
-    assert quiet_pert["status"] == "hash_mismatch", quiet_pert["reason"]
+    same, pert = c["cand=same"], c["cand=perturb"]
     # the noisy reference differs from its own repeat from step 2: not the candidate's fault
-    assert noisy_same["status"] == "nondeterministic", noisy_same["reason"]
-    assert noisy_same["control"]["first_step"] == 2
-    assert "reference nondeterministic: its repeat differs from step 2" in noisy_same["reason"]
-    assert "rank 1" in noisy_same["control"]["what"]
-    assert "identical to it through step 1" in noisy_same["reason"]
-    assert noisy_same["control"]["deterministic_through"] == 1
+    assert same["status"] == "nondeterministic", same["reason"]
+    assert same["control"]["verdict"] == "nondeterministic"
+    assert same["control"]["first_step"] == 2
+    assert "reference nondeterministic: its repeat differs from step 2" in same["reason"]
+    assert "rank 1" in same["control"]["what"]
+    assert "identical to it through step 1" in same["reason"]
+    assert same["control"]["deterministic_through"] == 1
     # the candidate that diverged at step 1, while the reference was still deterministic
-    assert noisy_pert["status"] == "nondeterministic", noisy_pert["reason"]
-    assert noisy_pert["control"]["candidate_diverged_before"] is True
-    assert "diverged at step 1, while the reference was still deterministic" in noisy_pert["reason"]
+    assert pert["status"] == "nondeterministic", pert["reason"]
+    assert pert["control"]["candidate_diverged_before"] is True
+    assert "diverged at step 1, while the reference was still deterministic" in pert["reason"]
     assert sweep["counts"]["nondeterministic"] == 2
     assert r.returncode == EXIT_MISMATCH, r.stdout[-2000:] + r.stderr[-2000:]
     verdict = r.stdout.strip().splitlines()[-1]
-    assert "nondeterministic" in verdict and verdict.startswith("PARITY FAILS"), verdict
+    assert verdict.startswith("PARITY FAILS") and "1 nondeterministic (cand=perturb)" in verdict
+    assert "not compared: 1 nondeterministic (cand=same)" in verdict, verdict
     g = parity("gate", out, cwd=out)
     assert g.returncode == EXIT_MISMATCH
-    assert any(line.startswith("NONDET") and "ref=noisy,cand=same" in line
+    assert any(line.startswith("NONDET") and "cand=same" in line
                for line in g.stdout.splitlines()), g.stdout
-    # order-only tolerates hash mismatches: the nondeterministic cell still does not pass
+    # order-only tolerates hash mismatches: a nondeterministic cell still does not pass
     g = parity("gate", out, "--fail-on", "order-only", cwd=out)
     assert g.returncode == 3 and "2 nondeterministic" in g.stdout.splitlines()[-1], g.stdout
 
@@ -122,19 +114,19 @@ def test_reports_say_nondeterministic(swept):
 def test_reference_jobs_shared(swept):
     _, _, out, _, sweep, dry = swept
     c = cells(sweep)
-    for ref in ("quiet", "noisy"):
-        owner, sharer = c[f"ref={ref},cand=same"], c[f"ref={ref},cand=perturb"]
-        assert owner["shares_reference_with"] == [sharer["id"]]
-        assert sharer["sides"]["reference"]["shared_from"] == owner["id"]
-        assert sharer["sides"]["reference"]["run_dir"] == owner["sides"]["reference"]["run_dir"]
-        assert f"reference job shared with {owner['id']}" in sharer["reason"]
-        assert not (out / "cells" / sharer["id"] / "reference").exists()
-        assert sharer["diff"]["a"]["path"] == owner["sides"]["reference"]["run_dir"]
-    # 2 distinct reference jobs, 2 controls (one per distinct reference job), 4 candidates
-    assert sweep["timing"]["jobs_run"] == 8
-    assert len(list((out / "controls").iterdir())) == 2
-    assert dry.returncode == 0 and dry.stdout.count("reference: shared with") == 2, dry.stdout
-    assert dry.stdout.count("control: the reference job again") == 2
+    owner, sharer = c["cand=same"], c["cand=perturb"]
+    assert owner["shares_reference_with"] == [sharer["id"]]
+    assert sharer["sides"]["reference"]["shared_from"] == owner["id"]
+    assert sharer["sides"]["reference"]["run_dir"] == owner["sides"]["reference"]["run_dir"]
+    assert f"reference job shared with {owner['id']}" in sharer["reason"]
+    assert f"reference job shared with {sharer['id']}" in owner["reason"]
+    assert not (out / "cells" / sharer["id"] / "reference").exists()
+    assert sharer["diff"]["a"]["path"] == owner["sides"]["reference"]["run_dir"]
+    # 1 reference job, 1 control (one per distinct reference job), 2 candidates
+    assert sweep["timing"]["jobs_run"] == 4
+    assert len(list((out / "controls").iterdir())) == 1
+    assert dry.returncode == 0 and dry.stdout.count("reference: shared with cand=same") == 1
+    assert dry.stdout.count("control: the reference job again") == 1, dry.stdout
 
 
 def test_resume_keeps_shared_and_controlled_cells(swept):
@@ -149,7 +141,7 @@ def test_resume_keeps_shared_and_controlled_cells(swept):
 
 def test_meta_records_numerics_fingerprint(swept):
     _, _, out, _, _, _ = swept
-    meta = json.loads((out / "cells" / "ref=quiet,cand=same" / "reference" / "rank-00000" /
+    meta = json.loads((out / "cells" / "cand=same" / "reference" / "rank-00000" /
                        "meta.json").read_text())
     n = meta["numerics"]
     assert set(n["nccl_env"]) >= {"NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS",
@@ -178,3 +170,19 @@ def test_diff_names_numerics_differences(tmp_path):
     # an eager side (no inductor) is no difference in inductor settings
     eager = {**base, "inductor": None}
     assert numerics_differences(eager, base) == []
+
+
+def test_control_verdicts_pure():
+    """control.summarize / apply on diff dicts: deterministic keeps the cell's status."""
+    from parity.sweep import control
+
+    same = {"verdict": "match", "steps_compared": [0, 1, 2], "first_divergent_step": None,
+            "order": {"verdict": "identical"}}
+    summary = control.summarize(same)
+    assert summary == {"verdict": "deterministic", "steps_compared": 3, "through_step": 2}
+    status, reason, rec = control.apply("hash_mismatch", "first divergent step 1: w", {}, summary)
+    assert status == "hash_mismatch" and reason.endswith(
+        "reference deterministic (its repeat identical over 3 steps)")
+    failed = control.summarize(None, "diff: B failed before recording a step")
+    status, reason, _ = control.apply("match", "bitwise identical", {}, failed)
+    assert status == "failed" and reason.startswith("control run of the reference failed")

@@ -119,7 +119,7 @@ def _failure_logs(c: CellResult) -> list[str]:
     """The log files worth opening for a failed cell: the failed side's ranks, console first."""
     out = []
     for name, s in (c.sides or {}).items():
-        if not isinstance(s, SideResult) or got(s.status) in ("ok", "not_run"):
+        if not isinstance(s, SideResult) or got(s.status) in ("ok", "not_run", "stopped"):
             continue
         m = re.search(r"\brank (\d+):", str(s.reason or ""))
         blamed = int(m.group(1)) if m else None

@@ -281,7 +281,10 @@ class _Run:
         """A cell outside --only whose kept result used a reference job in the folder of a cell
         that reruns now (its folder is emptied) no longer has the run its diff read: it is
         listed as not selected, and its files stay where they are."""
-        rerun = {c.id for c, side in self.queue if side in SIDES}
+        own = {cid for cid, s in self.states.items()
+               if (s.get("sides") or {}).get("reference", {}).get("reused")
+               and not s["sides"]["reference"].get("shared_from")}
+        rerun = {c.id for c, side in self.queue if side in SIDES and c.id not in own}
         for cid, s in self.states.items():
             ref = (s.get("sides") or {}).get("reference") or {}
             src = ref.get("shared_from")
@@ -510,6 +513,7 @@ class _Run:
         for cid in sharers:
             s = self.states[cid]
             s["sides"]["reference"] = {**res, "shared_from": owner.id}
+            st.cell_dir(self.dir, cid).mkdir(parents=True, exist_ok=True)
             if res.get("status") not in (OK, STOPPED):
                 why = f"reference (shared with {owner.id}): {res.get('reason') or res.get('status')}"
                 if s["status"] != st.FAILED:
