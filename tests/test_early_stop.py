@@ -35,6 +35,7 @@ argv = ["{TRAINER}", "--steps", "{{steps}}", "--sleep", "0.3"]
 
 [candidate]
 argv = ["{TRAINER}", "--steps", "{{steps}}", "--sleep", "0.3", "--perturb", "0:2"]
+env = {{ NCCL_ALGO = "Ring" }}  # named by the diff as a possible cause (numerics fingerprint)
 
 [launcher]
 type = "{launcher}"
@@ -57,6 +58,9 @@ def check_stopped(r, sweep, k: int = 2) -> dict:
     assert cell["early_stop"] == {"k": k, "first_divergent_step": 2, "stopped_after_step": 2 + k,
                                   "stopped": ["reference", "candidate"]}, cell["early_stop"]
     assert f"stopped early after step {2 + k}" in cell["reason"]
+    problems = [p["message"] for p in cell["diff"]["problems"]]
+    assert "NCCL_ALGO differs (A None, B 'Ring'): a possible cause of a bitwise difference" in (
+        problems), problems
     for side in ("reference", "candidate"):
         s = cell["sides"][side]
         assert s["status"] == "stopped", s

@@ -8,8 +8,8 @@ hand (``NCCL_ALGO=Ring NCCL_PROTO=Simple``); recording them lets ``parity diff``
 that differs between two runs as a possible cause (parity/diff/env.py).
 
 Zero-modification rule: everything is read from what the process already has. Inductor's config
-is read only if the trainer imported inductor (``sys.modules``); otherwise ``inductor`` is None
-(no compiled code ran through inductor by the first step). The NCCL version is asked only when
+is read only if inductor compiled a graph in this process by the first step (``sys.modules``);
+otherwise ``inductor`` is None and nothing is imported. The NCCL version is asked only when
 CUDA is already initialized in this process. Called once, after the trainer's first step. A fact
 that cannot be read is None.
 """
@@ -58,8 +58,10 @@ def _plain(v):
 
 
 def _inductor() -> dict | None:
+    """Inductor's settings, if inductor lowered a graph in this process (``torch._inductor.graph``
+    is imported then; ``torch._dynamo`` alone imports the config, eager jobs included)."""
     cfg = sys.modules.get("torch._inductor.config")
-    if cfg is None:
+    if cfg is None or "torch._inductor.graph" not in sys.modules:
         return None
     out = {}
     for key in INDUCTOR_KEYS:
