@@ -74,7 +74,7 @@ def bench_control(quick: bool, tmp: Path) -> dict:
 
 def bench_early_stop(quick: bool, tmp: Path) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    steps, sleep = (20, 0.2) if quick else (60, 0.2)
+    steps, sleep = (30, 0.5) if quick else (60, 1.0)  # seconds per step, as on a GPU
     full, _ = _sweep(tmp, "full", _spec(steps, sleep, perturb="0:2"), "--jobs", "2")
     stop, sweep = _sweep(tmp, "stop", _spec(steps, sleep, "stop_after_divergence = 2",
                                             perturb="0:2"), "--jobs", "2")
@@ -83,4 +83,5 @@ def bench_early_stop(quick: bool, tmp: Path) -> dict:
         raise RuntimeError(f"early stop sweep: {cell.get('status')}: {cell.get('reason')}")
     return {"early_stop_wall_seconds": stop, "no_early_stop_wall_seconds": full,
             "early_stop_saving": 1 - stop / full,
-            "early_stop_steps_recorded": cell["sides"]["candidate"].get("steps_recorded")}
+            "early_stop_steps_recorded": cell["sides"]["candidate"].get("steps_recorded"),
+            "early_stop_steps_of": steps}

@@ -186,3 +186,21 @@ def test_control_verdicts_pure():
     failed = control.summarize(None, "diff: B failed before recording a step")
     status, reason, _ = control.apply("match", "bitwise identical", {}, failed)
     assert status == "failed" and reason.startswith("control run of the reference failed")
+
+
+def test_control_flag_and_spec_keys(tmp_path):
+    """--control turns the control on for a spec without it (dry run: nothing runs); the new
+    keys are validated like every other (one line, exit 2)."""
+    spec = tmp_path / "plain.toml"
+    spec.write_text(SPEC.replace("control = true\n", ""))
+    r = parity("sweep", spec, "--out", tmp_path / "o", "--dry-run", cwd=tmp_path)
+    assert r.returncode == 0 and "control: the reference job" not in r.stdout
+    r = parity("sweep", spec, "--out", tmp_path / "o", "--dry-run", "--control", cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.count("control: the reference job again") == 1
+    for bad, msg in (("control = 1", "control: must be true or false"),
+                     ("stop_after_divergence = -1", "stop_after_divergence: must be >= 0"),
+                     ("stop_after_divergence = true", "stop_after_divergence: must be an integer")):
+        spec.write_text(SPEC.replace("control = true", bad))
+        r = parity("sweep", spec, "--dry-run", cwd=tmp_path)
+        assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, (
+            r.stderr)
