@@ -204,3 +204,12 @@ def test_control_flag_and_spec_keys(tmp_path):
         r = parity("sweep", spec, "--dry-run", cwd=tmp_path)
         assert r.returncode == 2 and msg in r.stderr and len(r.stderr.strip().splitlines()) == 1, (
             r.stderr)
+
+
+def test_default_spec_reference_does_not_depend_on_cudagraphs(tmp_path):
+    """The default CPU spec's eager reference is the same job with and without CUDA graphs: the
+    plan shares it (those cells are skipped on CPU, and say whose job they would share)."""
+    r = parity("sweep", "--dry-run", "--out", tmp_path / "d", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stdout.splitlines() if "reference: shared with" in x]
+    assert len(lines) == 4 and all("cudagraphs=false" in x for x in lines), r.stdout

@@ -127,7 +127,7 @@ def _dry_run(sp: Spec, cells: list[Cell], selected: set[str], sweep_dir: Path, l
         w(f"\n{cell.id}" + (f"  SKIPPED: {reason}" if reason else "") + "\n")
         fp = cell.sides["reference"].fingerprint(sp, cell)
         for side in SIDES:
-            if side == "reference" and not reason and fp in owners:
+            if side == "reference" and fp in owners:
                 w(f"  reference: shared with {owners[fp]} (the same job)\n")
                 continue
             if side == "reference" and not reason:
