@@ -106,3 +106,24 @@ def test_watch_compares_only_steps_every_rank_recorded(tmp_path):
     write("a", 1, same)  # now rank 1 of A reaches step 5, B's rank 1 step 3 (it differs there)
     write("b", 1, same[:3] + [(3, "partial"), (4, "d4"), (5, "d5")])
     assert w.poll() == (3, 4)
+
+
+def test_watch_compares_by_name_when_tables_differ_in_order(tmp_path):
+    """Tables listing the same parameters in other orders: roll-ups are not comparable, the
+    watch compares the per-parameter hashes by name (here: equal until step 2, where w2 differs)."""
+    from parity.artifacts import RankWriter
+    from parity.sweep.early_stop import DivergenceWatch
+
+    h = {name: bytes([i + 1]) * 16 for i, name in enumerate(("w1", "w2"))}
+    for side, order in (("a", ("w1", "w2")), ("b", ("w2", "w1"))):
+        for rank in (0, 1):
+            w = RankWriter(tmp_path / side, rank, {"world_size": 2})
+            w.write_params([{"fqn": n, "shape": [1], "dtype": "float32"} for n in order])
+            for step in range(4):
+                row = dict(h)
+                if side == "b" and step >= 2:
+                    row["w2"] = b"\xff" * 16
+                w.write_step(step, b"".join(row[n] for n in order))
+            w.close()
+    w = DivergenceWatch(tmp_path / "a", tmp_path / "b", 2, 1)
+    assert w.poll() == (2, 3)
