@@ -1,6 +1,7 @@
 """parity's benchmarks: every figure is a ratio against a baseline measured in the same run.
 
-    python benchmarks/run.py [--quick] [--json FILE] [--only hash,capture,diff,sweep,cuda,reduction]
+    python benchmarks/run.py [--quick] [--json FILE]
+                             [--only hash,capture,diff,sweep,control,early_stop,cuda,reduction]
 
 Figures (targets from the performance issue; a figure that misses its target is marked MISS,
 the run still exits 0 so CI tracks numbers rather than machine noise):
@@ -16,6 +17,8 @@ the run still exits 0 so CI tracks numbers rather than machine noise):
   reduction_overhead < 1.10           the diff pair above with --at (every reduce-scatter bucket
                                       reordered): 1 + prediction time / diff time
                                       (benchmarks/bench_reduction.py)
+  control_cost, early_stop_saving     what the determinism control costs and an early stop saves
+                                      in wall time (benchmarks/sweep_features.py)
   cuda_* (only with CUDA; otherwise the line "cuda  no CUDA: skipped")
     cuda_digest_gbps, cuda_read_gbps, cuda_d2h_xxh3_gbps, cuda_torch_digest_gbps
                                       the device digest as capture runs it (Triton kernel where
@@ -52,6 +55,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from parity.capture.hashing import digest_tensors  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from sweep_features import bench_control, bench_early_stop  # noqa: E402
 
 TARGETS = {
     "cuda_digest_vs_read_fp32": (">=", 0.8),
@@ -380,8 +386,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes; about two minutes")
     ap.add_argument("--json", dest="json_file", help="write every figure to this JSON file")
-    ap.add_argument("--only", default="hash,capture,diff,sweep,cuda,reduction",
-                    help="comma-separated subset of: hash, capture, diff, sweep, cuda, reduction")
+    ap.add_argument("--only", default="hash,capture,diff,sweep,control,early_stop,cuda,reduction",
+                    help="comma-separated subset of: hash, capture, diff, sweep, control, "
+                         "early_stop, cuda, reduction")
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     figures: dict = {"quick": args.quick, "torch": torch.__version__, "cpus": os.cpu_count()}
@@ -391,6 +398,8 @@ def main(argv=None) -> int:
                "capture": lambda: bench_capture(args.quick, tmp),
                "diff": lambda: bench_diff(args.quick, tmp / "diff"),
                "sweep": lambda: bench_sweep(args.quick, tmp),
+               "control": lambda: bench_control(args.quick, tmp / "control"),
+               "early_stop": lambda: bench_early_stop(args.quick, tmp / "early_stop"),
                "cuda": lambda: bench_cuda(args.quick, tmp),
                "reduction": lambda: _bench_reduction(args.quick, tmp / "reduction")}
     try:

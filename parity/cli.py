@@ -249,7 +249,11 @@ def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
               help="Where jobs run [default: the spec's [launcher] type, else local].")
 @click.option("--fail-on", type=FAIL_ON, default=DEFAULT_POLICY, show_default=True,
               help=POLICY_HELP + " Recorded in sweep.json: report and gate default to it.")
-def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_on):
+@click.option("--control", is_flag=True,
+              help="Determinism control: run each distinct reference job twice and diff the "
+                   "repeat; a reference that differs from itself makes its cells "
+                   "'nondeterministic' [default: the spec's control key].")
+def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_on, control):
     """Run paired reference/candidate jobs over a matrix, diff every cell, end with the gate's
     verdict line.
 
@@ -263,7 +267,7 @@ def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_
     from parity.sweep.runner import run_sweep
 
     sweep = run_sweep(spec, out_dir=out_dir, only=only, jobs=jobs, resume=resume, steps=steps,
-                      dry_run=dry_run, launcher=launcher, fail_on=fail_on)
+                      dry_run=dry_run, launcher=launcher, fail_on=fail_on, control=control)
     if sweep is None:  # --dry-run: the plan is printed, nothing ran
         sys.exit(0)
     code, _ = evaluate(sweep, fail_on)

@@ -46,8 +46,11 @@ MATCH, HASH_MISMATCH, ORDER_MISMATCH, INCOMPLETE = (
 # a sweep cell's further statuses: its jobs or its diff failed (or its data is incomplete), its
 # requirements are not met here, or it has not finished (never in a finished sweep.json)
 FAILED, SKIPPED, PENDING, RUNNING = "failed", "skipped", "pending", "running"
-COMPARED = (MATCH, HASH_MISMATCH, ORDER_MISMATCH)  # a complete result: never rerun by --resume
-CELL_STATUSES = (MATCH, HASH_MISMATCH, ORDER_MISMATCH, FAILED, SKIPPED)
+# the determinism control (spec ``control = true``) found the reference differing from its own
+# repeat: the candidate is not blamed for noise, and the gate does not pass the cell
+NONDETERMINISTIC = "nondeterministic"
+COMPARED = (MATCH, HASH_MISMATCH, ORDER_MISMATCH, NONDETERMINISTIC)  # complete: --resume keeps it
+CELL_STATUSES = (MATCH, HASH_MISMATCH, ORDER_MISMATCH, NONDETERMINISTIC, FAILED, SKIPPED)
 
 WORDS = {EXIT_OK: "HOLDS", EXIT_MISMATCH: "FAILS", EXIT_INCOMPLETE: "INCOMPLETE"}
 
@@ -300,6 +303,8 @@ def cell_code(cell, policy: str) -> int | None:
     """Exit code of a compared sweep cell (a ``parity.sweep.model.CellResult``: this layer sits
     below the sweep and reads its fields without importing it) under ``policy`` (None for a cell
     not compared)."""
+    if cell.status == NONDETERMINISTIC:
+        return nondeterministic_code(cell, policy)
     if cell.status not in (MATCH, HASH_MISMATCH, ORDER_MISMATCH):
         return None
     diff = cell.diff if isinstance(cell.diff, dict) else {}
@@ -311,6 +316,17 @@ def cell_code(cell, policy: str) -> int | None:
     return pair_code(hv, ov, False, policy, consequences.reduction_state(diff))
 
 
+def nondeterministic_code(cell, policy: str) -> int:
+    """A cell whose reference differs from its own repeat never passes: exit 1 when the
+    candidate diverged at a step where the reference was still deterministic (a real finding
+    under a policy that fails on hashes), else 3 (parity cannot be proven on noise)."""
+    ctl = getattr(cell, "control", None)
+    ctl = ctl if isinstance(ctl, dict) else {}
+    if ctl.get("candidate_diverged_before") and fails_on_hash(policy):
+        return EXIT_MISMATCH
+    return EXIT_INCOMPLETE
+
+
 def judge_sweep(sweep, policy: str) -> tuple[Verdict, list[str]]:
     """The gate's verdict on a loaded sweep report (a ``parity.sweep.model.SweepReport``), and one line per cell worth naming
     (failing, failed, unproven, tolerated, skipped)."""
@@ -319,7 +335,10 @@ def judge_sweep(sweep, policy: str) -> tuple[Verdict, list[str]]:
     codes = [cell_code(c, policy) for c in cells]
     compared = [c for c, k in zip(cells, codes) if k is not None]
     failing = [c for c, k in zip(cells, codes) if k == EXIT_MISMATCH]
-    unproven = [c for c, k in zip(cells, codes) if k == EXIT_INCOMPLETE]
+    unproven = [c for c, k in zip(cells, codes) if k == EXIT_INCOMPLETE
+                and c.status != NONDETERMINISTIC]
+    nondet = [c for c, k in zip(cells, codes) if k == EXIT_INCOMPLETE
+              and c.status == NONDETERMINISTIC]
     tolerated = [c for c, k in zip(cells, codes) if k == EXIT_OK and c.status != MATCH]
     failed = [c for c in cells if c.status == "failed"]
     skipped = [c for c in cells if c.status == "skipped"]
@@ -331,7 +350,7 @@ def judge_sweep(sweep, policy: str) -> tuple[Verdict, list[str]]:
         problems.append("no cell was compared")
     if failing:
         code = EXIT_MISMATCH
-    elif failed or unproven or problems or other:
+    elif failed or unproven or nondet or problems or other:
         code = EXIT_INCOMPLETE
     else:
         code = EXIT_OK
@@ -343,13 +362,15 @@ def judge_sweep(sweep, policy: str) -> tuple[Verdict, list[str]]:
         v.failed.append(f"{len(cs)} {s} ({_ids(cs)})")
     if failed:
         v.failed.append(f"{len(failed)} failed ({_ids(failed)})")
-    held = len(compared) - len(failing) - len(unproven)
+    held = len(compared) - len(failing) - len(unproven) - len(nondet)
     v.held.append(f"{held}/{len(compared)} compared cells hold")
     by_status = {}
     for c in tolerated:
         by_status.setdefault(c.status, []).append(c)
     for s, cs in by_status.items():
         v.tolerated.append(f"{len(cs)} {s} ({_ids(cs)})")
+    if nondet:
+        v.not_compared.append(f"{len(nondet)} {NONDETERMINISTIC} ({_ids(nondet)})")
     if unproven:
         v.not_compared.append(f"{len(unproven)} without bucket layouts ({_ids(unproven)})")
     if skipped:
@@ -362,6 +383,8 @@ def judge_sweep(sweep, policy: str) -> tuple[Verdict, list[str]]:
         lines.append(f"FAILS     {c.id}: {c.status}: {c.reason or ''}".rstrip(": "))
     for c in failed:
         lines.append(f"FAILED    {c.id}: {c.reason or 'failed'}")
+    for c in nondet:
+        lines.append(f"NONDET    {c.id}: {NONDETERMINISTIC}: {c.reason or ''}".rstrip(": "))
     for c in unproven:
         order = (c.diff or {}).get("order") or {}
         lines.append(f"UNPROVEN  {c.id}: bucket layouts {order.get('verdict') or 'not recorded'}"

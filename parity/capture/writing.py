@@ -20,7 +20,7 @@ import torch
 from parity import __version__
 from parity.artifacts import RankWriter
 from parity.capture import env as cenv
-from parity.capture import gpu_facts
+from parity.capture import fingerprint, gpu_facts
 from parity.capture.env import env_int as _env_int
 from parity.capture.hashing import device_backend, digest_tensors, host_digest, local_tensor
 from parity.rundir import rank_dir
@@ -83,7 +83,8 @@ class RankRecord:
         return {"device": dev, "deterministic": det["use_deterministic_algorithms"],
                 "determinism": det, "num_threads": torch.get_num_threads(),
                 "interop_threads": torch.get_num_interop_threads(), "env": env,
-                "gpu": gpu_facts.collect(dev) if dev.startswith("cuda") else None}
+                "gpu": gpu_facts.collect(dev) if dev.startswith("cuda") else None,
+                "numerics": fingerprint.collect()}
 
     def _ensure_writer(self) -> RankWriter:
         if self.writer is not None:

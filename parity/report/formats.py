@@ -26,10 +26,13 @@ from parity.sweep.state import axis_names
 FORMATS = ("console", "json", "markdown", "junit", "html")
 
 STATUS_TEXT = {"match": "match", "hash_mismatch": "HASH MISMATCH",
-               "order_mismatch": "order mismatch", "failed": "FAILED", "skipped": "skipped"}
+               "order_mismatch": "order mismatch", "failed": "FAILED", "skipped": "skipped",
+               "nondeterministic": "NONDETERMINISTIC"}
 STATUS_STYLE = {"match": "bold green", "hash_mismatch": "bold red", "order_mismatch": "bold yellow",
+                "nondeterministic": "bold cyan",
                 "failed": "bold magenta", "skipped": "dim"}
 STATUS_ICON = {"match": "✅", "hash_mismatch": "❌", "order_mismatch": "⚠️", "failed": "💥",
+               "nondeterministic": "🎲",
                "skipped": "⏭️"}
 
 
@@ -116,7 +119,7 @@ def _failure_logs(c: CellResult) -> list[str]:
     """The log files worth opening for a failed cell: the failed side's ranks, console first."""
     out = []
     for name, s in (c.sides or {}).items():
-        if not isinstance(s, SideResult) or got(s.status) in ("ok", "not_run"):
+        if not isinstance(s, SideResult) or got(s.status) in ("ok", "not_run", "stopped"):
             continue
         m = re.search(r"\brank (\d+):", str(s.reason or ""))
         blamed = int(m.group(1)) if m else None
@@ -129,7 +132,8 @@ def _failure_logs(c: CellResult) -> list[str]:
     return out
 
 
-SEVERITY = {"failed": 0, "hash_mismatch": 1, "order_mismatch": 2}  # the first finding shown
+# the first finding shown
+SEVERITY = {"failed": 0, "nondeterministic": 0.5, "hash_mismatch": 1, "order_mismatch": 2}
 
 
 def first_finding(sweep: SweepReport) -> CellResult | None:
@@ -433,8 +437,10 @@ def sweep_junit(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
             el.text = _x(cell_text(sweep, c, pol))
         elif code == 3:
             counts["errors"] += 1
-            el = ET.SubElement(case, "error", message=_x(f"unproven under --fail-on {pol}: "
-                                                         f"{reason}"), type="unproven")
+            nondet = status == policy.NONDETERMINISTIC
+            el = ET.SubElement(case, "error", message=_x(
+                f"{status}: {reason}" if nondet else f"unproven under --fail-on {pol}: {reason}"),
+                type=status if nondet else "unproven")
             el.text = _x(cell_text(sweep, c, pol))
         elif code == 0 and status != "match":
             tolerated = f"tolerated under --fail-on {pol}: {status}: {reason}\n"

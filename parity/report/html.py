@@ -38,6 +38,7 @@ STATE_COLOURS = {
 }
 STATUS_COLOURS = {
     "match": "#2e9d58", "hash_mismatch": "#d0392b", "order_mismatch": "#e08a1e",
+    "nondeterministic": "#1f8a9e",
     "failed": "#5b1a1a", "skipped": "#8c8c8c", "incomplete": "#5b1a1a",
 }
 WORD_COLOURS = {"HOLDS": "#2e9d58", "FAILS": "#d0392b", "INCOMPLETE": "#b07100"}

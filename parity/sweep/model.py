@@ -93,7 +93,8 @@ class _Record:
 @dataclass
 class SideResult(_Record):
     """One side (reference or candidate) of a cell: its job and what became of it.
-    ``status``: running | ok | failed | timeout | cancelled | not_found | not_run."""
+    ``status``: running | ok | stopped | failed | timeout | cancelled | not_found | not_run
+    (``stopped``: ended by ``stop_after_divergence`` after the cell diverged; its steps count)."""
 
     status: str = UNSET
     label: str | None = UNSET
@@ -110,6 +111,8 @@ class SideResult(_Record):
     steps_recorded: int = UNSET  # lines of rank 0's steps.jsonl
     leftovers_killed: int = UNSET
     reused: bool = UNSET  # kept from an earlier run by --resume
+    # the cell whose folder holds this job, when cells share one reference job (issue 23)
+    shared_from: str | None = UNSET
     extra: dict = field(default_factory=dict)
 
 
@@ -134,6 +137,11 @@ class CellResult(_Record):
     wall: float | None = UNSET
     resumed: bool = UNSET
     updated: float = UNSET
+    # issue 23: the determinism control's verdict on this cell's reference (control.py), the
+    # cells sharing this cell's reference job, and the early stop (early_stop.py)
+    control: dict | None = UNSET
+    shares_reference_with: list[str] | None = UNSET
+    early_stop: dict | None = UNSET
     extra: dict = field(default_factory=dict)
 
     _nested: ClassVar[dict] = {"sides": ("dict", SideResult)}

@@ -57,6 +57,10 @@ class _PlainProgress:
         self.done += 1
         self._w(f"[{self.done}/{self.total}] {cid}: {status}" + (f" - {reason}" if reason else ""))
 
+    def note(self, cid, text) -> None:
+        """A cell-level event worth a line (e.g. an early stop)."""
+        self._w(f"{cid}: {text}")
+
     def refresh(self) -> None:
         pass
 

@@ -36,7 +36,7 @@ RESERVED_PLACEHOLDERS = ("steps", "seed", "nproc_per_node", "nnodes", "world_siz
                          "run_dir")
 
 _TOP_KEYS = {"name", "description", "steps", "seed", "nproc_per_node", "nnodes", "timeout", "env",
-             "tolerate_teardown_exit", "at",
+             "tolerate_teardown_exit", "at", "control", "stop_after_divergence",
              "workdir", "requires", "capture", "axes", "reference", "candidate", "launcher"}
 _AXIS_KEYS = {"values", "flags", "requires"}
 _SIDE_KEYS = {"label", "builtin", "args", "argv", "env", "flags"}
@@ -154,6 +154,10 @@ class Spec:
     tolerate_teardown_exit: bool = False
     # issue 20: predict every cell's reduction order at this topology ("8x8"; parity diff --at)
     at: str | None = None
+    # issue 23: run each distinct reference job twice and diff the repeat (parity/sweep/control.py)
+    control: bool = False
+    # issue 23: stop both jobs K steps after the first divergent step (parity/sweep/early_stop.py)
+    stop_after_divergence: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -494,6 +498,9 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
             parse_topology(at)
         except ParityError as e:
             v.fail("at", str(e))
+    control = v.boolean(doc.get("control", False), "control")
+    stop_after = (v.integer(doc["stop_after_divergence"], "stop_after_divergence", 0)
+                  if "stop_after_divergence" in doc else None)
     workdir = None
     if "workdir" in doc:
         wd = Path(os.path.expanduser(v.string(doc["workdir"], "workdir")))
@@ -584,7 +591,8 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
 
     launcher = _launcher(v, doc.get("launcher", "local"), nnodes)
     return Spec(name, description, source, text, steps, seed, nproc, nnodes, timeout, env, workdir,
-                requires, capture, axes, sides, launcher, tolerate_teardown_exit=tolerate, at=at)
+                requires, capture, axes, sides, launcher, tolerate_teardown_exit=tolerate, at=at,
+                control=control, stop_after_divergence=stop_after)
 
 
 def _value_map(v: _V, table, key: str, axis: Axis, what: str) -> dict[str, list[str]]:

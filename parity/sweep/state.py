@@ -247,7 +247,8 @@ def _public_cell(st: dict) -> CellResult:
         requires=st.get("requires"), started=st.get("started"), ended=st.get("ended"),
         sides=st.get("sides"), diff=st.get("diff"), diff_json=st.get("diff_json"),
         wall=(round(st["ended"] - st["started"], 3)
-              if st.get("started") and st.get("ended") else None))
+              if st.get("started") and st.get("ended") else None),
+        **{k: st[k] for k in ("control", "shares_reference_with", "early_stop") if k in st})
 
 
 def axis_names(sweep) -> list[str]:
