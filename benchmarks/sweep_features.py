@@ -62,7 +62,7 @@ def _sweep(tmp: Path, name: str, text: str, *args: str) -> tuple[float, dict]:
 
 def bench_control(quick: bool, tmp: Path) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    steps = 3 if quick else 10
+    steps = 2 if quick else 10
     base, _ = _sweep(tmp, "no-control", _spec(steps, 0.0))
     ctl, sweep = _sweep(tmp, "control", _spec(steps, 0.0, "control = true"))
     (cell,) = sweep["cells"]
@@ -74,7 +74,7 @@ def bench_control(quick: bool, tmp: Path) -> dict:
 
 def bench_early_stop(quick: bool, tmp: Path) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
-    steps, sleep = (30, 0.5) if quick else (60, 1.0)  # seconds per step, as on a GPU
+    steps, sleep = (12, 0.3) if quick else (60, 1.0)  # seconds per step, as on a GPU
     full, _ = _sweep(tmp, "full", _spec(steps, sleep, perturb="0:2"), "--jobs", "2")
     stop, sweep = _sweep(tmp, "stop", _spec(steps, sleep, "stop_after_divergence = 2",
                                             perturb="0:2"), "--jobs", "2")
