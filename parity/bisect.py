@@ -194,7 +194,8 @@ def rerun(plan: RerunPlan, out_dir: Path, step: int) -> tuple[int, Path, Path]:
             rc = exec_command(run_dir, plan.argv, every=1, grads=True,
                               manifests=bool(cap.get("manifests", True)),
                               hasher=cap.get("hasher") if cap.get("hasher") in ("auto", "xxh3",
-                                                                                "device") else "auto")
+                                                                                "device") else "auto",
+                              step_on=cap.get("step_on") if isinstance(cap.get("step_on"), str) else None)
     finally:
         os.chdir(old_cwd)
         for k, v in saved_env.items():

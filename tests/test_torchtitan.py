@@ -250,3 +250,25 @@ def test_every_sweep_template_command_parses(monkeypatch):
         seen_backends.add("flash" if "flex_flash" in " ".join(args) else "flex")
         assert attn is not None, label
     assert seen_backends == {"flash", "flex"}
+
+
+def test_dry_run_parses_every_command_with_torchtitans_parser(tmp_path):
+    """`parity sweep --dry-run`: each torchtitan command through ConfigManager; a rejected one
+    gets one line under its cell and the dry run exits 2 (issue 22)."""
+    spec = tmp_path / "tt.toml"
+    spec.write_text(
+        'name = "tt"\n[axes.x]\nvalues = [1, 2]\n[axes.x.flags]\n1 = ["--training.bogus", "3"]\n'
+        '2 = []\n[reference]\nargv = ["-m", "torchtitan.train", "--module", "llama3", '
+        '"--config", "llama3_debugmodel", "--training.local_batch_size", "1", '
+        '"--training.seq_len", "256"]\n[candidate]\nargv = ["-m", "torchtitan.train", '
+        '"--module", "graph_trainer.llama3", "--config", "graph_trainer_llama3_debugmodel"]\n')
+    p = subprocess.run([sys.executable, "-m", "parity", "sweep", str(spec), "--dry-run"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "(0.3.0 spelling)" in p.stdout
+    cells = p.stdout.split("\nx=")
+    assert cells[1].count("torchtitan rejects it: Unrecognized options: --training.bogus") == 2
+    assert "rejects" not in cells[2]
+    assert "2 accepted, 2 rejected" in p.stdout
+    assert p.stderr.strip().splitlines() == [
+        "parity: error: 2 command(s) rejected by torchtitan's parser (above)"]
