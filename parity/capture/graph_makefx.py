@@ -210,7 +210,16 @@ def _wrap_runner(original: Callable) -> Callable:
                               f"({type(e).__name__}: {e})")
 
         def run(*a, **k):
-            outputs = runner(*a, **k)
+            interpreter = None
+            hook = _state.get("runtime")
+            if hook is not None and gm is not None and "interpreter_cls" not in kwargs:
+                interpreter = hook(gm)
+            if interpreter is not None:
+                # parity bisect at its step: the same graph, run node by node by an FX
+                # interpreter that hashes each node's output (run_traced's own option)
+                outputs = original(traced, *args, interpreter_cls=interpreter, **kwargs)(*a, **k)
+            else:
+                outputs = runner(*a, **k)
             on_loss = hooks.get("on_loss")
             if on_loss is not None:
                 try:
@@ -225,6 +234,12 @@ def _wrap_runner(original: Callable) -> Callable:
     run_traced.__wrapped__ = original  # type: ignore[attr-defined]
     run_traced._parity_original = original  # type: ignore[attr-defined]
     return run_traced
+
+
+def set_runtime_hook(hook: Callable[[Any], Any] | None) -> None:
+    """``hook(gm)`` is asked before each run of a traced step: an FX interpreter class (called
+    as ``cls(gm)``) to run it with, or None to run it as is (op capture, ops.py)."""
+    _state["runtime"] = hook
 
 
 def _wrap_apply(original: Callable) -> Callable:
