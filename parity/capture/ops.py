@@ -303,6 +303,7 @@ class OpRecorder:
             from torch.distributed._tools.mod_tracker import ModTracker
 
             self.tracker = ModTracker()
+            self.tracker._get_pop_fn = self._tolerant_pop(self.tracker._get_pop_fn)
             self.tracker.__enter__()
             self.tracker._fw_pre_hook(module, args)  # this call's own pre-hook has passed
         except Exception as e:  # noqa: BLE001
@@ -311,6 +312,28 @@ class OpRecorder:
         self.mode = _Mode(self)
         self.mode.__enter__()
         return None
+
+    def _tolerant_pop(self, get_pop_fn):
+        """ModTracker raises inside the job's forward when a post-hook finds no matching
+        pre-hook (seen with activation checkpointing in torchtitan): module names are ours to
+        lose, the job is not. The mismatch becomes a warning."""
+        def get(w_mod, name, is_bw):
+            fn = get_pop_fn(w_mod, name, is_bw)
+
+            def pop(*args):
+                try:
+                    return fn(*args)
+                except RuntimeError as e:
+                    if "hierarchy tracking" not in str(e):
+                        raise
+                    msg = "module names may be off: ModTracker lost track of the module nesting"
+                    if msg not in self.warnings:
+                        self.warnings.append(msg)
+                    return None
+
+            return pop
+
+        return get
 
     def _opt_pre(self, opt, args, kwargs):
         s = self.session
@@ -395,9 +418,11 @@ class OpRecorder:
         def record(call):
             if self._in_compiled_fn or not self._eager_recording():
                 return call()
-            from torch.utils._python_dispatch import _disable_current_modes
+            from torch.utils import _python_dispatch as pd
 
-            with _disable_current_modes():
+            if pd._get_current_dispatch_mode() is not self.mode:
+                return call()
+            with pd._pop_mode_temporarily():  # only our own mode, the top one
                 out = call()
             self._opaque(f"compiled graph {label} (not recorded op by op)", self.phase(),
                          self.module(), label, out)
@@ -450,9 +475,13 @@ class OpRecorder:
         def compiled_function(*args, **kwargs):
             if torch.compiler.is_compiling() or not rec._eager_recording():
                 return fn(*args, **kwargs)
-            from torch.utils._python_dispatch import _disable_current_modes
+            from torch.utils import _python_dispatch as pd
 
-            with _disable_current_modes():
+            if pd._get_current_dispatch_mode() is not rec.mode:
+                # another mode (selective activation checkpointing's) above ours: leave the
+                # stack alone; the job's own modes decide how the call runs
+                return fn(*args, **kwargs)
+            with pd._pop_mode_temporarily():  # only our own mode, the top one
                 ins = [_hex(t) for t in _tensors((args, kwargs))]
                 rec._in_compiled_fn = True
                 try:
