@@ -85,7 +85,8 @@ def cli():
               help="auto: device digest for CUDA tensors, xxh3 on the host otherwise.")
 @click.option("--step-on", default=None, metavar="MODULE:FUNCTION",
               help="Count a step at each call of FUNCTION (a hand-written update, an optimizer "
-                   "outside torch.optim); MODULE may be the trainer script's name.")
+                   "outside torch.optim); MODULE may be the trainer script's name "
+                   "[default: none, an optimizer's step() is the step].")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, command):
     """Run COMMAND with capture active in every Python process it starts.
