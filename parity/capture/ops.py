@@ -112,13 +112,24 @@ _node_module = node_module
 class _Mode(TorchDispatchMode):
     """Hashes every op's inputs and output as it runs (outside compiled calls only)."""
 
+    # Higher-order ops (flex_attention run eagerly under selective activation checkpointing's
+    # mode, as the job runs it) pass through here too: run them below this mode, record one op.
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile'd code is not traced under this mode and dynamo does not skip it
+        because of it (torch >= 2.13 asks; older torch ignores this): a compiled function
+        in an eager trainer runs compiled, as in the job."""
+        return True
+
     def __init__(self, rec: "OpRecorder"):
         super().__init__()
         self.rec = rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = str(func)
+        name = str(func) if hasattr(func, "_schema") else getattr(func, "__name__", str(func))
         kind = op_kind(name, getattr(func, "_schema", None))
         ins = [_hex(t) for t in _tensors((args, kwargs))] if kind == "compute" else None
         out = func(*args, **kwargs)
