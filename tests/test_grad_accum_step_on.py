@@ -37,10 +37,13 @@ def _exec(out, *opts, **knobs):
                           timeout=TIMEOUT)
 
 
+_FLOAT = r"-?\d+\.\d+(?:e[-+]?\d+)?"  # the ranks' lines may run into each other
+
+
 def _reported(log: str) -> dict:
     """(rank, step) -> (the step's loss as the trainer reports it, the last micro-batch's)."""
     return {(int(r), int(s)): (float(a), float(b)) for r, s, a, b in
-            re.findall(r"rank (\d+) step (\d+) loss (\S+) last (\S+)", log)}
+            re.findall(r"rank (\d+) step (\d+) loss ({f}) last ({f})".format(f=_FLOAT), log)}
 
 
 @pytest.fixture(scope="module")
