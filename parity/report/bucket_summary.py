@@ -48,10 +48,13 @@ def print_summary(summary: dict | None, console, title: str = "Bucketing") -> No
         return
     console.print(T(f"{title} (rank {summary.get('rank', 0)}): {headline(summary)}"))
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    around = any(isinstance(r.get("around_bucketing"), dict) for r in summary["graphs"])
     for col, just in (("graph", "left"), ("coll.", "left"), ("count", "right"),
-                      ("bucketing pass", "right"), ("bytes min/median/max", "right"), ("max span", "right"),
+                      *((("at bucketing", "right"),) if around else ()),
+                      ("bytes min/median/max", "right"), ("max span", "right"),
                       ("max compute btw RS", "right")):
-        table.add_column(col, justify=just, no_wrap=True)
+        table.add_column(col, justify=just, no_wrap=True,
+                         min_width=9 if col in ("count", "at bucketing") else None)
     order = {"all_gather": 0, "reduce_scatter": 1}
     phases = {"forward": 0, "backward": 1}
     rows = sorted(summary["graphs"], key=lambda r: (
@@ -59,7 +62,7 @@ def print_summary(summary: dict | None, console, title: str = "Bucketing") -> No
         phases.get(r["graph"], 2)))
     for row in rows:
         table.add_row(T(side_label(row)), T(_ABBR.get(row["collective"], row["collective"])),
-                      T(_count(row)), T(_around(row)), T(_bytes(row)),
+                      T(_count(row)), *((T(_around(row)),) if around else ()), T(_bytes(row)),
                       T(_num(row["max_span"])), T(_num(row["max_consec_compute_between_rs"])))
     console.print(table)
     print_attribution(summary.get("attribution") or [], console)
