@@ -195,7 +195,8 @@ def rerun(plan: RerunPlan, out_dir: Path, step: int) -> tuple[int, Path, Path]:
                               manifests=bool(cap.get("manifests", True)),
                               hasher=cap.get("hasher") if cap.get("hasher") in ("auto", "xxh3",
                                                                                 "device") else "auto",
-                              step_on=cap.get("step_on") if isinstance(cap.get("step_on"), str) else None)
+                              step_on=(cap.get("step_on") if isinstance(cap.get("step_on"), str)
+                                       else None))
     finally:
         os.chdir(old_cwd)
         for k, v in saved_env.items():
