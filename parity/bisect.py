@@ -194,7 +194,9 @@ def rerun(plan: RerunPlan, out_dir: Path, step: int) -> tuple[int, Path, Path]:
             rc = exec_command(run_dir, plan.argv, every=1, grads=True,
                               manifests=bool(cap.get("manifests", True)),
                               hasher=cap.get("hasher") if cap.get("hasher") in ("auto", "xxh3",
-                                                                                "device") else "auto")
+                                                                                "device") else "auto",
+                              step_on=(cap.get("step_on") if isinstance(cap.get("step_on"), str)
+                                       else None))
     finally:
         os.chdir(old_cwd)
         for k, v in saved_env.items():
@@ -348,14 +350,69 @@ def _describe(rec: dict | None) -> dict | None:
     return d
 
 
+def _hashes(recs: list[dict]) -> set[str]:
+    return {o["hash"] for r in recs for o in r.get("out") or () if o.get("hash")}
+
+
+def _opaque_before(recs: list[dict], i: int | None, other: set[str] | None = None) -> list[str]:
+    """The regions not recorded op by op (inductor graphs, compiled graphs in an eager
+    process) before index ``i`` (None: anywhere), by name, in order. With ``other`` (every
+    output hash the other side recorded), a region whose outputs all appear there computed
+    the same values and is left out: the difference cannot enter there."""
+    names: list[str] = []
+    for r in recs:
+        if i is not None and r["i"] >= i:
+            break
+        if r.get("kind") != "opaque":
+            continue
+        outs = [o.get("hash") for o in r.get("out") or ()]
+        if other is not None and outs and all(h and h in other for h in outs):
+            continue
+        if r["op"] not in names:
+            names.append(r["op"])
+    return names
+
+
+def _regions(recs: list[dict]) -> list[str]:
+    """Every region not recorded op by op, by name: opaque records and compiled functions
+    (one record each, compared by their outputs)."""
+    names = _opaque_before(recs, None)
+    for r in recs:
+        node = str(r.get("node") or "")
+        if node.startswith("compiled ") and node not in names:
+            names.append(node)
+    return names
+
+
+def _grad_verdict(a: dict, b: dict, a_recs: list[dict], b_recs: list[dict], fb_before: int,
+                  layouts: str | None) -> dict:
+    """Where a difference first seen in a gradient enters, as far as the records tell."""
+    if not fb_before:
+        return {"differed": None, "detail": "it is a gradient as the optimizer consumes it; no "
+                "forward/backward op before it could be compared, so the ops do not tell where "
+                "the difference enters"}
+    opaque = ([f"{n} (A)" for n in _opaque_before(a_recs, a["i"], _hashes(b_recs))]
+              + [f"{n} (B)" for n in _opaque_before(b_recs, b["i"], _hashes(a_recs))])
+    head = (f"it is a gradient as the optimizer consumes it, and the {fb_before} aligned "
+            "forward/backward op(s) before it matched")
+    if opaque:
+        where = "; ".join(opaque[:4]) + (f" (+{len(opaque) - 4} more)" if len(opaque) > 4 else "")
+        tail = ("" if layouts == "identical" else
+                ", or in the reduce-scatter or its bucketing (`parity diff` shows the layouts)")
+        return {"differed": None, "detail": f"{head}: the difference enters in a region not "
+                f"recorded op by op: {where}{tail}"}
+    if layouts == "identical":
+        return {"differed": None, "detail": f"{head}: the difference enters between the backward "
+                "computation and the optimizer, in the gradient reduction (the bucket layouts "
+                "are identical: not the bucketing, but how the reduction sums, e.g. a gradient "
+                "reduce-scattered in chunks; `parity diff` explains it)"}
+    return {"differed": None, "detail": f"{head}: the difference enters between the backward "
+            "computation and the optimizer, i.e. in the reduce-scatter or its bucketing "
+            "(communication is not compared op by op; `parity diff` shows the bucket layouts)"}
+
+
 def _inputs_verdict(a: dict, b: dict, a_recs: list[dict]) -> dict:
     a_in, b_in = a.get("in"), b.get("in")
-    if a.get("kind") == "grad":
-        return {"differed": None, "detail": "it is a gradient as the optimizer consumes it, "
-                "and every aligned forward/backward op before it matched: the difference enters "
-                "between the backward computation and the optimizer, i.e. in the reduce-scatter "
-                "or its bucketing (communication is not compared op by op; `parity diff` shows "
-                "the bucket layouts)"}
     if a_in is None or b_in is None:
         return {"differed": None, "detail": "inputs were not hashed"}
     if a_in == b_in:
@@ -380,7 +437,20 @@ def _inputs_verdict(a: dict, b: dict, a_recs: list[dict]) -> dict:
             "not be aligned or in communication"}
 
 
-def analyse_rank(a_recs: list[dict], b_recs: list[dict]) -> dict:
+FEW_OPS = 10  # fewer forward/backward ops than this (or 10% of the other side's): too few
+
+
+def _too_few(a_recs: list[dict], b_recs: list[dict]) -> dict | None:
+    """Comparable forward/backward ops per side, and which side recorded too few for a
+    comparison to mean anything (None when both recorded enough)."""
+    n = {side: sum(1 for r in recs if comparable(r) and r.get("phase") in ("forward", "backward")
+                   and r.get("kind") != "grad")
+         for side, recs in (("a", a_recs), ("b", b_recs))}
+    few = [s for s in SIDES if n[s] < max(FEW_OPS, n["b" if s == "a" else "a"] // 10)]
+    return {"a": n["a"], "b": n["b"], "sides": few} if few else None
+
+
+def analyse_rank(a_recs: list[dict], b_recs: list[dict], layouts: str | None = None) -> dict:
     al = align(a_recs, b_recs)
     differing = [(a, b) for a, b in al.pairs if _value(a) != _value(b)]
     equal = len(al.pairs) - len(differing)
@@ -393,7 +463,9 @@ def analyse_rank(a_recs: list[dict], b_recs: list[dict]) -> dict:
                      for side, recs in (("a", a_recs), ("b", b_recs))},
                  "opaque_graph_runs": {"a": sum(1 for r in a_recs if r.get("kind") == "opaque"),
                                        "b": sum(1 for r in b_recs if r.get("kind") == "opaque")},
-                 "unaligned_groups": _groups(al.a_only, al.b_only)}
+                 "unaligned_groups": _groups(al.a_only, al.b_only),
+                 "opaque_regions": {"a": _regions(a_recs), "b": _regions(b_recs)},
+                 "too_few_ops": _too_few(a_recs, b_recs)}
     if not differing:
         out.update(verdict="no_aligned_difference" if (al.a_only or al.b_only) else "match",
                    first=None)
@@ -408,7 +480,9 @@ def analyse_rank(a_recs: list[dict], b_recs: list[dict]) -> dict:
     before = [r for r in al.a_only if r["i"] < a["i"]]
     out.update(verdict="differs", first={"a": _describe(a), "b": _describe(b)},
                last_match={"a": _describe(last[0]), "b": _describe(last[1])} if last else None,
-               inputs=_inputs_verdict(a, b, a_recs),
+               inputs=(_grad_verdict(a, b, a_recs, b_recs, sum(
+                   1 for pa, _ in al.pairs if pa["i"] < a["i"] and pa.get("kind") != "grad"),
+                   layouts) if a.get("kind") == "grad" else _inputs_verdict(a, b, a_recs)),
                unaligned_before={"a": len(before),
                                  "groups": _groups(before, [])[:8]},
                differing_pairs=len(differing))
@@ -426,13 +500,14 @@ def _groups(a_only: list[dict], b_only: list[dict]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ 5. command
-def _first_divergence(a_dir: Path, b_dir: Path) -> tuple[int | None, list[int], str]:
+def _first_divergence(a_dir: Path, b_dir: Path) -> tuple[int | None, list[int], str, str | None]:
+    """(first divergent step, its ranks, the hash verdict, the bucket-layout verdict)."""
     from parity.diff import diff_runs
 
     result = diff_runs(a_dir, b_dir)
     fd = result.first_divergence
     ranks = list(fd.ranks) if fd is not None else []
-    return result.first_divergent_step, ranks, result.verdict
+    return result.first_divergent_step, ranks, result.verdict, result.order.verdict
 
 
 def _check_reproduced(orig: Path, new: Path, step: int, rank: int) -> str | None:
@@ -485,13 +560,19 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
     plans = [plan_rerun("a", a_dir, out, envs[0]), plan_rerun("b", b_dir, out, envs[1])]
     div_ranks: list[int] = []
     why = "given with --step"
+    layouts = None
     if step is None:
-        step, div_ranks, verdict = _first_divergence(a_dir, b_dir)
+        step, div_ranks, verdict, layouts = _first_divergence(a_dir, b_dir)
         if step is None:
             return EXIT_OK, {"schema_version": SCHEMA_VERSION, "verdict": "nothing_to_bisect", "diff_verdict": verdict,
                              "detail": "the runs do not diverge at any compared step (give "
                              "--step K to look at a step anyway)"}
         why = "first divergent step"
+    else:
+        try:
+            layouts = _first_divergence(a_dir, b_dir)[3]
+        except Exception:  # noqa: BLE001 - the layouts only refine the wording
+            layouts = None
     if step < 1:
         raise ParityError(f"step {step} is the initial parameters: bisect looks at training "
                           "steps >= 1 (the models differ before the first op runs)", EXIT_USAGE)
@@ -536,7 +617,7 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
                 report[side].update(process=meta.get("process"), ops=meta.get("ops"),
                                      complete=meta.get("complete"))
                 report["warnings"] += [f"{side.upper()}: {w}" for w in meta.get("warnings") or ()]
-        per_rank[r] = analyse_rank(la[1], lb[1])
+        per_rank[r] = analyse_rank(la[1], lb[1], layouts)
     if rank not in per_rank:
         raise ParityError(f"rank {rank}: no readable ops on both sides", EXIT_INCOMPLETE)
     report.update(per_rank[rank])
@@ -548,6 +629,7 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
                                     "module": f["a"]["module"], "phase": f["a"]["phase"],
                                     "index": f["a"]["index"]} if f else
                                    {"verdict": res["verdict"]})
+    report["bucket_layouts"] = layouts
     if not report["a"].get("complete") or not report["b"].get("complete"):
         report["warnings"].append("a side's op record is incomplete (the job ended inside "
                                   f"step {step})")
@@ -570,6 +652,11 @@ def format_report(rep: dict) -> str:
     lines = [f"step {rep['step']} ({rep['step_source']}), rank {rep['rank']}: "
              f"A {rep['a'].get('process')} ({rep['a'].get('ops')} ops), "
              f"B {rep['b'].get('process')} ({rep['b'].get('ops')} ops)"]
+    few = rep.get("too_few_ops")
+    if few:
+        who = " and ".join(s.upper() for s in few["sides"])
+        lines[0] += (f"; {who} recorded too few forward/backward ops to compare (A {few['a']}, "
+                     f"B {few['b']}): what follows says little about where the difference enters")
     f = rep.get("first")
     if f:
         a, b = f["a"], f["b"]
@@ -608,10 +695,14 @@ def format_report(rep: dict) -> str:
             lines.append(f"  communication {side.upper()}: " + ", ".join(
                 f"{op} x{n}" for op, n in comm[side].items()))
     opaque = rep.get("opaque_graph_runs") or {}
-    if opaque.get("a") or opaque.get("b"):
-        lines.append(f"NOT RECORDED: compiled graph runs that do not execute their FX graph as is "
-                     f"(inductor, CUDA graphs): A {opaque.get('a', 0)}, B {opaque.get('b', 0)}; "
-                     "their ops are not compared (use an aot_eager-style backend to bisect)")
+    regions = rep.get("opaque_regions") or {}
+    if opaque.get("a") or opaque.get("b") or regions.get("a") or regions.get("b"):
+        named = "; ".join(f"{side.upper()}: {', '.join(regions[side][:3])}"
+                          + (f" (+{len(regions[side]) - 3} more)" if len(regions[side]) > 3 else "")
+                          for side in SIDES if regions.get(side))
+        lines.append(f"NOT RECORDED op by op (their outputs are hashed, their ops not compared): "
+                     f"{named or 'compiled graph runs'} (A {opaque.get('a', 0)}, "
+                     f"B {opaque.get('b', 0)} run(s))")
     groups = rep.get("unaligned_groups") or []
     if groups:
         shown = "; ".join(f"{g['op']} in {g['module'] or '(root)'} ({g['phase']}) A {g['a']} / "

@@ -84,8 +84,12 @@ def cli():
 @click.option("--hasher", type=click.Choice(["auto", "xxh3", "device"]), default="auto",
               show_default=True,
               help="auto: device digest for CUDA tensors, xxh3 on the host otherwise.")
+@click.option("--step-on", default=None, metavar="MODULE:FUNCTION",
+              help="Count a step at each call of FUNCTION (a hand-written update, an optimizer "
+                   "outside torch.optim); MODULE may be the trainer script's name "
+                   "[default: none, an optimizer's step() is the step].")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def exec_cmd(out_dir, every, grads, manifests, hasher, command):
+def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, command):
     """Run COMMAND with capture active in every Python process it starts.
 
     \b
@@ -99,7 +103,7 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, command):
     from parity.capture.launch import exec_command
 
     sys.exit(exec_command(out_dir, list(command), every=every, grads=grads,
-                          manifests=manifests, hasher=hasher))
+                          manifests=manifests, hasher=hasher, step_on=step_on))
 
 
 @cli.command("diff", context_settings=CONTEXT,

@@ -166,6 +166,9 @@ def order_phrase(order_verdict: str | None, first_bucket: dict | None = None) ->
         where = f"{fb['collective']} bucket {fb.get('index')}"
         if fb.get("position") is not None:
             where += f" position {fb['position']}"
+        own = fb.get("verdict")  # the named bucket's own class, when it is not the verdict's
+        if own and own != order_verdict and own in ORDER_FAILURES:
+            where += f": its {own.replace('_differs', '')} differs"
         what += f" ({where})"
     return what
 

@@ -250,3 +250,50 @@ def test_every_sweep_template_command_parses(monkeypatch):
         seen_backends.add("flash" if "flex_flash" in " ".join(args) else "flex")
         assert attn is not None, label
     assert seen_backends == {"flash", "flex"}
+
+
+def test_dry_run_parses_every_command_with_torchtitans_parser(tmp_path):
+    """`parity sweep --dry-run`: each torchtitan command through ConfigManager; a rejected one
+    gets one line under its cell and the dry run exits 2 (issue 22)."""
+    spec = tmp_path / "tt.toml"
+    spec.write_text(
+        'name = "tt"\n[axes.x]\nvalues = [1, 2]\n[axes.x.flags]\n1 = ["--training.bogus", "3"]\n'
+        '2 = []\n[reference]\nargv = ["-m", "torchtitan.train", "--module", "llama3", '
+        '"--config", "llama3_debugmodel", "--training.local_batch_size", "1", '
+        '"--training.seq_len", "256"]\n[candidate]\nargv = ["-m", "torchtitan.train", '
+        '"--module", "graph_trainer.llama3", "--config", "graph_trainer_llama3_debugmodel"]\n')
+    p = subprocess.run([sys.executable, "-m", "parity", "sweep", str(spec), "--dry-run"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert "(0.3.0 spelling)" in p.stdout
+    cells = p.stdout.split("\nx=")
+    assert cells[1].count("torchtitan rejects it: Unrecognized options: --training.bogus") == 2
+    assert "rejects" not in cells[2]
+    assert "2 accepted, 2 rejected" in p.stdout
+    assert p.stderr.strip().splitlines() == [
+        "parity: error: 2 command(s) rejected by torchtitan's parser (above)"]
+
+
+# ------------------------------------------------------------------------ bisect (issue 22)
+def test_bisect_eager_vs_aot_fx_trace_runs_the_traced_graph_op_by_op(eager, fx, tmp_path):
+    """GraphTrainer aot_fx_trace's make_fx graph is run node by node at the bisect step (it
+    recorded 0 forward/backward ops before); the eager Trainer stays eager though its flex
+    attention is compiled (one named record per call); the rerun reproduces the recorded
+    hashes (interpreting the graph changes nothing); bucket layouts are identical, so the
+    gradient verdict does not blame the bucketing."""
+    out = tmp_path / "bisect"
+    p = subprocess.run([sys.executable, "-m", "parity", "bisect", str(eager.out), str(fx.out),
+                        "--out", str(out)], cwd=eager.out.parent, capture_output=True, text=True,
+                       timeout=1500, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode in (0, 1), p.stdout + p.stderr
+    rep = json.loads((out / "bisect.json").read_text())
+    assert rep["a"]["process"] == "eager" and rep["b"]["process"] == "compiled"
+    assert rep["too_few_ops"] is None, rep["too_few_ops"]
+    assert rep["aligned"] > 100
+    # the compiled flex backward: one region, named, outputs hashed (not interpreted)
+    assert any(n.startswith("compiled graph backward#") for n in rep["opaque_regions"]["a"])
+    assert not any("reproduce" in w for w in rep["warnings"]), rep["warnings"]
+    assert rep["bucket_layouts"] == "identical"
+    assert "bucketing" not in rep.get("inputs", {}).get("detail", "").replace(
+        "not the bucketing", "")
+    assert "too few" not in p.stdout.splitlines()[2]

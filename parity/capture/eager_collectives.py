@@ -214,12 +214,16 @@ class EagerCollectives:
         shape = list(meta.shape) if meta is not None else list(local_tensor.shape)
         dtype = dtype_name(local_tensor.dtype)
         numel = local_tensor.numel()
-        size = numel * local_tensor.element_size()
         world = 1
         for a, b, n in zip(current_spec.placements, target_spec.placements,
                            current_spec.mesh.shape):
             if a != b:
                 world *= int(n)
+        if kind == "reduce_scatter":
+            # one byte unit with FSDP2 and graph records: a reduce-scatter's per-rank payload
+            # is the shard it ends with, not the full tensor it starts from
+            numel = -(-numel // world)
+        size = numel * local_tensor.element_size()
         rec = BucketRecord("dtensor", kind, len(self.current),
                            [BucketEntry(None, 0, size, numel, dtype, shape)], group="",
                            dtype=dtype, world_size=world, total_bytes=size,

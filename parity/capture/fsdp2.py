@@ -199,13 +199,18 @@ class FSDP2Recorder:
         index = self._index[collective]
         self._index[collective] = index + 1
         key = (collective, index)
-        sig = (group, dtype, world_size,
+        # forward or backward by autograd state, not by order: with gradient accumulation the
+        # next micro-batch's forward all-gathers follow a backward's re-gathers
+        phase = None
+        if collective == "all_gather":
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        sig = (group, dtype, world_size, phase,
                tuple((e.fqn, e.offset, e.size, e.numel, e.dtype, tuple(e.shape)) for e in entries))
         if self._last.get(key) == sig:
             return
         self._last[key] = sig
         self._emit(BucketRecord(
-            "fsdp2", collective, index, entries, step=self._step(), group=group,
+            "fsdp2", collective, index, entries, graph=phase, step=self._step(), group=group,
             dtype=dtype_name(dtype), world_size=world_size,
             total_bytes=sum(e.size for e in entries)))
 

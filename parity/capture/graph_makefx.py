@@ -26,7 +26,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from parity.capture import graph, graph_walk
+from parity.capture import graph, graph_passes, graph_walk
 from parity.capture.names import normalize_fqn
 from parity.records import BucketRecord
 
@@ -34,6 +34,7 @@ __all__ = ["TRAINER_MODULE", "install", "uninstall", "placeholder_fqns", "split_
 
 TRAINER_MODULE = "torchtitan.experiments.graph_trainer.trainer"
 _NAMES = ("minimal_fx_tracer", "run_traced")
+_OPTIONAL = ("apply_graph_passes",)  # collective counts around each pass (graph_passes.py)
 
 _state: dict[str, Any] = {"patches": [], "hooks": None, "seen": None}
 
@@ -198,13 +199,27 @@ def _wrap_runner(original: Callable) -> Callable:
                                     graph_id=pre_id if pre_ref is not None else None)
                 if pre_ref is None:
                     record["warnings"].append("no graph before passes (precompiled artifact)")
+                around = graph_passes.around_bucketing(_state.pop("pass_runs", None) or [])
+                for b in record["buckets"] if around else ():
+                    counts = around.get(f"{b.collective}/{b.graph}")
+                    if counts is not None:
+                        b.extra["around_bucketing"] = counts
                 hooks["on_graph"](record)
             except Exception as e:  # noqa: BLE001
                 hooks["warn"](f"compiled manifests: make_fx graph not read "
                               f"({type(e).__name__}: {e})")
 
         def run(*a, **k):
-            outputs = runner(*a, **k)
+            interpreter = None
+            hook = _state.get("runtime")
+            if hook is not None and gm is not None and "interpreter_cls" not in kwargs:
+                interpreter = hook(gm)
+            if interpreter is not None:
+                # parity bisect at its step: the same graph, run node by node by an FX
+                # interpreter that hashes each node's output (run_traced's own option)
+                outputs = original(traced, *args, interpreter_cls=interpreter, **kwargs)(*a, **k)
+            else:
+                outputs = runner(*a, **k)
             on_loss = hooks.get("on_loss")
             if on_loss is not None:
                 try:
@@ -219,6 +234,30 @@ def _wrap_runner(original: Callable) -> Callable:
     run_traced.__wrapped__ = original  # type: ignore[attr-defined]
     run_traced._parity_original = original  # type: ignore[attr-defined]
     return run_traced
+
+
+def set_runtime_hook(hook: Callable[[Any], Any] | None) -> None:
+    """``hook(gm)`` is asked before each run of a traced step: an FX interpreter class (called
+    as ``cls(gm)``) to run it with, or None to run it as is (op capture, ops.py)."""
+    _state["runtime"] = hook
+
+
+def _wrap_apply(original: Callable) -> Callable:
+    def apply_graph_passes(gm, example_inputs, passes, *args, **kwargs):
+        if _state["hooks"] is None:
+            return original(gm, example_inputs, passes, *args, **kwargs)
+        runs: list[dict] = []
+        try:
+            counted = graph_passes.wrap_passes(list(passes), runs)
+        except Exception:  # noqa: BLE001 - never break the trainer
+            counted = passes
+        out = original(gm, example_inputs, counted, *args, **kwargs)
+        _state["pass_runs"] = runs
+        return out
+
+    apply_graph_passes.__wrapped__ = original  # type: ignore[attr-defined]
+    apply_graph_passes._parity_original = original  # type: ignore[attr-defined]
+    return apply_graph_passes
 
 
 def install(on_graph: Callable[[dict], None], on_loss: Callable[[Any], None],
@@ -236,8 +275,11 @@ def install(on_graph: Callable[[dict], None], on_loss: Callable[[Any], None],
         return (f"GraphTrainer's {', '.join(missing)} not found in {TRAINER_MODULE} (this "
                 "torchtitan version is not supported): make_fx graphs are not recorded")
     _state["seen"] = weakref.WeakSet()
-    for name, wrap in (("minimal_fx_tracer", _wrap_tracer), ("run_traced", _wrap_runner)):
-        current = getattr(mod, name)
+    for name, wrap in (("minimal_fx_tracer", _wrap_tracer), ("run_traced", _wrap_runner),
+                       ("apply_graph_passes", _wrap_apply)):
+        current = getattr(mod, name, None)
+        if current is None or (name in _OPTIONAL and not callable(current)):
+            continue
         if hasattr(current, "_parity_original"):
             continue
         _state["patches"].append((mod, name, current))

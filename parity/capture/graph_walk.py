@@ -38,6 +38,9 @@ def _op_name(node: Any) -> str:
         return schema.name
     if node.target is operator.getitem:
         return "getitem"
+    if any(c.__name__ == "HigherOrderOperator" for c in type(node.target).__mro__):
+        # flex_attention and its backward: compute for ``compute_before``
+        return f"higher_order::{getattr(node.target, '__name__', None) or node.target.name()}"
     return ""
 
 

@@ -32,13 +32,14 @@ from parity.capture import env as cenv
 from parity.errors import EXIT_INCOMPLETE, EXIT_USAGE, ParityError
 from parity.rundir import META_FILE, RUN_FILE, count_steps, rank_dirs
 
+STEP_ON_ENV = "PARITY_CAPTURE_STEP_ON"  # parity/capture/step_on.py (imports torch: not here)
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def capture_env(out_dir: str | os.PathLike, *, every: int = 1, grads: bool = True,
                 manifests: bool = True, hasher: str = "auto",
-                base: dict[str, str] | None = None) -> dict[str, str]:
+                base: dict[str, str] | None = None, step_on: str | None = None) -> dict[str, str]:
     """The environment of a captured command: ``base`` (default os.environ) plus parity's vars."""
     env = dict(os.environ if base is None else base)
     env.pop(cenv.ENV_ACTIVE, None)
@@ -49,6 +50,9 @@ def capture_env(out_dir: str | os.PathLike, *, every: int = 1, grads: bool = Tru
     env[cenv.ENV_GRADS] = "1" if grads else "0"
     env[cenv.ENV_MANIFESTS] = "1" if manifests else "0"
     env[cenv.ENV_HASHER] = hasher
+    env.pop(STEP_ON_ENV, None)
+    if step_on:
+        env[STEP_ON_ENV] = step_on
     return env
 
 
@@ -62,6 +66,28 @@ def _signal_name(n: int) -> str:
 NOTHING_CAPTURED = ("nothing was captured: no process of the command imported torch and stepped "
                     "an optimizer (a wrapper that imports torch before starting the trainer "
                     "keeps its child out of capture)")
+# Each process whose capture session started (after its ``import torch``) appends its pid here
+# (activation.py), so that "nothing captured" can say whether torch was imported at all.
+STARTED_FILE = ".parity-sessions"
+
+
+def nothing_captured(out: Path, step_on: str | None = None) -> str:
+    """Why a command that exited 0 recorded no step, as accurately as the run directory tells."""
+    try:
+        started = len((out / STARTED_FILE).read_text().split())
+    except OSError:
+        started = 0
+    started = max(started, len(list(rank_dirs(out))))
+    if not started:
+        return ("nothing was captured: no process of the command imported torch under capture "
+                "(a wrapper that imports torch before starting the trainer keeps its child out "
+                "of capture)")
+    if step_on:
+        return (f"nothing was captured: {started} process(es) imported torch, but --step-on "
+                f"{step_on} was never called (see the capture warnings above)")
+    return (f"nothing was captured: {started} process(es) imported torch, but no torch.optim "
+            "optimizer stepped (a hand-written update or an optimizer outside torch.optim: name "
+            "the function that applies the update with parity exec --step-on MODULE:FUNCTION)")
 
 
 def _say(msg: str) -> None:
@@ -109,19 +135,28 @@ def _clear_previous(out: Path) -> None:
     """A run directory holds one run: drop the artifacts an earlier run left (ours only)."""
     for _, child in rank_dirs(out):
         shutil.rmtree(child, ignore_errors=True)
-    try:
-        (out / RUN_FILE).unlink()
-    except FileNotFoundError:
-        pass
+    for name in (RUN_FILE, STARTED_FILE):
+        try:
+            (out / name).unlink()
+        except FileNotFoundError:
+            pass
 
 
 def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int = 1,
-                 grads: bool = True, manifests: bool = True, hasher: str = "auto") -> int:
+                 grads: bool = True, manifests: bool = True, hasher: str = "auto",
+                 step_on: str | None = None) -> int:
     """Run ``command`` with capture injected; return its exit code (2 if it cannot start)."""
     if not command:
         raise ParityError("exec: no command given")
     if every < 1:
         raise ParityError(f"exec: --every must be >= 1, got {every}")
+    if step_on:
+        from parity.capture.step_on import parse
+
+        try:
+            parse(step_on)
+        except ValueError as e:
+            raise ParityError(f"exec: {e}") from None
     out = Path(out_dir).resolve()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -132,14 +167,16 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
     run = {"v": SCHEMA_VERSION, "argv": list(command), "cwd": os.getcwd(),
            "started": time.time(), "ended": None, "exit_code": None, "status": "running",
            "error": None, "parity": __version__, "host": socket.gethostname(),
-           "capture": {"every": every, "grads": grads, "manifests": manifests, "hasher": hasher}}
+           "capture": {"every": every, "grads": grads, "manifests": manifests, "hasher": hasher,
+                       **({"step_on": step_on} if step_on else {})}}
     write_json_atomic(out / RUN_FILE, run)
 
     def finish(exit_code: int | None, status: str, error: str | None) -> None:
         run.update(ended=time.time(), exit_code=exit_code, status=status, error=error)
         write_json_atomic(out / RUN_FILE, run)
 
-    env = capture_env(out, every=every, grads=grads, manifests=manifests, hasher=hasher)
+    env = capture_env(out, every=every, grads=grads, manifests=manifests, hasher=hasher,
+                      step_on=step_on)
     received: list[int] = []
     child: list[subprocess.Popen] = []
 
@@ -193,8 +230,9 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
     _say(summary)
     if rc == 0 and not captured:
         # The command "worked" but there is nothing to compare: never let that pass as success.
-        finish(EXIT_INCOMPLETE, "failed", NOTHING_CAPTURED)
-        _say(f"warning: {NOTHING_CAPTURED}; exiting with {EXIT_INCOMPLETE}")
+        why = nothing_captured(out, step_on)
+        finish(EXIT_INCOMPLETE, "failed", why)
+        _say(f"warning: {why}; exiting with {EXIT_INCOMPLETE}")
         return EXIT_INCOMPLETE
     if rc == 0:
         finish(0, "ok", None)

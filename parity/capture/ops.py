@@ -112,13 +112,24 @@ _node_module = node_module
 class _Mode(TorchDispatchMode):
     """Hashes every op's inputs and output as it runs (outside compiled calls only)."""
 
+    # Higher-order ops (flex_attention run eagerly under selective activation checkpointing's
+    # mode, as the job runs it) pass through here too: run them below this mode, record one op.
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile'd code is not traced under this mode and dynamo does not skip it
+        because of it (torch >= 2.13 asks; older torch ignores this): a compiled function
+        in an eager trainer runs compiled, as in the job."""
+        return True
+
     def __init__(self, rec: "OpRecorder"):
         super().__init__()
         self.rec = rec
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = str(func)
+        name = str(func) if hasattr(func, "_schema") else getattr(func, "__name__", str(func))
         kind = op_kind(name, getattr(func, "_schema", None))
         ins = [_hex(t) for t in _tensors((args, kwargs))] if kind == "compute" else None
         out = func(*args, **kwargs)
@@ -133,8 +144,25 @@ class _Interpreter(torch.fx.Interpreter):
         super().__init__(gm)
         self.rec = rec
         self.graph_label = graph
+        self.kind = graph.split("#")[0]
+        self.in_backward = False
+
+    def _phase(self, n) -> str:
+        if self.kind != "joint":
+            return self.kind
+        # a make_fx joint graph (GraphTrainer aot_fx_trace): graph_makefx.split_joint's rule
+        flag = n.meta.get("autograd_backward")
+        if flag:
+            self.in_backward = True
+        return "backward" if (flag or (flag is None and self.in_backward)) else "forward"
 
     def run_node(self, n):
+        if n.op == "call_module":  # a compiled region inside the graph (regional inductor)
+            out = super().run_node(n)
+            self.rec._opaque(f"inside compiled region {n.target}, not recorded op by op",
+                             self._phase(n), _node_module(n), f"{self.graph_label}:{n.name}",
+                             out)
+            return out
         if n.op != "call_function" or n.target is operator.getitem:
             return super().run_node(n)
         name = str(n.target) if hasattr(n.target, "_schema") else getattr(n.target, "__name__",
@@ -146,7 +174,7 @@ class _Interpreter(torch.fx.Interpreter):
         else:
             ins = None
         out = super().run_node(n)
-        self.rec.add(name, kind, ins, out, _node_module(n), self.graph_label.split("#")[0],
+        self.rec.add(name, kind, ins, out, _node_module(n), self._phase(n),
                      f"{self.graph_label}:{n.name}")
         return out
 
@@ -180,6 +208,26 @@ def runs_graph_as_is(gm, compiled, depth: int = 2) -> bool:
     return False
 
 
+def _backend_name(compiled) -> str:
+    """"inductor" when the compiled callable comes from inductor, else "compiled"."""
+    seen = [compiled, *(c.cell_contents for c in getattr(compiled, "__closure__", None) or ()
+                        if _has_contents(c))]
+    for obj in seen:
+        t = type(obj)
+        if "inductor" in f"{t.__module__}.{t.__qualname__}".lower() or "inductor" in (
+                getattr(obj, "__module__", "") or ""):
+            return "inductor"
+    return "compiled"
+
+
+def _has_contents(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
 class OpRecorder:
     def __init__(self, session, step: int, exit_after: bool):
         self.session = session
@@ -193,6 +241,9 @@ class OpRecorder:
         self.mode: _Mode | None = None
         self.tracker = None
         self.graphs_run = 0
+        self._runtime_hooked = False
+        self._in_compiled_fn = False
+        self._makefx_ids: dict[int, int] = {}
         self.warnings: list[str] = []
         self._fwd_handle = None
         self._handles = []
@@ -208,16 +259,33 @@ class OpRecorder:
 
         @functools.wraps(orig_compile)
         def compile(*args, **kwargs):
-            if not self.compiled:  # hooked here, not at start: eager jobs never import dynamo
+            target = args[0] if args else kwargs.get("model")
+            # A compiled module (or its forward) makes a compiled process: forward/backward come
+            # from its graphs. A compiled function (torchtitan's flex attention) inside an
+            # eager trainer does not: the trainer stays eager and the function is one opaque
+            # region, named (a dispatch mode around it would make dynamo skip it and run it
+            # eagerly: another computation).
+            is_module = isinstance(target, torch.nn.Module) or isinstance(
+                getattr(target, "__self__", None), torch.nn.Module)
+            if is_module:
                 self.compiled = True
+            if not self._runtime_hooked:  # hooked here, not at start: eager jobs never import dynamo
+                self._runtime_hooked = True
                 from parity.capture import graph
 
                 reason = graph.set_runtime_hook(self._wrap_compiled)
                 if reason:
                     self.warnings.append(f"compiled graphs cannot be recorded: {reason}")
-            return orig_compile(*args, **kwargs)
+            out = orig_compile(*args, **kwargs)
+            if not is_module and callable(out) and target is not None:
+                return self._compiled_function(out, getattr(target, "__name__", None)
+                                               or type(target).__name__)
+            return out
 
         torch.compile = compile
+        from parity.capture import graph_makefx
+
+        graph_makefx.set_runtime_hook(self._makefx_interpreter)
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(register_optimizer_step_post_hook(self._opt_post))
         if self.step == 1:
@@ -230,8 +298,11 @@ class OpRecorder:
         self._fwd_handle = register_module_forward_pre_hook(self._first_forward)
 
     def _first_forward(self, module, args):
-        # One shot: removed at its first call, before any compiled frame is entered.
-        if torch.compiler.is_compiling():
+        # One shot: removed at its first call, before any compiled frame is entered. Inside a
+        # trace (dynamo, GraphTrainer's make_fx) it does nothing and waits for a real call.
+        from parity.capture.patches import _tracing
+
+        if _tracing():
             return None
         h, self._fwd_handle = self._fwd_handle, None
         if h is not None:
@@ -243,6 +314,7 @@ class OpRecorder:
             from torch.distributed._tools.mod_tracker import ModTracker
 
             self.tracker = ModTracker()
+            self.tracker._get_pop_fn = self._tolerant_pop(self.tracker._get_pop_fn)
             self.tracker.__enter__()
             self.tracker._fw_pre_hook(module, args)  # this call's own pre-hook has passed
         except Exception as e:  # noqa: BLE001
@@ -251,6 +323,28 @@ class OpRecorder:
         self.mode = _Mode(self)
         self.mode.__enter__()
         return None
+
+    def _tolerant_pop(self, get_pop_fn):
+        """ModTracker raises inside the job's forward when a post-hook finds no matching
+        pre-hook (seen with activation checkpointing in torchtitan): module names are ours to
+        lose, the job is not. The mismatch becomes a warning."""
+        def get(w_mod, name, is_bw):
+            fn = get_pop_fn(w_mod, name, is_bw)
+
+            def pop(*args):
+                try:
+                    return fn(*args)
+                except RuntimeError as e:
+                    if "hierarchy tracking" not in str(e):
+                        raise
+                    msg = "module names may be off: ModTracker lost track of the module nesting"
+                    if msg not in self.warnings:
+                        self.warnings.append(msg)
+                    return None
+
+            return pop
+
+        return get
 
     def _opt_pre(self, opt, args, kwargs):
         s = self.session
@@ -321,10 +415,103 @@ class OpRecorder:
             self.records.append(rec)
 
     # ------------------------------------------------------------------------ compiled
+    def _opaque(self, op: str, phase: str, module: str, node: str, out) -> None:
+        """One record for a region not recorded op by op; its outputs are hashed (where the
+        values leave the region), but it is not compared as an op."""
+        self._append({"op": op, "kind": "opaque", "phase": phase, "module": module, "in": None,
+                      "out": [dict(_sig(t), hash=_hex(t)) for t in _tensors(out)],
+                      "node": node})
+
+    def _wrap_in_eager(self, compiled, label: str, boxed: bool):
+        """A compiled function's graph in an eager process. Its forward runs inside
+        ``_compiled_function`` (recorded there); its backward runs within autograd's backward,
+        under the dispatch mode: run as the job runs it (mode off), one opaque record."""
+        def record(call):
+            if self._in_compiled_fn or not self._eager_recording():
+                return call()
+            from torch.utils import _python_dispatch as pd
+
+            if pd._get_current_dispatch_mode() is not self.mode:
+                return call()
+            with pd._pop_mode_temporarily():  # only our own mode, the top one
+                out = call()
+            self._opaque(f"compiled graph {label} (not recorded op by op)", self.phase(),
+                         self.module(), label, out)
+            return out
+
+        if boxed:
+            def run(args):
+                return record(lambda: compiled(args))
+
+            run._boxed_call = True  # type: ignore[attr-defined]
+        else:
+            def run(*args):
+                return record(lambda: compiled(*args))
+        return run
+
+    def _makefx_interpreter(self, gm):
+        """GraphTrainer aot_fx_trace (graph_makefx's runner): at step K the traced joint graph
+        (forward, loss and backward) is run by the hashing interpreter; the process is then a
+        compiled one (no dispatch mode: every op of the step is a node of that graph)."""
+        if not (self.recording and not self.in_optimizer and os.getpid() == self.pid):
+            return None
+        if not self.compiled:
+            self.compiled = True
+            h, self._fwd_handle = self._fwd_handle, None
+            if h is not None:
+                h.remove()
+            for ctx in (self.mode, self.tracker):
+                if ctx is not None:
+                    try:
+                        ctx.__exit__(None, None, None)
+                    except Exception:  # noqa: BLE001
+                        pass
+            self.mode = self.tracker = None
+        gid = self._makefx_ids.setdefault(id(gm), len(self._makefx_ids))
+        self.graphs_run += 1
+        return functools.partial(_Interpreter, rec=self, graph=f"joint#{gid}")
+
+    def _eager_recording(self) -> bool:
+        """An eager process recording forward/backward with its dispatch mode."""
+        return (self.recording and self.mode is not None and not self.in_optimizer
+                and not self.compiled and os.getpid() == self.pid)
+
+    def _compiled_function(self, fn, name: str):
+        """A function compiled inside an eager trainer (flex attention): at step K, its call
+        runs with the dispatch mode off (as the job runs it) and is one record, ``name``, with
+        its inputs' and outputs' hashes: opaque inside, compared by its outputs."""
+        rec = self
+
+        @functools.wraps(fn)
+        def compiled_function(*args, **kwargs):
+            if torch.compiler.is_compiling() or not rec._eager_recording():
+                return fn(*args, **kwargs)
+            from torch.utils import _python_dispatch as pd
+
+            if pd._get_current_dispatch_mode() is not rec.mode:
+                # another mode (selective activation checkpointing's) above ours: leave the
+                # stack alone; the job's own modes decide how the call runs
+                return fn(*args, **kwargs)
+            with pd._pop_mode_temporarily():  # only our own mode, the top one
+                ins = [_hex(t) for t in _tensors((args, kwargs))]
+                rec._in_compiled_fn = True
+                try:
+                    out = fn(*args, **kwargs)
+                finally:
+                    rec._in_compiled_fn = False
+            rec.add(name, "compute", ins, out, rec.module(), rec.phase(),
+                    f"compiled {name} (not recorded op by op)")
+            return out
+
+        return compiled_function
+
     def _wrap_compiled(self, gm, graph_kind: str, graph_id: int, compiled):
         label = f"{graph_kind}#{graph_id}"
         boxed = getattr(compiled, "_boxed_call", False)
+        if not self.compiled:
+            return self._wrap_in_eager(compiled, label, boxed)
         if not runs_graph_as_is(gm, compiled):
+            backend = _backend_name(compiled)
             # Inductor kernels, CUDA graphs...: interpreting the FX graph would record values
             # the job never computed. Say so instead (one record per run, and a warning).
             self.warnings.append(f"{label}: the compiled callable ({type(compiled).__name__}) "
@@ -332,11 +519,12 @@ class OpRecorder:
                                  "wrapper): its ops are not recorded")
 
             def opaque(*args):
-                if self.recording and not self.in_optimizer and os.getpid() == self.pid:
-                    self._append({"op": "compiled graph (not recorded)", "kind": "opaque",
-                                  "phase": graph_kind, "module": "", "in": None, "out": [],
-                                  "node": label})
-                return compiled(*args)
+                if not (self.recording and not self.in_optimizer and os.getpid() == self.pid):
+                    return compiled(*args)
+                out = compiled(*args)
+                self._opaque(f"inside {backend} graph {label}, not recorded op by op",
+                             graph_kind, "", label, out)
+                return out
 
             if boxed:
                 opaque._boxed_call = True  # type: ignore[attr-defined]

@@ -54,7 +54,9 @@ def _note_loss(t) -> None:
         if isinstance(t, (list, tuple)):
             t = t[0] if len(t) == 1 else None
         if isinstance(t, torch.Tensor) and t.numel() == 1:
-            s.loss_ref = t.detach()
+            from parity.capture import loss
+
+            loss.note(s, t)  # summed over the step's backward calls (gradient accumulation)
     except Exception:  # noqa: BLE001 - never get in the way of backward
         pass
 

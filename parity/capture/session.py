@@ -343,7 +343,9 @@ class Session(RankRecord, StepClock, ParamTable):
         """The loss a traced step returned (its backward ran inside the graph)."""
         if isinstance(t, torch.Tensor) and t.numel() == 1:
             self.backwards += 1
-            self.loss_ref = t.detach()
+            from parity.capture import loss
+
+            loss.note(self, t)
 
     def _on_graph(self, record: dict) -> None:
         if self.failed or self.stopped:

@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from parity.capture import loss
 from parity.capture.hashing import digest_tensors
 
 
@@ -143,7 +144,7 @@ class StepClock:
         self.open = False
         self.step_opts = set()
         self._step_sampled = sampled(self.k, self.every)
-        self._step_loss = self.loss_ref
+        self._step_loss = loss.step_loss(self)  # the sum over this step's backward calls
         self._step_grads = None
         if self._table_final and self._step_sampled and self.grads:
             self._step_grads = digest_tensors([p.grad for p in self.table], self.hasher)

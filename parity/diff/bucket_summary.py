@@ -139,6 +139,11 @@ def summarize(buckets: list[dict]) -> dict:
             row["spans"] = spans
             known = [s for s in spans or [] if s is not None]
             row["max_span"] = max(known) if known else None
+        around = next((b["around_bucketing"] for b in after
+                       if isinstance(b.get("around_bucketing"), dict)), None)
+        # counts right before the first bucketing pass and right after the last one
+        # (GraphTrainer aot_fx_trace: capture/graph_passes.py); None where not recorded
+        row["around_bucketing"] = around
         if source == "graph" and collective == "reduce_scatter" and after:
             between = _compute_between(after)
             row["compute_between_rs"] = between

@@ -155,7 +155,10 @@ def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None
                 key = b.record_index
                 if key not in first:
                     first[key] = b
-                elif first[key].signature() != b.signature():
+                elif first[key].signature() != b.signature() and not any(
+                        x.signature() == b.signature() for x in first.values()):
+                    # matched by content: a bucket already seen at another index is an index
+                    # shift (an extra re-gather issued earlier in the step), not a change
                     layout.changes.append(
                         f"{coll} bucket {key} ({first[key].group}) recorded again at step "
                         f"{b.step}: {_describe_change(first[key], b)}")

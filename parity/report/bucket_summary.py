@@ -32,6 +32,11 @@ def _bytes(row: dict | None) -> str:
     return f"{b['min']}/{med}/{b['max']}"
 
 
+def _around(row: dict | None) -> str:
+    a = row.get("around_bucketing") if row else None
+    return f"{a['before']} -> {a['after']}" if isinstance(a, dict) else "-"
+
+
 def _num(value) -> str:
     return "-" if value is None else str(value)
 
@@ -43,10 +48,13 @@ def print_summary(summary: dict | None, console, title: str = "Bucketing") -> No
         return
     console.print(T(f"{title} (rank {summary.get('rank', 0)}): {headline(summary)}"))
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    around = any(isinstance(r.get("around_bucketing"), dict) for r in summary["graphs"])
     for col, just in (("graph", "left"), ("coll.", "left"), ("count", "right"),
+                      *((("at bucketing", "right"),) if around else ()),
                       ("bytes min/median/max", "right"), ("max span", "right"),
                       ("max compute btw RS", "right")):
-        table.add_column(col, justify=just, no_wrap=True)
+        table.add_column(col, justify=just, no_wrap=True,
+                         min_width=9 if col in ("count", "at bucketing") else None)
     order = {"all_gather": 0, "reduce_scatter": 1}
     phases = {"forward": 0, "backward": 1}
     rows = sorted(summary["graphs"], key=lambda r: (
@@ -54,7 +62,7 @@ def print_summary(summary: dict | None, console, title: str = "Bucketing") -> No
         phases.get(r["graph"], 2)))
     for row in rows:
         table.add_row(T(side_label(row)), T(_ABBR.get(row["collective"], row["collective"])),
-                      T(_count(row)), T(_bytes(row)),
+                      T(_count(row)), *((T(_around(row)),) if around else ()), T(_bytes(row)),
                       T(_num(row["max_span"])), T(_num(row["max_consec_compute_between_rs"])))
     console.print(table)
     print_attribution(summary.get("attribution") or [], console)
@@ -77,6 +85,7 @@ def print_attribution(rows: list[dict], console, side: str = "") -> None:
 
 FIGURES = (
     ("count before -> after", _count),
+    ("around bucketing pass", _around),
     ("bytes min/med/max", _bytes),
     ("max span", lambda r: _num(r and r.get("max_span"))),
     ("max compute btw RS", lambda r: _num(r and r.get("max_consec_compute_between_rs"))),
@@ -116,7 +125,7 @@ def print_summary_pair(a: dict | None, b: dict | None, console, moved: list | No
                       T(side_label(ra)), T(side_label(rb)), T(""))
         for name, fmt in FIGURES:
             va, vb = fmt(ra), fmt(rb)
-            if name == "max compute btw RS" and va == vb == "-":
+            if name in ("max compute btw RS", "around bucketing pass") and va == vb == "-":
                 continue
             # a span or gap one side cannot know is no finding
             differs = va != vb and (name.startswith(("count", "bytes")) or "-" not in (va, vb))

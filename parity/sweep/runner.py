@@ -33,6 +33,7 @@ from parity.sweep.launchers import make_launcher
 from parity.sweep.model import SideResult
 from parity.sweep.progress import make_progress
 from parity.sweep.results import clean_finish, compare_cell
+from parity.sweep import torchtitan_args as torchtitan_check
 from parity.sweep.spec import SIDES, Cell, Spec, load_spec, matches, parse_only, safe_component
 
 DEFAULT_ROOT = Path("reports")
@@ -120,6 +121,7 @@ def _dry_run(sp: Spec, cells: list[Cell], selected: set[str], sweep_dir: Path, l
     w(f"sweep {sp.name}: {len(selected)} of {len(cells)} cells, {steps} steps, "
       f"{sp.nnodes}x{sp.nproc_per_node} ranks, launcher {launcher_name}{note}\n")
     w(f"output: {sweep_dir}\n")
+    tt = torchtitan_check.dry_run_checker(sp, cells, selected, w)
     for cell in cells:
         if cell.id not in selected:
             continue
@@ -140,7 +142,13 @@ def _dry_run(sp: Spec, cells: list[Cell], selected: set[str], sweep_dir: Path, l
                 argv = ["parity", *argv[len(prefix):]]
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in job.env.items())
             w(f"  {side}: {(env + ' ') if env else ''}{shlex.join(argv)}\n")
+            if tt is not None and (problem := tt.check(job.entry_argv)):
+                w(f"    torchtitan rejects it: {problem}\n")
     lnch.close()
+    if tt is not None:
+        w(f"\n{tt.summary()}\n")
+        if tt.failed:
+            raise SpecError(f"{tt.failed} command(s) rejected by torchtitan's parser (above)")
     return 0
 
 

@@ -24,6 +24,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from parity.errors import ParityError, SpecError
 from parity.nccl_model import parse_topology
+from parity.sweep import torchtitan_args
 
 SIDES = ("reference", "candidate")
 CELLS_DIR = "cells"  # SWEEP_DIR/cells/CELL_ID/{cell.json,diff.json,reference/,candidate/,logs/}
@@ -194,6 +195,8 @@ class Spec:
                 for a, v in zip(self.axes, combo):
                     table = side.flags.get(a.name, a.flags)
                     argv.extend(substitute(t, values) for t in table.get(value_key(v), []))
+                # torchtitan's batch flags in the installed torchtitan's spelling
+                argv = torchtitan_args.adapt_for_installed(argv, self.workdir, f"{cid} {sname}: ")
                 env = {k: substitute(t, values) for k, t in {**self.env, **side.env}.items()}
                 sides[sname] = SideJob(sname, side.label, argv, env)
             cells.append(Cell(cid, axes, requires, sides))

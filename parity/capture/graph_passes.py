@@ -1,0 +1,85 @@
+"""Collective counts around each of GraphTrainer's graph passes, so that ``parity inspect`` can
+report before/after around the bucketing passes themselves.
+
+Why: "before" = the traced graph and "after" = the graph that runs mix in what other passes do:
+a dedup pass that removes lm_head re-gathers before bucketing, rematerialization that creates
+re-gathers after it. Counting the collectives (per kind and phase) right before and right after
+every pass lets the figures AutoParallel-style reports quote (all-gathers in forward, in
+backward (recomputed), reduce-scatters) be read around the passes that bucket.
+
+Each pass is wrapped with a function of the same name (``_get_pass_name`` and
+``--compile.disable_passes`` see the original name) that walks the graph before and after
+calling it: read-only, on the graph the pass receives; the pass and its result are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from parity.capture import graph_walk
+
+_KINDS = {**{op: "all_gather" for op in (*graph_walk._AG_OPS, *graph_walk._AG_COALESCED_OPS)},
+          **{op: "reduce_scatter" for op in (*graph_walk._RS_OPS, *graph_walk._RS_COALESCED_OPS)}}
+
+
+def pass_name(fn: Any) -> str:
+    return fn.func.__name__ if isinstance(fn, functools.partial) else getattr(
+        fn, "__name__", type(fn).__name__)
+
+
+def count_collectives(gm: Any) -> dict[str, int]:
+    """``{"all_gather/forward": n, ...}`` in a joint graph (phase as graph_makefx.split_joint)."""
+    out: dict[str, int] = {}
+    in_backward = False
+    for node in gm.graph.nodes:
+        flag = node.meta.get("autograd_backward")
+        if flag:
+            in_backward = True
+        kind = _KINDS.get(graph_walk._op_name(node))
+        if kind is None:
+            continue
+        phase = "backward" if (flag or (flag is None and in_backward)) else "forward"
+        key = f"{kind}/{phase}"
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+def wrap_passes(passes: list, sink: list[dict]) -> list:
+    """``passes`` with each one counted into ``sink`` (one dict per pass run)."""
+    def wrap(fn: Callable) -> Callable:
+        name = pass_name(fn)
+
+        def counted(gm, *args, **kwargs):
+            try:
+                before = count_collectives(gm)
+            except Exception:  # noqa: BLE001 - counting never breaks the pass
+                before = None
+            out = fn(gm, *args, **kwargs)
+            try:
+                after = count_collectives(out if hasattr(out, "graph") else gm)
+            except Exception:  # noqa: BLE001
+                after = None
+            sink.append({"pass": name, "before": before, "after": after})
+            return out
+
+        counted.__name__ = name
+        counted.__qualname__ = name
+        counted.__wrapped__ = fn  # type: ignore[attr-defined]
+        return counted
+
+    return [wrap(p) for p in passes]
+
+
+def around_bucketing(runs: list[dict]) -> dict[str, dict] | None:
+    """Per ``kind/phase``: the count right before the first bucketing pass and right after the
+    last one (a pass whose name says ``bucket``), with the passes' names; None if none ran."""
+    idx = [i for i, r in enumerate(runs) if "bucket" in r["pass"].lower()
+           and r.get("before") is not None and r.get("after") is not None]
+    if not idx:
+        return None
+    first, last = runs[idx[0]], runs[idx[-1]]
+    names = ",".join(runs[i]["pass"] for i in idx)
+    keys = set(first["before"]) | set(last["after"])
+    return {k: {"before": first["before"].get(k, 0), "after": last["after"].get(k, 0),
+                "passes": names} for k in sorted(keys)}

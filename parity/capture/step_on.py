@@ -1,0 +1,209 @@
+"""``parity exec --step-on MODULE:FUNCTION``: a training step is a call of FUNCTION.
+
+Why: capture counts a step when a ``torch.optim.Optimizer`` steps (its global step hooks). A
+trainer that updates its parameters by hand (``p -= lr * p.grad``) or through an optimizer
+outside ``torch.optim`` (a fused or foreign one) never fires those hooks, and nothing would be
+recorded. Naming the function that applies the update marks the step without editing the
+trainer: each call of FUNCTION is one step, exactly as if an optimizer's ``step()`` ran
+around it (parity's own global optimizer hooks are called with a stand-in optimizer before and
+after; nobody else's).
+
+FUNCTION is ``name`` or ``Class.method`` in MODULE. MODULE is wrapped right after it is
+imported; ``__main__`` (or the stem of the script being run) is the trainer script itself, whose
+functions are defined as it runs: there the function is wrapped at the first Python call after
+its ``def`` (a profile hook that removes itself). A call from a name bound before the wrap (``from
+m import f`` executed earlier) is not seen: name the module where the trainer looks it up.
+
+The parameters of the step, in this order: the ``param_groups`` of an argument that has them (a
+foreign optimizer, ``self`` of ``Optimizer.step``); the parameters of ``nn.Module`` arguments
+and the parameters (tensors that require grad) among the arguments, one level into lists,
+tuples and dicts; else the parameters of the first module the trainer called.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import weakref
+
+import torch
+
+from parity.capture import post_import
+from parity.capture.env import one_line, say
+from parity.capture.patches import _tracing
+
+ENV_STEP_ON = "PARITY_CAPTURE_STEP_ON"
+
+
+def parse(spec: str) -> tuple[str, str]:
+    """``'pkg.mod:Class.method'`` -> ("pkg.mod", "Class.method"); ValueError when malformed."""
+    mod, sep, attr = spec.partition(":")
+    if not sep or not mod.strip() or not attr.strip() or any(
+            not p.isidentifier() for p in attr.split(".")) or any(
+            not p.isidentifier() for p in mod.split(".")):
+        raise ValueError(f"--step-on {spec!r}: expected MODULE:FUNCTION (e.g. train:sgd_update "
+                         "or mylib.optim:FusedAdam.step)")
+    return mod.strip(), attr.strip()
+
+
+class _StandIn:
+    """What parity's optimizer hooks read from an optimizer: ``param_groups``."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.param_groups: list[dict] = [{"params": []}]
+
+    def __repr__(self) -> str:
+        return f"<parity --step-on {self.label}>"
+
+
+def _params(args, kwargs, root) -> list:
+    values = [*args, *kwargs.values()]
+    for v in values:
+        groups = getattr(v, "param_groups", None)
+        if isinstance(groups, list) and groups and all(isinstance(g, dict) for g in groups):
+            return [p for g in groups for p in g.get("params", ())]
+    out, seen = [], set()
+
+    def add(p):
+        if isinstance(p, torch.Tensor) and p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+
+    for v in values:
+        items = list(v.values()) if isinstance(v, dict) else list(v) if isinstance(
+            v, (list, tuple)) else [v]
+        for x in items:
+            if isinstance(x, torch.nn.Module):
+                for p in x.parameters():
+                    add(p)
+            else:
+                add(x)
+    if not out and root is not None:
+        for p in root.parameters():
+            add(p)
+    return out
+
+
+def _parity_hooks(table) -> list:
+    """parity's own global optimizer hooks (the session's and op capture's), in order."""
+    out = []
+    for hook in list(table.values()):
+        fn = getattr(hook, "__func__", hook)
+        if (getattr(fn, "__module__", "") or "").startswith("parity."):
+            out.append(hook)
+    return out
+
+
+def wrap(fn, label: str, session):
+    """``fn`` with parity's optimizer step hooks around each call."""
+    stand_in = _StandIn(label)
+
+    @functools.wraps(fn)
+    def step_on(*args, **kwargs):
+        if session.failed or session.stopped or os.getpid() != session.pid or _tracing():
+            return fn(*args, **kwargs)
+        from torch.optim import optimizer as _opt
+
+        root = session._root_ref() if getattr(session, "_root_ref", None) else None
+        stand_in.param_groups = [{"params": _params(args, kwargs, root)}]
+        for hook in _parity_hooks(_opt._global_optimizer_pre_hooks):
+            hook(stand_in, (stand_in,), {})
+        out = fn(*args, **kwargs)
+        for hook in _parity_hooks(_opt._global_optimizer_post_hooks):
+            hook(stand_in, (stand_in,), {})
+        return out
+
+    step_on._parity_step_on = True  # type: ignore[attr-defined]
+    return step_on
+
+
+def _install_on(owner, attr_path: str, label: str, session) -> bool:
+    *parents, name = attr_path.split(".")
+    obj = owner
+    for p in parents:
+        obj = getattr(obj, p, None) if not isinstance(obj, dict) else obj.get(p)
+        if obj is None:
+            return False
+    current = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+    if current is None:
+        return False
+    if getattr(current, "_parity_step_on", False):
+        return True
+    if not callable(current):
+        raise TypeError(f"--step-on {label}: {attr_path} is not callable")
+    if isinstance(obj, dict):
+        obj[name] = wrap(current, label, session)
+    else:
+        setattr(obj, name, wrap(current, label, session))
+    return True
+
+
+def _main_names() -> set[str]:
+    names = {"__main__"}
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path:
+        names.add(os.path.splitext(os.path.basename(path))[0])
+    return names
+
+
+def install(spec: str, session) -> None:
+    """Arrange for MODULE:FUNCTION to mark the steps (called when the session starts)."""
+    try:
+        module, attr = parse(spec)
+    except ValueError as e:
+        session.warn(str(e))
+        return
+    main_mod = sys.modules.get("__main__")
+    if module == "__main__" or (module in _main_names()
+                                and sys.modules.get(module) in (None, main_mod)):
+        _install_in_script(attr, spec, session, main_mod)
+        return
+    sref = weakref.ref(session)
+
+    def on_import(mod):
+        s = sref()
+        if s is None:
+            return
+        try:
+            if not _install_on(mod, attr, spec, s):
+                s.warn(f"--step-on {spec}: {module} has no {attr}: no step will be recorded "
+                       "through it")
+        except Exception as e:  # noqa: BLE001
+            s.warn(f"--step-on {spec}: {one_line(e)}")
+
+    post_import.when_imported(module, on_import)
+
+
+def _install_in_script(attr: str, spec: str, session, main_mod) -> None:
+    """The trainer script defines FUNCTION as it runs: wrap it at the first call after that."""
+    if main_mod is None:
+        session.warn(f"--step-on {spec}: no __main__ module")
+        return
+    g = main_mod.__dict__
+    head = attr.split(".", 1)[0]
+    previous = sys.getprofile()
+
+    def profiler(frame, event, arg):
+        if head in g:
+            try:
+                if _install_on(g, attr, spec, session):
+                    _remove()
+            except Exception as e:  # noqa: BLE001
+                _remove()
+                session.warn(f"--step-on {spec}: {one_line(e)}")
+        if previous is not None:
+            return previous(frame, event, arg)
+        return None
+
+    def _remove():
+        if sys.getprofile() is profiler:
+            sys.setprofile(previous)
+
+    try:
+        if not _install_on(g, attr, spec, session):
+            sys.setprofile(profiler)
+    except Exception as e:  # noqa: BLE001
+        say(f"--step-on {spec}: {one_line(e)}")

@@ -1,0 +1,106 @@
+"""An FSDP2 trainer with gradient accumulation, or with a hand-written update. It imports
+nothing from parity.
+
+    torchrun --standalone --nproc_per_node 2 tests/trainers/grad_accum.py
+
+Each step runs GA_MICRO micro-batches (default 2), each ``(loss / GA_MICRO).backward()``, and
+prints the step's loss as trainers report it: the sum of the micro-batch shares
+(``step N loss X``, rank 0, X as ``repr`` of the float32 sum). The blocks are resharded after
+forward, so a backward re-gathers them: the second micro-batch's forward all-gathers come
+after the first one's backward all-gathers.
+
+Knobs (environment):
+  GA_STEPS=N      optimizer steps (default 2)
+  GA_MICRO=N      micro-batches per step (default 2)
+  GA_UPDATE=hand  no torch.optim optimizer: ``sgd_update(model, lr)`` in this script updates
+                  the parameters by hand (``parity exec --step-on grad_accum:sgd_update``)
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+VOCAB = 13
+DIM = 8
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([Block(DIM) for _ in range(2)])
+        self.out = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def sgd_update(model, lr):
+    """A hand-written SGD step (no torch.optim): what --step-on names."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-lr)
+                p.grad = None
+
+
+def main():
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    steps = int(os.environ.get("GA_STEPS", "2"))
+    micro = int(os.environ.get("GA_MICRO", "2"))
+    hand = os.environ.get("GA_UPDATE") == "hand"
+
+    torch.manual_seed(0)
+    model = Model()
+    for block in model.layers:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+    opt = None if hand else torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    gen = torch.Generator().manual_seed(1000 + rank)
+
+    for step in range(1, steps + 1):
+        shares = []
+        for _ in range(micro):
+            tokens = torch.randint(0, VOCAB, (2, 6), generator=gen)
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) / micro
+            loss.backward()
+            shares.append(loss.detach())
+        if hand:
+            sgd_update(model, 1e-2)
+        else:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        reported = torch.stack(shares).sum()
+        print(f"rank {rank} step {step} loss {reported.item()!r} last {shares[-1].item()!r}",
+              flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
