@@ -30,7 +30,7 @@ from tests.synth import make_run  # noqa: E402
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
-RANK_FILES = ["meta.json", "params.json", "steps.jsonl", "hashes.jsonl", "buckets.jsonl"]
+RANK_FILES = ["meta.json", "params.json", "steps.jsonl", "hashes.bin", "buckets.jsonl"]
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_disk_full_mid_run_names_the_path_and_keeps_earlier_steps(tmp_path):
     w._hashes._f = _FullDisk(w._hashes._f)  # the disk fills up
     with pytest.raises(ArtifactError) as e:
         w.write_step(3, b"\x02" * 16)
-    assert "hashes.jsonl" in str(e.value) and "No space left" in str(e.value)
+    assert "hashes.bin" in str(e.value) and "No space left" in str(e.value)
     run = read_run(tmp_path)
     assert sorted(run.ranks[0].steps) == [0, 1, 2]
     assert run.ranks[0].hashes(2).tobytes() == b"\x01" * 16

@@ -236,7 +236,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
 
     usable: dict[str, list[int]] = {}
     for side, run in (("a", run_a), ("b", run_b)):
-        ok = [r for r, rd in sorted(run.ranks.items()) if rd.params and 0 <= r < ws]
+        ok = [r for r, rd in sorted(run.ranks.items()) if rd.n_params and 0 <= r < ws]
         no_table = [r for r in sorted(run.ranks) if r not in ok and 0 <= r < ws]
         if no_table:
             problems.append(Problem(side, f"rank(s) {ranges(no_table)} have no "
@@ -271,8 +271,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     # -- parameters
     index = ParamIndex()
     aligner = Aligner(index)
-    keys_a = [tuple(param_keys(x.params)) for x in ra]
-    keys_b = [tuple(param_keys(y.params)) for y in rb]
+    seen_keys: dict = {}
+    keys_a, keys_b = _table_keys(ra, seen_keys), _table_keys(rb, seen_keys)
     names_a: dict[str, None] = {}
     names_b: dict[str, None] = {}
     for ka in dict.fromkeys(keys_a):
@@ -436,6 +436,20 @@ def _explain_eager(why: str, divergent: list[Divergence], run_a: Run, ranks: lis
     return ". ".join([why.rstrip("."), *lines]) if lines else why
 
 
+def _table_keys(lst: list[RankData], seen: dict) -> list[tuple[str, ...]]:
+    """Each rank's alignment keys, parsed once per distinct key sequence (``seen``, by the
+    table's ``keys`` digest): 256 FSDP ranks of both sides list the same names and share one
+    tuple, one table parse."""
+    out = []
+    for x in lst:
+        k = x.keys_digest
+        keys = seen.get(k)
+        if keys is None:
+            keys = seen[k] = tuple(param_keys(x.params))
+        out.append(keys)
+    return out
+
+
 def _n_compared(aligns) -> int:
     distinct = list({id(al): al for al in aligns}.values())
     if not distinct:
@@ -470,9 +484,11 @@ def _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, shape_rows: s
             if loc_b:
                 parts.append(f"{len(loc_b)} only in B's ({_names(loc_b, 2)})")
             missing_msgs.append(f"rank {r}: {'; '.join(parts)}; not compared")
+        if row not in shape_rows or x.table_digest == y.table_digest:
+            continue  # equal digests: the same rows, shapes included (neither table is parsed)
         pa, pb = x.params, y.params
         key = (id(pa), id(pb))
-        if row not in shape_rows or key in seen:
+        if key in seen:
             continue
         seen.add(key)
         try:
