@@ -193,17 +193,22 @@ def _parse_line(line: str):
     return json.loads(line)  # leading/trailing blanks, or not JSON: json says which
 
 
-def _read_lines(path: Path, problems: list[str], required: tuple[str, ...],
-                shared: dict[bytes, tuple[bytes, list[dict]]] | None = None, check=None
-                ) -> list[dict]:
+def _read_bytes(path: str | Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...],
+                shared: dict[bytes, list[dict]] | None = None, check=None) -> list[dict]:
     """Every valid record of a JSON-lines file; what is not valid goes to ``problems``.
 
     With ``shared``, a file whose bytes equal an earlier clean file's returns that file's list
     (the same object: ranks usually write identical bucket manifests). Files are matched by
-    their xxh3-128 and then compared byte for byte (Python's own bytes hash is ~5x slower).
+    length and xxh3-128, the digest every other equality in the schema rests on (Python's own
+    bytes hash is ~5x slower).
     """
     try:
-        data = path.read_bytes()
+        data = _read_bytes(path)
     except FileNotFoundError:
         problems.append(f"{path}: missing")
         return []
@@ -214,8 +219,8 @@ def _read_lines(path: Path, problems: list[str], required: tuple[str, ...],
     if shared is not None:
         key = xxhash.xxh3_128_digest(data) + len(data).to_bytes(8, "little")
         hit = shared.get(key)
-        if hit is not None and hit[0] == data:
-            return hit[1]
+        if hit is not None:
+            return hit
     n_problems = len(problems)
     records = []
     try:
@@ -225,28 +230,27 @@ def _read_lines(path: Path, problems: list[str], required: tuple[str, ...],
     if lines and lines[-1]:
         tail = len(data) - data.rfind(b"\n") - 1
         problems.append(f"{path}: last line truncated ({tail} bytes), ignored")
+    need = frozenset(required)
     for lineno, line in enumerate(lines[:-1], 1):
-        if not line.strip():
-            continue
         try:
             rec = parse(line)
         except (ValueError, UnicodeDecodeError):
-            problems.append(f"{path}:{lineno}: not JSON, skipped")
+            if line.strip():
+                problems.append(f"{path}:{lineno}: not JSON, skipped")
             continue
-        if not isinstance(rec, dict) or rec.get("v") not in READABLE_VERSIONS or any(
-            k not in rec for k in required
-        ) or (check is not None and not check(rec)):
+        if type(rec) is not dict or rec.get("v") not in READABLE_VERSIONS or not (
+                rec.keys() >= need) or (check is not None and not check(rec)):
             problems.append(f"{path}:{lineno}: not a schema-{SCHEMA_VERSION} record, skipped")
             continue
         records.append(rec)
     if shared is not None and len(problems) == n_problems:
-        shared[key] = (data, records)
+        shared[key] = records
     return records
 
 
-def _read_json(path: Path, problems: list[str]) -> dict | None:
+def _read_json(path: str | Path, problems: list[str]) -> dict | None:
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(_read_bytes(path).decode())
     except FileNotFoundError:
         problems.append(f"{path}: missing")
         return None
@@ -270,13 +274,14 @@ class Table:
     n: int
     version: int
     rows: list[dict] | None = None
+    data: bytes | None = field(default=None, repr=False)  # the checked bytes, until decoded
 
 
-def _read_table(path: Path, problems: list[str]) -> Table | None:
+def _read_table(path: str | Path, problems: list[str]) -> Table | None:
     """A rank's params.json: schema 2 is checked by its digest and not parsed; schema 1 is
-    parsed (and given the digests schema 2 would write for the same rows)."""
+    parsed (its digest: of its bytes)."""
     try:
-        data = path.read_bytes()
+        data = _read_bytes(path)
     except FileNotFoundError:
         problems.append(f"{path}: missing")
         return None
@@ -289,7 +294,7 @@ def _read_table(path: Path, problems: list[str]) -> Table | None:
         except ValueError as e:
             problems.append(f"{path}: {e}; not compared")
             return None
-        return Table(digest, keys, n, 2)
+        return Table(digest, keys, n, 2, data=data)
     try:
         obj = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
@@ -350,17 +355,17 @@ class RankData:
         return None if self.table is None else self.table.keys
 
     def _decode_table(self, t: Table) -> list[dict]:
-        path = self.path / PARAMS_FILE
+        """The rows of the bytes whose digest was checked when the rank was read (a live run
+        may have rewritten the file since)."""
+        data, t.data = t.data or b"", None
         try:
-            data = path.read_bytes()
-            if params_codec.read_header(data)[0] != t.digest:
-                raise ValueError("it changed since it was first read")
             rows = params_codec.decode(data)
             if len(rows) != t.n:
                 raise ValueError(f"{len(rows)} rows, its header says {t.n}")
             return rows
-        except (OSError, ValueError, UnicodeDecodeError) as e:
-            self.problems.append(f"{path}: table unreadable ({e}); not compared")
+        except (ValueError, UnicodeDecodeError) as e:  # a writer bug: the bytes are as written
+            self.problems.append(f"{self.path / PARAMS_FILE}: table unreadable ({e}); "
+                                 "not compared")
             return []
 
     @property
@@ -528,21 +533,22 @@ def gc_paused():
             gc.enable()
 
 
-def read_rank(path: Path, rank: int, _shared: dict | None = None) -> RankData:
+def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = None) -> RankData:
     """One rank folder: meta.json, the table's digests (params.json), the steps' roll-ups and
     the bucket records; per-parameter hashes and table rows wait until asked for."""
     problems: list[str] = []
-    meta = _read_json(path / META_FILE, problems) or {}
-    table = _read_table(path / PARAMS_FILE, problems)
+    base = os.path.join(path, "")  # plain strings: pathlib's joins cost more than the reads
+    meta = _read_json(base + META_FILE, problems) or {}
+    table = _read_table(base + PARAMS_FILE, problems)
     steps: dict[int, dict] = {}
-    for rec in _read_lines(path / STEPS_FILE, problems, ("step", "param_digest")):
+    for rec in _read_lines(base + STEPS_FILE, problems, ("step", "param_digest")):
         if isinstance(rec["step"], int):
             steps[rec["step"]] = rec
-    buckets = _read_lines(path / BUCKETS_FILE, problems,
+    buckets = _read_lines(base + BUCKETS_FILE, problems,
                           ("source", "collective", "index", "entries"), _shared,
                           check=lambda b: isinstance(b["entries"], list))
-    if not (path / BUCKETS_FILE).exists():
-        problems = [p for p in problems if not p.endswith("buckets.jsonl: missing")]
+    if problems and problems[-1] == f"{base}{BUCKETS_FILE}: missing":
+        problems.pop()  # a run without bucket manifests (--no-manifests, or none issued)
     said = meta.get("rank")
     if isinstance(said, int) and not isinstance(said, bool) and said != rank:
         # A directory renamed, copied or swapped: its hashes belong to another rank.
@@ -552,8 +558,10 @@ def read_rank(path: Path, rank: int, _shared: dict | None = None) -> RankData:
     return RankData(rank, path, meta, steps, buckets, problems, table)
 
 
-def read_run(path: str | os.PathLike) -> Run:
-    """Read a run directory. Raises ArtifactError only when it is not a parity run at all."""
+def read_run(path: str | os.PathLike, _shared: dict | None = None) -> Run:
+    """Read a run directory. Raises ArtifactError only when it is not a parity run at all.
+    ``_shared``: pass one dict to the reads of two runs to share their identical bucket
+    records too (the diff)."""
     path = Path(path)
     if not path.exists():
         raise ArtifactError(f"{path}: no such directory")
@@ -568,7 +576,7 @@ def read_run(path: str | os.PathLike) -> Run:
         children = sorted(path.iterdir())
     except OSError as e:
         raise ArtifactError(f"{path}: unreadable ({e.strerror or e})") from None
-    shared: dict[bytes, tuple[bytes, list[dict]]] = {}
+    shared: dict[bytes, list[dict]] = {} if _shared is None else _shared
     with gc_paused():
         for child in children:
             r = rank_of(child.name)
