@@ -99,6 +99,25 @@ def test_random_bytes_in_artifacts_parse_or_raise_parity_errors(valid_run, tmp_p
     _read_and_diff(valid_run, tmp_path / "b")
 
 
+RANK_FILES_V1 = ["params.json", "steps.jsonl", "hashes.jsonl", "buckets.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def valid_run_v1(tmp_path_factory):
+    """A run as artifact schema 1 wrote it (tests/schema_v1.py): still read as strictly."""
+    return make_run(tmp_path_factory.mktemp("fuzz1") / "a", world_size=2, steps=3, n_params=6,
+                    schema=1)
+
+
+@settings(FUZZ, max_examples=60)
+@given(name=st.sampled_from(RANK_FILES_V1), cut=st.floats(0, 1), junk=st.binary(max_size=64))
+def test_schema_1_artifacts_truncated_or_extended_parse_or_raise_parity_errors(
+        valid_run_v1, tmp_path, name, cut, junk):
+    data = (valid_run_v1 / "rank-00001" / name).read_bytes()
+    _mutate(valid_run_v1, tmp_path / "b", name, data[: int(len(data) * cut)] + junk)
+    _read_and_diff(valid_run_v1, tmp_path / "b")
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
                     | st.text(max_size=8),
                     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c,
