@@ -181,3 +181,16 @@ def test_table_digest_changes_with_any_row_and_catches_any_cut():
     flipped = data.replace(b"[7,8]", b"[7,9]")
     with pytest.raises(ValueError, match="digest"):
         params_codec.read_header(flipped)
+
+
+def test_a_table_that_checks_but_does_not_decode_is_said(tmp_path):
+    """A writer bug (a digest over columns no reader knows) is said: never a clean match."""
+    a = make_run(tmp_path / "a", world_size=2, steps=2, n_params=4)
+    b = make_run(tmp_path / "b", world_size=2, steps=2, n_params=4)
+    p = b / "rank-00001" / "params.json"
+    data = p.read_bytes()
+    body = data[params_codec._BODY:].replace(b'"dtype":{"all":"float32"}', b'"dtype":{"some":1}')
+    p.write_bytes(params_codec.PREFIX + params_codec.xxhash.xxh3_128_hexdigest(body).encode()
+                  + b'",' + body)
+    d = diff_runs(a, b).to_dict()
+    assert any("rank-00001/params.json: table unreadable" in x["message"] for x in d["problems"])

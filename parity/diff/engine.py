@@ -270,6 +270,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     rb = [run_b.ranks[r] for r in ranks]
 
     # -- parameters
+    n_before = {id(x): len(x.problems) for x in ra + rb}  # what lazy reads add is said too
     index = ParamIndex()
     aligner = Aligner(index)
     seen_keys: dict = {}
@@ -305,11 +306,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         side_steps[side] = (sorted(set.intersection(*(set(x.steps) for x in present)))
                             if present else [])
 
-    n_before = {id(x): len(x.problems) for x in ra + rb}
     hc = compare_hashes(ranks, ra, rb, aligns, steps, count_budget)
-    for side, lst in (("a", ra), ("b", rb)):
-        for x in lst:
-            problems += [Problem(side, m) for m in x.problems[n_before[id(x)]:]]
+    _lazy_problems(ra, rb, n_before, problems)
     both = hc.compared
     steps_compared = [s for j, s in enumerate(steps) if both[:, j].any()] if ranks else []
     _step_gaps(steps, ranks, ra, rb, both, incomplete)
@@ -392,6 +390,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
                              n_kind["grad"] if hc.grads_compared else None, sorted(rank_set),
                              loss_div, why)
 
+    _lazy_problems(ra, rb, n_before, problems)  # tables parsed for the checks above
     if first is not None:
         verdict = "hash_mismatch"
     elif incomplete:
@@ -435,6 +434,15 @@ def _explain_eager(why: str, divergent: list[Divergence], run_a: Run, ranks: lis
         if line and line not in lines:
             lines.append(line)
     return ". ".join([why.rstrip("."), *lines]) if lines else why
+
+
+def _lazy_problems(ra: list[RankData], rb: list[RankData], n_before: dict,
+                   problems: list[Problem]) -> None:
+    """What the ranks' lazy reads (table rows, hash records) found since ``n_before``."""
+    for side, lst in (("a", ra), ("b", rb)):
+        for x in lst:
+            problems += [Problem(side, m) for m in x.problems[n_before[id(x)]:]]
+            n_before[id(x)] = len(x.problems)
 
 
 def _table_keys(lst: list[RankData], seen: dict) -> list[tuple[str, ...]]:
