@@ -1,10 +1,13 @@
 """The on-disk artifact schema: the one writer capture uses and the one reader everything else uses.
 
-docs/artifacts.md describes the layout; this module (with rundir.py, the folder and file names)
-is its only implementation. The writer runs
-inside training processes, so it is small and does no work beyond formatting and appending lines.
-The reader is tolerant: a truncated last line, a corrupted line or a missing rank is reported in
-``problems`` and skipped, never raised, so a killed job still yields everything it finished.
+docs/artifacts.md describes the layout; this module (with rundir.py, the folder and file names,
+and params_codec.py, the bytes of params.json) is its only implementation. The writer runs
+inside training processes, so it is small and does no work beyond formatting and appending
+records. The reader reads what a verdict needs first (meta, the steps' roll-ups, each table's
+digests, the bucket records) and the table rows and per-parameter hashes only when asked, and it
+reads schema 1 (hex hashes in hashes.jsonl) as well as schema 2. It is tolerant: a truncated
+last line, a corrupted line or a missing rank is reported in ``problems`` and skipped, never
+raised, so a killed job still yields everything it finished.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import contextlib
 import gc
 import json
 import os
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,23 +25,33 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from parity import params_codec
 from parity.errors import ArtifactError
-from parity.rundir import (BUCKETS_FILE, HASHES_FILE, META_FILE, RUN_FILE, STEPS_FILE,
-                           rank_dir, rank_of)
+from parity.rundir import (BUCKETS_FILE, HASHES_FILE, HASHES_V1_FILE, META_FILE, PARAMS_FILE,
+                           RUN_FILE, STEPS_FILE, rank_dir, rank_of)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # schema 1: hex hashes in hashes.jsonl, row-per-parameter params.json
 HASH_BYTES = 16  # xxh3-128
 NO_HASH = b"\0" * HASH_BYTES  # a parameter with no gradient at that step
-
+# a hashes.bin record: magic, kind (0 param, 1 grad), step, n; then n raw 16-byte hashes
+HASH_RECORD = struct.Struct("<4sIqI")
+HASH_MAGIC = b"PRH2"
+KIND_CODES = {"param": 0, "grad": 1}
 
 
 def write_text_atomic(path: str | os.PathLike, data: str) -> None:
     """Write text to a temporary file beside ``path`` and rename it into place: a reader sees
     the old file or the new one, never half of one; a full disk leaves the old file intact."""
+    write_bytes_atomic(path, data.encode())
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """``write_text_atomic`` for bytes."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -79,26 +93,30 @@ def rollup_digest(raw_hashes: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(raw_hashes)
 
 
-class _LineFile:
-    """An append-only JSON-lines file: each record is one ``write`` of a complete line."""
+class _AppendFile:
+    """An append-only file: each record is one ``write`` of complete bytes (a JSON line, or a
+    hashes.bin record), so a killed writer leaves at most one partial record, at the end."""
 
     def __init__(self, path: Path):
         self.path = path
         self._f = open(path, "ab", buffering=0)
         self.offset = self._f.seek(0, os.SEEK_END)
 
-    def append(self, record: dict) -> int:
-        """Append one record; return the byte offset at which its line starts."""
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    def append_bytes(self, data: bytes) -> int:
+        """Append ``data``; return the byte offset at which it starts."""
         start = self.offset
         try:
-            n = self._f.write(line)
+            n = self._f.write(data)
         except OSError as e:
             raise ArtifactError(f"cannot write {self.path}: {e.strerror or e}") from None
-        if n != len(line):
-            raise ArtifactError(f"cannot write {self.path}: short write ({n} of {len(line)} bytes)")
+        if n != len(data):
+            raise ArtifactError(f"cannot write {self.path}: short write ({n} of {len(data)} bytes)")
         self.offset += n
         return start
+
+    def append(self, record: dict) -> int:
+        """Append one JSON line; return the byte offset at which it starts."""
+        return self.append_bytes((json.dumps(record, separators=(",", ":")) + "\n").encode())
 
     def close(self) -> None:
         self._f.close()
@@ -119,35 +137,31 @@ class RankWriter:
         self.meta.setdefault("status", "running")
         self.meta.setdefault("error", None)
         write_json_atomic(self.dir / META_FILE, self.meta)
-        self._hashes = _LineFile(self.dir / HASHES_FILE)
-        self._steps = _LineFile(self.dir / STEPS_FILE)
-        self._buckets = _LineFile(self.dir / BUCKETS_FILE)
+        self._hashes = _AppendFile(self.dir / HASHES_FILE)
+        self._steps = _AppendFile(self.dir / STEPS_FILE)
+        self._buckets = _AppendFile(self.dir / BUCKETS_FILE)
 
     def update_meta(self, **updates) -> None:
         self.meta.update(updates)
         write_json_atomic(self.dir / META_FILE, self.meta)
 
     def write_params(self, params: list[dict]) -> None:
-        """The parameter table, in the order every later hash line uses."""
-        table = [{"index": i, **p} for i, p in enumerate(params)]
-        write_json_atomic(self.dir / "params.json", {"v": SCHEMA_VERSION, "params": table},
-                          indent=None)
+        """The parameter table, in the order every later hash record uses (params_codec)."""
+        write_bytes_atomic(self.dir / PARAMS_FILE, params_codec.encode(params))
 
-    def _hash_line(self, step: int, kind: str, raw: bytes) -> tuple[int, str]:
-        digest = rollup_digest(raw)
-        offset = self._hashes.append(
-            {"v": SCHEMA_VERSION, "step": step, "kind": kind, "n": len(raw) // HASH_BYTES,
-             "digest": digest, "hashes": raw.hex()}
-        )
-        return offset, digest
+    def _hash_record(self, step: int, kind: str, raw: bytes) -> tuple[int, str]:
+        n = len(raw) // HASH_BYTES
+        offset = self._hashes.append_bytes(
+            HASH_RECORD.pack(HASH_MAGIC, KIND_CODES[kind], step, n) + raw)
+        return offset, rollup_digest(raw)
 
     def write_step(self, step: int, param_hashes: bytes, grad_hashes: bytes | None = None,
                    loss: float | None = None, loss_hash: str | None = None) -> None:
         """Record one step: ``*_hashes`` are the raw 16-byte hashes concatenated in table order."""
-        p_off, p_digest = self._hash_line(step, "param", param_hashes)
+        p_off, p_digest = self._hash_record(step, "param", param_hashes)
         g_off = g_digest = None
         if grad_hashes is not None:
-            g_off, g_digest = self._hash_line(step, "grad", grad_hashes)
+            g_off, g_digest = self._hash_record(step, "grad", grad_hashes)
         self._steps.append(
             {"v": SCHEMA_VERSION, "step": step, "param_digest": p_digest, "grad_digest": g_digest,
              "loss": loss, "loss_hash": loss_hash, "param_offset": p_off, "grad_offset": g_off,
@@ -165,116 +179,242 @@ class RankWriter:
 
 # --------------------------------------------------------------------------------------- reader
 
+_scan_once = json.decoder.JSONDecoder().scan_once  # one JSON value at an index: no wrapper cost
 
-def _read_lines(path: Path, problems: list[str], required: tuple[str, ...],
+
+def _parse_line(line: str):
+    """One JSON line (``json.loads`` semantics, without its per-call overhead)."""
+    try:
+        obj, end = _scan_once(line, 0)
+        if end == len(line):
+            return obj
+    except StopIteration:
+        pass
+    return json.loads(line)  # leading/trailing blanks, or not JSON: json says which
+
+
+def _read_bytes(path: str | Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...],
                 shared: dict[bytes, list[dict]] | None = None, check=None) -> list[dict]:
     """Every valid record of a JSON-lines file; what is not valid goes to ``problems``.
 
     With ``shared``, a file whose bytes equal an earlier clean file's returns that file's list
-    (the same object: ranks usually write identical bucket manifests).
+    (the same object: ranks usually write identical bucket manifests). Files are matched by
+    length and xxh3-128, the digest every other equality in the schema rests on (Python's own
+    bytes hash is ~5x slower).
     """
     try:
-        data = path.read_bytes()
+        data = _read_bytes(path)
     except FileNotFoundError:
         problems.append(f"{path}: missing")
         return []
     except OSError as e:
         problems.append(f"{path}: unreadable ({e.strerror or e})")
         return []
+    key = None
     if shared is not None:
-        hit = shared.get(data)
+        key = xxhash.xxh3_128_digest(data) + len(data).to_bytes(8, "little")
+        hit = shared.get(key)
         if hit is not None:
             return hit
     n_problems = len(problems)
     records = []
-    lines = data.split(b"\n")
-    if lines and lines[-1] != b"":
-        problems.append(f"{path}: last line truncated ({len(lines[-1])} bytes), ignored")
+    try:
+        lines, parse = data.decode().split("\n"), _parse_line
+    except UnicodeDecodeError:
+        lines, parse = data.split(b"\n"), json.loads
+    if lines and lines[-1]:
+        tail = len(data) - data.rfind(b"\n") - 1
+        problems.append(f"{path}: last line truncated ({tail} bytes), ignored")
+    need = frozenset(required)
     for lineno, line in enumerate(lines[:-1], 1):
-        if not line.strip():
-            continue
         try:
-            rec = json.loads(line)
+            rec = parse(line)
         except (ValueError, UnicodeDecodeError):
-            problems.append(f"{path}:{lineno}: not JSON, skipped")
+            if line.strip():
+                problems.append(f"{path}:{lineno}: not JSON, skipped")
             continue
-        if not isinstance(rec, dict) or rec.get("v") != SCHEMA_VERSION or any(
-            k not in rec for k in required
-        ) or (check is not None and not check(rec)):
+        if type(rec) is not dict or rec.get("v") not in READABLE_VERSIONS or not (
+                rec.keys() >= need) or (check is not None and not check(rec)):
             problems.append(f"{path}:{lineno}: not a schema-{SCHEMA_VERSION} record, skipped")
             continue
         records.append(rec)
     if shared is not None and len(problems) == n_problems:
-        shared[data] = records
+        shared[key] = records
     return records
 
 
-def _read_json(path: Path, problems: list[str]) -> dict | None:
+def _read_json(path: str | Path, problems: list[str]) -> dict | None:
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(_read_bytes(path).decode())
     except FileNotFoundError:
         problems.append(f"{path}: missing")
         return None
     except (OSError, ValueError, UnicodeDecodeError) as e:
         problems.append(f"{path}: unreadable ({e.__class__.__name__})")
         return None
-    if not isinstance(obj, dict) or obj.get("v") != SCHEMA_VERSION:
+    if not isinstance(obj, dict) or obj.get("v") not in READABLE_VERSIONS:
         problems.append(f"{path}: not a schema-{SCHEMA_VERSION} file")
         return None
     return obj
 
 
 @dataclass
+class Table:
+    """What the diff needs of a rank's parameter table before (and usually instead of) its rows:
+    ``digest`` (equal digests: the same rows), ``keys`` (equal: the same fqn sequence, so the
+    same alignment), ``n`` rows. ``rows`` is filled on first use (``RankData.params``)."""
+
+    digest: str
+    keys: str
+    n: int
+    version: int
+    rows: list[dict] | None = None
+    data: bytes | None = field(default=None, repr=False)  # the checked bytes, until decoded
+
+
+def _read_table(path: str | Path, problems: list[str]) -> Table | None:
+    """A rank's params.json: schema 2 is checked by its digest and not parsed; schema 1 is
+    parsed (its digest: of its bytes)."""
+    try:
+        data = _read_bytes(path)
+    except FileNotFoundError:
+        problems.append(f"{path}: missing")
+        return None
+    except OSError as e:
+        problems.append(f"{path}: unreadable ({e.strerror or e})")
+        return None
+    if params_codec.is_v2(data):
+        try:
+            digest, n, keys = params_codec.read_header(data)
+        except ValueError as e:
+            problems.append(f"{path}: {e}; not compared")
+            return None
+        return Table(digest, keys, n, 2, data=data)
+    try:
+        obj = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        problems.append(f"{path}: unreadable ({e.__class__.__name__})")
+        return None
+    if not isinstance(obj, dict) or obj.get("v") != 1:
+        problems.append(f"{path}: not a schema-{SCHEMA_VERSION} file")
+        return None
+    rows = obj.get("params") if isinstance(obj.get("params"), list) else []
+    rows = [p for p in rows if isinstance(p, dict) and isinstance(p.get("fqn"), str)]
+    for p in rows:
+        p.pop("index", None)  # the row's position, which schema 2 does not repeat
+    # equal bytes, equal rows (the digest of a schema-2 table is never equal to it: a mixed
+    # pair compares the rows themselves)
+    digest = "v1:" + xxhash.xxh3_128_hexdigest(data)
+    return Table(digest, params_codec.keys_digest([p["fqn"] for p in rows]), len(rows), 1, rows)
+
+
+@dataclass
 class RankData:
-    """One rank's artifacts. Per-parameter hashes are read lazily, by offset, only when asked.
+    """One rank's artifacts. The parameter table is parsed and per-parameter hashes are read
+    lazily, only when asked (``params``, ``hashes``): a diff whose roll-ups and table digests
+    agree reads neither.
 
     ``buckets`` may be the very list of another rank of the same run when both ranks'
-    buckets.jsonl are byte-identical (the usual case): treat it as read-only.
+    buckets.jsonl are byte-identical (the usual case): treat it as read-only, and ``params``
+    likewise.
     """
 
     rank: int
     path: Path
     meta: dict
-    params: list[dict]
     steps: dict[int, dict]
     buckets: list[dict]
     problems: list[str] = field(default_factory=list)
+    table: Table | None = None
+
+    @property
+    def params(self) -> list[dict]:
+        """The parameter table's rows ([] when there is none or it cannot be read)."""
+        t = self.table
+        if t is None:
+            return []
+        if t.rows is None:
+            t.rows = self._decode_table(t)
+        return t.rows
+
+    @property
+    def n_params(self) -> int:
+        return 0 if self.table is None else self.table.n
+
+    @property
+    def table_digest(self) -> str | None:
+        return None if self.table is None else self.table.digest
+
+    @property
+    def keys_digest(self) -> str | None:
+        return None if self.table is None else self.table.keys
+
+    def _decode_table(self, t: Table) -> list[dict]:
+        """The rows of the bytes whose digest was checked when the rank was read (a live run
+        may have rewritten the file since)."""
+        data, t.data = t.data or b"", None
+        try:
+            rows = params_codec.decode(data)
+            if len(rows) != t.n:
+                raise ValueError(f"{len(rows)} rows, its header says {t.n}")
+            return rows
+        except (ValueError, UnicodeDecodeError) as e:  # a writer bug: the bytes are as written
+            self.problems.append(f"{self.path / PARAMS_FILE}: table unreadable ({e}); "
+                                 "not compared")
+            return []
 
     @property
     def fqns(self) -> list[str]:
         return [p["fqn"] for p in self.params]
 
     def hashes(self, step: int, kind: str = "param") -> np.ndarray | None:
-        """Per-parameter hashes of one step as an (n, 16) uint8 array, or None if absent/bad."""
+        """Per-parameter hashes of one step as an (n, 16) uint8 array, or None if absent/bad.
+        The bytes read must have the step's roll-up (steps.jsonl): a corrupted record is
+        reported and not compared, never taken for a divergence."""
         rec = self.steps.get(step)
         if rec is None:
             return None
         offset = rec.get("param_offset" if kind == "param" else "grad_offset")
         if not isinstance(offset, int):
             return None
+        v1 = rec.get("v") == 1
+        fname = HASHES_V1_FILE if v1 else HASHES_FILE
         try:
-            line = self._read_line(offset)
-            hrec, raw = _parse_hash_line(line)
+            if v1:
+                hrec, raw = _parse_hash_line(self._read_line(fname, offset))
+                r_step, r_kind = hrec.get("step"), hrec.get("kind")
+            else:
+                r_step, r_kind, raw = self._read_record(offset)
         except (OSError, ValueError, KeyError, TypeError):
-            self.problems.append(f"{self.path / HASHES_FILE}: step {step} {kind} line unreadable")
+            self.problems.append(f"{self.path / fname}: step {step} {kind} record unreadable")
             return None
-        if hrec.get("step") != step or hrec.get("kind") != kind or len(raw) % HASH_BYTES:
-            self.problems.append(f"{self.path / HASHES_FILE}: step {step} {kind} line mismatched")
+        if r_step != step or r_kind != kind or len(raw) % HASH_BYTES:
+            self.problems.append(f"{self.path / fname}: step {step} {kind} record mismatched")
+            return None
+        want = rec.get("param_digest" if kind == "param" else "grad_digest")
+        if isinstance(want, str) and rollup_digest(raw) != want:
+            self.problems.append(f"{self.path / fname}: step {step} {kind} hashes do not have "
+                                 f"the roll-up steps.jsonl recorded (corrupted); not compared")
             return None
         n = len(raw) // HASH_BYTES
-        if n < len(self.params) and all(
+        if n < self.n_params and all(
                 isinstance(p.get("since"), int) and p["since"] > step for p in self.params[n:]):
             # parameters that joined the optimizers after this step: not recorded yet (NO_HASH)
             raw += NO_HASH * (len(self.params) - n)
         return np.frombuffer(raw, dtype=np.uint8).reshape(-1, HASH_BYTES)
 
-    _line_hint: int = field(default=1 << 16, repr=False, compare=False)
+    _read_hint: int = field(default=1 << 16, repr=False, compare=False)
 
-    def _read_line(self, offset: int) -> bytes:
-        """The line at ``offset``, usually in one read (a rank's hash lines have one length)."""
-        with open(self.path / HASHES_FILE, "rb", buffering=0) as f:
+    def _read_line(self, fname: str, offset: int) -> bytes:
+        """The line at ``offset``, usually in one read (a rank's lines have one length)."""
+        with open(self.path / fname, "rb", buffering=0) as f:
             f.seek(offset)
-            buf = f.read(self._line_hint)
+            buf = f.read(self._read_hint)
             end = buf.find(b"\n")
             while end < 0:
                 more = f.read(max(len(buf), 1 << 16))
@@ -283,14 +423,32 @@ class RankData:
                 start = len(buf)
                 buf += more
                 end = buf.find(b"\n", start)
-        self._line_hint = end + 64
+        self._read_hint = end + 64
         return buf[:end]
+
+    def _read_record(self, offset: int) -> tuple[int, str, bytes]:
+        """(step, kind, raw hashes) of the hashes.bin record at ``offset``."""
+        with open(self.path / HASHES_FILE, "rb", buffering=0) as f:
+            f.seek(offset)
+            buf = f.read(max(self._read_hint, HASH_RECORD.size))
+            if len(buf) < HASH_RECORD.size:
+                raise ValueError("record cut short")
+            magic, code, step, n = HASH_RECORD.unpack_from(buf)
+            if magic != HASH_MAGIC or code not in (0, 1):
+                raise ValueError("not a hash record")
+            size = HASH_RECORD.size + n * HASH_BYTES
+            if len(buf) < size:
+                buf += f.read(size - len(buf))
+                if len(buf) < size:
+                    raise ValueError("record cut short")
+        self._read_hint = size
+        return step, ("param", "grad")[code], buf[HASH_RECORD.size:size]
 
 
 def _parse_hash_line(line: bytes) -> tuple[dict, bytes]:
-    """A hashes.jsonl line: (record without "hashes", raw hash bytes). RankWriter puts "hashes"
-    last, so the 32*n hex characters are sliced and decoded without a JSON pass over them; any
-    other layout goes through ``json``."""
+    """A schema-1 hashes.jsonl line: (record without "hashes", raw hash bytes). The writer put
+    "hashes" last, so the 32*n hex characters are sliced and decoded without a JSON pass over
+    them; any other layout goes through ``json``."""
     key = line.rfind(b'"hashes":"')
     if key > 0 and line.endswith(b'"}') and line[key - 1:key] == b",":
         head = json.loads(line[:key - 1] + b"}")
@@ -376,31 +534,34 @@ def gc_paused():
 
 
 def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = None) -> RankData:
+    """One rank folder: meta.json, the table's digests (params.json), the steps' roll-ups and
+    the bucket records; per-parameter hashes and table rows wait until asked for."""
     problems: list[str] = []
-    meta = _read_json(path / META_FILE, problems) or {}
-    pobj = _read_json(path / "params.json", problems) or {}
-    params = pobj.get("params") if isinstance(pobj.get("params"), list) else []
-    params = [p for p in params if isinstance(p, dict) and isinstance(p.get("fqn"), str)]
+    base = os.path.join(path, "")  # plain strings: pathlib's joins cost more than the reads
+    meta = _read_json(base + META_FILE, problems) or {}
+    table = _read_table(base + PARAMS_FILE, problems)
     steps: dict[int, dict] = {}
-    for rec in _read_lines(path / STEPS_FILE, problems, ("step", "param_digest")):
+    for rec in _read_lines(base + STEPS_FILE, problems, ("step", "param_digest")):
         if isinstance(rec["step"], int):
             steps[rec["step"]] = rec
-    buckets = _read_lines(path / BUCKETS_FILE, problems,
+    buckets = _read_lines(base + BUCKETS_FILE, problems,
                           ("source", "collective", "index", "entries"), _shared,
                           check=lambda b: isinstance(b["entries"], list))
-    if not (path / BUCKETS_FILE).exists():
-        problems = [p for p in problems if not p.endswith("buckets.jsonl: missing")]
+    if problems and problems[-1] == f"{base}{BUCKETS_FILE}: missing":
+        problems.pop()  # a run without bucket manifests (--no-manifests, or none issued)
     said = meta.get("rank")
     if isinstance(said, int) and not isinstance(said, bool) and said != rank:
         # A directory renamed, copied or swapped: its hashes belong to another rank.
         problems.append(f"{path}: meta.json says rank {said}, the directory rank {rank} "
                         "(swapped or copied directories?); not compared")
-        params, steps = [], {}
-    return RankData(rank, path, meta, params, steps, buckets, problems)
+        table, steps = None, {}
+    return RankData(rank, path, meta, steps, buckets, problems, table)
 
 
-def read_run(path: str | os.PathLike) -> Run:
-    """Read a run directory. Raises ArtifactError only when it is not a parity run at all."""
+def read_run(path: str | os.PathLike, _shared: dict | None = None) -> Run:
+    """Read a run directory. Raises ArtifactError only when it is not a parity run at all.
+    ``_shared``: pass one dict to the reads of two runs to share their identical bucket
+    records too (the diff)."""
     path = Path(path)
     if not path.exists():
         raise ArtifactError(f"{path}: no such directory")
@@ -415,7 +576,7 @@ def read_run(path: str | os.PathLike) -> Run:
         children = sorted(path.iterdir())
     except OSError as e:
         raise ArtifactError(f"{path}: unreadable ({e.strerror or e})") from None
-    shared: dict[bytes, list[dict]] = {}
+    shared: dict[bytes, list[dict]] = {} if _shared is None else _shared
     with gc_paused():
         for child in children:
             r = rank_of(child.name)

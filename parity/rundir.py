@@ -3,6 +3,7 @@
     RUN_DIR/run.json                   the command, its exit code and status (parity exec)
     RUN_DIR/rank-NNNNN/meta.json       one folder per global rank: meta, hashes, steps, buckets
     RUN_DIR/rank-NNNNN/steps.jsonl     one line per recorded step (line 0 is step 0)
+    RUN_DIR/rank-NNNNN/hashes.bin      per-parameter hashes, raw (schema 1: hashes.jsonl)
     RUN_DIR/nodes/node-K/...           a multi-node job's per-node output before the merge
 
 The writer (artifacts.RankWriter), the reader (artifacts.read_run), ``parity exec``
@@ -18,9 +19,13 @@ from pathlib import Path
 
 RUN_FILE = "run.json"
 META_FILE = "meta.json"
-HASHES_FILE = "hashes.jsonl"
+PARAMS_FILE = "params.json"
+HASHES_FILE = "hashes.bin"
+HASHES_V1_FILE = "hashes.jsonl"  # schema 1 (hex in JSON lines): still read, no longer written
 STEPS_FILE = "steps.jsonl"
 BUCKETS_FILE = "buckets.jsonl"
+# every file a rank folder may hold (a new capture of the rank removes them first)
+RANK_FILES = (META_FILE, PARAMS_FILE, STEPS_FILE, HASHES_FILE, HASHES_V1_FILE, BUCKETS_FILE)
 NODES_DIR = "nodes"
 RANK_DIR = "rank-{:05d}"
 _RANK_DIR_RE = re.compile(r"^rank-(\d{5})$")

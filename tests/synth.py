@@ -220,14 +220,17 @@ def make_run(
     status: str = "ok",
     run_json: bool = True,
     fsync: bool = False,
+    schema: int = 2,
 ) -> Path:
     """Write a synthetic run directory; returns its path. See the module docstring.
 
     ``param_order``: storage order of params.json/hashes (``"reversed"``, ``"shuffled"`` or a
     permutation of registration indices). ``missing_ranks``: ranks with no directory.
     ``stop_after``: last step recorded (an int for every rank or ``{rank: step}``), as if killed.
-    ``torn_tail``: ranks whose steps.jsonl and hashes.jsonl end with half a line.
+    ``torn_tail``: ranks whose steps.jsonl and hashes file end with half a line (record).
     ``extra_buckets``: more bucket records appended on every rank (e.g. a later layout change).
+    ``schema=1``: written by the schema-1 writer (tests/schema_v1.py), as parity wrote runs
+    before schema 2.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -278,10 +281,16 @@ def make_run(
             "capture": {"every": every, "grads": grads,
                         "manifests": [bucket_layout] if bucket_layout else [],
                         "hasher": "xxh3", "warnings": []}}
+    if schema not in (1, 2):
+        raise ValueError(f"schema: 1 or 2, not {schema!r}")
+    if schema == 1:
+        from tests.schema_v1 import RankWriterV1 as writer
+    else:
+        writer = RankWriter
     with (contextlib.nullcontext() if fsync else _no_fsync()):
         shared_buckets: bytes | None = None
         for r in live:  # rank-major: one writer (three files) open at a time
-            w = RankWriter(out, r, {**meta, "local_rank": r, "pid": 1000 + r})
+            w = writer(out, r, {**meta, "local_rank": r, "pid": 1000 + r})
             table = param_table(names, world_size, r)
             w.write_params([table[i] for i in order])
             if bucket_hook is not None or shared_buckets is None:
@@ -333,13 +342,17 @@ def make_run(
             if r in torn_tail:
                 with open(w.dir / "steps.jsonl", "ab") as f:
                     f.write(b'{"v": 1, "step": 99, "param_dig')
-                with open(w.dir / "hashes.jsonl", "ab") as f:
-                    f.write(b'{"v": 1, "step": 99, "kind": "pa')
+                if schema == 1:
+                    with open(w.dir / "hashes.jsonl", "ab") as f:
+                        f.write(b'{"v": 1, "step": 99, "kind": "pa')
+                else:
+                    with open(w.dir / "hashes.bin", "ab") as f:
+                        f.write(b"PRH2\x00\x00")
         if run_json:
             from parity.artifacts import write_json_atomic
 
             write_json_atomic(out / "run.json", {
-                "v": 1, "argv": ["synth"], "cwd": str(out), "started": 0.0, "ended": 1.0,
+                "v": schema, "argv": ["synth"], "cwd": str(out), "started": 0.0, "ended": 1.0,
                 "exit_code": 0 if status == "ok" else 1,
                 "status": "ok" if status == "ok" else "failed", "error": None,
                 "parity": "0.1.0", "host": "synth"})

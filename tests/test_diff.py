@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from synth import default_fqns, make_run  # noqa: E402
 
+from parity import params_codec  # noqa: E402
 from parity.diff import diff_runs, load_diff_json  # noqa: E402
 from parity.errors import ParityError  # noqa: E402
 
@@ -236,20 +237,42 @@ def test_truncated_lines_are_warnings_and_the_rest_is_used(tmp_path):
     msgs = [p.message for p in r.problems if p.side == "b"]
     assert any("rank-00000/steps.jsonl: last line truncated" in m for m in msgs)
     assert any("rank-00001/steps.jsonl: last line truncated" in m for m in msgs)
-    # hashes.jsonl is read by offset, only where needed: its torn tail is never touched
+    # hashes are read by offset, only where needed: a torn tail is never touched
 
 
-def test_corrupt_hash_line_is_incomplete_not_a_crash(tmp_path):
-    a, b = pair(tmp_path, b={"diverge_at": 2, "diverge_rank": 0, "propagate": False})
-    path = b / "rank-00000" / "hashes.jsonl"
+@pytest.mark.parametrize("schema", [1, 2])
+def test_corrupt_hash_record_is_incomplete_not_a_crash(tmp_path, schema):
+    a, b = pair(tmp_path, b={"diverge_at": 2, "diverge_rank": 0, "propagate": False},
+                schema=schema)
+    path = b / "rank-00000" / ("hashes.jsonl" if schema == 1 else "hashes.bin")
     steps = [json.loads(x) for x in (b / "rank-00000" / "steps.jsonl").read_text().splitlines()]
     off = next(s["grad_offset"] for s in steps if s["step"] == 2)
     data = path.read_bytes()
-    path.write_bytes(data[:off] + b"#" + data[off + 1:])  # break the JSON of that line
+    path.write_bytes(data[:off] + b"#" + data[off + 1:])  # break that record's start
     r = diff_runs(a, b)
     assert any("could not be read" in m for m in r.incomplete)
-    assert any("step 2 grad line unreadable" in p.message for p in r.problems)
+    assert any("step 2 grad record unreadable" in p.message for p in r.problems)
     assert r.verdict == "incomplete" and r.exit_code() == 3
+
+
+@pytest.mark.parametrize("schema", [1, 2])
+def test_a_flipped_hash_is_corruption_not_a_divergence(tmp_path, schema):
+    """A record whose bytes no longer have the roll-up steps.jsonl recorded is not compared
+    (incomplete): it is never reported as the parameter that diverged."""
+    a, b = pair(tmp_path, b={"diverge_at": 2, "diverge_rank": 0, "diverge_param": 1,
+                             "propagate": False}, schema=schema)
+    path = b / "rank-00000" / ("hashes.jsonl" if schema == 1 else "hashes.bin")
+    steps = [json.loads(x) for x in (b / "rank-00000" / "steps.jsonl").read_text().splitlines()]
+    off = next(s["grad_offset"] for s in steps if s["step"] == 2)
+    data = bytearray(path.read_bytes())
+    # the last hash of the record (parameter 7, not the divergent one): its last byte or hex digit
+    end = data.index(b"\n", off) - 3 if schema == 1 else off + 20 + 8 * 16 - 1
+    data[end] = ord("0") if data[end] != ord("0") else ord("1")
+    path.write_bytes(bytes(data))
+    r = diff_runs(a, b)
+    assert any("do not have the roll-up" in p.message for p in r.problems)
+    assert r.verdict == "incomplete" and r.exit_code() == 3
+    assert all(d.fqn != FQNS[7] for d in r.divergent)
 
 
 def test_failed_job_is_incomplete_even_when_every_step_matches(tmp_path):
@@ -282,14 +305,30 @@ def test_rank_without_parameter_table(tmp_path):
     assert any("no parameter table" in p.message for p in r.problems)
 
 
-def test_shape_differences_are_reported(tmp_path):
-    a, b = pair(tmp_path)
+@pytest.mark.parametrize("schemas", [(1, 1), (2, 2), (1, 2)])
+def test_shape_differences_are_reported(tmp_path, schemas):
+    a, b = pair(tmp_path, a={"schema": schemas[0]}, b={"schema": schemas[1]})
     p = b / "rank-00000" / "params.json"
-    obj = json.loads(p.read_text())
-    obj["params"][2]["shape"] = [99, 16]
-    p.write_text(json.dumps(obj))
+    if schemas[1] == 1:
+        obj = json.loads(p.read_text())
+        obj["params"][2]["shape"] = [99, 16]
+        p.write_text(json.dumps(obj))
+    else:  # rewritten as the writer would have written it (a consistent digest)
+        rows = params_codec.decode(p.read_bytes())
+        rows[2]["shape"] = [99, 16]
+        p.write_bytes(params_codec.encode(rows))
     r = diff_runs(a, b)
     assert any(f"rank 0 {FQNS[2]}: shape/dtype [3, 16] float32 in A, [99, 16]" in x.message
+               for x in r.problems)
+
+
+def test_table_edited_without_its_digest_is_not_compared(tmp_path):
+    a, b = pair(tmp_path)
+    p = b / "rank-00001" / "params.json"
+    p.write_bytes(p.read_bytes().replace(b"[3,16]", b"[9,16]", 1))
+    r = diff_runs(a, b)
+    assert r.verdict == "incomplete" and r.ranks_compared == [0]
+    assert any("rank-00001/params.json: its digest does not match" in x.message
                for x in r.problems)
 
 

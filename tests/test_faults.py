@@ -30,7 +30,7 @@ from tests.synth import make_run  # noqa: E402
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
-RANK_FILES = ["meta.json", "params.json", "steps.jsonl", "hashes.jsonl", "buckets.jsonl"]
+RANK_FILES = ["meta.json", "params.json", "steps.jsonl", "hashes.bin", "buckets.jsonl"]
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,25 @@ def test_truncated_or_extended_artifacts_parse_or_raise_parity_errors(valid_run,
 def test_random_bytes_in_artifacts_parse_or_raise_parity_errors(valid_run, tmp_path, name, data):
     _mutate(valid_run, tmp_path / "b", name, data)
     _read_and_diff(valid_run, tmp_path / "b")
+
+
+RANK_FILES_V1 = ["params.json", "steps.jsonl", "hashes.jsonl", "buckets.jsonl"]
+
+
+@pytest.fixture(scope="module")
+def valid_run_v1(tmp_path_factory):
+    """A run as artifact schema 1 wrote it (tests/schema_v1.py): still read as strictly."""
+    return make_run(tmp_path_factory.mktemp("fuzz1") / "a", world_size=2, steps=3, n_params=6,
+                    schema=1)
+
+
+@settings(FUZZ, max_examples=60)
+@given(name=st.sampled_from(RANK_FILES_V1), cut=st.floats(0, 1), junk=st.binary(max_size=64))
+def test_schema_1_artifacts_truncated_or_extended_parse_or_raise_parity_errors(
+        valid_run_v1, tmp_path, name, cut, junk):
+    data = (valid_run_v1 / "rank-00001" / name).read_bytes()
+    _mutate(valid_run_v1, tmp_path / "b", name, data[: int(len(data) * cut)] + junk)
+    _read_and_diff(valid_run_v1, tmp_path / "b")
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
@@ -171,7 +190,7 @@ def test_disk_full_mid_run_names_the_path_and_keeps_earlier_steps(tmp_path):
     w._hashes._f = _FullDisk(w._hashes._f)  # the disk fills up
     with pytest.raises(ArtifactError) as e:
         w.write_step(3, b"\x02" * 16)
-    assert "hashes.jsonl" in str(e.value) and "No space left" in str(e.value)
+    assert "hashes.bin" in str(e.value) and "No space left" in str(e.value)
     run = read_run(tmp_path)
     assert sorted(run.ranks[0].steps) == [0, 1, 2]
     assert run.ranks[0].hashes(2).tobytes() == b"\x01" * 16

@@ -3,7 +3,7 @@
 Layers, bottom to top; a module may import its own layer and the ones below, never above:
 
     base      parity, errors, text, records,    what every other layer reads: the error type,
-              artifacts, rundir                 text helpers, the artifact schema and layout
+              artifacts, rundir, params_codec   text helpers, the artifact schema and layout
     capture   parity.capture.*                  runs inside the ranks (and `parity exec`)
     diff      policy, parity.diff.*             two runs -> a result; the fail-on policy
     sweep     parity.sweep.*                    spec -> cells -> launchers -> per-cell diffs
@@ -28,7 +28,7 @@ ROOT = Path(parity.__file__).parent
 LAYERS = [
     ("base", ("parity", "parity.errors", "parity.text", "parity.records", "parity.artifacts",
               "parity.rundir", "parity.nccl_model", "parity.consequences",
-              "parity.nccl_log")),
+              "parity.nccl_log", "parity.params_codec")),
     ("capture", ("parity.capture",)),
     ("diff", ("parity.policy", "parity.diff")),
     ("sweep", ("parity.sweep",)),

@@ -23,7 +23,7 @@ from parity.capture import env as cenv
 from parity.capture import fingerprint, gpu_facts
 from parity.capture.env import env_int as _env_int
 from parity.capture.hashing import device_backend, digest_tensors, host_digest, local_tensor
-from parity.rundir import rank_dir
+from parity.rundir import RANK_FILES, rank_dir
 from parity.capture.table import _Buffer
 
 
@@ -95,8 +95,7 @@ class RankRecord:
         restart = self._elastic_restart(d)
         if restart is None:
             # A new session starts this rank's record: drop what an earlier run left here.
-            for name in ("meta.json", "params.json", "steps.jsonl", "hashes.jsonl",
-                         "buckets.jsonl"):
+            for name in RANK_FILES:
                 try:
                     os.unlink(d / name)
                 except FileNotFoundError:
@@ -135,11 +134,11 @@ class RankRecord:
                 last = max(last, int(json.loads(line)["step"]))
             except (ValueError, KeyError, TypeError):
                 continue
-        for name in ("steps.jsonl", "hashes.jsonl"):  # a killed attempt may end mid-line
-            p = d / name
-            if p.exists() and p.stat().st_size and not p.read_bytes().endswith(b"\n"):
-                with open(p, "ab") as f:
-                    f.write(b"\n")
+        # A killed attempt may end mid-line; a torn hashes.bin record at its end is never read
+        # (records are found by the offsets in steps.jsonl).
+        if data and not data.endswith(b"\n"):
+            with open(d / "steps.jsonl", "ab") as f:
+                f.write(b"\n")
         try:
             old = json.loads((d / "meta.json").read_text()).get("restarts") or []
         except (OSError, ValueError, AttributeError):

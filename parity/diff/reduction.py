@@ -416,12 +416,16 @@ def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]]) ->
 def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, world: int | None,
            at: Topology | str | None, source: str | None = None) -> ReductionPrediction | None:
     """Called by the diff engine: consequence classes always, the prediction when ``at``."""
-    ref = layouts["a"].rank if layouts["a"].rank in run_a.ranks else (ranks[0] if ranks else None)
-    shapes = shapes_of(run_a.ranks[ref].params) if ref in run_a.ranks else {}
-    refb = layouts["b"].rank if layouts["b"].rank in run_b.ranks else ref
-    if refb in run_b.ranks:
-        for f, s in shapes_of(run_b.ranks[refb].params).items():
-            shapes.setdefault(f, s)
+    shapes: dict[str, list[int]] = {}
+    # the table is decoded only where shapes are needed (a prediction, or eager DTensor
+    # reduce-scatters to attribute): a diff of equal runs parses no more than it must (issue 23)
+    if at is not None or order.eager.get("a") or order.eager.get("b"):
+        ref = layouts["a"].rank if layouts["a"].rank in run_a.ranks else (ranks[0] if ranks else None)
+        shapes = shapes_of(run_a.ranks[ref].params) if ref in run_a.ranks else {}
+        refb = layouts["b"].rank if layouts["b"].rank in run_b.ranks else ref
+        if refb in run_b.ranks:
+            for f, s in shapes_of(run_b.ranks[refb].params).items():
+                shapes.setdefault(f, s)
     annotate(order, layouts, shapes)
     if at is None:
         return None
