@@ -83,8 +83,12 @@ def cli():
 @click.option("--hasher", type=click.Choice(["auto", "xxh3", "device"]), default="auto",
               show_default=True,
               help="auto: device digest for CUDA tensors, xxh3 on the host otherwise.")
+@click.option("--emulate-nccl", "emulate_nccl", default=None, metavar="TOPOLOGY",
+              help="NODESxGPUS[:channels=C]: sum every reduce-scatter and all-reduce of this "
+                   "CPU/gloo job in NCCL's Ring order at that topology (changes the numbers; "
+                   "docs/nccl-emulation.md).")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def exec_cmd(out_dir, every, grads, manifests, hasher, command):
+def exec_cmd(out_dir, every, grads, manifests, hasher, emulate_nccl, command):
     """Run COMMAND with capture active in every Python process it starts.
 
     \b
@@ -98,7 +102,7 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, command):
     from parity.capture.launch import exec_command
 
     sys.exit(exec_command(out_dir, list(command), every=every, grads=grads,
-                          manifests=manifests, hasher=hasher))
+                          manifests=manifests, hasher=hasher, emulate_nccl=emulate_nccl))
 
 
 @cli.command("diff", context_settings=CONTEXT,
