@@ -1,6 +1,6 @@
 """parity's benchmarks: every figure is a ratio against a baseline measured in the same run.
 
-    python benchmarks/run.py [--quick] [--json FILE] [--only hash,capture,diff,sweep,cuda]
+    python benchmarks/run.py [--quick] [--json FILE] [--only hash,capture,diff,sweep,cuda,reduction]
 
 Figures (targets from the performance issue; a figure that misses its target is marked MISS,
 the run still exits 0 so CI tracks numbers rather than machine noise):
@@ -13,6 +13,9 @@ the run still exits 0 so CI tracks numbers rather than machine noise):
   diff_seconds_step20 <= 10 s, diff_peak_gib < 4   256-rank x 25-step x 1,500-parameter pair
   diff_seconds_step2                  the same pair diverging at step 2 (should cost much less)
   sweep_overhead                      wall time of a small sweep / sum of its jobs' wall times
+  reduction_overhead < 1.10           the diff pair above with --at (every reduce-scatter bucket
+                                      reordered): 1 + prediction time / diff time
+                                      (benchmarks/bench_reduction.py)
   cuda_* (only with CUDA; otherwise the line "cuda  no CUDA: skipped")
     cuda_digest_gbps, cuda_read_gbps, cuda_d2h_xxh3_gbps, cuda_torch_digest_gbps
                                       the device digest as capture runs it (Triton kernel where
@@ -58,6 +61,7 @@ TARGETS = {
     "capture_overhead": ("<=", 1.05),
     "diff_seconds_step20": ("<=", 10.0),
     "diff_peak_gib": ("<", 4.0),
+    "reduction_overhead": ("<", 1.10),
 }
 
 
@@ -353,6 +357,12 @@ def bench_sweep(quick: bool, tmp: Path) -> dict:
 # ---------------------------------------------------------------------------------------- main
 
 
+def _bench_reduction(quick: bool, tmp: Path) -> dict:
+    from benchmarks.bench_reduction import bench_reduction
+
+    return bench_reduction(quick, tmp)
+
+
 def _fmt(name: str, value) -> str:
     if isinstance(value, float):
         text = f"{value:.3f}"
@@ -370,8 +380,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes; about two minutes")
     ap.add_argument("--json", dest="json_file", help="write every figure to this JSON file")
-    ap.add_argument("--only", default="hash,capture,diff,sweep,cuda",
-                    help="comma-separated subset of: hash, capture, diff, sweep, cuda")
+    ap.add_argument("--only", default="hash,capture,diff,sweep,cuda,reduction",
+                    help="comma-separated subset of: hash, capture, diff, sweep, cuda, reduction")
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     figures: dict = {"quick": args.quick, "torch": torch.__version__, "cpus": os.cpu_count()}
@@ -381,7 +391,8 @@ def main(argv=None) -> int:
                "capture": lambda: bench_capture(args.quick, tmp),
                "diff": lambda: bench_diff(args.quick, tmp / "diff"),
                "sweep": lambda: bench_sweep(args.quick, tmp),
-               "cuda": lambda: bench_cuda(args.quick, tmp)}
+               "cuda": lambda: bench_cuda(args.quick, tmp),
+               "reduction": lambda: _bench_reduction(args.quick, tmp / "reduction")}
     try:
         for name in wanted:
             if name not in benches:

@@ -28,7 +28,8 @@ CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 POLICY_HELP = ("What fails the verdict (exit 1): 'hash' a hash mismatch (bucket layout "
                "differences are reported, tolerated); 'any' a hash mismatch or a bucket layout "
                "difference; 'order-only' only a bucket layout difference (hash mismatches "
-               "tolerated).")
+               "tolerated); 'reduction' a hash mismatch or a reduction-order difference (with "
+               "--at, only one predicted at risk; copy-only all-gather differences tolerated).")
 FAIL_ON = click.Choice(list(POLICIES))
 
 
@@ -117,7 +118,14 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, emulate_nccl, command):
               help="Also write a self-contained HTML page to FILE [default: not written].")
 @click.option("--fail-on", type=FAIL_ON, default=DEFAULT_POLICY, show_default=True,
               help=POLICY_HELP)
-def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
+@click.option("--at", "at", metavar="TOPOLOGY",
+              help="Predict which gradient elements NCCL Ring would sum in another rank order "
+                   "on NODESxGPUS[:channels=C] (e.g. 8x8, 32x8:channels=16); "
+                   "docs/reduction-order.md [default: no prediction].")
+@click.option("--nccl-log", "nccl_log", type=click.Path(dir_okay=False),
+              help="Predict with the rings and channel choices of a real NCCL_DEBUG=INFO "
+                   "(+TUNING) log [default: none].")
+def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on, at, nccl_log):
     """Compare run B_DIR against reference run A_DIR (usually eager), both written by
     `parity exec --out`: first divergent step, divergent parameters and ranks, first differing
     bucket layout."""
@@ -126,7 +134,13 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on):
 
     from parity.report.stdout import print_safely
 
-    result = diff_runs(a_dir, b_dir)
+    from parity.diff.reduction import topology_of
+
+    topo, notes = topology_of(at, nccl_log)  # bad input: one line, exit 2, before reading
+    result = diff_runs(a_dir, b_dir, at=topo)
+    if result.reduction_order is not None:
+        result.reduction_order.source = nccl_log or "model"
+        result.reduction_order.notes[:0] = notes
     code = result.exit_code(fail_on)
     # files first: a closed or full stdout must cost neither them nor the exit code
     if json_file:

@@ -78,6 +78,9 @@ class Topology:
     channels: int | None = None
     protocol: str = SIMPLE
     rings: tuple[tuple[int, ...], ...] | None = None
+    # calls seen in an NCCL TUNING log (parity.nccl_log): (collective, total bytes, algorithm,
+    # protocol, channels); a collective of exactly that size uses them instead of the model's
+    tuning: tuple[tuple[str, int, str, str, int], ...] | None = None
 
     @property
     def world(self) -> int:
@@ -91,8 +94,8 @@ class Topology:
             opts.append(f"channels={self.channels}")
         if self.protocol != SIMPLE:
             opts.append(f"proto={self.protocol}")
-        if self.rings is not None:
-            opts.append("rings=log")
+        if self.rings is not None or self.tuning:
+            opts.append("rings=log" if self.rings is not None else "tuning=log")
         return text + (":" + ",".join(opts) if opts else "")
 
     def to_dict(self) -> dict:
@@ -100,6 +103,8 @@ class Topology:
                "channels": self.channels, "protocol": self.protocol, "spec": self.spec()}
         if self.rings is not None:
             out["rings"] = [list(r) for r in self.rings]
+        if self.tuning:
+            out["tuning"] = [list(t) for t in self.tuning]
         return out
 
     @classmethod
@@ -107,7 +112,9 @@ class Topology:
         rings = data.get("rings")
         return cls(int(data["nodes"]), int(data["gpus"]), data.get("channels"),
                    data.get("protocol", SIMPLE),
-                   tuple(tuple(int(x) for x in r) for r in rings) if rings else None)
+                   tuple(tuple(int(x) for x in r) for r in rings) if rings else None,
+                   tuple((str(c), int(n), str(a), str(p), int(k))
+                         for c, n, a, p, k in data["tuning"]) if data.get("tuning") else None)
 
 
 def parse_topology(text: str) -> Topology:
@@ -155,6 +162,15 @@ def channel_count(topo: Topology, total_bytes: int) -> int:
     while nc >= 2 and total_bytes < nc * _NTHREADS * threshold:
         nc -= 1
     return nc
+
+
+def tuned(topo: Topology, kind: str, total_bytes: int) -> tuple[str, str, int] | None:
+    """(algorithm, protocol, channels) an NCCL TUNING log showed for a ``kind`` collective of
+    exactly ``total_bytes`` (the whole input), or None."""
+    for coll, nbytes, algo, proto, nch in topo.tuning or ():
+        if coll == kind and nbytes == total_bytes:
+            return algo, proto, nch
+    return None
 
 
 def _div_up(a: int, b: int) -> int:
@@ -255,8 +271,11 @@ def reduce_scatter_segments(topo: Topology, count: int, elem_size: int) -> list[
     """The channel ranges of a reduce-scatter whose per-rank output has ``count`` elements, each
     with its channel's ring (``order``); rank d's elements in [lo, hi) are summed in
     ``sum_order(order, d)``."""
-    nc = channel_count(topo, count * elem_size * topo.world)
-    split = channel_split(count, elem_size, topo.world, nc, topo.protocol, REDUCE_SCATTER)
+    nc, proto = channel_count(topo, count * elem_size * topo.world), topo.protocol
+    seen = tuned(topo, REDUCE_SCATTER, count * elem_size * topo.world)
+    if seen is not None:
+        nc, proto = seen[2], seen[1]
+    split = channel_split(count, elem_size, topo.world, nc, proto, REDUCE_SCATTER)
     ring_of = rings(topo, max(1, len(split)))
     return [Segment(lo, hi, c, None, ring_of[c]) for c, (lo, hi) in enumerate(split)]
 

@@ -20,19 +20,22 @@ Statuses of a compared pair (a sweep cell's ``status`` and diff.json's ``status`
 layouts differ), ``incomplete`` (no difference in what was compared, but data is missing; a sweep
 shows such a cell as ``failed``). A sweep cell's status is decided here too (:func:`cell_status`
 from its diff, :func:`settled_cell` when the sweep stopped). This module imports nothing from the
-rest of parity but errors.
+rest of parity but errors and consequences (the classes of a bucket difference, base layer).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parity import consequences
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, ParityError
 
 POLICIES = {
     "hash": "a hash mismatch fails; bucket layout differences are reported, tolerated",
     "any": "a hash mismatch or a bucket layout difference fails",
     "order-only": "only a bucket layout difference fails; hash mismatches are reported, tolerated",
+    "reduction": "a hash mismatch or a reduction-order difference fails (with --at, only one "
+                 "predicted at risk); copy-only (all-gather) differences are tolerated",
 }
 DEFAULT = "hash"
 ORDER_FAILURES = ("order_differs", "partition_differs", "layout_differs")
@@ -59,7 +62,7 @@ def check(policy: str) -> str:
 
 
 def fails_on_hash(policy: str) -> bool:
-    return check(policy) in ("hash", "any")
+    return check(policy) in ("hash", "any", "reduction")
 
 
 def fails_on_order(policy: str) -> bool:
@@ -76,17 +79,24 @@ def status(hash_verdict: str | None, order_verdict: str | None) -> str:
 
 
 def pair_code(hash_verdict: str | None, order_verdict: str | None, incomplete: bool,
-              policy: str) -> int:
+              policy: str, reduction: str | None = None) -> int:
     """Exit code of one pair: 1 a failure under the policy in the compared data (even when data
     is incomplete: parity demonstrably fails), else 3 when data is missing or the policy needs
-    bucket layouts a side did not record, else 0."""
+    bucket layouts a side did not record, else 0. ``reduction`` (policy ``reduction``): what
+    :func:`parity.consequences.reduction_state` says of the diff."""
     if fails_on_hash(policy) and hash_verdict == "hash_mismatch":
         return EXIT_MISMATCH
     if fails_on_order(policy) and order_verdict in ORDER_FAILURES:
         return EXIT_MISMATCH
+    if policy == "reduction" and (reduction == "fails" or (
+            reduction is None and order_verdict in ORDER_FAILURES)):
+        return EXIT_MISMATCH  # None: a diff without consequence classes (older): not tolerated
     if incomplete or hash_verdict not in ("match", "hash_mismatch"):
         return EXIT_INCOMPLETE
-    if fails_on_order(policy) and order_verdict not in ("identical", *ORDER_FAILURES):
+    if (fails_on_order(policy) or policy == "reduction") and \
+            order_verdict not in ("identical", *ORDER_FAILURES):
+        return EXIT_INCOMPLETE
+    if policy == "reduction" and reduction == "unknown":
         return EXIT_INCOMPLETE
     return EXIT_OK
 
@@ -165,7 +175,8 @@ def judge_pair(d: dict, policy: str) -> Verdict:
     order = d.get("order") if isinstance(d.get("order"), dict) else {}
     ov = order.get("verdict")
     incomplete = [str(x) for x in d.get("incomplete") or []]
-    v = Verdict(pair_code(hv, ov, bool(incomplete), policy), policy)
+    state = consequences.reduction_state(d)
+    v = Verdict(pair_code(hv, ov, bool(incomplete), policy, state), policy)
     kinds = list(d.get("kinds_compared") or [])
     if (d.get("loss") or {}).get("captured"):
         kinds.append("loss")
@@ -183,13 +194,26 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         (v.failed if fails_on_hash(policy) else v.tolerated).append(what)
     elif hv == "match":
         v.held.append(f"hashes bitwise identical over {scope} ({', '.join(kinds)})")
+    reduction_fails = policy == "reduction" and state in (None, "fails")
     if ov in ORDER_FAILURES:
-        phrase = order_phrase(ov, order.get("first_bucket"))
-        (v.failed if fails_on_order(policy) else v.tolerated).append(phrase)
+        phrase = order_phrase(ov, order.get("first_bucket")) + consequences.order_suffix(order)
+        (v.failed if fails_on_order(policy) or reduction_fails else v.tolerated).append(phrase)
     elif ov == "identical":
         v.held.append("bucket layouts identical")
     else:
         v.not_compared.append(order_phrase(ov))
+    predicted = consequences.reduction_phrase(d.get("reduction_order"))
+    if predicted:  # --at: the prediction's own finding, under the policy
+        ro_verdict = d["reduction_order"].get("verdict")
+        if ro_verdict == "same":
+            v.held.append(predicted)
+        elif ro_verdict == "differs":
+            (v.failed if policy == "reduction" and state == "fails" else v.tolerated
+             ).append(predicted)
+        else:
+            v.not_compared.append(predicted)
+    elif policy == "reduction" and state == "fails" and ov not in ORDER_FAILURES:
+        v.failed.append("a gradient reduced by a different number of collectives")
     v.not_compared += [f"incomplete data: {m}" for m in incomplete[:2]]
     only_a, only_b = d.get("params_only_in_a") or [], d.get("params_only_in_b") or []
     if only_a or only_b:
@@ -220,7 +244,11 @@ def _cell_status(d: dict) -> tuple[str, str]:
     st = status(verdict, oval)
     order_note = ""
     if oval in ORDER_FAILURES:
-        order_note = f"bucket order: {oval}{_where(order.get('first_bucket'))}"
+        order_note = (f"bucket order: {oval}{_where(order.get('first_bucket'))}"
+                      + consequences.order_suffix(order))
+        predicted = consequences.reduction_phrase(d.get("reduction_order"))
+        if predicted:
+            order_note += f"; {predicted}"
     elif oval and oval != "identical":
         notes = [str(n) for n in order.get("notes") or []][:1]
         order_note = f"bucket order {oval}" + (f" ({notes[0]})" if notes else "")
@@ -280,7 +308,7 @@ def cell_code(cell, policy: str) -> int | None:
     ov = order.get("verdict")
     if cell.status == ORDER_MISMATCH and ov not in ORDER_FAILURES:
         ov = "order_differs"
-    return pair_code(hv, ov, False, policy)
+    return pair_code(hv, ov, False, policy, consequences.reduction_state(diff))
 
 
 def judge_sweep(sweep, policy: str) -> tuple[Verdict, list[str]]:

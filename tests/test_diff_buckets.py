@@ -72,10 +72,18 @@ def test_first_differing_position_inside_a_bucket(tmp_path):
     assert "same 4 parameters, 2 at other positions" in fb["detail"]
 
 
-def test_all_gather_differences_come_before_reduce_scatter(tmp_path):
+def test_reduction_differences_lead_copy_only_ones_follow(tmp_path):
+    # issue 20: the headline is the most consequential difference (a reduce-scatter whose sums
+    # may change), not the first all-gather (a copy: values unchanged)
     r = run_pair(tmp_path, b={"bucket_order": "reversed"})
-    assert r.order.first_bucket["collective"] == "all_gather"
-    assert r.order.first_bucket["index"] == 0
+    fb = r.order.first_bucket
+    assert fb["collective"] == "reduce_scatter" and fb["index"] == 0
+    assert fb["consequence"] == "reduction_order"
+    classes = {(p.collective, p.consequence) for p in r.order.pairs if p.verdict != "identical"}
+    assert classes == {("all_gather", "copy_only"), ("reduce_scatter", "reduction_order")}
+    line = r.judge("hash").line()
+    assert "reduce_scatter bucket 0" in line and "values unchanged" in line
+    assert "sums may change" in line
 
 
 def test_merged_buckets_are_a_partition_difference(tmp_path):
@@ -85,9 +93,11 @@ def test_merged_buckets_are_a_partition_difference(tmp_path):
     ag = pairs_of(r, "all_gather")
     assert len(ag) == 1 and ag[0].a == [0, 1] and ag[0].b == [0]
     assert "A buckets 0, 1 merged into B bucket 0" in ag[0].detail
-    fb = o.first_bucket
-    assert fb["verdict"] == "partition_differs" and fb["collective"] == "all_gather"
-    assert fb["position"] == 4 and fb["a"] is None and fb["b"]["fqn"] == F[4]
+    assert ag[0].position == 4 and ag[0].a_entry is None and ag[0].b_entry["fqn"] == F[4]
+    assert ag[0].consequence == "copy_only"
+    fb = o.first_bucket  # the merged reduce-scatter leads (issue 20)
+    assert fb["verdict"] == "partition_differs" and fb["collective"] == "reduce_scatter"
+    assert fb["consequence"] == "reduction_order"
 
 
 def test_split_bucket(tmp_path):

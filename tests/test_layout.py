@@ -27,7 +27,8 @@ ROOT = Path(parity.__file__).parent
 
 LAYERS = [
     ("base", ("parity", "parity.errors", "parity.text", "parity.records", "parity.artifacts",
-              "parity.rundir", "parity.nccl_model")),
+              "parity.rundir", "parity.nccl_model", "parity.consequences",
+              "parity.nccl_log")),
     ("capture", ("parity.capture",)),
     ("diff", ("parity.policy", "parity.diff")),
     ("sweep", ("parity.sweep",)),

@@ -22,6 +22,7 @@ import operator
 from dataclasses import dataclass, field
 from itertools import zip_longest
 
+from parity import consequences
 from parity.artifacts import Run
 from parity.records import BucketRecord
 from parity.text import ranges
@@ -209,6 +210,8 @@ class BucketPair:
     detail: str = ""
     moved: list[dict] = field(default_factory=list)  # partition: [{fqn, a, b}]
     partner: tuple[int | None, int | None] = (None, None)  # the two buckets shown side by side
+    consequence: str | None = None  # parity.consequences: copy_only | reduction_order | ...
+    rows: list[dict] = field(default_factory=list)  # the partner buckets side by side (differing)
 
 
 @dataclass
@@ -226,6 +229,10 @@ class OrderComparison:
     # eager DTensor collectives outside graphs, per side ({"a": [run, ...], "b": [...]}):
     # see eager_collectives(); compared by the explanation of a divergence, not by the verdict
     eager: dict[str, list[dict]] = field(default_factory=dict)
+    # parity.consequences class -> number of differing groups; gradients reduced by a different
+    # number of collectives ({fqn, a, b}); set by parity.diff.reduction.annotate
+    consequences: dict[str, int] = field(default_factory=dict)
+    structure: list[dict] = field(default_factory=list)
 
 
 def _first_diff(fa: list[str], fb: list[str]) -> int | None:
@@ -428,9 +435,18 @@ def compare_layouts(la: Layout, lb: Layout) -> OrderComparison:
         verdict = UNAVAILABLE
     else:
         verdict = max((p.verdict for p in pairs), key=SEVERITY.__getitem__, default="identical")
-    first = next((p for p in pairs if p.verdict in ("order_differs", "partition_differs")), None)
-    if first is None:
-        first = next((p for p in pairs if p.verdict == "layout_differs"), None)
+    for p in pairs:
+        p.consequence = consequences.classify(p.collective, p.verdict)
+        if p.verdict != "identical":  # every differing bucket can be drawn (HTML)
+            ia, ib = p.partner
+            p.rows = side_by_side(
+                next((x for x in la.buckets[p.collective] if x.index == ia), None),
+                next((x for x in lb.buckets[p.collective] if x.index == ib), None))
+    # the headline: the most consequential difference (a reduction before a copy), then a
+    # payload order before sizes, then issue order
+    differing = [(consequences.lead_key(p.consequence, p.verdict, i), p)
+                 for i, p in enumerate(pairs) if p.verdict != "identical"]
+    first = min(differing, key=lambda kp: kp[0])[1] if differing else None
     first_bucket = None
     if first is not None:
         ia, ib = first.partner
@@ -438,7 +454,7 @@ def compare_layouts(la: Layout, lb: Layout) -> OrderComparison:
         b = next((x for x in lb.buckets[first.collective] if x.index == ib), None)
         first_bucket = {
             "collective": first.collective, "verdict": first.verdict,
-            "index": ia, "b_index": ib,
+            "consequence": first.consequence, "index": ia, "b_index": ib,
             "group": a.group if a else None, "b_group": b.group if b else None,
             "position": first.position, "a": first.a_entry, "b": first.b_entry,
             "detail": first.detail, "rows": side_by_side(a, b),

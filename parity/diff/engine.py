@@ -22,6 +22,7 @@ from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_b
                                  explain_eager)
 from parity.diff.emulation import check_same_emulation
 from parity.diff.env import numerics_env_differences
+from parity.diff.reduction import assess
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, compare_hashes,
                                 param_keys)
 from parity.diff.result import (CaptureWarning, DiffResult, Divergence, FirstDivergence,
@@ -134,21 +135,23 @@ def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
 
 
 def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: bool = False,
-              count_budget: int = DEFAULT_COUNT_BUDGET, tolerate_exit: bool = False
-              ) -> DiffResult:
+              count_budget: int = DEFAULT_COUNT_BUDGET, tolerate_exit: bool = False,
+              at=None) -> DiffResult:
     """Compare run B against reference run A (see docs/diff.md).
 
     Raises ParityError (exit 2) when the runs cannot be compared: not parity run directories,
     different world sizes, or (unless ``allow_param_mismatch``) different parameter sets; exit 3
     when a side failed before recording a step. A side whose job exited non-zero is incomplete,
     unless ``tolerate_exit`` (the sweep's ``tolerate_teardown_exit``): then it is a problem only.
+    ``at``: a topology (``parity.nccl_model.Topology`` or ``"8x8"``) to predict the reduction
+    order at (``result.reduction_order``, parity/diff/reduction.py).
     """
     t0 = time.perf_counter()
     with gc_paused():
         run_a = read_run(a_dir)
         run_b = read_run(b_dir)
         t_read = time.perf_counter()
-        result = _diff(run_a, run_b, allow_param_mismatch, count_budget, tolerate_exit)
+        result = _diff(run_a, run_b, allow_param_mismatch, count_budget, tolerate_exit, at)
     t_end = time.perf_counter()
     result.stats.update({"read_seconds": round(t_read - t0, 3),
                          "compare_seconds": round(t_end - t_read, 3)})
@@ -188,7 +191,7 @@ def _capture_warnings(run: Run, side: str) -> list[CaptureWarning]:
 
 
 def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
-          tolerate_exit: bool = False) -> DiffResult:
+          tolerate_exit: bool = False, at=None) -> DiffResult:
     problems: list[Problem] = []
     problems += [Problem("a", m) for m in run_a.problems]
     problems += [Problem("b", m) for m in run_b.problems]
@@ -352,6 +355,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
 
     # -- buckets
     layouts, order = compare_buckets(run_a, run_b, usable, ranks)
+    # consequence classes of every bucket difference; the reduction-order prediction with ``at``
+    reduction = assess(run_a, run_b, ranks, layouts, order, ws, at)
 
     # -- first divergence
     first_hash = hc.first_step
@@ -415,6 +420,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
         problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
+        reduction_order=reduction,
     )
 
 

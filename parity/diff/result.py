@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity import policy
+from parity.consequences import reduction_state
 from parity.artifacts import write_json_atomic
 from parity.diff.buckets import BucketPair, OrderComparison
 from parity.diff.hashes import StepCount
@@ -125,11 +126,22 @@ class DiffResult:
     warnings: list[CaptureWarning] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
     bucketing: dict = field(default_factory=dict)  # parity.diff.bucket_summary.summarize_pair
+    # ``--at``: parity.diff.reduction.ReductionPrediction (None: no topology asked)
+    reduction_order: object | None = None
 
     # -- policy (parity.policy owns the rule and the words)
     def exit_code(self, fail_on: str = "hash") -> int:
         """0 parity holds under ``fail_on``, 1 it does not, 3 data incomplete (docs/diff.md)."""
-        return policy.pair_code(self.verdict, self.order.verdict, bool(self.incomplete), fail_on)
+        return policy.pair_code(self.verdict, self.order.verdict, bool(self.incomplete), fail_on,
+                                reduction_state({"order": {"consequences": self.order.consequences},
+                                                 "reduction_order": self._reduction_dict()}))
+
+    def to_dict_reduction(self) -> dict | None:
+        """``reduction_order`` as in the JSON (None: no ``--at``)."""
+        return self._reduction_dict()
+
+    def _reduction_dict(self) -> dict | None:
+        return None if self.reduction_order is None else self.reduction_order.to_dict()
 
     def judge(self, fail_on: str = "hash") -> policy.Verdict:
         """The verdict line's parts under ``fail_on`` (rendered by every report alike)."""
@@ -141,7 +153,9 @@ class DiffResult:
             "params_compared": self.params_compared, "first_divergent_step":
             self.first_divergent_step, "first_divergence": None if fd is None else
             {"ranks": list(fd.ranks), "origin": fd.origin},
-            "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket},
+            "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket,
+                      "consequences": self.order.consequences},
+            "reduction_order": self._reduction_dict(),
             "params_only_in_a": self.params_only_in_a, "params_only_in_b": self.params_only_in_b,
         }, fail_on)
 
@@ -192,7 +206,10 @@ class DiffResult:
                 "counts": o.counts, "notes": list(o.notes),
                 "rank_disagreements": {k: list(v) for k, v in o.rank_disagreements.items()},
                 "eager": {k: [dict(x) for x in v] for k, v in o.eager.items()},
+                "consequences": dict(o.consequences),
+                "structure": [dict(x) for x in o.structure],
             },
+            "reduction_order": self._reduction_dict(),
             "problems": [{"side": p.side, "message": p.message} for p in self.problems],
             "warnings": [{"side": w.side, "ranks": list(w.ranks), "message": w.message}
                          for w in self.warnings],
@@ -216,7 +233,8 @@ def _pair_dict(p: BucketPair) -> dict:
             "a": {"buckets": list(p.a), "groups": list(p.a_groups)},
             "b": {"buckets": list(p.b), "groups": list(p.b_groups)},
             "position": p.position, "a_entry": p.a_entry, "b_entry": p.b_entry,
-            "detail": p.detail, "moved": list(p.moved)}
+            "detail": p.detail, "moved": list(p.moved), "consequence": p.consequence,
+            "rows": list(p.rows)}
 
 
 def load_diff_json(path: str | Path) -> dict:

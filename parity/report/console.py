@@ -17,9 +17,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from parity import policy
+from parity import consequences, policy
 from parity.diff import DiffResult
 from parity.text import ranges
+from parity.report.reduction import reduction_section
 from parity.report.text import T
 
 PLAIN_WIDTH = 100
@@ -129,7 +130,14 @@ def _verdict_lines(r: DiffResult, fail_on: str = "hash") -> list:
             line.append(")")
         if fb.get("position") is not None:
             line.append(f" position {fb['position']}")
+        if fb.get("consequence") in consequences.WORDS:
+            line.append(f": {consequences.WORDS[fb['consequence']]}")
+    if len(o.consequences) > 1 or sum(o.consequences.values()) > 1:
+        line.append(f" [{consequences.counts_phrase(o.consequences)}]")
     lines.append(line)
+    ro = r.to_dict_reduction()
+    if ro:
+        lines.append(T("Reduction order: ") + T(consequences.reduction_phrase(ro) or ""))
     return lines
 
 
@@ -362,11 +370,15 @@ def _bucket_section(r: DiffResult) -> list:
     o = r.order
     fb = o.first_bucket
     out = first_bucket_section(fb)
-    others = [p for p in o.pairs if p.verdict != "identical"]
+    # the most consequential first: reductions (sums may change), then copies (values unchanged)
+    others = [p for _, p in sorted(
+        (consequences.lead_key(p.consequence, p.verdict, i), p)
+        for i, p in enumerate(o.pairs) if p.verdict != "identical")]
     if len(others) > (1 if fb else 0):
         out.append(T(f"Buckets that differ ({len(others)}):", "bold"))
         for p in others[:MAX_PROBLEMS]:
-            line = T(f"{_ABBR.get(p.collective, p.collective)} "
+            line = T(f"[{consequences.TITLE.get(p.consequence or '', '?')}] "
+                     f"{_ABBR.get(p.collective, p.collective)} "
                      f"A#{','.join(map(str, p.a)) or '-'} / B#{','.join(map(str, p.b)) or '-'} "
                      f"{p.verdict}: ")
             line.append(T(p.detail))
@@ -414,6 +426,9 @@ def print_diff(result: DiffResult, console: Console | None = None, fail_on: str 
     section = _bucket_section(r)
     if section:
         c.print(Group(*section))
+    pred = reduction_section(r.to_dict_reduction())  # --at: the prediction
+    if pred:
+        c.print(Group(*pred))
     if r.bucketing:  # issue 14: what the bucketing passes did, A and B side by side
         from parity.report.bucket_summary import print_summary_pair
 

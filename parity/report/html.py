@@ -22,6 +22,8 @@ import os
 import shlex
 import time
 
+from parity.consequences import WORDS
+from parity.report.html_reduction import buckets_html, prediction_html
 from parity import policy
 from parity.artifacts import write_text_atomic
 from parity.rundir import META_FILE, rank_dir
@@ -212,6 +214,8 @@ def _bucket_section(fb: dict, anchor: str, labels: tuple[str, str], cells: list[
     head = (f"{_e(fb.get('collective'))} bucket {_e(fb.get('index'))} "
             f"({_e(fb.get('group') or 'root')}) vs candidate bucket {_e(fb.get('b_index'))}: "
             f"{_e(fb.get('verdict'))}")
+    if fb.get("consequence") in WORDS:  # issue 20: what it can do to values
+        head += f" <small>({_e(WORDS[fb['consequence']])})</small>"
     moved = [r for r in fb.get("rows") or [] if not r.get("same", True)]
     where = ""
     if a or b:
@@ -510,8 +514,11 @@ def render_diff_html(d: dict, fail_on: str = "hash") -> str:
         loss_html, per_html,
         "<h2>Divergent parameters</h2>",
         _divergent_table([(cell, anchors.get(None, ""))], show_cell=False),
-        "<h2>First differing bucket</h2>",
-        findings or "<p class=muted>Every compared bucket layout is identical.</p>",
+        "<h2>Differing buckets, most consequential first</h2>",
+        buckets_html(d, lambda fb, anchor: _bucket_section(fb, anchor, ("reference",
+                                                                         "candidate"), []))
+        or findings or "<p class=muted>Every compared bucket layout is identical.</p>",
+        prediction_html(d),
         charts.bucketing_section(d),
         f"<p class=muted>written by parity {time.strftime('%Y-%m-%d %H:%M:%S')}</p>",
     ]

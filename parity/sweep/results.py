@@ -36,15 +36,15 @@ def clean_finish(run_dir: Path, world_size: int, steps: int) -> bool:
     return True
 
 
-def compare_cell(ref: Path, cand: Path, diff_path: Path, root: Path, *, tolerate_exit: bool = False
-             ) -> tuple[str, str, dict | None]:
+def compare_cell(ref: Path, cand: Path, diff_path: Path, root: Path, *, tolerate_exit: bool = False,
+                 at: str | None = None) -> tuple[str, str, dict | None]:
     """Diff one cell: (status, reason, diff dict). Never raises. The sides' paths are stored
     relative to the sweep directory ``root`` (like every path in cell.json and sweep.json), so a
     copied or downloaded sweep folder prints paths that exist where it now is."""
     from parity.diff import diff_runs  # here: a --dry-run need not import pandas
 
     try:
-        result = diff_runs(ref, cand, tolerate_exit=tolerate_exit)
+        result = diff_runs(ref, cand, tolerate_exit=tolerate_exit, at=at)
         result.a.path, result.b.path = st.rel(ref, root), st.rel(cand, root)
         d = result.to_dict()
         result.write_json(diff_path)

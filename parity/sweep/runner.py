@@ -354,7 +354,8 @@ class _Run:
             return
         cdir = st.cell_dir(self.dir, cell.id)
         _, why, diff = compare_cell(cdir / "reference", cdir / "candidate", cdir / "diff.json",
-                                self.dir, tolerate_exit=self.sp.tolerate_teardown_exit)
+                                self.dir, tolerate_exit=self.sp.tolerate_teardown_exit,
+                                        at=self.sp.at)
         if not diff:
             return
         steps = diff.get("steps_compared") or []
@@ -367,7 +368,8 @@ class _Run:
         cdir = st.cell_dir(self.dir, cell.id)
         s.setdefault("started", time.time())
         status, reason, diff = compare_cell(cdir / "reference", cdir / "candidate", cdir / "diff.json",
-                                        self.dir, tolerate_exit=self.sp.tolerate_teardown_exit)
+                                        self.dir, tolerate_exit=self.sp.tolerate_teardown_exit,
+                                        at=self.sp.at)
         s.update(status=status, reason=reason, diff=diff, ended=time.time(),
                  diff_json=st.rel(cdir / "diff.json", self.dir) if diff else None)
         st.write_cell(self.dir, s)

@@ -22,7 +22,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-from parity.errors import SpecError
+from parity.errors import ParityError, SpecError
+from parity.nccl_model import parse_topology
 
 SIDES = ("reference", "candidate")
 CELLS_DIR = "cells"  # SWEEP_DIR/cells/CELL_ID/{cell.json,diff.json,reference/,candidate/,logs/}
@@ -35,7 +36,7 @@ RESERVED_PLACEHOLDERS = ("steps", "seed", "nproc_per_node", "nnodes", "world_siz
                          "run_dir")
 
 _TOP_KEYS = {"name", "description", "steps", "seed", "nproc_per_node", "nnodes", "timeout", "env",
-             "tolerate_teardown_exit",
+             "tolerate_teardown_exit", "at",
              "workdir", "requires", "capture", "axes", "reference", "candidate", "launcher"}
 _AXIS_KEYS = {"values", "flags", "requires"}
 _SIDE_KEYS = {"label", "builtin", "args", "argv", "env", "flags"}
@@ -151,6 +152,8 @@ class Spec:
     # a side that exits non-zero after every rank recorded every step counts as finished (a
     # crash in teardown, e.g. at process-group destruction); off: the exit code is the status
     tolerate_teardown_exit: bool = False
+    # issue 20: predict every cell's reduction order at this topology ("8x8"; parity diff --at)
+    at: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -484,6 +487,13 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
     env = v.env(doc.get("env", {}), "env")
     capture = v.boolean(doc.get("capture", True), "capture")
     tolerate = v.boolean(doc.get("tolerate_teardown_exit", False), "tolerate_teardown_exit")
+    at = None
+    if "at" in doc:
+        at = v.string(doc["at"], "at")
+        try:
+            parse_topology(at)
+        except ParityError as e:
+            v.fail("at", str(e))
     workdir = None
     if "workdir" in doc:
         wd = Path(os.path.expanduser(v.string(doc["workdir"], "workdir")))
@@ -574,7 +584,7 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
 
     launcher = _launcher(v, doc.get("launcher", "local"), nnodes)
     return Spec(name, description, source, text, steps, seed, nproc, nnodes, timeout, env, workdir,
-                requires, capture, axes, sides, launcher, tolerate_teardown_exit=tolerate)
+                requires, capture, axes, sides, launcher, tolerate_teardown_exit=tolerate, at=at)
 
 
 def _value_map(v: _V, table, key: str, axis: Axis, what: str) -> dict[str, list[str]]:

@@ -1,0 +1,120 @@
+"""What a bucket difference can do to the numbers: its consequence class, and the words for it.
+
+Why this exists: on gloo, or on one node, a bucket whose payload order changed gives the same
+hashes, so a report that leads with "all_gather bucket 1 position 0" sends people after a
+difference that can never change a value, while the reduce-scatter buckets that change sums on
+a cluster hide further down. Every bucket difference is put in one of three classes
+(docs/reduction-order.md), and every report leads with the most consequential one:
+
+- ``reduction_structure``: a gradient reduced by a different number of collectives on the two
+  sides (e.g. a chunked loss reduce-scatters lm_head's gradient once per chunk): every element
+  is summed differently;
+- ``reduction_order``: a reduce-scatter (or all-reduce) bucket whose payload order, offsets or
+  partition differ: which NCCL channel an element lands in changes, and with it the rank order
+  of its sum on a multi-node Ring ("sums may change");
+- ``copy_only``: an all-gather bucket whose order or partition differ: a copy, values unchanged.
+
+Pure functions on plain values (the diff's JSON), so that policy, diff and reports share them.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+COPY_ONLY, REDUCTION_ORDER, REDUCTION_STRUCTURE = (
+    "copy_only", "reduction_order", "reduction_structure")
+CLASSES = (COPY_ONLY, REDUCTION_ORDER, REDUCTION_STRUCTURE)  # least to most consequential
+RANK = {c: i for i, c in enumerate(CLASSES)}
+REDUCTIONS = (REDUCTION_ORDER, REDUCTION_STRUCTURE)
+REDUCING = ("reduce_scatter", "all_reduce")
+
+WORDS = {
+    COPY_ONLY: "copy-only, values unchanged",
+    REDUCTION_ORDER: "reduction order, sums may change",
+    REDUCTION_STRUCTURE: "reduction structure, sums change",
+}
+TITLE = {COPY_ONLY: "copy-only", REDUCTION_ORDER: "reduction order",
+         REDUCTION_STRUCTURE: "reduction structure"}
+
+
+def classify(collective: str | None, verdict: str | None, structure: bool = False) -> str | None:
+    """The class of one aligned bucket group (None when identical): ``structure`` says that a
+    parameter of the group is reduced by a different number of collectives on the two sides."""
+    if verdict in (None, "identical"):
+        return None
+    if collective in REDUCING:
+        return REDUCTION_STRUCTURE if structure else REDUCTION_ORDER
+    return COPY_ONLY
+
+
+def lead_key(consequence: str | None, verdict: str | None, index: int) -> tuple:
+    """Sort key putting the most consequential difference first: a reduction (order or
+    structure) before a copy, then a payload-order or partition difference before a size-only
+    one, then issue order."""
+    return (0 if consequence in REDUCTIONS else 1 if consequence == COPY_ONLY else 2,
+            0 if verdict in ("order_differs", "partition_differs") else 1, index)
+
+
+def counts_phrase(counts: dict | None) -> str:
+    """'6 reduction-order buckets (sums may change), 1 copy-only bucket (values unchanged)'."""
+    if not isinstance(counts, dict):
+        return ""
+    parts = []
+    for c in reversed(CLASSES):
+        n = counts.get(c)
+        if isinstance(n, int) and n:
+            tail = {COPY_ONLY: "values unchanged", REDUCTION_ORDER: "sums may change",
+                    REDUCTION_STRUCTURE: "sums change"}[c]
+            parts.append(f"{n} {TITLE[c].replace(' ', '-')} bucket{'s' if n != 1 else ''} "
+                         f"({tail})")
+    return ", ".join(parts)
+
+
+def reduction_phrase(ro: dict | None) -> str | None:
+    """The prediction in a few words: 'reduction order at 8x8 (nccl-ring-cbd/1): 1,024 elements
+    of 3 parameters at risk' (None without a prediction)."""
+    if not isinstance(ro, dict):
+        return None
+    topo = (ro.get("topology") or {}).get("spec") if isinstance(ro.get("topology"), dict) else None
+    head = f"reduction order at {topo or '?'} ({ro.get('model')})"
+    risk = [x for x in ro.get("at_risk") or [] if isinstance(x, dict)]
+    if ro.get("verdict") == "same":
+        return head + ": same sums predicted"
+    n = sum(int(x.get("elements") or 0) for x in risk)
+    what = head + f": {n:,} elements of {len(risk)} parameter{'s' if len(risk) != 1 else ''} " \
+                  "at risk"
+    unp = ro.get("unpredicted") or []
+    if unp:
+        what += f", {len(unp)} bucket{'s' if len(unp) != 1 else ''} not predicted"
+    return what
+
+
+def reduction_state(d: dict) -> str | None:
+    """What policy ``reduction`` makes of a diff (``DiffResult.to_dict()`` or a cell's diff):
+    ``fails`` (a reduction difference, predicted at risk when a prediction was asked),
+    ``unknown`` (a reduction difference the prediction could not derive), ``tolerated``
+    (copy-only differences, or reductions predicted to give the same sums), None (a diff
+    written without consequence classes)."""
+    order = d.get("order") if isinstance(d.get("order"), dict) else {}
+    counts = order.get("consequences")
+    if not isinstance(counts, dict):
+        return None
+    if not any(counts.get(c) for c in REDUCTIONS):
+        return "tolerated"
+    ro = d.get("reduction_order")
+    if not isinstance(ro, dict):
+        return "fails"
+    return {"differs": "fails", "same": "tolerated"}.get(ro.get("verdict"), "unknown")
+
+
+def order_suffix(order: dict) -> str:
+    """What follows the bucket-order phrase on the verdict line: the lead's class in words and
+    how many differing buckets fall in each class, e.g. ': reduction order, sums may change
+    (6 reduction order (sums may change), 1 copy-only (values unchanged))'."""
+    fb = order.get("first_bucket") if isinstance(order.get("first_bucket"), dict) else {}
+    lead = fb.get("consequence")
+    out = f": {WORDS[lead]}" if lead in WORDS else ""
+    counts = order.get("consequences") if isinstance(order.get("consequences"), dict) else {}
+    if sum(v for v in counts.values() if isinstance(v, int)) > 1 or (
+            counts and lead not in counts):
+        out += f" [{counts_phrase(counts)}]"
+    return out

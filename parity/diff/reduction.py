@@ -1,0 +1,421 @@
+"""Predict, from the manifests alone, which gradient elements a multi-node NCCL Ring would sum in
+a different rank order on the two sides (``parity diff A B --at 8x8``).
+
+Why: on gloo, or on one node, a reduce-scatter bucket whose payload order changed gives the
+same hashes; on a cluster it can change the sums (torchtitan#3611). Whether it does depends on
+the channel each element lands in, and channels' rings differ only across nodes. This module
+answers the question a 256-GPU weight-hash run answers, without a rerun:
+
+1. Each side's reduce-scatter buckets (the layouts the diff selected, parity.diff.buckets) are
+   re-derived at the target world size W from the captured payload order and the parameters'
+   global shapes: FSDP2 / SimpleFSDP shard every gradient on dim 0 into ``ceil(dim0 / W)`` rows
+   (the last ranks padded), and a bucket's per-rank row is its payloads' shards concatenated in
+   payload order (``chunk_cat`` in FSDP2, ``reduce_scatter_merge_fn_to_trace`` in the bucketing
+   pass). The derivation is first checked against what was recorded at the capture's own world
+   size; a bucket it does not reproduce is *not predicted* (said, never guessed).
+2. ``parity.nccl_model`` splits each bucket's per-rank count into channel ranges and gives each
+   channel's ring; rank d's element at per-rank offset o is summed in ``sum_order(ring of the
+   channel holding o, d)``.
+3. An element is *at risk* when that order differs between A and B (``same_sum``: the first
+   addition commutes). A gradient reduced by a different number of collectives (or in another
+   dtype) is at risk as a whole.
+
+Cost: per parameter a few vectorized operations over the W owners (the pieces its range makes
+with both sides' channel boundaries); per distinct pair of rings one W x W comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from parity.diff.buckets import Bucket, Layout, eager_for
+from parity.nccl_model import MODEL, MODEL_LIMITS, Topology, parse_topology, reduce_scatter_segments
+
+SAME, DIFFERS, UNKNOWN = "same", "differs", "unknown"
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
+             "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1,
+             "complex64": 8}
+
+
+@dataclass
+class AtRisk:
+    """One parameter whose gradient would be summed differently at the target topology."""
+
+    fqn: str
+    elements: int  # elements of the full gradient summed in another rank order
+    numel: int  # elements of the full gradient
+    bucket: dict  # {"collective", "a": A's bucket index | None, "b": B's}
+    why: str  # "order" (channel -> ring differs) | "structure" | "dtype"
+
+    @property
+    def fraction(self) -> float:
+        return self.elements / self.numel if self.numel else 0.0
+
+    def to_dict(self) -> dict:
+        return {"fqn": self.fqn, "elements": self.elements, "fraction": round(self.fraction, 6),
+                "numel": self.numel, "bucket": dict(self.bucket), "why": self.why}
+
+
+@dataclass
+class ReductionPrediction:
+    """``reduction_order`` of the diff result (docs/reduction-order.md).
+
+    ``verdict``: ``differs`` when any element is at risk, ``same`` when every differing
+    reduce-scatter bucket was predicted and none is, ``unknown`` when nothing predicted is at
+    risk but some bucket could not be predicted (``unpredicted`` says why)."""
+
+    topology: Topology
+    verdict: str
+    at_risk: list[AtRisk] = field(default_factory=list)
+    unpredicted: list[dict] = field(default_factory=list)  # {collective, a, b, reason}
+    params_checked: int = 0  # parameters whose reduce-scatter layout differs
+    rank: int | None = None  # the captured rank whose layouts were used
+    source: str | None = None  # "model" | the NCCL log's path
+    model: str = MODEL
+    notes: list[str] = field(default_factory=list)  # what of an NCCL log could not be used
+
+    def fqns(self) -> set[str]:
+        """The parameters at risk (what an emulated run may show diverging)."""
+        return {x.fqn for x in self.at_risk}
+
+    def to_dict(self) -> dict:
+        return {"topology": self.topology.to_dict(), "model": self.model,
+                "limits": MODEL_LIMITS, "verdict": self.verdict,
+                "at_risk": [x.to_dict() for x in self.at_risk],
+                "elements_at_risk": sum(x.elements for x in self.at_risk),
+                "params_checked": self.params_checked,
+                "unpredicted": [dict(x) for x in self.unpredicted],
+                "rank": self.rank, "source": self.source or "model", "notes": list(self.notes)}
+
+
+# ---------------------------------------------------------------- per-rank layout at world W
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One payload of a bucket's per-rank row at the target world size (elements)."""
+
+    fqn: str
+    offset: int  # element offset in the per-rank row
+    rows: int  # dim-0 rows per rank (ceil(dim0 / W))
+    row: int  # elements per dim-0 row
+    dim0: int
+
+
+def _dims(shape) -> tuple[int, int] | None:
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) for s in shape):
+        return None
+    if not shape:
+        return 1, 1  # a 0-d gradient: one element, padded to one per rank
+    return shape[0], math.prod(shape[1:])
+
+
+def derive_layout(bucket: Bucket, shapes: dict[str, list[int]], world: int,
+                  capture_world: int | None = None) -> tuple[list[Slot], int, int] | str:
+    """A reduce-scatter bucket's per-rank row at ``world`` ranks: (slots, per-rank count,
+    element size), or the reason it cannot be derived. With ``capture_world`` the model is first
+    checked against the recorded offsets and sizes at that world size."""
+    dtypes = {e.dtype for e in bucket.entries if e.dtype} | ({bucket.dtype} if bucket.dtype else set())
+    if len(dtypes) != 1:
+        return (f"payload dtypes {sorted(dtypes)} (mixed or unrecorded)" if dtypes
+                else "no dtype recorded")
+    dtype = dtypes.pop()
+    esize = _ITEMSIZE.get(dtype)
+    if esize is None:
+        return f"dtype {dtype} not modelled"
+    dims = []
+    for e in bucket.entries:
+        d = _dims(shapes.get(e.fqn))
+        if d is None:
+            return f"no global shape for {e.fqn}"
+        dims.append(d)
+    if capture_world:
+        off = 0
+        for e, (dim0, row) in zip(bucket.entries, dims):
+            numel = -(-dim0 // capture_world) * row
+            if (e.numel is not None and e.numel != numel) or (
+                    e.offset is not None and e.offset != off * esize):
+                return (f"{e.fqn}: recorded {e.numel} elements at byte {e.offset}, but dim-0 "
+                        f"shards of {dim0}x{row} at {capture_world} ranks give {numel} at byte "
+                        f"{off * esize} (not FSDP2 dim-0 shards with padding)")
+            off += numel
+    slots, off = [], 0
+    for e, (dim0, row) in zip(bucket.entries, dims):
+        rows = -(-dim0 // world)
+        slots.append(Slot(e.fqn, off, rows, row, dim0))
+        off += rows * row
+    return slots, off, esize
+
+
+# ------------------------------------------------------------------------------ sum orders
+
+
+class _Orders:
+    """Per ring, every owner's canonical sum order (W x W); per pair of rings, which owners'
+    orders differ. Cached: a topology has few distinct rings."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self._canon: dict[tuple, np.ndarray] = {}
+        self._differ: dict[tuple, np.ndarray] = {}
+
+    def canon(self, ring: tuple[int, ...]) -> np.ndarray:
+        m = self._canon.get(ring)
+        if m is None:
+            r = np.asarray(ring, dtype=np.int32)
+            n = r.size
+            pos = np.empty(n, dtype=np.int64)
+            pos[r] = np.arange(n)
+            m = r[(pos[:, None] + 1 + np.arange(n)[None, :]) % n]  # m[d] = sum_order(ring, d)
+            if n >= 2:
+                m[:, :2] = np.sort(m[:, :2], axis=1)  # the first addition commutes
+            self._canon[ring] = m
+        return m
+
+    def differ(self, ra: tuple[int, ...], rb: tuple[int, ...]) -> np.ndarray:
+        key = (ra, rb)
+        v = self._differ.get(key)
+        if v is None:
+            v = np.zeros(self.world, dtype=bool) if ra == rb else \
+                ~(self.canon(ra) == self.canon(rb)).all(axis=1)
+            self._differ[key] = self._differ[(rb, ra)] = v
+        return v
+
+
+@dataclass
+class _Side:
+    slots: dict[str, tuple[Slot, Bucket]]
+    channels: dict[int, tuple[list[int], list[tuple[int, ...]]]]  # bucket -> (los, rings)
+
+
+def _channels(topo: Topology, count: int, esize: int) -> tuple[list[int], list[tuple[int, ...]]]:
+    segs = reduce_scatter_segments(topo, count, esize)
+    return [s.lo for s in segs], [s.order for s in segs]
+
+
+def _pieces(oa: int, ob: int, length: int, ca, cb) -> list[tuple[int, int, tuple, tuple]]:
+    """[start, end) ranges of a payload of ``length`` elements at per-rank offsets ``oa`` (A)
+    and ``ob`` (B) within which each side's channel is constant, with the two rings."""
+    los_a, rings_a = ca
+    los_b, rings_b = cb
+    cuts = {0, length}
+    for los, o in ((los_a, oa), (los_b, ob)):
+        i = bisect_right(los, o)
+        while i < len(los) and los[i] < o + length:
+            cuts.add(los[i] - o)
+            i += 1
+    pts = sorted(cuts)
+    out = []
+    for s, e in zip(pts, pts[1:]):
+        ra = rings_a[max(0, bisect_right(los_a, oa + s) - 1)]
+        rb = rings_b[max(0, bisect_right(los_b, ob + s) - 1)]
+        out.append((s, e, ra, rb))
+    return out
+
+
+def _reduce_counts(layout: Layout, eager: list[dict], shapes: dict) -> dict[str, int]:
+    """fqn -> how many collectives reduce its gradient on this side (graph/FSDP2 buckets, plus
+    eager DTensor reduce-scatters of it)."""
+    out: dict[str, int] = {}
+    for b in layout.buckets.get("reduce_scatter", []):
+        for f in set(b.fqns):
+            out[f] = layout.repeats.get(("reduce_scatter", f), 1)
+    rs = [r for r in eager or [] if r.get("collective") == "reduce_scatter"]
+    if rs:
+        for f, shape in shapes.items():
+            runs = eager_for(f, "x".join(str(s) for s in shape or []), rs)
+            if runs:
+                out[f] = out.get(f, 0) + sum(int(r.get("count") or 1) for r in runs)
+    return out
+
+
+def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: Topology | str,
+            capture_world: int | None = None, eager: dict[str, list[dict]] | None = None,
+            source: str | None = None) -> ReductionPrediction:
+    """The prediction for two sides' selected layouts (``{"a": Layout, "b": Layout}``, as
+    ``parity.diff.buckets.compare_buckets`` returns them), the parameters' global shapes
+    (params.json ``global_shape``), at ``topology`` (a Topology or ``NODESxGPUS[:channels=C]``).
+    ``capture_world``: the captured world size, to check the derivation against the recorded
+    layouts; ``eager``: ``order.eager`` (eager DTensor reduce-scatters count as collectives)."""
+    topo = parse_topology(topology) if isinstance(topology, str) else topology
+    la, lb = layouts["a"], layouts["b"]
+    pred = ReductionPrediction(topo, SAME, rank=la.rank, source=source)
+    ba, bb = la.buckets.get("reduce_scatter", []), lb.buckets.get("reduce_scatter", [])
+    eager = eager or {}
+    na = _reduce_counts(la, eager.get("a") or [], shapes)
+    nb = _reduce_counts(lb, eager.get("b") or [], shapes)
+    if not ba and not bb and not na and not nb:
+        pred.unpredicted.append({"collective": "reduce_scatter", "a": None, "b": None,
+                                 "reason": "no reduce-scatter layouts recorded"})
+        pred.verdict = UNKNOWN
+        return pred
+    world = topo.world
+    orders = _Orders(world)
+    sides: dict[str, _Side] = {}
+    bad: dict[tuple[str, int], str] = {}
+    for key, buckets in (("a", ba), ("b", bb)):
+        side = _Side({}, {})
+        for b in buckets:
+            got = derive_layout(b, shapes, world, capture_world)
+            if isinstance(got, str):
+                bad[(key, b.index)] = got
+                for f in b.fqns:
+                    side.slots.setdefault(f, (None, b))
+                continue
+            slots, count, esize = got
+            side.channels[b.index] = _channels(topo, count, esize)
+            for s in slots:
+                side.slots.setdefault(s.fqn, (s, b))
+        sides[key] = side
+    # buckets that are the same on both sides (same payloads, order and dtype) cannot differ
+    same_bucket = {}
+    by_fqns_b = {(tuple(b.fqns), b.dtype): b.index for b in bb}
+    for b in ba:
+        j = by_fqns_b.get((tuple(b.fqns), b.dtype))
+        if j is not None:
+            same_bucket[b.index] = j
+    said_bad: set = set()
+    owners = np.arange(world)
+    for f in dict.fromkeys([*na, *nb]):
+        sa, sb = sides["a"].slots.get(f), sides["b"].slots.get(f)
+        ia = sa[1].index if sa else None
+        ib = sb[1].index if sb else None
+        where = {"collective": "reduce_scatter", "a": ia, "b": ib}
+        if ia is not None and same_bucket.get(ia) == ib and ib is not None \
+                and na.get(f) == nb.get(f):
+            continue
+        pred.params_checked += 1
+        dims = _dims(shapes.get(f))
+        numel = dims[0] * dims[1] if dims else 0
+        if na.get(f, 0) != nb.get(f, 0):
+            pred.at_risk.append(AtRisk(f, numel, numel, where, "structure"))
+            continue
+        if sa is None or sb is None:
+            continue  # reduced by eager collectives alike on both sides: not modelled here
+        if sa[1].dtype != sb[1].dtype:
+            pred.at_risk.append(AtRisk(f, numel, numel, where, "dtype"))
+            continue
+        why = bad.get(("a", ia)) or bad.get(("b", ib))
+        if why is not None or sa[0] is None or sb[0] is None:
+            k = (ia, ib)
+            if k not in said_bad:
+                said_bad.add(k)
+                pred.unpredicted.append({**where, "reason": why or "layout not derived"})
+            continue
+        slot_a, slot_b = sa[0], sb[0]
+        if (slot_a.rows, slot_a.row) != (slot_b.rows, slot_b.row):
+            pred.at_risk.append(AtRisk(f, numel, numel, where, "structure"))
+            continue
+        length = slot_a.rows * slot_a.row
+        # real (unpadded) elements of each owner's shard
+        real = np.clip(slot_a.dim0 - owners * slot_a.rows, 0, slot_a.rows) * slot_a.row
+        n = 0
+        for s, e, ra, rb in _pieces(slot_a.offset, slot_b.offset, length,
+                                    sides["a"].channels[ia], sides["b"].channels[ib]):
+            if ra == rb:
+                continue
+            d = orders.differ(ra, rb)
+            if not d.any():
+                continue
+            cnt = np.clip(np.minimum(real, e) - s, 0, None)
+            n += int(cnt[d].sum())
+        if n:
+            pred.at_risk.append(AtRisk(f, n, numel, where, "order"))
+    if pred.at_risk:
+        pred.verdict = DIFFERS
+    elif pred.unpredicted:
+        pred.verdict = UNKNOWN
+    return pred
+
+
+def topology_of(at: str | None, nccl_log: str | None) -> tuple[Topology | None, list[str]]:
+    """``--at`` / ``--nccl-log`` -> the topology to predict at (None: neither) and notes on what
+    of the log could not be used. Bad input raises a one-line ParityError (exit 2)."""
+    from parity.nccl_log import parse_nccl_log
+
+    topo = parse_topology(at) if at else None
+    if nccl_log:
+        return parse_nccl_log(nccl_log, topo)
+    return topo, []
+
+
+def shapes_of(params: list[dict]) -> dict[str, list[int]]:
+    """fqn -> global shape from a rank's params.json table (``global_shape``, else ``shape``)."""
+    out = {}
+    for p in params or []:
+        f = p.get("fqn")
+        shape = p.get("global_shape") or p.get("shape")
+        if isinstance(f, str) and isinstance(shape, list):
+            out.setdefault(f.split("#", 1)[0], shape)
+    return out
+
+
+def predict_runs(a_dir: str | Path, b_dir: str | Path, topology: Topology | str
+                 ) -> ReductionPrediction:
+    """The prediction for two run directories from their manifests and parameter tables alone
+    (no hash comparison; ``parity diff --at`` gives the same ``reduction_order``)."""
+    from parity.artifacts import read_run
+    from parity.diff.buckets import compare_buckets
+
+    run_a, run_b = read_run(a_dir), read_run(b_dir)
+    usable = {side: sorted(r for r, rd in run.ranks.items() if rd.params)
+              for side, run in (("a", run_a), ("b", run_b))}
+    ranks = sorted(set(usable["a"]) & set(usable["b"]))
+    layouts, order = compare_buckets(run_a, run_b, usable, ranks)
+    world = run_a.world_size or (max(run_a.ranks) + 1 if run_a.ranks else None)
+    return assess(run_a, run_b, ranks, layouts, order, world, topology)
+
+
+# ------------------------------------------------------------------- the diff engine's entry
+
+
+def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]]) -> None:
+    """Consequence classes on the order comparison (parity.consequences): a reduce-scatter
+    group carrying a gradient that the two sides reduce with a different number of collectives
+    becomes ``reduction_structure``; ``order.structure`` lists such gradients and
+    ``order.consequences`` counts the differing groups per class."""
+    from parity import consequences as cq
+
+    na = _reduce_counts(layouts["a"], order.eager.get("a") or [], shapes)
+    nb = _reduce_counts(layouts["b"], order.eager.get("b") or [], shapes)
+    order.structure = [{"fqn": f, "a": na.get(f, 0), "b": nb.get(f, 0)}
+                       for f in dict.fromkeys([*na, *nb]) if na.get(f, 0) != nb.get(f, 0)]
+    odd = {x["fqn"] for x in order.structure}
+    counts: dict[str, int] = {}
+    for p in order.pairs:
+        if p.verdict == "identical":
+            continue
+        fqns = {m["fqn"] for m in p.moved} | {e["fqn"] for e in (p.a_entry, p.b_entry) if e}
+        structure = bool(odd) and p.collective in cq.REDUCING and bool(fqns & odd)
+        p.consequence = cq.classify(p.collective, p.verdict, structure)
+        counts[p.consequence] = counts.get(p.consequence, 0) + 1
+    if odd and not any(p.consequence == cq.REDUCTION_STRUCTURE for p in order.pairs):
+        counts[cq.REDUCTION_STRUCTURE] = counts.get(cq.REDUCTION_STRUCTURE, 0) + 1
+    order.consequences = counts
+    fb = order.first_bucket
+    if isinstance(fb, dict) and fb.get("collective"):
+        lead = next((p for p in order.pairs if p.verdict != "identical"
+                     and p.collective == fb["collective"] and fb.get("index") in p.a
+                     and p.verdict == fb.get("verdict")), None)
+        if lead is not None:
+            fb["consequence"] = lead.consequence
+
+
+def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, world: int | None,
+           at: Topology | str | None, source: str | None = None) -> ReductionPrediction | None:
+    """Called by the diff engine: consequence classes always, the prediction when ``at``."""
+    ref = layouts["a"].rank if layouts["a"].rank in run_a.ranks else (ranks[0] if ranks else None)
+    shapes = shapes_of(run_a.ranks[ref].params) if ref in run_a.ranks else {}
+    refb = layouts["b"].rank if layouts["b"].rank in run_b.ranks else ref
+    if refb in run_b.ranks:
+        for f, s in shapes_of(run_b.ranks[refb].params).items():
+            shapes.setdefault(f, s)
+    annotate(order, layouts, shapes)
+    if at is None:
+        return None
+    return predict(layouts, shapes, at, world, order.eager, source)

@@ -1,0 +1,111 @@
+"""Issue 20 with real 4-rank torchrun jobs: eager FSDP2 against the compiled workload with
+backward-graph bucket order (the bug: reduce-scatter payloads in another order) and with
+registration order (the fix). Consequence classes, the reduction-order prediction (--at) and
+--fail-on reduction, through diff_runs and the CLI. One job each, 2 steps, module-scoped."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parity.diff import diff_runs
+from parity.diff.reduction import predict_runs
+
+REPO = Path(__file__).resolve().parent.parent
+JOBS = {
+    "eager": ["--mode", "eager"],
+    "graph": ["--mode", "compiled", "--bucket-order", "graph"],
+    "registration": ["--mode", "compiled", "--bucket-order", "registration"],
+}
+
+
+def _exe(name: str, module: str) -> list[str]:
+    exe = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
+    return [exe] if exe else [sys.executable, "-m", module]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    pytest.importorskip("torch")
+    root = tmp_path_factory.mktemp("reduction")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = {}
+    for name, args in JOBS.items():
+        run = root / name
+        cmd = [*_exe("parity", "parity"), "exec", "--out", str(run), "--",
+               *_exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node",
+               "4", "-m", "parity.workloads.train", "--steps", "2", *args]
+        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900, env=env)
+        if proc.returncode != 0:
+            pytest.fail(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+        out[name] = run
+    return out
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([*_exe("parity", "parity"), *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+
+
+def test_graph_order_leads_with_the_reduce_scatter_and_is_predicted_at_risk(runs, tmp_path):
+    r = diff_runs(runs["eager"], runs["graph"], at="2x2")
+    assert r.verdict == "match"  # on gloo a consistent reorder changes no hash
+    fb = r.order.first_bucket
+    assert fb["collective"] == "reduce_scatter" and fb["consequence"] == "reduction_order"
+    classes = {p.consequence for p in r.order.pairs if p.verdict != "identical"}
+    assert "reduction_order" in classes and r.order.consequences["reduction_order"] >= 1
+    ro = r.reduction_order
+    assert ro.verdict == "differs" and ro.topology.world == 4 and not ro.unpredicted
+    risky = {x.fqn for x in ro.at_risk}
+    moved = {e["fqn"] for p in r.order.pairs if p.collective == "reduce_scatter"
+             for row in p.rows if not row["same"] for e in (row["a"], row["b"]) if e}
+    assert risky and risky <= moved  # only parameters whose reduce-scatter layout changed
+    assert all(0 < x.elements <= x.numel for x in ro.at_risk)
+    assert predict_runs(runs["eager"], runs["graph"], "2x2").fqns() == risky
+    # one node: every channel replays one ring, so nothing is at risk
+    one = diff_runs(runs["eager"], runs["graph"], at="1x4")
+    assert one.reduction_order.verdict == "same"
+    # the policy: a reduction difference fails; predicted the same on one node, tolerated
+    assert r.exit_code("reduction") == 1 and one.exit_code("reduction") == 0
+    assert r.exit_code("hash") == 0 and diff_runs(runs["eager"], runs["graph"]).exit_code(
+        "reduction") == 1
+    line = one.judge("reduction").line()
+    assert line.startswith("PARITY HOLDS under --fail-on reduction (exit 0)")
+    assert "same sums predicted" in line and "reduce_scatter bucket" in line
+
+
+def test_registration_order_is_the_fix(runs):
+    r = diff_runs(runs["eager"], runs["registration"], at="8x8:channels=16")
+    assert r.verdict == "match" and r.order.verdict == "identical"
+    assert r.reduction_order.verdict == "same" and not r.reduction_order.at_risk
+    assert r.exit_code("reduction") == 0
+
+
+def test_cli_json_html_and_console(runs, tmp_path):
+    js, page = tmp_path / "d.json", tmp_path / "d.html"
+    p = _cli("diff", str(runs["eager"]), str(runs["graph"]), "--at", "2x2", "--fail-on",
+             "reduction", "--json", str(js), "--html", str(page))
+    assert p.returncode == 1, p.stderr
+    first = p.stdout.splitlines()[0]
+    assert first.startswith("PARITY FAILS under --fail-on reduction (exit 1): bucket order "
+                            "differs (reduce_scatter bucket")
+    assert "sums may change" in first and "reduction order at 2x2" in first
+    assert "Reduction order:" in p.stdout and "parameter at risk" in p.stdout
+    d = json.loads(js.read_text())
+    jsonschema = pytest.importorskip("jsonschema")
+    from parity.diff import SCHEMA_PATH
+    jsonschema.validate(d, json.loads(Path(SCHEMA_PATH).read_text()))
+    ro = d["reduction_order"]
+    assert ro["verdict"] == "differs" and ro["topology"]["spec"] == "2x2"
+    assert {"fqn", "elements", "fraction", "bucket"} <= set(ro["at_risk"][0])
+    html = page.read_text()
+    assert "Differing buckets, most consequential first" in html
+    assert html.index("reduce_scatter bucket") < html.index("Reduction order at 2x2")
+    bad = _cli("diff", str(runs["eager"]), str(runs["graph"]), "--at", "8by8")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
