@@ -6,7 +6,9 @@ imports nothing from parity.
 
 Knobs (environment):
   RO_STEPS=N     optimizer steps (default 1)
-  RO_REORDER=I   block I registers fc2 before fc1 (same initial values, same forward)
+  RO_REORDER=I,J  blocks I, J register their parameters in another order (same initial values,
+                 same forward). Blocks 0-2 are big (their buckets span several NCCL channels);
+                 block 3 is a small gated norm (its bucket fits in one channel's first cell).
 """
 
 import os
@@ -34,11 +36,25 @@ class Block(nn.Module):
         return x + self.fc2(torch.relu(self.fc1(x)))
 
 
+class NormBlock(nn.Module):
+    def __init__(self, reorder: bool):
+        super().__init__()
+        norm, gate = nn.LayerNorm(DIM), nn.Parameter(torch.ones(DIM))
+        if reorder:
+            self.gate, self.norm = gate, norm
+        else:
+            self.norm, self.gate = norm, gate
+
+    def forward(self, x):
+        return x + self.norm(x) * self.gate
+
+
 class Model(nn.Module):
-    def __init__(self, reorder: int):
+    def __init__(self, reorder: set[int]):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList([Block(i == reorder) for i in range(3)])
+        self.layers = nn.ModuleList([Block(i in reorder) for i in range(3)]
+                                    + [NormBlock(3 in reorder)])
         self.out = nn.Linear(DIM, VOCAB)
 
     def forward(self, tokens):
@@ -54,7 +70,7 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    model = Model(int(os.environ.get("RO_REORDER", "-1")))
+    model = Model({int(i) for i in os.environ.get("RO_REORDER", "").split(",") if i})
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
