@@ -1,6 +1,6 @@
 """parity's benchmarks: every figure is a ratio against a baseline measured in the same run.
 
-    python benchmarks/run.py [--quick] [--json FILE] [--only hash,capture,diff,sweep,cuda,reduction]
+    python benchmarks/run.py [--quick] [--json FILE] [--only hash,capture,diff,sweep,cuda,reduction,emulation]
 
 Figures (targets from the performance issue; a figure that misses its target is marked MISS,
 the run still exits 0 so CI tracks numbers rather than machine noise):
@@ -16,6 +16,9 @@ the run still exits 0 so CI tracks numbers rather than machine noise):
   reduction_overhead < 1.10           the diff pair above with --at (every reduce-scatter bucket
                                       reordered): 1 + prediction time / diff time
                                       (benchmarks/bench_reduction.py)
+  emulation_overhead                  built-in eager workload's mean step time under
+                                      `parity exec --emulate-nccl` / plain gloo, both captured
+                                      (benchmarks/bench_emulation.py; reported, no target)
   cuda_* (only with CUDA; otherwise the line "cuda  no CUDA: skipped")
     cuda_digest_gbps, cuda_read_gbps, cuda_d2h_xxh3_gbps, cuda_torch_digest_gbps
                                       the device digest as capture runs it (Triton kernel where
@@ -339,7 +342,8 @@ def _cuda_capture(quick: bool, tmp: Path) -> dict:
 
 def bench_sweep(quick: bool, tmp: Path) -> dict:
     out = tmp / "sweep"
-    only = "flash=false,cudagraphs=false,batch_size=1" if quick else "cudagraphs=false"
+    only = ("flash=false,cudagraphs=false,bucket_order=registration" if quick
+            else "cudagraphs=false")
     cmd = [sys.executable, "-m", "parity", "sweep", "--out", str(out),
            "--only", only, "--steps", "2" if quick else "3"]
     t0 = time.perf_counter()
@@ -363,6 +367,12 @@ def _bench_reduction(quick: bool, tmp: Path) -> dict:
     return bench_reduction(quick, tmp)
 
 
+def _bench_emulation(quick: bool, tmp: Path) -> dict:
+    from benchmarks.bench_emulation import bench_emulation
+
+    return bench_emulation(quick, tmp)
+
+
 def _fmt(name: str, value) -> str:
     if isinstance(value, float):
         text = f"{value:.3f}"
@@ -380,8 +390,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes; about two minutes")
     ap.add_argument("--json", dest="json_file", help="write every figure to this JSON file")
-    ap.add_argument("--only", default="hash,capture,diff,sweep,cuda,reduction",
-                    help="comma-separated subset of: hash, capture, diff, sweep, cuda, reduction")
+    ap.add_argument("--only", default="hash,capture,diff,sweep,cuda,reduction,emulation",
+                    help="comma-separated subset of: hash, capture, diff, sweep, cuda, reduction, "
+                         "emulation")
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     figures: dict = {"quick": args.quick, "torch": torch.__version__, "cpus": os.cpu_count()}
@@ -392,7 +403,8 @@ def main(argv=None) -> int:
                "diff": lambda: bench_diff(args.quick, tmp / "diff"),
                "sweep": lambda: bench_sweep(args.quick, tmp),
                "cuda": lambda: bench_cuda(args.quick, tmp),
-               "reduction": lambda: _bench_reduction(args.quick, tmp / "reduction")}
+               "reduction": lambda: _bench_reduction(args.quick, tmp / "reduction"),
+               "emulation": lambda: _bench_emulation(args.quick, tmp / "emulation")}
     try:
         for name in wanted:
             if name not in benches:
