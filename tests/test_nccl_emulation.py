@@ -61,6 +61,39 @@ def test_exec_refuses_before_starting_anything(tmp_path, topo, nproc, msg):
     assert not (tmp_path / "run").exists()
 
 
+def test_ring_sums_match_a_per_element_numpy_reference():
+    """The arithmetic alone (no collectives): element by element, float32 numpy scalars added in
+    sum_order of the element's channel ring give the same bits."""
+    np = pytest.importorskip("numpy")
+    import torch
+
+    from parity.capture.nccl_emulation import all_reduce_rows, avg_scale, reduce_scatter_rows
+
+    topo = parse_topology(TOPO)
+    count = 3000
+    rows = torch.randn(4, count, generator=torch.Generator().manual_seed(3))
+    segs = reduce_scatter_segments(topo, count, 4)
+    assert len({s.order for s in segs}) > 1
+    for owner in range(4):
+        got = reduce_scatter_rows(rows, owner, topo).numpy()
+        for seg in segs:
+            order = sum_order(seg.order, owner)
+            for i in range(seg.lo, seg.hi, 97):
+                acc = np.float32(rows[order[0], i].item())
+                for s in order[1:]:
+                    acc = np.float32(acc + np.float32(rows[s, i].item()))
+                assert got[i].tobytes() == acc.tobytes(), (owner, i)
+    got = all_reduce_rows(rows, topo).numpy()
+    for seg in all_reduce_segments(topo, count, 4):
+        i = seg.lo
+        acc = np.float32(rows[seg.order[0], i].item())
+        for s in seg.order[1:]:
+            acc = np.float32(acc + np.float32(rows[s, i].item()))
+        assert got[i].tobytes() == acc.tobytes()
+    assert avg_scale(torch.float32, 3).item() == np.float32(1.0 / 3)
+    assert avg_scale(torch.bfloat16, 3).dtype == torch.bfloat16
+
+
 # ------------------------------------------------------------------------ a real job
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):

@@ -88,7 +88,7 @@ def test_a_reorder_inside_one_channel_predicts_nothing_and_matches(runs):
     r = diff_runs(runs["base"], runs["reorder"])
     moved = {e["fqn"] for p in r.order.pairs if p.collective == "reduce_scatter"
              for row in p.rows if not row["same"] for e in (row["a"], row["b"]) if e}
-    assert {"layers.3.norm.weight", "layers.3.gate"} <= moved
+    assert {"layers.3.first.weight", "layers.3.second.weight"} <= moved
 
 
 def test_registration_order_holds_bitwise_and_graph_order_diverges(runs):

@@ -204,7 +204,7 @@ def _make_group_class():
             rows = self._rows_to_owner(inp, out.numel())
             if op == "avg":
                 rows = rows * avg_scale(rows.dtype, self._size)
-            out.view(-1).copy_(reduce_scatter_rows(rows, self._rank, self.topo))
+            out.copy_(reduce_scatter_rows(rows, self._rank, self.topo).view(out.shape))
             _count("reduce_scatter")
 
         def _all_reduce_one(self, t: torch.Tensor, op: str) -> None:
@@ -449,10 +449,27 @@ def _wrap_init(orig):
     return init_process_group
 
 
+def _wrap_new_group(orig):
+    """``new_group(backend="gloo")`` gets the emulating backend too (None already inherits it)."""
+    def new_group(*args, **kwargs):
+        if len(args) >= 3:
+            if str(args[2]).lower() in ("gloo", "cpu:gloo"):
+                args = (*args[:2], BACKEND_NAME, *args[3:])
+        elif str(kwargs.get("backend")).lower() in ("gloo", "cpu:gloo"):
+            kwargs["backend"] = BACKEND_NAME
+        return orig(*args, **kwargs)
+
+    new_group.__wrapped__ = orig
+    new_group.__doc__ = orig.__doc__
+    new_group._parity_emulation = True
+    return new_group
+
+
 def _patch_module(mod) -> None:
-    f = getattr(mod, "init_process_group", None)
-    if f is not None and not getattr(f, "_parity_emulation", False):
-        mod.init_process_group = _wrap_init(f)
+    for name, wrap in (("init_process_group", _wrap_init), ("new_group", _wrap_new_group)):
+        f = getattr(mod, name, None)
+        if f is not None and not getattr(f, "_parity_emulation", False):
+            setattr(mod, name, wrap(f))
 
 
 def install(spec: str) -> Topology:
