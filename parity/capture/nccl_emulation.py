@@ -171,14 +171,14 @@ def _make_group_class():
             """None if gloo can run it unchanged, else 'sum' | 'avg'."""
             op = _op_kind(opts)
             if op == "premul":
-                raise ParityError("--emulate-nccl: PREMUL_SUM is not emulated (gloo cannot run "
-                                  "it either)")
+                _refuse("--emulate-nccl: PREMUL_SUM is not emulated (gloo cannot run it "
+                        "either)")
             if op == "other" or any(t.dtype not in _FLOATS for t in tensors):
                 _note_passed(f"{kind}: integer dtype or MIN/MAX/PRODUCT (order-independent)")
                 return None
             if any(t.device.type != "cpu" for t in tensors):
-                raise ParityError("--emulate-nccl: only CPU tensors can be emulated, got "
-                                  f"{tensors[0].device}")
+                _refuse(f"--emulate-nccl: only CPU tensors can be emulated, got "
+                        f"{tensors[0].device}")
             if self._size != self.topo.world:
                 _note_passed(f"{kind} on a group of {self._size} ranks (the topology has "
                              f"{self.topo.world}): summed by gloo")
@@ -276,8 +276,7 @@ def _make_group_class():
         def reduce(self, tensors, opts=None):
             opts = opts or _c10d().ReduceOptions()
             if self._emulated(list(tensors), opts, "reduce") is not None:
-                raise ParityError("--emulate-nccl: reduce (to one root) of a float sum is not "
-                                  "modelled; use all_reduce or reduce_scatter")
+                _refuse("--emulate-nccl: reduce (to one root) of a float sum is not modelled")
             return self.inner.reduce(tensors, opts)
 
         # the rest: plain copies, run by gloo
