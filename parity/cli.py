@@ -87,7 +87,7 @@ def cli():
 @click.option("--emulate-nccl", "emulate_nccl", default=None, metavar="TOPOLOGY",
               help="NODESxGPUS[:channels=C]: sum every reduce-scatter and all-reduce of this "
                    "CPU/gloo job in NCCL's Ring order at that topology (changes the numbers; "
-                   "docs/nccl-emulation.md).")
+                   "docs/nccl-emulation.md). By default none: plain gloo.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def exec_cmd(out_dir, every, grads, manifests, hasher, emulate_nccl, command):
     """Run COMMAND with capture active in every Python process it starts.
