@@ -37,6 +37,7 @@ NCCL's tuner plug-ins.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -221,21 +222,30 @@ def channel_split(count: int, elem_size: int, nranks: int, nchannels: int,
 
 
 def rings(topo: Topology, nchannels: int) -> list[tuple[int, ...]]:
-    """Channel -> ring (rank order), for the first ``nchannels`` channels."""
+    """Channel -> ring (rank order), for the first ``nchannels`` channels. Cached per topology:
+    a prediction asks once per bucket, and every caller gets the same tuple objects."""
+    every = _all_rings(topo)
+    if nchannels <= len(every):
+        return list(every[:nchannels])
+    return [every[c % len(every)] for c in range(nchannels)]
+
+
+@functools.lru_cache(maxsize=64)
+def _all_rings(topo: Topology) -> tuple[tuple[int, ...], ...]:
     if topo.rings is not None:
-        return [topo.rings[c % len(topo.rings)] for c in range(nchannels)]
+        return tuple(topo.rings)
     g = topo.gpus
+    distinct: dict[int, tuple[int, ...]] = {}  # channel c's ring depends on c % g only
     out = []
-    for c in range(nchannels):
-        if topo.nodes == 1:
-            out.append(tuple(range(g)))
-            continue
-        shift = c % g
-        ring = []
-        for node in range(topo.nodes):
-            ring.extend(node * g + (shift + i) % g for i in range(g))
-        out.append(tuple(ring))
-    return out
+    for c in range(_MAX_CHANNELS):
+        shift = 0 if topo.nodes == 1 else c % g
+        ring = distinct.get(shift)
+        if ring is None:
+            ring = tuple(node * g + (shift + i) % g for node in range(topo.nodes)
+                         for i in range(g))
+            distinct[shift] = ring
+        out.append(ring)
+    return tuple(out)
 
 
 def sum_order(ring: tuple[int, ...], owner: int) -> tuple[int, ...]:

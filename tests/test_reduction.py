@@ -215,3 +215,71 @@ def test_policy_reduction():
     assert policy.judge_pair(_d("order_differs", {"copy_only": 1}, verdict="hash_mismatch"),
                              "reduction").code == 1
     assert policy.judge_pair(_d("unavailable", {}), "reduction").code == 3
+
+
+# ------------------------------------------------------------------ reports and the sweep key
+
+
+def test_html_draws_every_differing_bucket_reductions_first(tmp_path):
+    from tests.synth import make_run
+
+    from parity.diff import diff_runs
+    from parity.report.html import render_diff_html
+
+    a = make_run(tmp_path / "a", world_size=2, steps=1, n_params=8)
+    b = make_run(tmp_path / "b", world_size=2, steps=1, n_params=8, bucket_order="reversed")
+    d = diff_runs(a, b, at="2x2:channels=4").to_dict()
+    page = render_diff_html(d, "reduction")
+    heads = [x.split("</h3>")[0] for x in page.split("<h3>")[1:]]
+    colls = [h.split(" bucket")[0] for h in heads if " bucket " in h]
+    assert colls.count("reduce_scatter") == 2 and colls.count("all_gather") == 2
+    assert colls.index("all_gather") > max(i for i, c in enumerate(colls) if c == "reduce_scatter")
+    assert "values unchanged" in page and "Reduction order at 2x2:channels=4" in page
+
+
+def test_sweep_spec_at():
+    from parity.errors import ParityError
+    from parity.sweep.spec import parse_spec
+
+    base = ('name = "x"\n[axes.mode]\nvalues = ["a"]\n[reference]\nargv = ["echo"]\n'
+            '[candidate]\nargv = ["echo"]\n')
+    assert parse_spec(base).at is None
+    assert parse_spec('at = "8x8"\n' + base).at == "8x8"
+    with pytest.raises(ParityError) as e:
+        parse_spec('at = "8by8"\n' + base)
+    assert "at: topology" in str(e.value) and e.value.exit_code == 2
+
+
+def test_a_gradient_reduced_by_more_collectives_is_reduction_structure():
+    from parity.diff.buckets import compare_layouts
+    from parity.diff.reduction import annotate
+
+    lay = _layouts([["p0", "p1"]], [["p1"], ["p0"]], SHAPES)
+    lay["b"].repeats[("reduce_scatter", "p0")] = 8  # a chunked loss: 8 reduce-scatters of p0
+    order = compare_layouts(lay["a"], lay["b"])
+    annotate(order, lay, SHAPES)
+    assert order.structure == [{"fqn": "p0", "a": 1, "b": 8}]
+    assert order.consequences == {"reduction_structure": 1}
+    assert order.first_bucket["consequence"] == "reduction_structure"
+    p = predict(lay, SHAPES, "1x4", capture_world=4)  # even on one node: summed differently
+    assert {x.fqn: x.why for x in p.at_risk} == {"p0": "structure"}
+
+
+def test_a_sweep_cell_is_diffed_at_the_spec_topology(tmp_path):
+    from tests.synth import make_run
+
+    from parity import policy
+    from parity.sweep.results import compare_cell
+
+    a = make_run(tmp_path / "a", world_size=2, steps=1, n_params=8)
+    b = make_run(tmp_path / "b", world_size=2, steps=1, n_params=8, bucket_layout="graph",
+                 bucket_order="reversed-rs")
+    status, reason, d = compare_cell(a, b, tmp_path / "diff.json", tmp_path, at="1x2")
+    assert status == "order_mismatch" and d["reduction_order"]["verdict"] == "same"
+    assert "reduction order at 1x2" in reason and "sums may change" in reason
+
+    class Cell:  # what policy.cell_code reads of a sweep cell
+        status, diff = "order_mismatch", d
+    assert policy.cell_code(Cell, "reduction") == 0 and policy.cell_code(Cell, "any") == 1
+    Cell.diff = {**d, "reduction_order": None}
+    assert policy.cell_code(Cell, "reduction") == 1

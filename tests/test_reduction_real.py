@@ -1,7 +1,11 @@
 """Issue 20 with real 4-rank torchrun jobs: eager FSDP2 against the compiled workload with
 backward-graph bucket order (the bug: reduce-scatter payloads in another order) and with
 registration order (the fix). Consequence classes, the reduction-order prediction (--at) and
---fail-on reduction, through diff_runs and the CLI. One job each, 2 steps, module-scoped."""
+--fail-on reduction, through diff_runs and the CLI. One job each, 1 step, module-scoped.
+
+The workload's buckets are small (a 2-layer model of dim 64: about 13,000 fp32 elements per rank
+per layer), so NCCL would give them one channel at 2x2 and nothing could be at risk; the tests
+force 4 channels (``2x2:channels=4``) to see payloads move between channels."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from parity.diff import diff_runs
 from parity.diff.reduction import predict_runs
 
 REPO = Path(__file__).resolve().parent.parent
+AT = "2x2:channels=4"
 JOBS = {
     "eager": ["--mode", "eager"],
     "graph": ["--mode", "compiled", "--bucket-order", "graph"],
@@ -40,7 +45,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         run = root / name
         cmd = [*_exe("parity", "parity"), "exec", "--out", str(run), "--",
                *_exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node",
-               "4", "-m", "parity.workloads.train", "--steps", "2", *args]
+               "4", "-m", "parity.workloads.train", "--steps", "1", *args]
         proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900, env=env)
         if proc.returncode != 0:
             pytest.fail(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -54,7 +59,7 @@ def _cli(*args) -> subprocess.CompletedProcess:
 
 
 def test_graph_order_leads_with_the_reduce_scatter_and_is_predicted_at_risk(runs, tmp_path):
-    r = diff_runs(runs["eager"], runs["graph"], at="2x2")
+    r = diff_runs(runs["eager"], runs["graph"], at=AT)
     assert r.verdict == "match"  # on gloo a consistent reorder changes no hash
     fb = r.order.first_bucket
     assert fb["collective"] == "reduce_scatter" and fb["consequence"] == "reduction_order"
@@ -67,9 +72,11 @@ def test_graph_order_leads_with_the_reduce_scatter_and_is_predicted_at_risk(runs
              for row in p.rows if not row["same"] for e in (row["a"], row["b"]) if e}
     assert risky and risky <= moved  # only parameters whose reduce-scatter layout changed
     assert all(0 < x.elements <= x.numel for x in ro.at_risk)
-    assert predict_runs(runs["eager"], runs["graph"], "2x2").fqns() == risky
+    assert predict_runs(runs["eager"], runs["graph"], AT).fqns() == risky
+    # small buckets get one channel when the count is not forced: nothing at risk
+    assert diff_runs(runs["eager"], runs["graph"], at="2x2").reduction_order.verdict == "same"
     # one node: every channel replays one ring, so nothing is at risk
-    one = diff_runs(runs["eager"], runs["graph"], at="1x4")
+    one = diff_runs(runs["eager"], runs["graph"], at="1x4:channels=4")
     assert one.reduction_order.verdict == "same"
     # the policy: a reduction difference fails; predicted the same on one node, tolerated
     assert r.exit_code("reduction") == 1 and one.exit_code("reduction") == 0
@@ -89,23 +96,23 @@ def test_registration_order_is_the_fix(runs):
 
 def test_cli_json_html_and_console(runs, tmp_path):
     js, page = tmp_path / "d.json", tmp_path / "d.html"
-    p = _cli("diff", str(runs["eager"]), str(runs["graph"]), "--at", "2x2", "--fail-on",
+    p = _cli("diff", str(runs["eager"]), str(runs["graph"]), "--at", AT, "--fail-on",
              "reduction", "--json", str(js), "--html", str(page))
     assert p.returncode == 1, p.stderr
     first = p.stdout.splitlines()[0]
     assert first.startswith("PARITY FAILS under --fail-on reduction (exit 1): bucket order "
                             "differs (reduce_scatter bucket")
-    assert "sums may change" in first and "reduction order at 2x2" in first
+    assert "sums may change" in first and f"reduction order at {AT}" in first
     assert "Reduction order:" in p.stdout and "parameter at risk" in p.stdout
     d = json.loads(js.read_text())
     jsonschema = pytest.importorskip("jsonschema")
     from parity.diff import SCHEMA_PATH
     jsonschema.validate(d, json.loads(Path(SCHEMA_PATH).read_text()))
     ro = d["reduction_order"]
-    assert ro["verdict"] == "differs" and ro["topology"]["spec"] == "2x2"
+    assert ro["verdict"] == "differs" and ro["topology"]["spec"] == AT
     assert {"fqn", "elements", "fraction", "bucket"} <= set(ro["at_risk"][0])
     html = page.read_text()
     assert "Differing buckets, most consequential first" in html
-    assert html.index("reduce_scatter bucket") < html.index("Reduction order at 2x2")
+    assert html.index("reduce_scatter bucket") < html.index(f"Reduction order at {AT}")
     bad = _cli("diff", str(runs["eager"]), str(runs["graph"]), "--at", "8by8")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

@@ -162,10 +162,11 @@ class _Orders:
     def __init__(self, world: int):
         self.world = world
         self._canon: dict[tuple, np.ndarray] = {}
-        self._differ: dict[tuple, np.ndarray] = {}
+        self._differ: dict[tuple, tuple[list, list]] = {}
+        self._keep: list = []
 
     def canon(self, ring: tuple[int, ...]) -> np.ndarray:
-        m = self._canon.get(ring)
+        m = self._canon.get(ring)  # few distinct rings: hashing them is cheap enough
         if m is None:
             r = np.asarray(ring, dtype=np.int32)
             n = r.size
@@ -177,13 +178,16 @@ class _Orders:
             self._canon[ring] = m
         return m
 
-    def differ(self, ra: tuple[int, ...], rb: tuple[int, ...]) -> np.ndarray:
-        key = (ra, rb)
+    def differ(self, ra: tuple[int, ...], rb: tuple[int, ...]) -> tuple[list, list]:
+        """(whether owner d's orders differ, per d; how many owners below d differ, d = 0..W)."""
+        key = (id(ra), id(rb))  # rings are shared tuple objects (nccl_model caches them)
         v = self._differ.get(key)
         if v is None:
-            v = np.zeros(self.world, dtype=bool) if ra == rb else \
+            m = np.zeros(self.world, dtype=bool) if ra == rb else \
                 ~(self.canon(ra) == self.canon(rb)).all(axis=1)
-            self._differ[key] = self._differ[(rb, ra)] = v
+            v = (m.tolist(), [0, *np.cumsum(m).tolist()])
+            self._differ[key] = self._differ[(id(rb), id(ra))] = v
+            self._keep.append((ra, rb))  # the ids stay valid while this object lives
         return v
 
 
@@ -258,6 +262,7 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     orders = _Orders(world)
     sides: dict[str, _Side] = {}
     bad: dict[tuple[str, int], str] = {}
+    split_of: dict[tuple[int, int], tuple] = {}  # (per-rank count, element size) -> channels
     for key, buckets in (("a", ba), ("b", bb)):
         side = _Side({}, {})
         for b in buckets:
@@ -268,7 +273,9 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
                     side.slots.setdefault(f, (None, b))
                 continue
             slots, count, esize = got
-            side.channels[b.index] = _channels(topo, count, esize)
+            if (count, esize) not in split_of:
+                split_of[(count, esize)] = _channels(topo, count, esize)
+            side.channels[b.index] = split_of[(count, esize)]
             for s in slots:
                 side.slots.setdefault(s.fqn, (s, b))
         sides[key] = side
@@ -280,7 +287,6 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
         if j is not None:
             same_bucket[b.index] = j
     said_bad: set = set()
-    owners = np.arange(world)
     for f in dict.fromkeys([*na, *nb]):
         sa, sb = sides["a"].slots.get(f), sides["b"].slots.get(f)
         ia = sa[1].index if sa else None
@@ -312,18 +318,19 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
             pred.at_risk.append(AtRisk(f, numel, numel, where, "structure"))
             continue
         length = slot_a.rows * slot_a.row
-        # real (unpadded) elements of each owner's shard
-        real = np.clip(slot_a.dim0 - owners * slot_a.rows, 0, slot_a.rows) * slot_a.row
+        # owners 0..full-1 hold whole shards (length elements), owner ``full`` holds ``part``
+        # real elements, the rest only padding
+        full = min(world, slot_a.dim0 // slot_a.rows) if slot_a.rows else 0
+        part = (slot_a.dim0 - full * slot_a.rows) * slot_a.row if full < world else 0
         n = 0
         for s, e, ra, rb in _pieces(slot_a.offset, slot_b.offset, length,
                                     sides["a"].channels[ia], sides["b"].channels[ib]):
-            if ra == rb:
+            if ra is rb or ra == rb:
                 continue
-            d = orders.differ(ra, rb)
-            if not d.any():
-                continue
-            cnt = np.clip(np.minimum(real, e) - s, 0, None)
-            n += int(cnt[d].sum())
+            d, before = orders.differ(ra, rb)
+            n += (e - s) * before[full]  # owners below ``full`` whose order differs
+            if part > s and full < world and d[full]:
+                n += min(part, e) - s
         if n:
             pred.at_risk.append(AtRisk(f, n, numel, where, "order"))
     if pred.at_risk:

@@ -137,7 +137,8 @@ def _verdict_lines(r: DiffResult, fail_on: str = "hash") -> list:
     lines.append(line)
     ro = r.to_dict_reduction()
     if ro:
-        lines.append(T("Reduction order: ") + T(consequences.reduction_phrase(ro) or ""))
+        said = (consequences.reduction_phrase(ro) or "").removeprefix("reduction order ")
+        lines.append(T("Reduction order: ") + T(said))
     return lines
 
 

@@ -23,7 +23,8 @@ import shlex
 import time
 
 from parity.consequences import WORDS
-from parity.report.html_reduction import buckets_html, prediction_html
+from parity.report.html_reduction import (SWEEP_EXTRA_BUCKETS, buckets_html, pair_views,
+                                         prediction_html)
 from parity import policy
 from parity.artifacts import write_text_atomic
 from parity.rundir import META_FILE, rank_dir
@@ -266,6 +267,9 @@ def _bucket_findings(cells: list[CellResult], labels: tuple[str, str]) -> tuple[
         for c in cs:
             anchors[got(c.id)] = anchor
         sections.append(_bucket_section(fbs[key], anchor, labels, cs))
+        # issue 20: the finding's other differing buckets too, most consequential first
+        for k, view in enumerate(pair_views(cs[0].diff or {})[1:SWEEP_EXTRA_BUCKETS + 1]):
+            sections.append(_bucket_section(view, f"{anchor}-{k + 1}", labels, []))
     return "".join(sections), anchors
 
 

@@ -10,6 +10,7 @@ import html as _html
 from parity import consequences as cq
 
 MAX_DRAWN = 40  # buckets drawn on one page; the rest are listed
+SWEEP_EXTRA_BUCKETS = 8  # a sweep page: differing buckets drawn per finding after its headline
 
 
 def _e(x) -> str:

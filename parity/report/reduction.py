@@ -18,7 +18,8 @@ def reduction_section(ro: dict | None) -> list:
     if not isinstance(ro, dict):
         return []
     style = {"differs": "bold red", "same": "green"}.get(ro.get("verdict"), "bold yellow")
-    out: list = [T("Reduction order: ", "bold") + T(reduction_phrase(ro) or "", style)]
+    said = (reduction_phrase(ro) or "").removeprefix("reduction order ")
+    out: list = [T("Reduction order ", "bold") + T(said, style)]
     topo = ro.get("topology") or {}
     out.append(T(f"  model {ro.get('model')} ({ro.get('limits')}); world {topo.get('world')}, "
                  f"channels {topo.get('channels') or 'derived per bucket size'}, protocol "
