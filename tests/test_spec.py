@@ -52,6 +52,7 @@ def test_default_spec_expands_to_the_documented_matrix():
     sp = load_spec(None)
     assert sp.name == "cpu-default" and sp.steps == 3 and sp.nproc_per_node == 4
     assert sp.emulate_nccl == "2x2:channels=4"  # NCCL Ring emulation at 2 nodes x 2 GPUs
+    assert sp.at == "2x2:channels=4"  # and the prediction at the same topology
     assert [a.name for a in sp.axes] == ["bucket_order", "flash", "cudagraphs"]
     cells = sp.cells()
     assert len(cells) == 8

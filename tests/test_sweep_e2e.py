@@ -39,9 +39,11 @@ def test_default_sweep_two_cells(tmp_path):
     assert graph["diff"]["verdict"] == "hash_mismatch" and graph["status"] == "hash_mismatch"
     assert graph["diff"]["first_divergent_step"] == 1
     assert graph["diff"]["order"]["verdict"] == "order_differs"
+    assert graph["diff"]["reduction_order"]["verdict"] == "differs"  # predicted, too
     # the fix: registration order is bitwise identical to eager FSDP2
     assert fix["diff"]["verdict"] == "match" and fix["status"] == "match", fix["reason"]
     assert fix["diff"]["order"]["verdict"] == "identical"
+    assert fix["diff"]["reduction_order"]["verdict"] == "same"
     # the gate agrees with the sweep's own exit code; the report renders
     g = subprocess.run(PARITY + ["gate", str(out)], capture_output=True, text=True, timeout=120)
     assert g.returncode == EXIT_MISMATCH, g.stdout
