@@ -1,7 +1,7 @@
 """parity's benchmarks: every figure is a ratio against a baseline measured in the same run.
 
     python benchmarks/run.py [--quick] [--json FILE]
-                             [--only hash,capture,diff,sweep,control,early_stop,cuda,reduction]
+                             [--only hash,capture,diff,sweep,control,early_stop,cuda,reduction,emulation]
 
 Figures (targets from the performance issue; a figure that misses its target is marked MISS,
 the run still exits 0 so CI tracks numbers rather than machine noise):
@@ -28,6 +28,9 @@ the run still exits 0 so CI tracks numbers rather than machine noise):
                                       (benchmarks/bench_reduction.py)
   control_cost, early_stop_saving     what the determinism control costs and an early stop saves
                                       in wall time (benchmarks/sweep_features.py)
+  emulation_overhead                  built-in eager workload's mean step time under
+                                      `parity exec --emulate-nccl` / plain gloo, both captured
+                                      (benchmarks/bench_emulation.py; reported, no target)
   cuda_* (only with CUDA; otherwise the line "cuda  no CUDA: skipped")
     cuda_digest_gbps, cuda_read_gbps, cuda_d2h_xxh3_gbps, cuda_torch_digest_gbps
                                       the device digest as capture runs it (Triton kernel where
@@ -393,7 +396,8 @@ def _cuda_capture(quick: bool, tmp: Path) -> dict:
 
 def bench_sweep(quick: bool, tmp: Path) -> dict:
     out = tmp / "sweep"
-    only = "flash=false,cudagraphs=false,batch_size=1" if quick else "cudagraphs=false"
+    only = ("flash=false,cudagraphs=false,bucket_order=registration" if quick
+            else "cudagraphs=false")
     cmd = [sys.executable, "-m", "parity", "sweep", "--out", str(out),
            "--only", only, "--steps", "2" if quick else "3"]
     t0 = time.perf_counter()
@@ -417,6 +421,12 @@ def _bench_reduction(quick: bool, tmp: Path) -> dict:
     return bench_reduction(quick, tmp)
 
 
+def _bench_emulation(quick: bool, tmp: Path) -> dict:
+    from benchmarks.bench_emulation import bench_emulation
+
+    return bench_emulation(quick, tmp)
+
+
 def _fmt(name: str, value) -> str:
     if isinstance(value, float):
         text = f"{value:.3f}"
@@ -434,9 +444,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes; about two minutes")
     ap.add_argument("--json", dest="json_file", help="write every figure to this JSON file")
-    ap.add_argument("--only", default="hash,capture,diff,sweep,control,early_stop,cuda,reduction",
+    ap.add_argument("--only", default="hash,capture,diff,sweep,control,early_stop,cuda,reduction,emulation",
                     help="comma-separated subset of: hash, capture, diff, sweep, control, "
-                         "early_stop, cuda, reduction")
+                         "early_stop, cuda, reduction, emulation")
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     figures: dict = {"quick": args.quick, "torch": torch.__version__, "cpus": os.cpu_count()}
@@ -449,7 +459,8 @@ def main(argv=None) -> int:
                "control": lambda: bench_control(args.quick, tmp / "control"),
                "early_stop": lambda: bench_early_stop(args.quick, tmp / "early_stop"),
                "cuda": lambda: bench_cuda(args.quick, tmp),
-               "reduction": lambda: _bench_reduction(args.quick, tmp / "reduction")}
+               "reduction": lambda: _bench_reduction(args.quick, tmp / "reduction"),
+               "emulation": lambda: _bench_emulation(args.quick, tmp / "emulation")}
     try:
         for name in wanted:
             if name not in benches:

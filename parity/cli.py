@@ -88,8 +88,12 @@ def cli():
               help="Count a step at each call of FUNCTION (a hand-written update, an optimizer "
                    "outside torch.optim); MODULE may be the trainer script's name "
                    "[default: none, an optimizer's step() is the step].")
+@click.option("--emulate-nccl", "emulate_nccl", default=None, metavar="TOPOLOGY",
+              help="NODESxGPUS[:channels=C]: sum every reduce-scatter and all-reduce of this "
+                   "CPU/gloo job in NCCL's Ring order at that topology (changes the numbers; "
+                   "docs/nccl-emulation.md). By default none: plain gloo.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, command):
+def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, emulate_nccl, command):
     """Run COMMAND with capture active in every Python process it starts.
 
     \b
@@ -103,7 +107,8 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, command):
     from parity.capture.launch import exec_command
 
     sys.exit(exec_command(out_dir, list(command), every=every, grads=grads,
-                          manifests=manifests, hasher=hasher, step_on=step_on))
+                          manifests=manifests, hasher=hasher, step_on=step_on,
+                          emulate_nccl=emulate_nccl))
 
 
 @cli.command("diff", context_settings=CONTEXT,

@@ -50,19 +50,40 @@ def test_default_spec_is_package_data_and_the_repo_copy_is_the_same_file():
 
 def test_default_spec_expands_to_the_documented_matrix():
     sp = load_spec(None)
-    assert sp.name == "cpu-default" and sp.steps == 3 and sp.nproc_per_node == 2
-    assert [a.name for a in sp.axes] == ["flash", "cudagraphs", "batch_size"]
+    assert sp.name == "cpu-default" and sp.steps == 3 and sp.nproc_per_node == 4
+    assert sp.emulate_nccl == "2x2:channels=4"  # NCCL Ring emulation at 2 nodes x 2 GPUs
+    assert sp.at == "2x2:channels=4"  # and the prediction at the same topology
+    assert [a.name for a in sp.axes] == ["bucket_order", "flash", "cudagraphs"]
     cells = sp.cells()
     assert len(cells) == 8
-    c = next(c for c in cells if c.axes == {"flash": True, "cudagraphs": True, "batch_size": 4})
+    c = next(c for c in cells
+             if c.axes == {"bucket_order": "registration", "flash": True, "cudagraphs": True})
     assert c.requires == ["cuda"]
     ref, cand = c.sides["reference"].entry_argv, c.sides["candidate"].entry_argv
     assert ref[:2] == BUILTIN_ENTRY and cand[:2] == BUILTIN_ENTRY
-    assert "--bucket-order" in cand and cand[cand.index("--bucket-order") + 1] == "graph"
+    assert "--bucket-order" in cand and cand[cand.index("--bucket-order") + 1] == "registration"
+    assert "--bucket-order" not in ref
     assert ref[-2:] == ["--attention", "flash"] and "--cudagraphs" not in ref  # candidate only
     assert cand[-3:] == ["--attention", "flash", "--cudagraphs"]
-    assert cand[cand.index("--batch-size") + 1] == "4" and "--steps" in cand
+    assert "--steps" in cand
     assert c.sides["reference"].env == {"OMP_NUM_THREADS": "1"}
+    g = next(c for c in cells if c.axes["bucket_order"] == "graph")
+    gc = g.sides["candidate"].entry_argv
+    assert gc[gc.index("--bucket-order") + 1] == "graph"
+
+
+def test_emulate_nccl_key_is_checked_against_the_world_size():
+    base = ('name = "t"\nnproc_per_node = 2\n[reference]\nbuiltin = true\n'
+            '[candidate]\nbuiltin = true\n')
+    with pytest.raises(SpecError, match="emulate_nccl: '2x2' needs 4 ranks"):
+        parse_spec('emulate_nccl = "2x2"\n' + base)
+    with pytest.raises(SpecError, match="emulate_nccl: .*expected NODESxGPUS"):
+        parse_spec('emulate_nccl = "two"\n' + base)
+    sp = parse_spec('emulate_nccl = "1x2"\n' + base)
+    plain = parse_spec(base)
+    assert sp.emulate_nccl == "1x2" and plain.emulate_nccl is None
+    c, p = sp.cells()[0], plain.cells()[0]  # an emulated cell is never resumed from a plain one
+    assert c.sides["reference"].fingerprint(sp, c) != p.sides["reference"].fingerprint(plain, p)
 
 
 def test_cuda_default_spec_runs_cuda_graphs_on_the_candidate_only():

@@ -325,11 +325,12 @@ def test_hash_mismatch_cell_sets_the_exit_code_and_jobs_run_concurrently(tmp_pat
 
 def test_dry_run_prints_commands_and_creates_nothing(tmp_path):
     out = tmp_path / "out"
-    r = parity("sweep", "--dry-run", "--out", out, "--only", "batch_size=1", cwd=tmp_path)
+    r = parity("sweep", "--dry-run", "--out", out, "--only", "bucket_order=graph", cwd=tmp_path)
     assert r.returncode == EXIT_OK, r.stderr
     assert not out.exists()
     assert "4 of 8 cells" in r.stdout and "SKIPPED: requires cuda" in r.stdout
     assert "parity exec --out" in r.stdout and "--bucket-order graph" in r.stdout
+    assert "--emulate-nccl 2x2:channels=4 --" in r.stdout
     assert "--rdzv-backend c10d" in r.stdout and "--redirects 3" in r.stdout
 
 

@@ -15,7 +15,12 @@ from parity.capture.env import say as _say
 
 
 def activate_from_env() -> session.Session | None:
-    """Start the injected session (``parity exec``); fails soft."""
+    """Start the injected session (``parity exec``); fails soft (emulation does not: a job
+    asked to emulate NCCL never runs plain)."""
+    if os.environ.get(cenv.ENV_EMULATE_NCCL):
+        from parity.capture import nccl_emulation
+
+        nccl_emulation.install_or_refuse(os.environ[cenv.ENV_EMULATE_NCCL])
     try:
         out = os.environ.get(cenv.ENV_DIR)
         active = session.current()

@@ -16,9 +16,13 @@ ENV_EVERY = "PARITY_CAPTURE_EVERY"
 ENV_GRADS = "PARITY_CAPTURE_GRADS"
 ENV_MANIFESTS = "PARITY_CAPTURE_MANIFESTS"
 ENV_HASHER = "PARITY_CAPTURE_HASHER"
+# A topology (NODESxGPUS[:channels=C]): reduce-scatters and all-reduces follow the NCCL Ring model
+# (parity exec --emulate-nccl; nccl_emulation.py).
+ENV_EMULATE_NCCL = "PARITY_CAPTURE_EMULATE_NCCL"
 # Set (to the pid) by a process once it is a capturing rank; its children inherit it and stay out.
 ENV_ACTIVE = "PARITY_CAPTURE_ACTIVE"
-ALL_ENV = (ENV_DIR, ENV_EVERY, ENV_GRADS, ENV_MANIFESTS, ENV_HASHER, ENV_ACTIVE)
+ALL_ENV = (ENV_DIR, ENV_EVERY, ENV_GRADS, ENV_MANIFESTS, ENV_HASHER, ENV_ACTIVE,
+           ENV_EMULATE_NCCL)
 
 # Programs that are never ranks, recognized from the command line.
 AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch")

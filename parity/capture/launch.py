@@ -39,10 +39,14 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 def capture_env(out_dir: str | os.PathLike, *, every: int = 1, grads: bool = True,
                 manifests: bool = True, hasher: str = "auto",
-                base: dict[str, str] | None = None, step_on: str | None = None) -> dict[str, str]:
+                base: dict[str, str] | None = None, step_on: str | None = None,
+                emulate_nccl: str | None = None) -> dict[str, str]:
     """The environment of a captured command: ``base`` (default os.environ) plus parity's vars."""
     env = dict(os.environ if base is None else base)
     env.pop(cenv.ENV_ACTIVE, None)
+    env.pop(cenv.ENV_EMULATE_NCCL, None)
+    if emulate_nccl:
+        env[cenv.ENV_EMULATE_NCCL] = emulate_nccl
     old = env.get("PYTHONPATH")
     env["PYTHONPATH"] = BOOTSTRAP_DIR + (os.pathsep + old if old else "")
     env[cenv.ENV_DIR] = os.path.abspath(os.fspath(out_dir))
@@ -144,8 +148,12 @@ def _clear_previous(out: Path) -> None:
 
 def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int = 1,
                  grads: bool = True, manifests: bool = True, hasher: str = "auto",
-                 step_on: str | None = None) -> int:
-    """Run ``command`` with capture injected; return its exit code (2 if it cannot start)."""
+                 step_on: str | None = None, emulate_nccl: str | None = None) -> int:
+    """Run ``command`` with capture injected; return its exit code (2 if it cannot start).
+
+    ``emulate_nccl`` (a topology, ``NODESxGPUS[:channels=C]``): every rank's reduce-scatters and
+    all-reduces follow the NCCL Ring model (nccl_emulation.py); checked here, before the job
+    starts, against the torchrun world size when the command line says it."""
     if not command:
         raise ParityError("exec: no command given")
     if every < 1:
@@ -157,6 +165,10 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
             parse(step_on)
         except ValueError as e:
             raise ParityError(f"exec: {e}") from None
+    if emulate_nccl:
+        from parity.capture.emulation_launch import check_emulation
+
+        emulate_nccl = check_emulation(emulate_nccl, command)
     out = Path(out_dir).resolve()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -169,6 +181,8 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
            "error": None, "parity": __version__, "host": socket.gethostname(),
            "capture": {"every": every, "grads": grads, "manifests": manifests, "hasher": hasher,
                        **({"step_on": step_on} if step_on else {})}}
+    if emulate_nccl:
+        run["capture"]["emulate_nccl"] = emulate_nccl
     write_json_atomic(out / RUN_FILE, run)
 
     def finish(exit_code: int | None, status: str, error: str | None) -> None:
@@ -176,7 +190,7 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
         write_json_atomic(out / RUN_FILE, run)
 
     env = capture_env(out, every=every, grads=grads, manifests=manifests, hasher=hasher,
-                      step_on=step_on)
+                      step_on=step_on, emulate_nccl=emulate_nccl)
     received: list[int] = []
     child: list[subprocess.Popen] = []
 

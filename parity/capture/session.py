@@ -34,7 +34,7 @@ import traceback
 import torch
 
 from parity.artifacts import RankWriter
-from parity.capture import patches, post_import
+from parity.capture import nccl_emulation, patches, post_import
 from parity.capture.env import one_line as _one_line
 from parity.capture.env import say as _say
 from parity.capture.hashing import HASHERS
@@ -193,6 +193,7 @@ class Session(RankRecord, StepClock, ParamTable):
             if self.writer is not None:
                 try:
                     self.writer.meta["capture"] = self._capture_meta()
+                    nccl_emulation.record_in(self.writer.meta)
                     self.writer.close(status=status, error=error)
                 except Exception as e:  # noqa: BLE001
                     _say(f"capture: cannot finish {rank_dir(self.out_dir, self.rank)}: "

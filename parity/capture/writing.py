@@ -20,7 +20,7 @@ import torch
 from parity import __version__
 from parity.artifacts import RankWriter
 from parity.capture import env as cenv
-from parity.capture import fingerprint, gpu_facts
+from parity.capture import fingerprint, gpu_facts, nccl_emulation
 from parity.capture.env import env_int as _env_int
 from parity.capture.hashing import device_backend, digest_tensors, host_digest, local_tensor
 from parity.rundir import RANK_FILES, rank_dir
@@ -106,6 +106,7 @@ class RankRecord:
                 "deterministic": torch.are_deterministic_algorithms_enabled(),
                 "num_threads": None, "interop_threads": None,
                 "capture": self._capture_meta()}
+        nccl_emulation.record_in(meta)  # the one mode that changes the job's numbers
         if restart is not None:
             meta["restarts"] = restart
         self.writer = RankWriter(self.out_dir, rank, meta)

@@ -20,6 +20,7 @@ from parity.artifacts import RankData, Run, gc_paused, read_run
 from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
                                  explain_eager)
+from parity.diff.emulation import check_same_emulation
 from parity.diff.env import numerics_env_differences
 from parity.diff.reduction import assess
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, compare_hashes,
@@ -226,6 +227,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         raise ParityError(f"the runs used different hashers (A {'/'.join(sorted(h_a))}, "
                           f"B {'/'.join(sorted(h_b))}): their hashes cannot be compared; "
                           "capture both with the same --hasher")
+    check_same_emulation(run_a, run_b)  # emulated numbers differ from plain ones on purpose
     problems += [Problem(None, m) for m in numerics_env_differences(
         run_a.ranks[min(run_a.ranks)].meta if run_a.ranks else None,
         run_b.ranks[min(run_b.ranks)].meta if run_b.ranks else None)]

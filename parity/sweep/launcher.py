@@ -40,6 +40,7 @@ class Job:
     console_log: Path  # the launcher process's own stdout+stderr (torchrun's tee of every rank)
     cwd: Path | None = None
     capture: bool = True  # wrap in `parity exec --out run_dir --` (False: the trainer writes itself)
+    emulate_nccl: str | None = None  # `parity exec --emulate-nccl TOPOLOGY` (with capture)
 
 
 @dataclass
@@ -120,7 +121,8 @@ def exec_prefix(job: Job) -> list[str]:
     """``parity exec --out RUN_DIR --`` when the job is captured, else nothing."""
     if not job.capture:
         return []
-    return [*parity_command(), "exec", "--out", str(job.run_dir), "--"]
+    emulate = ["--emulate-nccl", job.emulate_nccl] if job.emulate_nccl else []
+    return [*parity_command(), "exec", "--out", str(job.run_dir), *emulate, "--"]
 
 
 def torchrun_argv(job: Job, endpoint: str, node_rank: int | None = None) -> list[str]:

@@ -162,7 +162,7 @@ def _make_job(sp: Spec, cell: Cell, side: str, sweep_dir: Path, cwd: Path | None
                nproc_per_node=sp.nproc_per_node, env=dict(sj.env), run_dir=cdir / side,
                log_dir=cdir / "logs" / side, timeout=sp.timeout,
                console_log=cdir / "logs" / f"{side}.console.log", cwd=sp.workdir or cwd,
-               capture=sp.capture)
+               capture=sp.capture, emulate_nccl=sp.emulate_nccl)
 
 
 def _skip_reason(sp: Spec, lnch: Launcher, cell: Cell) -> str:

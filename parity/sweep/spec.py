@@ -37,7 +37,7 @@ RESERVED_PLACEHOLDERS = ("steps", "seed", "nproc_per_node", "nnodes", "world_siz
                          "run_dir")
 
 _TOP_KEYS = {"name", "description", "steps", "seed", "nproc_per_node", "nnodes", "timeout", "env",
-             "tolerate_teardown_exit", "at", "control", "stop_after_divergence",
+             "tolerate_teardown_exit", "at", "control", "stop_after_divergence", "emulate_nccl",
              "workdir", "requires", "capture", "axes", "reference", "candidate", "launcher"}
 _AXIS_KEYS = {"values", "flags", "requires"}
 _SIDE_KEYS = {"label", "builtin", "args", "argv", "env", "flags"}
@@ -117,6 +117,7 @@ class SideJob:
             "entry_argv": self.entry_argv, "env": self.env, "nnodes": spec.nnodes,
             "nproc_per_node": spec.nproc_per_node, "capture": spec.capture,
             "workdir": str(spec.workdir) if spec.workdir else None,
+            **({"emulate_nccl": spec.emulate_nccl} if spec.emulate_nccl else {}),
         }, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -159,6 +160,8 @@ class Spec:
     control: bool = False
     # issue 23: stop both jobs K steps after the first divergent step (parity/sweep/early_stop.py)
     stop_after_divergence: int | None = None
+    # every job runs under `parity exec --emulate-nccl TOPOLOGY` (docs/nccl-emulation.md)
+    emulate_nccl: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -494,6 +497,7 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
     env = v.env(doc.get("env", {}), "env")
     capture = v.boolean(doc.get("capture", True), "capture")
     tolerate = v.boolean(doc.get("tolerate_teardown_exit", False), "tolerate_teardown_exit")
+    emulate = _emulate_nccl(v, doc, nproc * nnodes)
     at = None
     if "at" in doc:
         at = v.string(doc["at"], "at")
@@ -595,7 +599,25 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
     launcher = _launcher(v, doc.get("launcher", "local"), nnodes)
     return Spec(name, description, source, text, steps, seed, nproc, nnodes, timeout, env, workdir,
                 requires, capture, axes, sides, launcher, tolerate_teardown_exit=tolerate, at=at,
-                control=control, stop_after_divergence=stop_after)
+                control=control, stop_after_divergence=stop_after, emulate_nccl=emulate)
+
+
+def _emulate_nccl(v: _V, doc: dict, world: int) -> str | None:
+    if "emulate_nccl" not in doc:
+        return None
+    from parity.nccl_model import parse_topology
+
+    text = v.string(doc["emulate_nccl"], "emulate_nccl")
+    try:
+        topo = parse_topology(text)
+    except Exception as e:  # noqa: BLE001 - its one-line message names the problem
+        v.fail("emulate_nccl", str(e))
+    if topo.world != world:
+        v.fail("emulate_nccl", f"{text!r} needs {topo.world} ranks (NODES x GPUS); the spec "
+                               f"runs nproc_per_node x nnodes = {world}")
+    if not doc.get("capture", True):
+        v.fail("emulate_nccl", "needs capture = true (parity exec runs the emulation)")
+    return topo.spec()
 
 
 def _value_map(v: _V, table, key: str, axis: Axis, what: str) -> dict[str, list[str]]:
