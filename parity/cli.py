@@ -153,10 +153,12 @@ def inspect_cmd(run_dir, json_file):
     from parity.report.bucket_summary import print_summary
     from parity.report.console import make_console
 
+    from parity.report.stdout import print_safely
+
     summary = summarize_run(read_run(run_dir))
-    print_summary(summary, make_console())
-    if json_file:
+    if json_file:  # files first: a closed stdout must not cost them
         write_json_atomic(json_file, summary or {"graphs": [], "attribution": []})
+    print_safely(lambda: print_summary(summary, make_console()))
 
 
 EXIT_BISECT = ("\b\nExit codes:\n"
@@ -207,11 +209,13 @@ def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
         raise ParityError("bisect: give A_DIR B_DIR, or SWEEP_DIR --cell ID")
     code, report = bisect(a_dir, b_dir, out_dir=out_dir or "parity-bisect", step=step, rank=rank,
                           envs=envs, say=lambda m: click.echo(m, err=True))
-    click.echo(format_report(report))
     if json_file:
         from parity.artifacts import write_json_atomic
 
         write_json_atomic(json_file, report)
+    from parity.report.stdout import print_safely
+
+    print_safely(lambda: click.echo(format_report(report)))
     sys.exit(code)
 
 
@@ -325,8 +329,10 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"parity: error: {msg}" + ("" if isinstance(e, click.UsageError) and
                                                e.ctx is None else _usage_hint(e)), err=True)
         sys.exit(EXIT_USAGE)
-    except BrokenPipeError:
-        sys.exit(0)
+    except BrokenPipeError:  # a closed stdout outside print_safely (--help | head -1)
+        from parity.report.stdout import closed_stdout_exit
+
+        closed_stdout_exit(0)
     except Exception as e:  # a bug in parity: still one line unless asked for more
         if os.environ.get("PARITY_DEBUG"):
             raise

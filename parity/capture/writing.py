@@ -172,7 +172,7 @@ class RankRecord:
             if not self._step_base:  # a restarted attempt continues its rank's steps
                 w.write_step(0, b"".join(self._p0))
             self._table_dirty = False
-        self._write(1, b"".join(self._g1) if self.grads else None)
+        self._write(1, self._grad_line() if self.grads else None)
 
     def _write(self, step: int, grads: bytes | None) -> None:
         params = digest_tensors(self._tensors(), self.hasher)

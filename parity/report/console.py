@@ -20,6 +20,7 @@ from rich.text import Text
 from parity import policy
 from parity.diff import DiffResult
 from parity.text import ranges
+from parity.report.stdout import make_rich_console
 from parity.report.text import T
 
 PLAIN_WIDTH = 100
@@ -41,8 +42,8 @@ _ORDER_TEXT = {
 def make_console(file=None, width: int | None = None, force_terminal: bool | None = None) -> Console:
     """A console for reports: colours on a terminal, plain text (no ANSI codes) when piped,
     100 columns when not a terminal and COLUMNS is unset."""
-    console = Console(file=file or sys.stdout, force_terminal=force_terminal, width=width,
-                      highlight=False, emoji=False, soft_wrap=False)
+    console = make_rich_console(file=file or sys.stdout, force_terminal=force_terminal,
+                                width=width, highlight=False, emoji=False, soft_wrap=False)
     if width is None and not console.is_terminal and not os.environ.get("COLUMNS"):
         console.width = PLAIN_WIDTH
     return console
