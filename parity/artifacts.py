@@ -23,7 +23,7 @@ import xxhash
 
 from parity.errors import ArtifactError
 from parity.rundir import (BUCKETS_FILE, HASHES_FILE, META_FILE, RUN_FILE, STEPS_FILE,
-                           rank_dir, rank_of)
+                           rank_dir, rank_of, refused_records)
 
 SCHEMA_VERSION = 1
 HASH_BYTES = 16  # xxh3-128
@@ -239,6 +239,8 @@ class RankData:
     steps: dict[int, dict]
     buckets: list[dict]
     problems: list[str] = field(default_factory=list)
+    # processes that also claimed this rank and were not recorded (rundir.refused_records)
+    refused: list[dict] = field(default_factory=list)
 
     @property
     def fqns(self) -> list[str]:
@@ -396,7 +398,7 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
         problems.append(f"{path}: meta.json says rank {said}, the directory rank {rank} "
                         "(swapped or copied directories?); not compared")
         params, steps = [], {}
-    return RankData(rank, path, meta, params, steps, buckets, problems)
+    return RankData(rank, path, meta, params, steps, buckets, problems, refused_records(path))
 
 
 def read_run(path: str | os.PathLike) -> Run:

@@ -191,7 +191,7 @@ def rerun(plan: RerunPlan, out_dir: Path, step: int) -> tuple[int, Path, Path]:
         os.environ.update(extra)
         os.chdir(plan.cwd)
         with _redirected(log):
-            rc = exec_command(run_dir, plan.argv, every=1, grads=True,
+            rc = exec_command(run_dir, plan.argv, every=1, grads=True, force=True,
                               manifests=bool(cap.get("manifests", True)),
                               hasher=cap.get("hasher") if cap.get("hasher") in ("auto", "xxh3",
                                                                                 "device") else "auto")

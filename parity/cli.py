@@ -70,10 +70,13 @@ def cli():
 
 @cli.command("exec", context_settings={**CONTEXT, "ignore_unknown_options": True},
              short_help="Run a trainer (any command) with capture active in every rank.",
-             epilog=_exits("N  COMMAND's own exit code", "2  COMMAND cannot be started",
-                          "3  COMMAND exited 0 but no rank recorded a step"))
+             epilog=_exits("N  COMMAND's own exit code", "2  COMMAND cannot be started, --out "
+                          "holds a run (no --force) or another parity exec writes to it",
+                          "3  COMMAND exited 0 but no rank recorded a step, or a second process "
+                          "claimed a recorded rank"))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Run directory for this job's artifacts (created; must not hold another run).")
+              help="Run directory for this job's artifacts (created; must not hold another run "
+                   "unless --force; one parity exec at a time).")
 @click.option("--every", default=1, show_default=True, type=click.IntRange(min=1),
               help="Record every N-th optimizer step (steps 0, 1 and the last step always).")
 @click.option("--grads/--no-grads", default=True, show_default=True,
@@ -83,8 +86,10 @@ def cli():
 @click.option("--hasher", type=click.Choice(["auto", "xxh3", "device"]), default="auto",
               show_default=True,
               help="auto: device digest for CUDA tensors, xxh3 on the host otherwise.")
+@click.option("--force", is_flag=True,
+              help="Replace the run already in --out [default: refuse to touch it].")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def exec_cmd(out_dir, every, grads, manifests, hasher, command):
+def exec_cmd(out_dir, every, grads, manifests, hasher, force, command):
     """Run COMMAND with capture active in every Python process it starts.
 
     \b
@@ -98,7 +103,7 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, command):
     from parity.capture.launch import exec_command
 
     sys.exit(exec_command(out_dir, list(command), every=every, grads=grads,
-                          manifests=manifests, hasher=hasher))
+                          manifests=manifests, hasher=hasher, force=force))
 
 
 @cli.command("diff", context_settings=CONTEXT,

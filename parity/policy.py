@@ -190,7 +190,9 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         v.held.append("bucket layouts identical")
     else:
         v.not_compared.append(order_phrase(ov))
-    v.not_compared += [f"incomplete data: {m}" for m in incomplete[:2]]
+    v.not_compared += [f"incomplete data: {m}" for m in incomplete[:4]]
+    if len(incomplete) > 4:
+        v.not_compared.append(f"{len(incomplete) - 4} more (see the incomplete list)")
     only_a, only_b = d.get("params_only_in_a") or [], d.get("params_only_in_b") or []
     if only_a or only_b:
         v.not_compared.append(f"{len(only_a)} parameters only in A, {len(only_b)} only in B")

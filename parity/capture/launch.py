@@ -30,7 +30,10 @@ from parity import __version__
 from parity.artifacts import SCHEMA_VERSION, write_json_atomic
 from parity.capture import env as cenv
 from parity.errors import EXIT_INCOMPLETE, EXIT_USAGE, ParityError
-from parity.rundir import META_FILE, RUN_FILE, count_steps, rank_dirs
+from parity.rundir import (META_FILE, RUN_FILE, count_steps, looks_like_run, rank_dirs,
+                           refused_records)
+
+LOCK_FILE = ".parity-exec.lock"
 
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -105,6 +108,70 @@ def summarize(out: Path) -> tuple[str, bool]:
     return line, captured
 
 
+def disabled_reason(out: Path) -> str | None:
+    """'nothing was captured: capture was disabled on rank R: <why>' when a rank says so."""
+    import json
+
+    for r, child in rank_dirs(out):
+        try:
+            cap = json.loads((child / META_FILE).read_text()).get("capture") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        why = cap.get("disabled") if isinstance(cap, dict) else None
+        if why:
+            return f"nothing was captured: capture was disabled on rank {r}: {why}"
+    return None
+
+
+def refused_claims(out: Path) -> str | None:
+    """One line about the processes that claimed a rank already recorded (capture/claims.py)."""
+    recs = [(r, rec) for r, child in rank_dirs(out) for rec in refused_records(child)]
+    if not recs:
+        return None
+    r, rec = recs[0]
+    return (f"{len(recs)} process(es) were not recorded: {rec.get('reason') or f'rank {r} was claimed twice'}")
+
+
+class exec_lock:
+    """``OUT/.parity-exec.lock`` held (flock) while a ``parity exec`` writes to OUT: a second one
+    into the same directory is refused (it would clear or interleave the first one's files)."""
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK_FILE
+        self.fd: int | None = None
+
+    def __enter__(self):
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ParityError(f"exec: cannot lock {self.path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            except OSError:
+                holder = "?"
+            os.close(fd)
+            raise ParityError(f"exec: another parity exec (pid {holder}) is writing to "
+                              f"{self.path.parent}; wait for it or give another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            try:
+                os.ftruncate(self.fd, 0)
+            except OSError:
+                pass
+            os.close(self.fd)  # closing releases the flock
+            self.fd = None
+
+
 def _clear_previous(out: Path) -> None:
     """A run directory holds one run: drop the artifacts an earlier run left (ours only)."""
     for _, child in rank_dirs(out):
@@ -116,8 +183,12 @@ def _clear_previous(out: Path) -> None:
 
 
 def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int = 1,
-                 grads: bool = True, manifests: bool = True, hasher: str = "auto") -> int:
-    """Run ``command`` with capture injected; return its exit code (2 if it cannot start)."""
+                 grads: bool = True, manifests: bool = True, hasher: str = "auto",
+                 force: bool = False) -> int:
+    """Run ``command`` with capture injected; return its exit code (2 if it cannot start).
+
+    ``out_dir`` is locked for the command's lifetime (a second ``parity exec`` into it is
+    refused) and must not hold a run unless ``force`` (then that run is replaced)."""
     if not command:
         raise ParityError("exec: no command given")
     if every < 1:
@@ -125,9 +196,22 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
     out = Path(out_dir).resolve()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        _clear_previous(out)
     except OSError as e:
         raise ParityError(f"cannot create run directory {out}: {e.strerror or e}") from None
+    with exec_lock(out):
+        if not force and looks_like_run(out):
+            raise ParityError(f"exec: {out} already holds a run; give --force to replace it, "
+                              "or another --out")
+        try:
+            _clear_previous(out)
+        except OSError as e:
+            raise ParityError(f"cannot clear run directory {out}: {e.strerror or e}") from None
+        return _exec_locked(out, command, every=every, grads=grads, manifests=manifests,
+                            hasher=hasher)
+
+
+def _exec_locked(out: Path, command: list[str], *, every: int, grads: bool, manifests: bool,
+                 hasher: str) -> int:
 
     run = {"v": SCHEMA_VERSION, "argv": list(command), "cwd": os.getcwd(),
            "started": time.time(), "ended": None, "exit_code": None, "status": "running",
@@ -191,10 +275,17 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
 
     summary, captured = summarize(out)
     _say(summary)
+    refused = refused_claims(out)
     if rc == 0 and not captured:
         # The command "worked" but there is nothing to compare: never let that pass as success.
-        finish(EXIT_INCOMPLETE, "failed", NOTHING_CAPTURED)
-        _say(f"warning: {NOTHING_CAPTURED}; exiting with {EXIT_INCOMPLETE}")
+        why = disabled_reason(out) or NOTHING_CAPTURED
+        finish(EXIT_INCOMPLETE, "failed", why)
+        _say(f"warning: {why}; exiting with {EXIT_INCOMPLETE}")
+        return EXIT_INCOMPLETE
+    if rc == 0 and refused:
+        # a second process claimed a rank and was not recorded: part of the job is missing
+        finish(EXIT_INCOMPLETE, "failed", refused)
+        _say(f"warning: {refused}; exiting with {EXIT_INCOMPLETE}")
         return EXIT_INCOMPLETE
     if rc == 0:
         finish(0, "ok", None)

@@ -82,6 +82,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self.pid = os.getpid()
 
         self.writer: RankWriter | None = None
+        self._claim_refused: str | None = None  # another process holds this rank (claims.py)
         self.failed: str | None = None
         self.error: str | None = None
         self.started = False
@@ -257,6 +258,11 @@ class Session(RankRecord, StepClock, ParamTable):
         if os.environ.get("PARITY_DEBUG"):
             traceback.print_exception(type(e), e, e.__traceback__)
         self._uninstall()
+        if self.writer is None and self.k >= 1 and not self._claim_refused:
+            try:  # a lazy rank that failed at its first step: its meta.json keeps the reason
+                self._ensure_writer()
+            except Exception:  # noqa: BLE001
+                pass
         if self.writer is not None:
             try:
                 self.writer.update_meta(capture=self._capture_meta())

@@ -24,6 +24,7 @@ from parity.capture import gpu_facts
 from parity.capture.env import env_int as _env_int
 from parity.capture.hashing import device_backend, digest_tensors, host_digest, local_tensor
 from parity.rundir import rank_dir
+from parity.capture.claims import ClaimRefused, claim_rank
 from parity.capture.table import _Buffer
 
 
@@ -88,10 +89,17 @@ class RankRecord:
     def _ensure_writer(self) -> RankWriter:
         if self.writer is not None:
             return self.writer
+        if self._claim_refused:
+            raise ClaimRefused(self._claim_refused)
         rank, world, local = self._ids()
         self._rank_arg = (rank, world, local)
         d = rank_dir(self.out_dir, rank)
         restart = self._elastic_restart(d)
+        refused = claim_rank(d, rank, self.out_dir, takeover=restart is not None,
+                             exec_run=self.source == "exec")
+        if refused:
+            self._claim_refused = refused
+            raise ClaimRefused(refused)
         if restart is None:
             # A new session starts this rank's record: drop what an earlier run left here.
             for name in ("meta.json", "params.json", "steps.jsonl", "hashes.jsonl",

@@ -21,6 +21,7 @@ from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
                                  explain_eager)
 from parity.diff.env import numerics_env_differences
+from parity.diff.one_sided import one_sided, refused_processes, same_run
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, compare_hashes,
                                 param_keys)
 from parity.diff.result import (CaptureWarning, DiffResult, Divergence, FirstDivergence,
@@ -323,22 +324,13 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     elif not _n_compared(aligns):
         incomplete.append("no parameter was compared: no rank's table shares an entry with the "
                           "other side's same rank")
-    if ranks and not hc.grads_compared:
-        has = {side: any(rec.get("grad_digest") for x in lst for rec in list(x.steps.values())[:3])
-               for side, lst in (("A", ra), ("B", rb))}
-        if has["A"] != has["B"]:
-            problems.append(Problem(None, f"gradients were captured by "
-                                          f"{'A' if has['A'] else 'B'} only; compared parameters "
-                                          "only"))
-
     loss = _compare_loss(ra, rb, ranks, steps, ws)
-    if ranks:  # a loss on one side only is not compared: say so (as for gradients)
-        has = {side: any(_loss_bits(rec) is not None for x in lst[:1]
-                         for rec in list(x.steps.values())[:4])
-               for side, lst in (("A", ra), ("B", rb))}
-        if has["A"] != has["B"]:
-            problems.append(Problem(None, f"the loss was recorded by {'A' if has['A'] else 'B'} "
-                                          "only; not compared"))
+    # what one side recorded and the other did not is not compared: parity is not proven
+    incomplete += one_sided(ra, rb, ranks, steps, _loss_bits)
+    incomplete += refused_processes(run_a, run_b)
+    same = same_run(run_a, run_b)
+    if same:
+        incomplete.insert(0, same)
     # table checks (shapes, per-rank entries): the first and last rank and those that diverge
     check = {0, len(ranks) - 1} if ranks else set()
     if hc.detail is not None:

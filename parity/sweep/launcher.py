@@ -120,7 +120,7 @@ def exec_prefix(job: Job) -> list[str]:
     """``parity exec --out RUN_DIR --`` when the job is captured, else nothing."""
     if not job.capture:
         return []
-    return [*parity_command(), "exec", "--out", str(job.run_dir), "--"]
+    return [*parity_command(), "exec", "--out", str(job.run_dir), "--force", "--"]
 
 
 def torchrun_argv(job: Job, endpoint: str, node_rank: int | None = None) -> list[str]:
