@@ -29,8 +29,9 @@ from pathlib import Path
 from parity import __version__
 from parity.artifacts import SCHEMA_VERSION, write_json_atomic
 from parity.capture import env as cenv
+from parity.capture import env_record
 from parity.errors import EXIT_INCOMPLETE, EXIT_USAGE, ParityError
-from parity.rundir import (META_FILE, RUN_FILE, count_steps, looks_like_run, rank_dirs,
+from parity.rundir import (META_FILE, RUN_FILE, STEPS_FILE, looks_like_run, rank_dirs,
                            refused_records)
 
 LOCK_FILE = ".parity-exec.lock"
@@ -75,34 +76,65 @@ def _say(msg: str) -> None:
         pass
 
 
+def _steps_of(rank_folder: Path) -> tuple[int, int]:
+    """(last step number, steps recorded after step 0) of a rank's steps.jsonl."""
+    import json
+
+    last, recorded = 0, 0
+    try:
+        data = (rank_folder / STEPS_FILE).read_bytes()
+    except OSError:
+        return 0, 0
+    for line in data.split(b"\n"):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(step, int) and step >= 1:
+            last, recorded = max(last, step), recorded + 1
+    return last, recorded
+
+
 def summarize(out: Path) -> tuple[str, bool]:
     """One line about what the command's ranks recorded, and whether any step was recorded.
 
-    Cheap on purpose (meta.json and a line count per rank): it runs after every job."""
+    Cheap on purpose (meta.json and steps.jsonl per rank): it runs after every job. It counts
+    steps (the last step number: a step is an optimizer ``step()``, or several optimizers
+    stepping back to back), not lines, and says how many of them were recorded (``--every``)."""
     import json
 
-    ranks, steps, sources, warnings, disabled, world = [], [], set(), 0, 0, None
+    ranks, steps, recs, sources, warnings, disabled, world = [], [], [], set(), 0, 0, None
+    optimizers = 0
     for _, child in rank_dirs(out):
         try:
             meta = json.loads((child / META_FILE).read_text())
         except (OSError, ValueError):
             meta = {}
         cap = meta.get("capture") if isinstance(meta.get("capture"), dict) else {}
-        n = count_steps(child)
+        last, recorded = _steps_of(child)
         ranks.append(child.name)
-        steps.append(max(n - 1, 0) if n else 0)  # line 0 is step 0 (before the first step)
+        steps.append(last)
+        recs.append(recorded)
         sources.update(x for x in cap.get("manifests") or () if isinstance(x, str))
         warnings += len(cap.get("warnings") or ())
         disabled += bool(cap.get("disabled"))
+        if isinstance(cap.get("optimizers"), int):
+            optimizers = max(optimizers, cap["optimizers"])
         if isinstance(meta.get("world_size"), int):
             world = meta["world_size"]
     captured = any(steps)
     if not ranks:
         return "captured no rank", False
-    lo, hi = min(steps), max(steps)
+
+    def span(xs):
+        return f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"
+
     line = (f"captured {len(ranks)}" + (f" of {world}" if world and world != len(ranks) else "")
-            + f" rank(s) x {lo if lo == hi else f'{lo}-{hi}'} recorded step(s), manifests: "
-            + (", ".join(sorted(sources)) or "none") + f", {warnings} warning(s)")
+            + f" rank(s) x {span(steps)} step(s) ({span(recs)} recorded"
+            + (f"; {optimizers} optimizers: each step() after its own backward is a step"
+               if optimizers > 1 else "")
+            + "), manifests: " + (", ".join(sorted(sources)) or "none")
+            + f", {warnings} warning(s)")
     if disabled:
         line += f", capture disabled on {disabled} rank(s)"
     return line, captured
@@ -184,11 +216,12 @@ def _clear_previous(out: Path) -> None:
 
 def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int = 1,
                  grads: bool = True, manifests: bool = True, hasher: str = "auto",
-                 force: bool = False) -> int:
+                 force: bool = False, base_env: dict[str, str] | None = None) -> int:
     """Run ``command`` with capture injected; return its exit code (2 if it cannot start).
 
     ``out_dir`` is locked for the command's lifetime (a second ``parity exec`` into it is
-    refused) and must not hold a run unless ``force`` (then that run is replaced)."""
+    refused) and must not hold a run unless ``force`` (then that run is replaced).
+    ``base_env``: the environment to run with instead of this process's (bisect's reruns)."""
     if not command:
         raise ParityError("exec: no command given")
     if every < 1:
@@ -207,23 +240,26 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
         except OSError as e:
             raise ParityError(f"cannot clear run directory {out}: {e.strerror or e}") from None
         return _exec_locked(out, command, every=every, grads=grads, manifests=manifests,
-                            hasher=hasher)
+                            hasher=hasher, base_env=base_env)
 
 
 def _exec_locked(out: Path, command: list[str], *, every: int, grads: bool, manifests: bool,
-                 hasher: str) -> int:
+                 hasher: str, base_env: dict[str, str] | None) -> int:
+    base = dict(os.environ if base_env is None else base_env)
 
     run = {"v": SCHEMA_VERSION, "argv": list(command), "cwd": os.getcwd(),
            "started": time.time(), "ended": None, "exit_code": None, "status": "running",
            "error": None, "parity": __version__, "host": socket.gethostname(),
-           "capture": {"every": every, "grads": grads, "manifests": manifests, "hasher": hasher}}
+           "capture": {"every": every, "grads": grads, "manifests": manifests, "hasher": hasher},
+           "env": env_record.record(base)}
     write_json_atomic(out / RUN_FILE, run)
 
     def finish(exit_code: int | None, status: str, error: str | None) -> None:
         run.update(ended=time.time(), exit_code=exit_code, status=status, error=error)
         write_json_atomic(out / RUN_FILE, run)
 
-    env = capture_env(out, every=every, grads=grads, manifests=manifests, hasher=hasher)
+    env = capture_env(out, every=every, grads=grads, manifests=manifests, hasher=hasher,
+                      base=base)
     received: list[int] = []
     child: list[subprocess.Popen] = []
 

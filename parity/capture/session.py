@@ -128,6 +128,8 @@ class Session(RankRecord, StepClock, ParamTable):
         self._name_roots: list = []  # the module roots the parameter names came from
         self._fqn_roots: dict[str, object] = {}  # name -> the root module that holds it
         self._root_labels: dict[int, str] = {}  # id(root) -> prefix for its colliding names
+        self._labels_said: set[str] = set()
+        self._optimizers: set[int] = set()  # ids of the optimizers that stepped
         self._opt_sigs: dict[int, tuple] = {}  # id(optimizer) -> param_groups signature
         self._step_base = 0  # steps recorded by earlier torchelastic attempts of this rank
         self._resolved_hasher: str | None = None

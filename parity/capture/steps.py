@@ -44,6 +44,7 @@ class StepClock:
                 if self.depth >= 1 and opt is outer:
                     self.depth = 0  # the previous step() of this optimizer raised midway
                 self.depth += 1
+                self._optimizers.add(id(opt))
                 if self.depth == 1:
                     self._outer = weakref.ref(opt)
                     continuing = (self.open and self.backwards == 0

@@ -229,8 +229,10 @@ class ParamTable:
             self._root_labels[id(root)] = label
         qualified = f"{label}.{name}"
         self._fqn_roots.setdefault(qualified, root)
-        self.warn(f"several models hold parameters or buffers of one name ({name}): the names of "
-                  f"{label}'s are prefixed '{label}.'")
+        if label not in self._labels_said:
+            self._labels_said.add(label)
+            self.warn(f"several models hold parameters or buffers of one name (first: {name}): "
+                      f"the colliding names of {label}'s are prefixed '{label}.'")
         return qualified, f"{label}.{raw}"
 
     def _tensors(self) -> list:

@@ -59,6 +59,7 @@ class RankRecord:
                 "device_digest": device_backend() if self._resolved_hasher == "device" else None,
                 "source": self.source, "warnings": list(self.warnings), "disabled": self.failed,
                 "recorded_steps": self.recorded_steps, "steps": self.done,
+                "optimizers": len(self._optimizers),
                 "seconds": round(self.capture_seconds
                                  + (self._fsdp.seconds if self._fsdp is not None else 0.0), 6)}
 

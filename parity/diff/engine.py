@@ -102,12 +102,18 @@ def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
 
 
 def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
-            loss_div: bool | None, grads_compared: bool) -> tuple[str, str]:
+            loss_div: bool | None, grads_compared: bool,
+            buffers_only: list[str] | None = None) -> tuple[str, str]:
     before = (f"the parameters of step {prev} match" if prev is not None
               else "no earlier step was captured")
     if prev is not None and prev != step - 1:
         before += f" (steps {prev + 1}-{step - 1} not captured)" if step - 1 > prev + 1 else \
             f" (step {step - 1} not captured)"
+    if buffers_only and not grad_div and not loss_div:
+        return "buffer", (f"only buffers differ at step {step} ({_names(buffers_only, 3)}) while "
+                          f"every parameter matches and {before}: buffer updates in the forward "
+                          "pass (BatchNorm running statistics and the like) or a buffer set "
+                          "differently, not the optimizer")
     if step == 0 and param_div and not grad_div:
         return "init", ("the parameters differ before the first optimizer step: initialization, "
                         "loading or sharding")
@@ -363,7 +369,13 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         prev = prev_steps[-1] if prev_steps else None
         grads_here = hc.grads_compared and all(
             isinstance((x.steps.get(first) or {}).get("grad_digest"), str) for x in ra + rb)
-        origin, why = _origin(first, prev, grad_div, param_div, loss_div, grads_here)
+        buffers = {p["fqn"] for x in ra[:1] + rb[:1] for p in x.params
+                   if p.get("kind") == "buffer"}
+        div_params = [index.names[g] for g, _ in det.grouped("param")] if at_first else []
+        only_buffers = (div_params if div_params and buffers
+                        and all(n.split("#", 1)[0] in buffers for n in div_params) else None)
+        origin, why = _origin(first, prev, grad_div, param_div, loss_div, grads_here,
+                              only_buffers)
         loc_a, loc_b = layouts["a"].locate(), layouts["b"].locate()
         rank_set: set[int] = set()
         n_kind = {}
@@ -373,8 +385,10 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
             for gid, rks in grouped:
                 name = index.names[gid]
                 rank_set.update(rks)
-                divergent.append(Divergence(det.step, name, kind, rks,
-                                            _links(name, loc_a, loc_b)))
+                divergent.append(Divergence(
+                    det.step, name, "buffer" if kind == "param" and buffers
+                    and name.split("#", 1)[0] in buffers else kind, rks,
+                    _links(name, loc_a, loc_b)))
         if not at_first:
             n_kind = {"param": 0, "grad": 0}
             rank_set = set()

@@ -29,7 +29,7 @@ MAX_STEP_ROWS = 12
 MAX_BUCKET_ROWS = 18
 MAX_PROBLEMS = 8
 _ABBR = {"all_gather": "AG", "reduce_scatter": "RS"}
-_KIND_COLL = {"grad": "reduce_scatter", "param": "all_gather"}
+_KIND_COLL = {"grad": "reduce_scatter", "param": "all_gather", "buffer": "all_gather"}
 _ORDER_TEXT = {
     "identical": ("identical", "green"),
     "order_differs": ("PAYLOAD ORDER DIFFERS", "bold red"),
