@@ -318,7 +318,13 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: one line on stderr and a documented exit code for every failure."""
     try:
         cli.main(args=argv, prog_name="parity", standalone_mode=False)
-    except SystemExit:
+    except SystemExit as e:
+        if type(sys.stdout).__name__ == "_PacifyFlushWrapper" and e.code == 1:
+            # click's own closed-stdout path (--help | head -1, a plan printed by --dry-run):
+            # it exits 1; the verdict commands print through print_safely and never get here
+            from parity.report.stdout import closed_stdout_exit
+
+            closed_stdout_exit(0)
         raise
     except ParityError as e:
         click.echo(f"parity: error: {e}", err=True)
