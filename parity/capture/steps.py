@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from parity.capture.hashing import digest_tensors
+from parity.capture.patches import _tracing
 
 
 def sampled(step: int, every: int) -> bool:
@@ -86,8 +87,8 @@ class StepClock:
             hooks.move_to_end(h.id)
 
     def _consumed_hook(self, opt, args, kwargs):
-        if self.failed or self.stopped or os.getpid() != self.pid:
-            return None
+        if self.failed or self.stopped or os.getpid() != self.pid or _tracing():
+            return None  # inside a trace (a compiled step): hashed when the step is written
         t0 = time.perf_counter()
         try:
             with self._lock:
