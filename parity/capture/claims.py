@@ -62,7 +62,8 @@ def _me() -> dict:
             "time": time.time()}
 
 
-def claim_rank(d: Path, rank: int, out_dir: str, *, takeover: bool, exec_run: bool) -> str | None:
+def claim_rank(d: Path, rank: int, out_dir: str, *, takeover: bool, exec_run: bool,
+               elastic: bool = False) -> str | None:
     """Claim rank folder ``d`` for this process; None when it is ours, else why it is refused
     (after writing ``refused-<pid>.json`` there)."""
     d = Path(d)
@@ -74,8 +75,11 @@ def claim_rank(d: Path, rank: int, out_dir: str, *, takeover: bool, exec_run: bo
     except FileExistsError:
         other = _read(path)
         same_host = other.get("host") == me["host"]
+        gone = not (same_host and _alive(other.get("pid")))
+        # a torchelastic restart (attempt > 0) whose earlier attempt died before its first
+        # step: the dead attempt's claim is taken over, as a restart with steps is
         if (other.get("pid") == me["pid"] and same_host) or takeover or (
-                not exec_run and not (same_host and _alive(other.get("pid")))):
+                (elastic or not exec_run) and gone):
             _write(path, me)
             return None
         argv = " ".join(str(a) for a in (other.get("argv") or [])[:3])

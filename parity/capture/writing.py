@@ -97,7 +97,8 @@ class RankRecord:
         d = rank_dir(self.out_dir, rank)
         restart = self._elastic_restart(d)
         refused = claim_rank(d, rank, self.out_dir, takeover=restart is not None,
-                             exec_run=self.source == "exec")
+                             exec_run=self.source == "exec",
+                             elastic=_env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0)
         if refused:
             self._claim_refused = refused
             raise ClaimRefused(refused)
