@@ -28,7 +28,7 @@ import xxhash
 from parity import params_codec
 from parity.errors import ArtifactError
 from parity.rundir import (BUCKETS_FILE, HASHES_FILE, HASHES_V1_FILE, META_FILE, PARAMS_FILE,
-                           RUN_FILE, STEPS_FILE, rank_dir, rank_of)
+                           RUN_FILE, STEPS_FILE, rank_dir, rank_of, refused_records)
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # schema 1: hex hashes in hashes.jsonl, row-per-parameter params.json
@@ -367,6 +367,8 @@ class RankData:
             self.problems.append(f"{self.path / PARAMS_FILE}: table unreadable ({e}); "
                                  "not compared")
             return []
+    # processes that also claimed this rank and were not recorded (rundir.refused_records)
+    refused: list[dict] = field(default_factory=list)
 
     @property
     def fqns(self) -> list[str]:
@@ -555,7 +557,7 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
         problems.append(f"{path}: meta.json says rank {said}, the directory rank {rank} "
                         "(swapped or copied directories?); not compared")
         table, steps = None, {}
-    return RankData(rank, path, meta, steps, buckets, problems, table)
+    return RankData(rank, path, meta, steps, buckets, problems, table, refused_records(path))
 
 
 def read_run(path: str | os.PathLike, _shared: dict | None = None) -> Run:

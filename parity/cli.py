@@ -71,10 +71,13 @@ def cli():
 
 @cli.command("exec", context_settings={**CONTEXT, "ignore_unknown_options": True},
              short_help="Run a trainer (any command) with capture active in every rank.",
-             epilog=_exits("N  COMMAND's own exit code", "2  COMMAND cannot be started",
-                          "3  COMMAND exited 0 but no rank recorded a step"))
+             epilog=_exits("N  COMMAND's own exit code", "2  COMMAND cannot be started, --out "
+                          "holds a run (no --force) or another parity exec writes to it",
+                          "3  COMMAND exited 0 but no rank recorded a step, or a second process "
+                          "claimed a recorded rank"))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Run directory for this job's artifacts (created; must not hold another run).")
+              help="Run directory for this job's artifacts (created; must not hold another run "
+                   "unless --force; one parity exec at a time).")
 @click.option("--every", default=1, show_default=True, type=click.IntRange(min=1),
               help="Record every N-th optimizer step (steps 0, 1 and the last step always).")
 @click.option("--grads/--no-grads", default=True, show_default=True,
@@ -92,8 +95,10 @@ def cli():
               help="NODESxGPUS[:channels=C]: sum every reduce-scatter and all-reduce of this "
                    "CPU/gloo job in NCCL's Ring order at that topology (changes the numbers; "
                    "docs/nccl-emulation.md). By default none: plain gloo.")
+@click.option("--force", is_flag=True,
+              help="Replace the run already in --out [default: refuse to touch it].")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, emulate_nccl, command):
+def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, emulate_nccl, force, command):
     """Run COMMAND with capture active in every Python process it starts.
 
     \b
@@ -108,7 +113,7 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, emulate_nccl, co
 
     sys.exit(exec_command(out_dir, list(command), every=every, grads=grads,
                           manifests=manifests, hasher=hasher, step_on=step_on,
-                          emulate_nccl=emulate_nccl))
+                          emulate_nccl=emulate_nccl, force=force))
 
 
 @cli.command("diff", context_settings=CONTEXT,
@@ -176,10 +181,12 @@ def inspect_cmd(run_dir, json_file):
     from parity.report.bucket_summary import print_summary
     from parity.report.console import make_console
 
+    from parity.report.stdout import print_safely
+
     summary = summarize_run(read_run(run_dir))
-    print_summary(summary, make_console())
-    if json_file:
+    if json_file:  # files first: a closed stdout must not cost them
         write_json_atomic(json_file, summary or {"graphs": [], "attribution": []})
+    print_safely(lambda: print_summary(summary, make_console()))
 
 
 EXIT_BISECT = ("\b\nExit codes:\n"
@@ -230,11 +237,13 @@ def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
         raise ParityError("bisect: give A_DIR B_DIR, or SWEEP_DIR --cell ID")
     code, report = bisect(a_dir, b_dir, out_dir=out_dir or "parity-bisect", step=step, rank=rank,
                           envs=envs, say=lambda m: click.echo(m, err=True))
-    click.echo(format_report(report))
     if json_file:
         from parity.artifacts import write_json_atomic
 
         write_json_atomic(json_file, report)
+    from parity.report.stdout import print_safely
+
+    print_safely(lambda: click.echo(format_report(report)))
     sys.exit(code)
 
 
@@ -336,7 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point: one line on stderr and a documented exit code for every failure."""
     try:
         cli.main(args=argv, prog_name="parity", standalone_mode=False)
-    except SystemExit:
+    except SystemExit as e:
+        if type(sys.stdout).__name__ == "_PacifyFlushWrapper" and e.code == 1:
+            # click's own closed-stdout path (--help | head -1, a plan printed by --dry-run):
+            # it exits 1; the verdict commands print through print_safely and never get here
+            from parity.report.stdout import closed_stdout_exit
+
+            closed_stdout_exit(0)
         raise
     except ParityError as e:
         click.echo(f"parity: error: {e}", err=True)
@@ -352,8 +367,10 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"parity: error: {msg}" + ("" if isinstance(e, click.UsageError) and
                                                e.ctx is None else _usage_hint(e)), err=True)
         sys.exit(EXIT_USAGE)
-    except BrokenPipeError:
-        sys.exit(0)
+    except BrokenPipeError:  # a closed stdout outside print_safely (--help | head -1)
+        from parity.report.stdout import closed_stdout_exit
+
+        closed_stdout_exit(0)
     except Exception as e:  # a bug in parity: still one line unless asked for more
         if os.environ.get("PARITY_DEBUG"):
             raise

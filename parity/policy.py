@@ -220,7 +220,9 @@ def judge_pair(d: dict, policy: str) -> Verdict:
             v.not_compared.append(predicted)
     elif policy == "reduction" and state == "fails" and ov not in ORDER_FAILURES:
         v.failed.append("a gradient reduced by a different number of collectives")
-    v.not_compared += [f"incomplete data: {m}" for m in incomplete[:2]]
+    v.not_compared += [f"incomplete data: {m}" for m in incomplete[:4]]
+    if len(incomplete) > 4:
+        v.not_compared.append(f"{len(incomplete) - 4} more (see the incomplete list)")
     only_a, only_b = d.get("params_only_in_a") or [], d.get("params_only_in_b") or []
     if only_a or only_b:
         v.not_compared.append(f"{len(only_a)} parameters only in A, {len(only_b)} only in B")

@@ -85,3 +85,28 @@ def live_rank_dir(run_dir: str | os.PathLike, rank: int) -> Path | None:
     if (run_dir / name).is_dir():
         return run_dir / name
     return next(iter(sorted(run_dir.glob(f"{NODES_DIR}/node-*/{name}"))), None)
+
+
+CLAIM_FILE = "claim.json"  # rank-NNNNN/claim.json: the process recording this rank (capture/claims.py)
+REFUSED_PREFIX = "refused-"  # rank-NNNNN/refused-<pid>.json: a process that claimed it too
+
+
+def refused_records(rank_folder: str | os.PathLike) -> list[dict]:
+    """The ``refused-<pid>.json`` records of a rank folder: processes that also claimed this
+    rank and were not recorded (capture/claims.py)."""
+    import json
+
+    out = []
+    try:
+        names = sorted(p for p in Path(rank_folder).iterdir()
+                       if p.name.startswith(REFUSED_PREFIX) and p.name.endswith(".json"))
+    except OSError:
+        return []
+    for p in names:
+        try:
+            obj = json.loads(p.read_text())
+        except (OSError, ValueError):
+            obj = {"reason": f"{p.name}: unreadable"}
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out

@@ -48,7 +48,7 @@ def test_identical_runs_match(tmp_path):
 
 def test_same_run_against_itself(tmp_path):
     a = make_run(tmp_path / "a")
-    assert diff_runs(a, a).verdict == "match"
+    assert diff_runs(a, a).verdict == "incomplete"  # the same directory: said
 
 
 def test_storage_order_differs_still_matches(tmp_path):
@@ -287,8 +287,11 @@ def test_failed_job_is_incomplete_even_when_every_step_matches(tmp_path):
 def test_grads_on_one_side_only(tmp_path):
     a, b = pair(tmp_path, b={"grads": False})
     r = diff_runs(a, b)
-    assert r.verdict == "match" and r.kinds_compared == ["param"]
-    assert any("gradients were captured by A only" in p.message for p in r.problems)
+    # issue 21: what one side recorded and the other did not is not compared: never a clean 0
+    assert r.verdict == "incomplete" and r.kinds_compared == ["param"] and r.exit_code() == 3
+    assert any(m.startswith("gradients recorded by A only") for m in r.incomplete)
+    assert "not compared: " in r.judge().line() and "gradients recorded by A only" in \
+        r.judge().line()
 
 
 def test_no_loss_captured(tmp_path):

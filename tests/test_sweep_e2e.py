@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from parity.errors import EXIT_MISMATCH
+from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK
 
 PARITY = [sys.executable, "-m", "parity"]
 
@@ -50,3 +50,33 @@ def test_default_sweep_two_cells(tmp_path):
     md = subprocess.run(PARITY + ["report", str(out), "--format", "markdown"],
                         capture_output=True, text=True, timeout=120)
     assert md.returncode == 0 and "| registration | false | false |" in md.stdout
+
+    # issue 21: a closed stdout keeps every exit code (report in each format, the gate)
+    import os
+
+    def closed(argv):
+        r, w = os.pipe()
+        os.close(r)
+        try:
+            return subprocess.run(PARITY + argv, stdout=w, stderr=subprocess.PIPE, text=True,
+                                  timeout=120)
+        finally:
+            os.close(w)
+
+    for fmt in ("console", "json", "markdown", "junit", "html"):
+        p = closed(["report", str(out), "--format", fmt])
+        assert p.returncode == EXIT_OK, (fmt, p.stderr)
+    assert closed(["gate", str(out)]).returncode == EXIT_MISMATCH
+    assert closed(["gate", str(out), "--fail-on", "order-only"]).returncode == EXIT_MISMATCH
+    # issue 21: the gate checks the cells against the axes: a cell deleted from sweep.json
+    # (complete: true left as is) is failed, not forgotten
+    edited = tmp_path / "edited"
+    edited.mkdir()
+    (edited / ".parity-sweep").write_text((out / ".parity-sweep").read_text())
+    sweep["cells"] = [c for c in sweep["cells"]
+                      if c["id"] != "bucket_order=graph,flash=false,cudagraphs=false"]
+    (edited / "sweep.json").write_text(json.dumps(sweep))
+    g = subprocess.run(PARITY + ["gate", str(edited)], capture_output=True, text=True,
+                       timeout=120)
+    assert g.returncode == EXIT_INCOMPLETE, g.stdout
+    assert "absent from sweep.json" in g.stdout

@@ -41,7 +41,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     if type(t) not in _PLAIN:
         inner = getattr(t, "_local_tensor", None)
         if inner is not None:
-            return inner
+            t = inner
+    if t.layout is not torch.strided:  # a sparse gradient (Embedding(sparse=True)): its values
+        t = t.detach().to_dense()  # as a dense tensor (storage has no byte view)
     return t
 
 

@@ -29,8 +29,12 @@ from pathlib import Path
 from parity import __version__
 from parity.artifacts import SCHEMA_VERSION, write_json_atomic
 from parity.capture import env as cenv
+from parity.capture import env_record
 from parity.errors import EXIT_INCOMPLETE, EXIT_USAGE, ParityError
-from parity.rundir import META_FILE, RUN_FILE, count_steps, rank_dirs
+from parity.rundir import (META_FILE, RUN_FILE, STEPS_FILE, looks_like_run, rank_dirs,
+                           refused_records)
+
+LOCK_FILE = ".parity-exec.lock"
 
 STEP_ON_ENV = "PARITY_CAPTURE_STEP_ON"  # parity/capture/step_on.py (imports torch: not here)
 BOOTSTRAP_DIR = str(Path(__file__).resolve().parent / "bootstrap")
@@ -102,37 +106,132 @@ def _say(msg: str) -> None:
         pass
 
 
+def _steps_of(rank_folder: Path) -> tuple[int, int]:
+    """(last step number, steps recorded after step 0) of a rank's steps.jsonl."""
+    import json
+
+    last, recorded = 0, 0
+    try:
+        data = (rank_folder / STEPS_FILE).read_bytes()
+    except OSError:
+        return 0, 0
+    for line in data.split(b"\n"):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if isinstance(step, int) and step >= 1:
+            last, recorded = max(last, step), recorded + 1
+    return last, recorded
+
+
 def summarize(out: Path) -> tuple[str, bool]:
     """One line about what the command's ranks recorded, and whether any step was recorded.
 
-    Cheap on purpose (meta.json and a line count per rank): it runs after every job."""
+    Cheap on purpose (meta.json and steps.jsonl per rank): it runs after every job. It counts
+    steps (the last step number: a step is an optimizer ``step()``, or several optimizers
+    stepping back to back), not lines, and says how many of them were recorded (``--every``)."""
     import json
 
-    ranks, steps, sources, warnings, disabled, world = [], [], set(), 0, 0, None
+    ranks, steps, recs, sources, warnings, disabled, world = [], [], [], set(), 0, 0, None
+    optimizers = 0
     for _, child in rank_dirs(out):
         try:
             meta = json.loads((child / META_FILE).read_text())
         except (OSError, ValueError):
             meta = {}
         cap = meta.get("capture") if isinstance(meta.get("capture"), dict) else {}
-        n = count_steps(child)
+        last, recorded = _steps_of(child)
         ranks.append(child.name)
-        steps.append(max(n - 1, 0) if n else 0)  # line 0 is step 0 (before the first step)
+        steps.append(last)
+        recs.append(recorded)
         sources.update(x for x in cap.get("manifests") or () if isinstance(x, str))
         warnings += len(cap.get("warnings") or ())
         disabled += bool(cap.get("disabled"))
+        if isinstance(cap.get("optimizers"), int):
+            optimizers = max(optimizers, cap["optimizers"])
         if isinstance(meta.get("world_size"), int):
             world = meta["world_size"]
     captured = any(steps)
     if not ranks:
         return "captured no rank", False
-    lo, hi = min(steps), max(steps)
+
+    def span(xs):
+        return f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"
+
     line = (f"captured {len(ranks)}" + (f" of {world}" if world and world != len(ranks) else "")
-            + f" rank(s) x {lo if lo == hi else f'{lo}-{hi}'} recorded step(s), manifests: "
-            + (", ".join(sorted(sources)) or "none") + f", {warnings} warning(s)")
+            + f" rank(s) x {span(steps)} step(s) ({span(recs)} recorded"
+            + (f"; {optimizers} optimizers: each step() after its own backward is a step"
+               if optimizers > 1 else "")
+            + "), manifests: " + (", ".join(sorted(sources)) or "none")
+            + f", {warnings} warning(s)")
     if disabled:
         line += f", capture disabled on {disabled} rank(s)"
     return line, captured
+
+
+def disabled_reason(out: Path) -> str | None:
+    """'nothing was captured: capture was disabled on rank R: <why>' when a rank says so."""
+    import json
+
+    for r, child in rank_dirs(out):
+        try:
+            cap = json.loads((child / META_FILE).read_text()).get("capture") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        why = cap.get("disabled") if isinstance(cap, dict) else None
+        if why:
+            return f"nothing was captured: capture was disabled on rank {r}: {why}"
+    return None
+
+
+def refused_claims(out: Path) -> str | None:
+    """One line about the processes that claimed a rank already recorded (capture/claims.py)."""
+    recs = [(r, rec) for r, child in rank_dirs(out) for rec in refused_records(child)]
+    if not recs:
+        return None
+    r, rec = recs[0]
+    return (f"{len(recs)} process(es) were not recorded: {rec.get('reason') or f'rank {r} was claimed twice'}")
+
+
+class exec_lock:
+    """``OUT/.parity-exec.lock`` held (flock) while a ``parity exec`` writes to OUT: a second one
+    into the same directory is refused (it would clear or interleave the first one's files)."""
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK_FILE
+        self.fd: int | None = None
+
+    def __enter__(self):
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ParityError(f"exec: cannot lock {self.path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            try:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+            except OSError:
+                holder = "?"
+            os.close(fd)
+            raise ParityError(f"exec: another parity exec (pid {holder}) is writing to "
+                              f"{self.path.parent}; wait for it or give another --out") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            try:
+                os.ftruncate(self.fd, 0)
+            except OSError:
+                pass
+            os.close(self.fd)  # closing releases the flock
+            self.fd = None
 
 
 def _clear_previous(out: Path) -> None:
@@ -148,9 +247,13 @@ def _clear_previous(out: Path) -> None:
 
 def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int = 1,
                  grads: bool = True, manifests: bool = True, hasher: str = "auto",
-                 step_on: str | None = None, emulate_nccl: str | None = None) -> int:
+                 step_on: str | None = None, emulate_nccl: str | None = None,
+                 force: bool = False, base_env: dict[str, str] | None = None) -> int:
     """Run ``command`` with capture injected; return its exit code (2 if it cannot start).
 
+    ``out_dir`` is locked for the command's lifetime (a second ``parity exec`` into it is
+    refused) and must not hold a run unless ``force`` (then that run is replaced).
+    ``base_env``: the environment to run with instead of this process's (bisect's reruns).
     ``emulate_nccl`` (a topology, ``NODESxGPUS[:channels=C]``): every rank's reduce-scatters and
     all-reduces follow the NCCL Ring model (nccl_emulation.py); checked here, before the job
     starts, against the torchrun world size when the command line says it."""
@@ -172,15 +275,32 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
     out = Path(out_dir).resolve()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        _clear_previous(out)
     except OSError as e:
         raise ParityError(f"cannot create run directory {out}: {e.strerror or e}") from None
+    with exec_lock(out):
+        if not force and looks_like_run(out):
+            raise ParityError(f"exec: {out} already holds a run; give --force to replace it, "
+                              "or another --out")
+        try:
+            _clear_previous(out)
+        except OSError as e:
+            raise ParityError(f"cannot clear run directory {out}: {e.strerror or e}") from None
+        return _exec_locked(out, command, every=every, grads=grads, manifests=manifests,
+                            hasher=hasher, base_env=base_env, step_on=step_on,
+                            emulate_nccl=emulate_nccl)
+
+
+def _exec_locked(out: Path, command: list[str], *, every: int, grads: bool, manifests: bool,
+                 hasher: str, base_env: dict[str, str] | None, step_on: str | None = None,
+                 emulate_nccl: str | None = None) -> int:
+    base = dict(os.environ if base_env is None else base_env)
 
     run = {"v": SCHEMA_VERSION, "argv": list(command), "cwd": os.getcwd(),
            "started": time.time(), "ended": None, "exit_code": None, "status": "running",
            "error": None, "parity": __version__, "host": socket.gethostname(),
            "capture": {"every": every, "grads": grads, "manifests": manifests, "hasher": hasher,
-                       **({"step_on": step_on} if step_on else {})}}
+                       **({"step_on": step_on} if step_on else {})},
+           "env": env_record.record(base)}
     if emulate_nccl:
         run["capture"]["emulate_nccl"] = emulate_nccl
     write_json_atomic(out / RUN_FILE, run)
@@ -190,7 +310,7 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
         write_json_atomic(out / RUN_FILE, run)
 
     env = capture_env(out, every=every, grads=grads, manifests=manifests, hasher=hasher,
-                      step_on=step_on, emulate_nccl=emulate_nccl)
+                      base=base, step_on=step_on, emulate_nccl=emulate_nccl)
     received: list[int] = []
     child: list[subprocess.Popen] = []
 
@@ -242,11 +362,17 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
 
     summary, captured = summarize(out)
     _say(summary)
+    refused = refused_claims(out)
     if rc == 0 and not captured:
         # The command "worked" but there is nothing to compare: never let that pass as success.
-        why = nothing_captured(out, step_on)
+        why = disabled_reason(out) or nothing_captured(out, step_on)
         finish(EXIT_INCOMPLETE, "failed", why)
         _say(f"warning: {why}; exiting with {EXIT_INCOMPLETE}")
+        return EXIT_INCOMPLETE
+    if rc == 0 and refused:
+        # a second process claimed a rank and was not recorded: part of the job is missing
+        finish(EXIT_INCOMPLETE, "failed", refused)
+        _say(f"warning: {refused}; exiting with {EXIT_INCOMPLETE}")
         return EXIT_INCOMPLETE
     if rc == 0:
         finish(0, "ok", None)

@@ -34,7 +34,7 @@ import traceback
 import torch
 
 from parity.artifacts import RankWriter
-from parity.capture import nccl_emulation, patches, post_import
+from parity.capture import nccl_emulation, patches, post_import, table
 from parity.capture.env import one_line as _one_line
 from parity.capture.env import say as _say
 from parity.capture.hashing import HASHERS
@@ -82,6 +82,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self.pid = os.getpid()
 
         self.writer: RankWriter | None = None
+        self._claim_refused: str | None = None  # another process holds this rank (claims.py)
         self.failed: str | None = None
         self.error: str | None = None
         self.started = False
@@ -111,7 +112,8 @@ class Session(RankRecord, StepClock, ParamTable):
         self.loss_ref = None
         self._step_loss = None
         self._step_sampled = True
-        self._step_grads: bytes | None = None
+        self._grad_rows: dict[int, bytes] = {}  # table row -> digest of the gradient consumed
+        self._consumed_handles: dict[int, object] = {}  # id(optimizer) -> our last pre-hook
         self.written = -1  # last step written
         # parameter table
         self.table: list = []
@@ -120,9 +122,14 @@ class Session(RankRecord, StepClock, ParamTable):
         self._table_final = False
         self._table_dirty = False
         self._p0: list[bytes] = []
-        self._g1: list[bytes] = []
-        self._buffers_added = False
+        self._buffer_keys: set[tuple[int, str]] = set()  # (id(module), name) of buffer rows
+        self._buffers_dirty = True
+        self._registration_handles: list = []
         self._name_roots: list = []  # the module roots the parameter names came from
+        self._fqn_roots: dict[str, object] = {}  # name -> the root module that holds it
+        self._root_labels: dict[int, str] = {}  # id(root) -> prefix for its colliding names
+        self._labels_said: set[str] = set()
+        self._optimizers: set[int] = set()  # ids of the optimizers that stepped
         self._opt_sigs: dict[int, tuple] = {}  # id(optimizer) -> param_groups signature
         self._step_base = 0  # steps recorded by earlier torchelastic attempts of this rank
         self._resolved_hasher: str | None = None
@@ -148,6 +155,7 @@ class Session(RankRecord, StepClock, ParamTable):
 
             self._handles.append(register_optimizer_step_pre_hook(self._pre_hook))
             self._handles.append(register_optimizer_step_post_hook(self._post_hook))
+            self._registration_handles = table.install_registration_hooks()
             self._fwd_handle = torch.nn.modules.module.register_module_forward_pre_hook(
                 self._forward_pre_hook)
             if self.manifests:
@@ -214,6 +222,14 @@ class Session(RankRecord, StepClock, ParamTable):
             except Exception:  # noqa: BLE001
                 pass
         self._handles.clear()
+        for h in self._consumed_handles.values():
+            try:
+                h.remove()
+            except Exception:  # noqa: BLE001
+                pass
+        self._consumed_handles.clear()
+        table.uninstall_registration_hooks(self._registration_handles)
+        self._registration_handles = []
         self._remove_forward_hook()
         if self._fsdp is not None:
             self._fsdp.uninstall()
@@ -245,6 +261,11 @@ class Session(RankRecord, StepClock, ParamTable):
         if os.environ.get("PARITY_DEBUG"):
             traceback.print_exception(type(e), e, e.__traceback__)
         self._uninstall()
+        if self.writer is None and self.k >= 1 and not self._claim_refused:
+            try:  # a lazy rank that failed at its first step: its meta.json keeps the reason
+                self._ensure_writer()
+            except Exception:  # noqa: BLE001
+                pass
         if self.writer is not None:
             try:
                 self.writer.update_meta(capture=self._capture_meta())

@@ -2,9 +2,11 @@
 
 The global optimizer step pre-hook of the outermost ``step()`` begins training step k (a sibling
 optimizer stepping right after continues it); on step 1 the table is built and the parameters
-hashed as step 0, on a recorded step the gradients about to be consumed are hashed; the post-hook
-of the outermost ``step()`` ends step k and writes it. ``opt.step(closure)`` records what the
-closure computed. Recorded steps: :func:`sampled`.
+hashed as step 0. On a recorded step the gradients each optimizer consumes are hashed by a
+pre-hook of that optimizer kept last among its own pre-hooks (after a hook that clips or scales
+them); rows no optimizer stepped are hashed when the step is written. The post-hook of the
+outermost ``step()`` ends step k and writes it. ``opt.step(closure)`` records what the closure
+computed. Recorded steps: :func:`sampled`.
 
 :class:`StepClock` is a part of :class:`~parity.capture.session.Session` (a mixin: its state is
 initialised in ``Session.__init__``).
@@ -21,6 +23,7 @@ import torch
 
 from parity.capture import loss
 from parity.capture.hashing import digest_tensors
+from parity.capture.patches import _tracing
 
 
 def sampled(step: int, every: int) -> bool:
@@ -43,6 +46,7 @@ class StepClock:
                 if self.depth >= 1 and opt is outer:
                     self.depth = 0  # the previous step() of this optimizer raised midway
                 self.depth += 1
+                self._optimizers.add(id(opt))
                 if self.depth == 1:
                     self._outer = weakref.ref(opt)
                     continuing = (self.open and self.backwards == 0
@@ -55,6 +59,8 @@ class StepClock:
                     self._add_params(opt)
                 else:
                     self._check_params(opt)
+                if self.grads and self._step_sampled:
+                    self._last_pre_hook(opt)
                 if self.depth == 1:
                     wrapped = self._wrap_closure(args, kwargs)
                     if wrapped is not None:
@@ -64,6 +70,57 @@ class StepClock:
             self._fail(e)
         self.capture_seconds += time.perf_counter() - t0
         return None
+
+    def _last_pre_hook(self, opt) -> None:
+        """Put our per-optimizer pre-hook last among ``opt``'s own (registered on first sight,
+        moved to the end at each step: a hook the trainer adds later runs before it). The
+        global pre-hooks run before any optimizer's own, and ``profile_hook_step`` starts on
+        the optimizer's hooks only after them, so the reordering is safe here. Without the
+        hook dict (a foreign optimizer class) the gradients are hashed now."""
+        hooks = getattr(opt, "_optimizer_step_pre_hooks", None)
+        h = self._consumed_handles.get(id(opt))
+        if not hasattr(hooks, "move_to_end") or not hasattr(opt, "register_step_pre_hook"):
+            self._note_consumed(opt)
+            return
+        if h is None or h.id not in hooks:
+            self._consumed_handles[id(opt)] = opt.register_step_pre_hook(self._consumed_hook)
+        else:
+            hooks.move_to_end(h.id)
+
+    def _consumed_hook(self, opt, args, kwargs):
+        if self.failed or self.stopped or os.getpid() != self.pid or _tracing():
+            return None  # inside a trace (a compiled step): hashed when the step is written
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                if self.grads and self._step_sampled:
+                    self._note_consumed(opt)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+        self.capture_seconds += time.perf_counter() - t0
+        return None
+
+    def _note_consumed(self, opt) -> None:
+        """Hash the gradients of ``opt``'s parameters as its step is about to consume them."""
+        rows = [self._table_ids.get(id(p), -1) for g in opt.param_groups for p in g["params"]]
+        rows = [i for i in rows if i >= 0]
+        self._note_rows(rows)
+
+    def _note_rows(self, rows) -> None:
+        rows = list(rows)
+        if not rows:
+            return
+        d = digest_tensors([self.table[i].grad for i in rows], self.hasher)
+        n = len(d) // len(rows)
+        for k, i in enumerate(rows):
+            self._grad_rows[i] = d[k * n:(k + 1) * n]
+
+    def _grad_line(self) -> bytes:
+        """This step's gradient digests in table order: as consumed (see _note_consumed), else
+        (a row no optimizer stepped) as they are now."""
+        missing = [i for i in range(len(self.table)) if i not in self._grad_rows]
+        self._note_rows(missing)
+        return b"".join(self._grad_rows[i] for i in range(len(self.table)))
 
     def _wrap_closure(self, args, kwargs):
         """``opt.step(closure)`` (LBFGS and the like) computes the step's loss and gradients
@@ -104,10 +161,8 @@ class StepClock:
                     self._step_loss = out.detach()
                 elif self.loss_ref is not None:
                     self._step_loss = self.loss_ref
-                if self.grads and not self._table_final:  # step 1: the table is being built
-                    self._g1 = [digest_tensors([p.grad for p in self.table], self.hasher)]
-                elif self.grads and self._step_sampled:
-                    self._step_grads = digest_tensors([p.grad for p in self.table], self.hasher)
+                if self.grads and self._step_sampled:  # what this step consumed
+                    self._note_rows(range(len(self.table)))
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         self.capture_seconds += time.perf_counter() - t0
@@ -132,7 +187,7 @@ class StepClock:
                     if self.k == 1:
                         self._write_first()
                     elif self._step_sampled:
-                        self._write(self.k, self._step_grads)
+                        self._write(self.k, self._grad_line() if self.grads else None)
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         self.capture_seconds += time.perf_counter() - t0
@@ -145,6 +200,4 @@ class StepClock:
         self.step_opts = set()
         self._step_sampled = sampled(self.k, self.every)
         self._step_loss = loss.step_loss(self)  # the sum over this step's backward calls
-        self._step_grads = None
-        if self._table_final and self._step_sampled and self.grads:
-            self._step_grads = digest_tensors([p.grad for p in self.table], self.hasher)
+        self._grad_rows = {}

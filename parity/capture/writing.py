@@ -24,6 +24,7 @@ from parity.capture import fingerprint, gpu_facts, nccl_emulation
 from parity.capture.env import env_int as _env_int
 from parity.capture.hashing import device_backend, digest_tensors, host_digest, local_tensor
 from parity.rundir import RANK_FILES, rank_dir
+from parity.capture.claims import ClaimRefused, claim_rank
 from parity.capture.table import _Buffer
 
 
@@ -58,6 +59,7 @@ class RankRecord:
                 "device_digest": device_backend() if self._resolved_hasher == "device" else None,
                 "source": self.source, "warnings": list(self.warnings), "disabled": self.failed,
                 "recorded_steps": self.recorded_steps, "steps": self.done,
+                "optimizers": len(self._optimizers),
                 "seconds": round(self.capture_seconds
                                  + (self._fsdp.seconds if self._fsdp is not None else 0.0), 6)}
 
@@ -89,10 +91,18 @@ class RankRecord:
     def _ensure_writer(self) -> RankWriter:
         if self.writer is not None:
             return self.writer
+        if self._claim_refused:
+            raise ClaimRefused(self._claim_refused)
         rank, world, local = self._ids()
         self._rank_arg = (rank, world, local)
         d = rank_dir(self.out_dir, rank)
         restart = self._elastic_restart(d)
+        refused = claim_rank(d, rank, self.out_dir, takeover=restart is not None,
+                             exec_run=self.source == "exec",
+                             elastic=_env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0)
+        if refused:
+            self._claim_refused = refused
+            raise ClaimRefused(refused)
         if restart is None:
             # A new session starts this rank's record: drop what an earlier run left here.
             for name in RANK_FILES:
@@ -173,7 +183,7 @@ class RankRecord:
             if not self._step_base:  # a restarted attempt continues its rank's steps
                 w.write_step(0, b"".join(self._p0))
             self._table_dirty = False
-        self._write(1, b"".join(self._g1) if self.grads else None)
+        self._write(1, self._grad_line() if self.grads else None)
 
     def _write(self, step: int, grads: bytes | None) -> None:
         params = digest_tensors(self._tensors(), self.hasher)

@@ -23,6 +23,7 @@ from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_b
 from parity.diff.emulation import check_same_emulation
 from parity.diff.env import numerics_env_differences
 from parity.diff.reduction import assess
+from parity.diff.one_sided import one_sided, refused_processes, same_run
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, compare_hashes,
                                 param_keys)
 from parity.diff.result import (CaptureWarning, DiffResult, Divergence, FirstDivergence,
@@ -103,12 +104,18 @@ def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
 
 
 def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
-            loss_div: bool | None, grads_compared: bool) -> tuple[str, str]:
+            loss_div: bool | None, grads_compared: bool,
+            buffers_only: list[str] | None = None) -> tuple[str, str]:
     before = (f"the parameters of step {prev} match" if prev is not None
               else "no earlier step was captured")
     if prev is not None and prev != step - 1:
         before += f" (steps {prev + 1}-{step - 1} not captured)" if step - 1 > prev + 1 else \
             f" (step {step - 1} not captured)"
+    if buffers_only and not grad_div and not loss_div:
+        return "buffer", (f"only buffers differ at step {step} ({_names(buffers_only, 3)}) while "
+                          f"every parameter matches and {before}: buffer updates in the forward "
+                          "pass (BatchNorm running statistics and the like) or a buffer set "
+                          "differently, not the optimizer")
     if step == 0 and param_div and not grad_div:
         return "init", ("the parameters differ before the first optimizer step: initialization, "
                         "loading or sharding")
@@ -327,22 +334,13 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     elif not _n_compared(aligns):
         incomplete.append("no parameter was compared: no rank's table shares an entry with the "
                           "other side's same rank")
-    if ranks and not hc.grads_compared:
-        has = {side: any(rec.get("grad_digest") for x in lst for rec in list(x.steps.values())[:3])
-               for side, lst in (("A", ra), ("B", rb))}
-        if has["A"] != has["B"]:
-            problems.append(Problem(None, f"gradients were captured by "
-                                          f"{'A' if has['A'] else 'B'} only; compared parameters "
-                                          "only"))
-
     loss = _compare_loss(ra, rb, ranks, steps, ws)
-    if ranks:  # a loss on one side only is not compared: say so (as for gradients)
-        has = {side: any(_loss_bits(rec) is not None for x in lst[:1]
-                         for rec in list(x.steps.values())[:4])
-               for side, lst in (("A", ra), ("B", rb))}
-        if has["A"] != has["B"]:
-            problems.append(Problem(None, f"the loss was recorded by {'A' if has['A'] else 'B'} "
-                                          "only; not compared"))
+    # what one side recorded and the other did not is not compared: parity is not proven
+    incomplete += one_sided(ra, rb, ranks, steps, _loss_bits)
+    incomplete += refused_processes(run_a, run_b)
+    same = same_run(run_a, run_b)
+    if same:
+        incomplete.insert(0, same)
     # table checks (shapes, per-rank entries): the first and last rank and those that diverge
     check = {0, len(ranks) - 1} if ranks else set()
     if hc.detail is not None:
@@ -377,7 +375,13 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         prev = prev_steps[-1] if prev_steps else None
         grads_here = hc.grads_compared and all(
             isinstance((x.steps.get(first) or {}).get("grad_digest"), str) for x in ra + rb)
-        origin, why = _origin(first, prev, grad_div, param_div, loss_div, grads_here)
+        buffers = {p["fqn"] for x in ra[:1] + rb[:1] for p in x.params
+                   if p.get("kind") == "buffer"}
+        div_params = [index.names[g] for g, _ in det.grouped("param")] if at_first else []
+        only_buffers = (div_params if div_params and buffers
+                        and all(n.split("#", 1)[0] in buffers for n in div_params) else None)
+        origin, why = _origin(first, prev, grad_div, param_div, loss_div, grads_here,
+                              only_buffers)
         loc_a, loc_b = layouts["a"].locate(), layouts["b"].locate()
         rank_set: set[int] = set()
         n_kind = {}
@@ -387,8 +391,10 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
             for gid, rks in grouped:
                 name = index.names[gid]
                 rank_set.update(rks)
-                divergent.append(Divergence(det.step, name, kind, rks,
-                                            _links(name, loc_a, loc_b)))
+                divergent.append(Divergence(
+                    det.step, name, "buffer" if kind == "param" and buffers
+                    and name.split("#", 1)[0] in buffers else kind, rks,
+                    _links(name, loc_a, loc_b)))
         if not at_first:
             n_kind = {"param": 0, "grad": 0}
             rank_set = set()

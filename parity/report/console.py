@@ -21,6 +21,7 @@ from parity import consequences, policy
 from parity.diff import DiffResult
 from parity.text import ranges
 from parity.report.reduction import reduction_section
+from parity.report.stdout import make_rich_console
 from parity.report.text import T
 
 PLAIN_WIDTH = 100
@@ -29,7 +30,7 @@ MAX_STEP_ROWS = 12
 MAX_BUCKET_ROWS = 18
 MAX_PROBLEMS = 8
 _ABBR = {"all_gather": "AG", "reduce_scatter": "RS"}
-_KIND_COLL = {"grad": "reduce_scatter", "param": "all_gather"}
+_KIND_COLL = {"grad": "reduce_scatter", "param": "all_gather", "buffer": "all_gather"}
 _ORDER_TEXT = {
     "identical": ("identical", "green"),
     "order_differs": ("PAYLOAD ORDER DIFFERS", "bold red"),
@@ -42,8 +43,8 @@ _ORDER_TEXT = {
 def make_console(file=None, width: int | None = None, force_terminal: bool | None = None) -> Console:
     """A console for reports: colours on a terminal, plain text (no ANSI codes) when piped,
     100 columns when not a terminal and COLUMNS is unset."""
-    console = Console(file=file or sys.stdout, force_terminal=force_terminal, width=width,
-                      highlight=False, emoji=False, soft_wrap=False)
+    console = make_rich_console(file=file or sys.stdout, force_terminal=force_terminal,
+                                width=width, highlight=False, emoji=False, soft_wrap=False)
     if width is None and not console.is_terminal and not os.environ.get("COLUMNS"):
         console.width = PLAIN_WIDTH
     return console

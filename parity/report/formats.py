@@ -19,6 +19,7 @@ from parity import policy
 from parity.diff.bucket_summary import cell_headline
 from parity.text import ranges
 from parity.errors import ParityError
+from parity.report.stdout import make_rich_console, print_safely
 from parity.report.text import safe_text
 from parity.sweep.model import CellResult, SideResult, SweepReport, as_report, got
 from parity.sweep.state import axis_names
@@ -60,14 +61,14 @@ def _render(sweep: SweepReport, fmt: str, output, pol: str) -> None:
 
         path = output or os.path.join(sweep.dir, "report.html")
         write_sweep_html(sweep, path, fail_on=pol)
-        sys.stdout.write(f"{path}\n")
+        print_safely(lambda: sys.stdout.write(f"{path}\n"))
         return
     if fmt == "console":
         if output:
             with _open_out(output) as f:
                 print_sweep_console(sweep, f, color=False, fail_on=pol)
         else:
-            print_sweep_console(sweep, sys.stdout, fail_on=pol)
+            print_safely(lambda: print_sweep_console(sweep, sys.stdout, fail_on=pol))
         return
     if fmt == "json":
         text = sweep_json(sweep)
@@ -77,7 +78,7 @@ def _render(sweep: SweepReport, fmt: str, output, pol: str) -> None:
         with _open_out(output) as f:
             f.write(text)
     else:
-        sys.stdout.write(text)
+        print_safely(lambda: sys.stdout.write(text))
 
 
 def _open_out(path):
@@ -241,9 +242,9 @@ def print_sweep_console(sweep: SweepReport | dict, file=None, color: bool | None
     file = file or sys.stdout
     isatty = getattr(file, "isatty", lambda: False)()
     width = None if isatty else int(os.environ.get("COLUMNS", "140") or 140)
-    console = Console(file=file, width=width, no_color=(color is False) or None,
-                      force_terminal=False if color is False else None, highlight=False,
-                      soft_wrap=False)
+    console = make_rich_console(file=file, width=width, no_color=(color is False) or None,
+                                force_terminal=False if color is False else None,
+                                highlight=False, soft_wrap=False)
     title = f"parity sweep {got(sweep.name, '?')}"
     if sweep.description:
         title += f" - {sweep.description}"

@@ -51,7 +51,7 @@ color:#1d1d1f;max-width:1200px;padding:0 16px}
 h1{font-size:22px;margin:0 0 4px}h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd}
 h3{font-size:15px;margin:18px 0 6px}table{border-collapse:collapse;margin:6px 0}
 th,td{padding:3px 10px;border-bottom:1px solid #eee;text-align:left;vertical-align:top}
-th{background:#f6f6f6}td.mono{word-break:break-all;max-width:460px}
+th{background:#f6f6f6}td.mono{word-break:break-all;max-width:460px}td.loc{white-space:nowrap;font-family:monospace}
 code,.mono{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12.5px}
 .badge{color:#fff;border-radius:4px;padding:1px 7px;font-size:12px;white-space:nowrap}
 .muted{color:#666}.legend span{display:inline-block;margin-right:14px}
@@ -163,17 +163,22 @@ def bucket_svg(fb: dict, ref_label: str = "reference", cand_label: str = "candid
     bar_h, label_h, gap = 34, 28, 24
     height = 2 * (label_h + bar_h) + gap + 26
     parts = []
+    totals = {side: sum(int((r.get(side) or {}).get("size") or 0) for r in rows if r.get(side))
+              for side in ("a", "b")}
+    most = max(totals.values()) or 1
     for k, (side, label) in enumerate((("a", f"A: {ref_label}"), ("b", f"B: {cand_label}"))):
         y0 = k * (label_h + bar_h + gap)
         y = y0 + label_h
         ents = [(r.get("position"), r[side], r.get("same", True)) for r in rows if r.get(side)]
-        total = sum(int(e.get("size") or 0) for _, e, _ in ents)
+        total = totals[side]
+        # the bars share one byte scale: a side holding half the bytes draws half the bar
+        bar_w = BAR_WIDTH * total / most if total else BAR_WIDTH
         parts.append(f'<text x="0" y="{y0 + 13}" font-size="13" font-weight="600">{_e(label)}'
                      f'</text><text x="{BAR_WIDTH}" y="{y0 + 13}" font-size="11" fill="#555" '
                      f'text-anchor="end">{len(ents)} parameters, {total:,} bytes</text>')
         x = 0.0
         for (pos, e, same), w in zip(ents, segment_widths([int(e.get("size") or 0)
-                                                           for _, e, _ in ents])):
+                                                           for _, e, _ in ents], bar_w)):
             off, size = int(e.get("offset") or 0), int(e.get("size") or 0)
             fqn = str(e.get("fqn"))
             tip = (f"{fqn}\nposition {pos}, offset {off:,} B, size {size:,} B, "
@@ -194,8 +199,8 @@ def bucket_svg(fb: dict, ref_label: str = "reference", cand_label: str = "candid
                              f'fill="{fill}" stroke="{MARK}" stroke-width="1.5"/>')
             x += w
     parts.append(f'<text x="0" y="{height - 6}" font-size="11" fill="#555">payload order, left to '
-                 f'right; widths: at least {MIN_SEGMENT}/{BAR_WIDTH} of the bar, the rest by size '
-                 f'(true offsets in the table)</text>')
+                 f'right; bar lengths by total bytes (one scale for A and B); segments at least '
+                 f'{MIN_SEGMENT}/{BAR_WIDTH}, the rest by size (true offsets in the table)</text>')
     return (f'<svg class="bars" viewBox="-2 -2 {BAR_WIDTH + 4} {height + 4}" role="img" '
             f'preserveAspectRatio="xMinYMin meet" aria-label="bucket layout">'
             f'{"".join(parts)}</svg>')
@@ -231,17 +236,25 @@ def _bucket_section(fb: dict, anchor: str, labels: tuple[str, str], cells: list[
         seen = f"<p class=muted>The same finding in {len(cells)} cell(s): {ids}</p>"
     table = ["<div class=wide><table><tr><th>pos</th><th>A parameter</th><th>A offset</th>"
              "<th>B parameter</th><th>B offset</th><th>size (A / B where they differ)</th>"
-             "<th>dtype</th></tr>"]
+             "<th>dtype (A / B where they differ)</th></tr>"]
     for r in fb.get("rows") or []:
         ra, rb = r.get("a") or {}, r.get("b") or {}
         style = ' style="background:#fde2e0"' if not r.get("same", True) else ""
         table.append(f"<tr{style}><td>{_e(r.get('position'))}</td><td class=mono>{_e(ra.get('fqn'))}"
                      f"</td><td>{_e(ra.get('offset'))}</td><td class=mono>{_e(rb.get('fqn'))}</td>"
                      f"<td>{_e(rb.get('offset'))}</td><td>{_size_cell(ra, rb)}</td>"
-                     f"<td>{_e(ra.get('dtype', rb.get('dtype')))}</td></tr>")
+                     f"<td>{_dtype_cell(ra, rb)}</td></tr>")
     table.append("</table></div>")
     return (f'<section id="{anchor}"><h3>{head}</h3>{seen}{where}{bucket_svg(fb, *labels)}'
             f'{"".join(table)}</section>')
+
+
+def _dtype_cell(ra: dict, rb: dict) -> str:
+    """Both sides' dtypes where they differ (A / B, marked), else the one dtype."""
+    da, db = ra.get("dtype"), rb.get("dtype")
+    if ra and rb and da != db:
+        return f'<b class=sizediff style="color:{MARK}">{_e(da)} / {_e(db)}</b>'
+    return _e(da if ra else db)
 
 
 def _size_cell(ra: dict, rb: dict) -> str:
@@ -288,14 +301,14 @@ def _divergent_table(cells: list[tuple[CellResult, str]], show_cell: bool = True
                     for side in ("a", "b"):
                         loc = sides.get(side)
                         if isinstance(loc, dict):
-                            where.append(f"{side.upper()} {coll} #{loc.get('index')} @ "
-                                         f"{loc.get('offset')}")
+                            where.append(_e(f"{side.upper()} {coll} #{loc.get('index')} @ "
+                                            f"{loc.get('offset')}"))
             link = f'<a href="#{anchor}">bucket picture</a>' if anchor else ""
             first = f"<td>{_e(got(cell.id))}</td>" if show_cell else ""
             rows.append(f"<tr>{first}<td>{_e(d.get('step'))}</td>"
                         f"<td>{_e(d.get('kind'))}</td><td class=mono>{_e(d.get('fqn'))}</td>"
                         f"<td>{_e(','.join(map(str, d.get('ranks') or [])))}</td>"
-                        f"<td class=mono>{_e('; '.join(where))}</td><td>{link}</td></tr>")
+                        f"<td class=loc>{'<br>'.join(where)}</td><td>{link}</td></tr>")
     if not rows:
         return "<p class=muted>No divergent parameters: every compared hash is equal.</p>"
     head = "<th>cell</th>" if show_cell else ""

@@ -14,6 +14,36 @@ import sys
 _GONE = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT)
 
 
+def make_rich_console(**kwargs):
+    """A rich Console whose closed pipe raises BrokenPipeError instead of rich's default
+    (``on_broken_pipe``: ``SystemExit(1)``, which turned ``parity diff A B | head -1`` into exit 1
+    with nothing said); :func:`print_safely` then keeps the command's exit code."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError(errno.EPIPE, "stdout closed")
+
+    return _Console(**kwargs)
+
+
+def closed_stdout_exit(code: int) -> None:
+    """Point fd 1 at /dev/null (the interpreter's final flush must not fail and exit 120) and
+    exit with ``code``: the last resort for a closed stdout that escaped print_safely."""
+    _to_devnull()
+    raise SystemExit(code)
+
+
+def _to_devnull() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
 def print_safely(render) -> bool:
     """Call ``render()`` (which prints to stdout) and flush; False if stdout was closed or full."""
     try:
@@ -24,12 +54,7 @@ def print_safely(render) -> bool:
         if not isinstance(e, BrokenPipeError) and e.errno not in _GONE:
             raise
     # Point fd 1 at /dev/null: the interpreter's final flush must not fail (and exit 120) too.
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):
-        pass
+    _to_devnull()
     try:
         sys.stderr.write("parity: stdout closed or full; the rest of the console output was "
                          "dropped (files written and the exit code are not affected)\n")

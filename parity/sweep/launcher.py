@@ -122,7 +122,7 @@ def exec_prefix(job: Job) -> list[str]:
     if not job.capture:
         return []
     emulate = ["--emulate-nccl", job.emulate_nccl] if job.emulate_nccl else []
-    return [*parity_command(), "exec", "--out", str(job.run_dir), *emulate, "--"]
+    return [*parity_command(), "exec", "--out", str(job.run_dir), "--force", *emulate, "--"]
 
 
 def torchrun_argv(job: Job, endpoint: str, node_rank: int | None = None) -> list[str]:

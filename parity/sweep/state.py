@@ -315,8 +315,11 @@ def load_sweep(where) -> dict:
 
 
 def load_report(where) -> SweepReport:
-    """``load_sweep`` typed: the reports and the gate read this (``dir`` is where it was read)."""
-    return as_report(load_sweep(where))
+    """``load_sweep`` typed: the reports and the gate read this (``dir`` is where it was read).
+    A combination of the axes that no cell holds is added as a failed cell (coverage.py)."""
+    from parity.sweep.coverage import fill_absent
+
+    return fill_absent(as_report(load_sweep(where)))
 
 
 _NUM = (int, float)

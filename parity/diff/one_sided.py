@@ -1,0 +1,71 @@
+"""What one side recorded and the other did not, and runs that are not two runs.
+
+A verdict of ``match`` means everything either side recorded was compared and equal. So a kind
+of record that only one side has (gradients captured by A and not by B under ``--no-grads``, a
+loss on one side only, per (rank, step)), a process that claimed a rank and was not recorded
+(capture/claims.py), and a directory compared with itself each make the diff incomplete
+(exit 3), named in the verdict's ``not compared``; the engine (engine.py) appends these lines to
+``DiffResult.incomplete``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from parity.artifacts import RankData, Run
+from parity.diff.hashes import digest_table, presence_table
+from parity.text import ranges
+
+
+def one_sided(ra: list[RankData], rb: list[RankData], ranks: list[int], steps: list[int],
+              loss_bits) -> list[str]:
+    """Gradients or losses present on one side only at a (rank, step) both sides recorded."""
+    if not ranks or not steps:
+        return []
+    both = presence_table(ra, steps) & presence_table(rb, steps)
+    grads = (digest_table(ra, steps, "grad") != b"", digest_table(rb, steps, "grad") != b"")
+
+    def has_loss(lst):
+        return np.array([[loss_bits(x.steps.get(s)) is not None for s in steps] for x in lst],
+                        dtype=bool).reshape(len(lst), len(steps))
+
+    out = []
+    for what, (ha, hb) in (("gradients", grads), ("loss", (has_loss(ra), has_loss(rb)))):
+        for side, only in (("A", both & ha & ~hb), ("B", both & hb & ~ha)):
+            if only.any():
+                st = [steps[j] for j in np.flatnonzero(only.any(axis=0))]
+                rk = [ranks[i] for i in np.flatnonzero(only.any(axis=1))]
+                out.append(f"{what} recorded by {side} only at step(s) {ranges(st)} on rank(s) "
+                           f"{ranges(rk)} ({int(only.sum())} record(s)){_hint(what)}")
+    return out
+
+
+def _hint(what: str) -> str:
+    return "; was one side captured with --no-grads?" if what == "gradients" else ""
+
+
+def refused_processes(run_a: Run, run_b: Run) -> list[str]:
+    """Processes that claimed a rank of a side and were not recorded (claims.py)."""
+    out = []
+    for side, run in (("A", run_a), ("B", run_b)):
+        bad = [(r, rec) for r, rd in sorted(run.ranks.items()) for rec in rd.refused]
+        if bad:
+            r, rec = bad[0]
+            out.append(f"{side}: {len(bad)} more process(es) claimed rank(s) "
+                       f"{ranges(sorted({x for x, _ in bad}))} and were not recorded (first: "
+                       f"pid {rec.get('pid')} on rank {r}); their training is not compared")
+    return out
+
+
+def same_run(run_a: Run, run_b: Run) -> str | None:
+    """A line when A and B are one directory (compared with itself, nothing is proven)."""
+    try:
+        same = os.path.samefile(run_a.path, run_b.path)
+    except OSError:
+        same = os.path.abspath(run_a.path) == os.path.abspath(run_b.path)
+    if not same:
+        return None
+    return (f"A and B are the same directory ({run_a.path}): it was compared with itself, not "
+            "with another run")
