@@ -62,8 +62,8 @@ def _loss_value(rec: dict | None) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def _loss_total(lst: list[RankData], step: int, world: int | None) -> float | None:
-    vals = [_loss_value(x.steps.get(step)) for x in lst]
+def _loss_sum(vals: list[float | None], world: int | None) -> float | None:
+    """The sum of every rank's loss of one step, when all ``world`` ranks have one."""
     if not vals or world is None or len(vals) != world or any(v is None for v in vals):
         return None
     return float(sum(vals))
@@ -94,10 +94,10 @@ def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
         equal = None if n_cmp == 0 else n_diff == 0
         if equal is False and first is None:
             first = s
-        rows.append(LossStep(s, la, lb, equal, int(n_diff), _loss_total(ra, s, world),
-                             _loss_total(rb, s, world),
-                             [_loss_value(x.steps.get(s)) for x in ra],
-                             [_loss_value(x.steps.get(s)) for x in rb]))
+        va = [_loss_value(x.steps.get(s)) for x in ra]  # each value read once (256 ranks)
+        vb = [_loss_value(x.steps.get(s)) for x in rb]
+        rows.append(LossStep(s, la, lb, equal, int(n_diff), _loss_sum(va, world),
+                             _loss_sum(vb, world), va, vb))
     return LossComparison(captured, ranks[0] if ranks else None, first, rows)
 
 
