@@ -280,9 +280,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     keys_a, keys_b = _table_keys(ra, seen_keys), _table_keys(rb, seen_keys)
     names_a: dict[str, None] = {}
     names_b: dict[str, None] = {}
-    for ka in dict.fromkeys(keys_a):
+    for ka in {id(k): k for k in keys_a}.values():  # by identity: ranks share keys tuples
         names_a.update(dict.fromkeys(ka))
-    for kb in dict.fromkeys(keys_b):
+    for kb in {id(k): k for k in keys_b}.values():
         names_b.update(dict.fromkeys(kb))
     only_a = [k for k in names_a if k not in names_b]
     only_b = [k for k in names_b if k not in names_a]

@@ -274,9 +274,35 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     bad: dict[tuple[str, int], str] = {}
     split_of: dict[tuple[int, int], tuple] = {}  # (per-rank count, element size) -> channels
     dims_of: dict = {}
+    # buckets that are the same on both sides (same payloads, order and dtype) cannot differ:
+    # their parameters are skipped below, so their layouts are not derived
+    same_bucket = {}
+    by_fqns_b = {(tuple(b.fqns), b.dtype): b.index for b in bb}
+    for b in ba:
+        j = by_fqns_b.get((tuple(b.fqns), b.dtype))
+        if j is not None:
+            same_bucket[b.index] = j
+    first_a: dict[str, int] = {}
+    first_b: dict[str, int] = {}
+    for b in ba:
+        for f in b.fqns:
+            first_a.setdefault(f, b.index)
+    for b in bb:
+        for f in b.fqns:
+            first_b.setdefault(f, b.index)
+    skip: dict[str, set] = {"a": set(), "b": set()}
+    for b in ba:  # only where each payload's first bucket on both sides is this pair
+        j = same_bucket.get(b.index)
+        if j is not None and all(first_a[f] == b.index and first_b.get(f) == j for f in b.fqns):
+            skip["a"].add(b.index)
+            skip["b"].add(j)
     for key, buckets in (("a", ba), ("b", bb)):
         side = _Side({}, {})
         for b in buckets:
+            if b.index in skip[key]:
+                for f in b.fqns:  # the bucket is known, its slot never asked for
+                    side.slots.setdefault(f, (None, b))
+                continue
             got = derive_layout(b, shapes, world, capture_world, dims_of)
             if isinstance(got, str):
                 bad[(key, b.index)] = got
@@ -290,13 +316,6 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
             for s in slots:
                 side.slots.setdefault(s.fqn, (s, b))
         sides[key] = side
-    # buckets that are the same on both sides (same payloads, order and dtype) cannot differ
-    same_bucket = {}
-    by_fqns_b = {(tuple(b.fqns), b.dtype): b.index for b in bb}
-    for b in ba:
-        j = by_fqns_b.get((tuple(b.fqns), b.dtype))
-        if j is not None:
-            same_bucket[b.index] = j
     said_bad: set = set()
     for f in dict.fromkeys([*na, *nb]):
         sa, sb = sides["a"].slots.get(f), sides["b"].slots.get(f)
