@@ -237,7 +237,7 @@ def _reduce_counts(layout: Layout, eager: list[dict], shapes: dict) -> dict[str,
     eager DTensor reduce-scatters of it)."""
     out: dict[str, int] = {}
     for b in layout.buckets.get("reduce_scatter", []):
-        for f in set(b.fqns):
+        for f in dict.fromkeys(b.fqns):  # in payload order: the JSON order is deterministic
             out[f] = layout.repeats.get(("reduce_scatter", f), 1)
     rs = [r for r in eager or [] if r.get("collective") == "reduce_scatter"]
     if rs:
