@@ -106,13 +106,22 @@ def _str(x):
     return x if isinstance(x, str) else None
 
 
-def _bucket(rec: dict, coll: str) -> Bucket:
-    """A buckets.jsonl line read through the schema's record (parity.records), as compared."""
-    r = BucketRecord.from_dict(rec)
-    entries = [Entry(e.fqn, e.offset, e.size, e.numel, e.dtype) for e in r.entries
-               if e.fqn is not None]
-    return Bucket(coll, -1, r.group, r.dtype, r.total_bytes, entries, r.step, r.graph_id, r.index,
-                  r.node)
+def _bucket(rec: dict, coll: str, memo: dict | None = None) -> Bucket:
+    """A buckets.jsonl line read through the schema's record (parity.records), as compared.
+    ``memo`` (id of the line -> (line, parsed fields)) parses a line shared by both sides (the
+    reader shares byte-identical manifests) once; each call still returns a new Bucket."""
+    got = memo.get(id(rec)) if memo is not None else None
+    if got is not None and got[0] is rec:
+        fields = got[1]
+    else:
+        r = BucketRecord.from_dict(rec)
+        entries = tuple(Entry(e.fqn, e.offset, e.size, e.numel, e.dtype) for e in r.entries
+                        if e.fqn is not None)  # Entry is frozen: safe to share
+        fields = (r.group, r.dtype, r.total_bytes, entries, r.step, r.graph_id, r.index, r.node)
+        if memo is not None:
+            memo[id(rec)] = (rec, fields)  # the line is kept alive: its id is not reused
+    group, dtype, total, entries, step, gid, index, node = fields
+    return Bucket(coll, -1, group, dtype, total, list(entries), step, gid, index, node)
 
 
 def _describe_change(old: Bucket, new: Bucket) -> str:
@@ -127,8 +136,10 @@ def _describe_change(old: Bucket, new: Bucket) -> str:
     return "dtype or total size changes"
 
 
-def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None) -> Layout:
-    """The layouts of one rank's bucket records (see the module docstring)."""
+def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None,
+                  _memo: dict | None = None) -> Layout:
+    """The layouts of one rank's bucket records (see the module docstring). ``_memo``: see
+    ``_bucket``."""
     sources = {r.get("source") for r in records}
     source = next((s for s in prefer if s in sources), None)
     if source is None:
@@ -151,7 +162,7 @@ def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None
         for gid, grecs in by_graph.items():
             first: dict = {}
             for r in grecs:
-                b = _bucket(r, coll)
+                b = _bucket(r, coll, _memo)
                 key = b.record_index
                 if key not in first:
                     first[key] = b
@@ -640,6 +651,7 @@ def compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks:
     disagree: dict[str, list[str]] = {}
     odd: dict[str, list[int]] = {}  # ranks whose layout differs from their side's reference
     not_examined: dict[str, int] = {}
+    memo: dict = {}  # bucket lines parsed once for both sides (_bucket)
     for side, run, prefer in (("a", run_a, A_PREFERS), ("b", run_b, B_PREFERS)):
         present = [r for r in sorted(run.ranks) if r in usable[side]] or sorted(run.ranks)
         ref = ranks[0] if ranks else (present[0] if present else None)
@@ -648,7 +660,7 @@ def compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks:
             layouts[side] = Layout(None, None, {c: [] for c in COLLECTIVES})
             continue
         ref_recs = run.ranks[ref].buckets
-        layouts[side] = ref_layout = select_layout(ref_recs, prefer, ref)
+        layouts[side] = ref_layout = select_layout(ref_recs, prefer, ref, memo)
         by_list: dict[int, list[int]] = {}
         for r in present:
             by_list.setdefault(id(run.ranks[r].buckets), []).append(r)
@@ -672,7 +684,7 @@ def compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks:
                 if len(reps) > MAX_LAYOUT_CHECKS:
                     unexamined += len(rs)
                     continue
-                lay = select_layout(recs, prefer, rs[0])
+                lay = select_layout(recs, prefer, rs[0], memo)
                 same = lay.signature() == ref_sig
                 if raw is not None:
                     examined[raw] = same

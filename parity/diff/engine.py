@@ -64,8 +64,8 @@ def _loss_value(rec: dict | None) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def _loss_total(lst: list[RankData], step: int, world: int | None) -> float | None:
-    vals = [_loss_value(x.steps.get(step)) for x in lst]
+def _loss_sum(vals: list[float | None], world: int | None) -> float | None:
+    """The sum of every rank's loss of one step, when all ``world`` ranks have one."""
     if not vals or world is None or len(vals) != world or any(v is None for v in vals):
         return None
     return float(sum(vals))
@@ -96,10 +96,10 @@ def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
         equal = None if n_cmp == 0 else n_diff == 0
         if equal is False and first is None:
             first = s
-        rows.append(LossStep(s, la, lb, equal, int(n_diff), _loss_total(ra, s, world),
-                             _loss_total(rb, s, world),
-                             [_loss_value(x.steps.get(s)) for x in ra],
-                             [_loss_value(x.steps.get(s)) for x in rb]))
+        va = [_loss_value(x.steps.get(s)) for x in ra]  # each value read once (256 ranks)
+        vb = [_loss_value(x.steps.get(s)) for x in rb]
+        rows.append(LossStep(s, la, lb, equal, int(n_diff), _loss_sum(va, world),
+                             _loss_sum(vb, world), va, vb))
     return LossComparison(captured, ranks[0] if ranks else None, first, rows)
 
 
@@ -289,9 +289,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     keys_a, keys_b = _table_keys(ra, seen_keys), _table_keys(rb, seen_keys)
     names_a: dict[str, None] = {}
     names_b: dict[str, None] = {}
-    for ka in dict.fromkeys(keys_a):
+    for ka in {id(k): k for k in keys_a}.values():  # by identity: ranks share keys tuples
         names_a.update(dict.fromkeys(ka))
-    for kb in dict.fromkeys(keys_b):
+    for kb in {id(k): k for k in keys_b}.values():
         names_b.update(dict.fromkeys(kb))
     only_a = [k for k in names_a if k not in names_b]
     only_b = [k for k in names_b if k not in names_a]

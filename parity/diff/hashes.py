@@ -90,8 +90,20 @@ class Aligner:
     def __init__(self, index: ParamIndex):
         self.index = index
         self._cache: dict[tuple, Alignment] = {}
+        # by identity first: ranks share one keys tuple per distinct table (hashing a tuple of
+        # 1,500 names per rank costs more than the lookup saves); the tuples are kept alive here
+        self._by_id: dict[tuple[int, int], tuple] = {}
 
     def align(self, keys_a: tuple[str, ...], keys_b: tuple[str, ...]) -> Alignment:
+        ik = (id(keys_a), id(keys_b))
+        got = self._by_id.get(ik)
+        if got is not None and got[0] is keys_a and got[1] is keys_b:
+            return got[2]
+        al = self._align(keys_a, keys_b)
+        self._by_id[ik] = (keys_a, keys_b, al)
+        return al
+
+    def _align(self, keys_a: tuple[str, ...], keys_b: tuple[str, ...]) -> Alignment:
         ck = (keys_a, keys_b)
         hit = self._cache.get(ck)
         if hit is not None:

@@ -116,7 +116,8 @@ def _dims(shape) -> tuple[int, int] | None:
 
 
 def derive_layout(bucket: Bucket, shapes: dict[str, list[int]], world: int,
-                  capture_world: int | None = None) -> tuple[list[Slot], int, int] | str:
+                  capture_world: int | None = None,
+                  _dims_of: dict | None = None) -> tuple[list[Slot], int, int] | str:
     """A reduce-scatter bucket's per-rank row at ``world`` ranks: (slots, per-rank count,
     element size), or the reason it cannot be derived. With ``capture_world`` the model is first
     checked against the recorded offsets and sizes at that world size."""
@@ -130,7 +131,12 @@ def derive_layout(bucket: Bucket, shapes: dict[str, list[int]], world: int,
         return f"dtype {dtype} not modelled"
     dims = []
     for e in bucket.entries:
-        d = _dims(shapes.get(e.fqn))
+        if _dims_of is None:
+            d = _dims(shapes.get(e.fqn))
+        else:  # predict's memo: each shape checked once, not once per bucket and side
+            d = _dims_of.get(e.fqn, False)
+            if d is False:
+                d = _dims_of[e.fqn] = _dims(shapes.get(e.fqn))
         if d is None:
             return f"no global shape for {e.fqn}"
         dims.append(d)
@@ -207,6 +213,10 @@ def _pieces(oa: int, ob: int, length: int, ca, cb) -> list[tuple[int, int, tuple
     and ``ob`` (B) within which each side's channel is constant, with the two rings."""
     los_a, rings_a = ca
     los_b, rings_b = cb
+    ia, ib = bisect_right(los_a, oa), bisect_right(los_b, ob)
+    if (ia == len(los_a) or los_a[ia] >= oa + length) and (
+            ib == len(los_b) or los_b[ib] >= ob + length):  # one channel on each side
+        return [(0, length, rings_a[max(0, ia - 1)], rings_b[max(0, ib - 1)])]
     cuts = {0, length}
     for los, o in ((los_a, oa), (los_b, ob)):
         i = bisect_right(los, o)
@@ -227,7 +237,7 @@ def _reduce_counts(layout: Layout, eager: list[dict], shapes: dict) -> dict[str,
     eager DTensor reduce-scatters of it)."""
     out: dict[str, int] = {}
     for b in layout.buckets.get("reduce_scatter", []):
-        for f in set(b.fqns):
+        for f in dict.fromkeys(b.fqns):  # in payload order: the JSON order is deterministic
             out[f] = layout.repeats.get(("reduce_scatter", f), 1)
     rs = [r for r in eager or [] if r.get("collective") == "reduce_scatter"]
     if rs:
@@ -263,10 +273,37 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     sides: dict[str, _Side] = {}
     bad: dict[tuple[str, int], str] = {}
     split_of: dict[tuple[int, int], tuple] = {}  # (per-rank count, element size) -> channels
+    dims_of: dict = {}
+    # buckets that are the same on both sides (same payloads, order and dtype) cannot differ:
+    # their parameters are skipped below, so their layouts are not derived
+    same_bucket = {}
+    by_fqns_b = {(tuple(b.fqns), b.dtype): b.index for b in bb}
+    for b in ba:
+        j = by_fqns_b.get((tuple(b.fqns), b.dtype))
+        if j is not None:
+            same_bucket[b.index] = j
+    first_a: dict[str, int] = {}
+    first_b: dict[str, int] = {}
+    for b in ba:
+        for f in b.fqns:
+            first_a.setdefault(f, b.index)
+    for b in bb:
+        for f in b.fqns:
+            first_b.setdefault(f, b.index)
+    skip: dict[str, set] = {"a": set(), "b": set()}
+    for b in ba:  # only where each payload's first bucket on both sides is this pair
+        j = same_bucket.get(b.index)
+        if j is not None and all(first_a[f] == b.index and first_b.get(f) == j for f in b.fqns):
+            skip["a"].add(b.index)
+            skip["b"].add(j)
     for key, buckets in (("a", ba), ("b", bb)):
         side = _Side({}, {})
         for b in buckets:
-            got = derive_layout(b, shapes, world, capture_world)
+            if b.index in skip[key]:
+                for f in b.fqns:  # the bucket is known, its slot never asked for
+                    side.slots.setdefault(f, (None, b))
+                continue
+            got = derive_layout(b, shapes, world, capture_world, dims_of)
             if isinstance(got, str):
                 bad[(key, b.index)] = got
                 for f in b.fqns:
@@ -279,13 +316,6 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
             for s in slots:
                 side.slots.setdefault(s.fqn, (s, b))
         sides[key] = side
-    # buckets that are the same on both sides (same payloads, order and dtype) cannot differ
-    same_bucket = {}
-    by_fqns_b = {(tuple(b.fqns), b.dtype): b.index for b in bb}
-    for b in ba:
-        j = by_fqns_b.get((tuple(b.fqns), b.dtype))
-        if j is not None:
-            same_bucket[b.index] = j
     said_bad: set = set()
     for f in dict.fromkeys([*na, *nb]):
         sa, sb = sides["a"].slots.get(f), sides["b"].slots.get(f)
@@ -296,7 +326,7 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
                 and na.get(f) == nb.get(f):
             continue
         pred.params_checked += 1
-        dims = _dims(shapes.get(f))
+        dims = dims_of[f] if f in dims_of else _dims(shapes.get(f))
         numel = dims[0] * dims[1] if dims else 0
         if na.get(f, 0) != nb.get(f, 0):
             pred.at_risk.append(AtRisk(f, numel, numel, where, "structure"))
