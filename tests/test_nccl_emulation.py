@@ -203,7 +203,8 @@ def test_meta_records_the_emulation_and_diff_refuses_a_plain_run(job, tmp_path):
     assert emu["topology"] == TOPO and emu["model"] == "nccl-ring-cbd/1"
     assert emu["emulated"]["reduce_scatter"] >= 6 and emu["emulated"]["all_reduce"] >= 5
     assert json.loads((run / "run.json").read_text())["capture"]["emulate_nccl"] == TOPO
-    assert _parity("diff", str(run), str(run)).returncode == 0
+    same = shutil.copytree(run, tmp_path / "same")  # a directory with itself is incomplete
+    assert _parity("diff", str(run), str(same)).returncode == 0
     plain = tmp_path / "plain"
     shutil.copytree(run, plain)
     for m in plain.glob("rank-*/meta.json"):
