@@ -27,7 +27,6 @@ with both sides' channel boundaries); per distinct pair of rings one W x W compa
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -200,35 +199,96 @@ class _Orders:
 @dataclass
 class _Side:
     slots: dict[str, tuple[Slot, Bucket]]
-    channels: dict[int, tuple[list[int], list[tuple[int, ...]]]]  # bucket -> (los, rings)
+    channels: dict[int, tuple[list[int], list[tuple[int, ...]], int]]  # bucket -> (los, rings, count)
 
 
-def _channels(topo: Topology, count: int, esize: int) -> tuple[list[int], list[tuple[int, ...]]]:
+def _channels(topo: Topology, count: int, esize: int
+              ) -> tuple[list[int], list[tuple[int, ...]], int]:
     segs = reduce_scatter_segments(topo, count, esize)
-    return [s.lo for s in segs], [s.order for s in segs]
+    return [s.lo for s in segs], [s.order for s in segs], count
 
 
-def _pieces(oa: int, ob: int, length: int, ca, cb) -> list[tuple[int, int, tuple, tuple]]:
-    """[start, end) ranges of a payload of ``length`` elements at per-rank offsets ``oa`` (A)
-    and ``ob`` (B) within which each side's channel is constant, with the two rings."""
-    los_a, rings_a = ca
-    los_b, rings_b = cb
-    ia, ib = bisect_right(los_a, oa), bisect_right(los_b, ob)
-    if (ia == len(los_a) or los_a[ia] >= oa + length) and (
-            ib == len(los_b) or los_b[ib] >= ob + length):  # one channel on each side
-        return [(0, length, rings_a[max(0, ia - 1)], rings_b[max(0, ib - 1)])]
-    cuts = {0, length}
-    for los, o in ((los_a, oa), (los_b, ob)):
-        i = bisect_right(los, o)
-        while i < len(los) and los[i] < o + length:
-            cuts.add(los[i] - o)
-            i += 1
-    pts = sorted(cuts)
-    out = []
-    for s, e in zip(pts, pts[1:]):
-        ra = rings_a[max(0, bisect_right(los_a, oa + s) - 1)]
-        rb = rings_b[max(0, bisect_right(los_b, ob + s) - 1)]
-        out.append((s, e, ra, rb))
+def _count_at_risk(pending: list, chan_a: dict, chan_b: dict, orders: "_Orders") -> np.ndarray:
+    """Elements at risk for every parameter of ``pending`` at once (numpy, no per-parameter
+    Python loop): entry k is (bucket A, bucket B, offset A, offset B, length, full, part), a
+    payload of ``length`` elements per rank at per-rank offsets A and B, owners below ``full``
+    holding whole shards and owner ``full`` holding ``part`` real elements. ``chan_*``: bucket
+    -> (channel starts, rings, per-rank count).
+
+    Each side's buckets are laid end to end on one axis (bucket ``b`` starts at ``base[b]``),
+    so one ``searchsorted`` finds every channel boundary inside every payload; the payload is
+    cut at both sides' boundaries into pieces within which each side's ring is constant, and a
+    piece adds ``length x (owners below full whose sum order differs)`` plus its overlap with
+    owner ``full``'s ``part`` when that owner's order differs."""
+    k = len(pending)
+    if not k:
+        return np.zeros(0, dtype=np.int64)
+    cols = np.array([p[2:] for p in pending], dtype=np.int64).reshape(k, 5)
+    oa, ob, length, full, part = cols.T
+    ring_ids: dict[int, int] = {}
+    ring_objs: list = []
+
+    def axis(chan: dict, buckets: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        base, los, rids, off = {}, [], [], 0
+        for b in dict.fromkeys(buckets):
+            starts, rings, count = chan[b]
+            base[b] = off
+            los.extend(off + x for x in starts)
+            for r in rings:
+                i = ring_ids.get(id(r))
+                if i is None:
+                    i = ring_ids[id(r)] = len(ring_objs)
+                    ring_objs.append(r)
+                rids.append(i)
+            off += count
+        return (np.array([base[b] for b in buckets], dtype=np.int64),
+                np.array(los, dtype=np.int64), np.array(rids, dtype=np.int64))
+
+    base_a, los_a, rid_a = axis(chan_a, [p[0] for p in pending])
+    base_b, los_b, rid_b = axis(chan_b, [p[1] for p in pending])
+    if not los_a.size or not los_b.size:  # only empty buckets: nothing to sum
+        return np.zeros(k, dtype=np.int64)
+    start_a, start_b = base_a + oa, base_b + ob
+    # the cuts of each payload: 0, and each side's channel starts strictly inside it
+    cut_param, cut_pos = [np.arange(k)], [np.zeros(k, dtype=np.int64)]
+    for los, start in ((los_a, start_a), (los_b, start_b)):
+        i0 = np.searchsorted(los, start, "right")
+        i1 = np.searchsorted(los, start + length, "left")
+        inside = np.maximum(i1 - i0, 0)
+        if inside.any():
+            owner = np.repeat(np.arange(k), inside)
+            first = np.repeat(i0 - np.cumsum(inside) + inside, inside)
+            idx = first + np.arange(owner.size)
+            cut_param.append(owner)
+            cut_pos.append(los[idx] - start[owner])
+    cp, pos = np.concatenate(cut_param), np.concatenate(cut_pos)
+    order = np.lexsort((pos, cp))
+    cp, pos = cp[order], pos[order]
+    keep = np.ones(cp.size, dtype=bool)  # a boundary of both sides at one place: one cut
+    keep[1:] = (cp[1:] != cp[:-1]) | (pos[1:] != pos[:-1])
+    cp, s = cp[keep], pos[keep]
+    last = np.ones(cp.size, dtype=bool)
+    last[:-1] = cp[1:] != cp[:-1]
+    e = np.where(last, length[cp], np.roll(s, -1))
+    ra = rid_a[np.searchsorted(los_a, start_a[cp] + s, "right") - 1]
+    rb = rid_b[np.searchsorted(los_b, start_b[cp] + s, "right") - 1]
+    pair, inverse = np.unique(ra * len(ring_objs) + rb, return_inverse=True)
+    world = orders.world
+    before = np.zeros((pair.size, world + 1), dtype=np.int64)
+    differs = np.zeros((pair.size, world + 1), dtype=bool)  # column ``world``: no such owner
+    for j, key in enumerate(pair.tolist()):
+        x, y = ring_objs[key // len(ring_objs)], ring_objs[key % len(ring_objs)]
+        if x is y or x == y:
+            continue
+        d, cum = orders.differ(x, y)
+        before[j] = cum
+        differs[j, :world] = d
+    inverse = inverse.reshape(-1)
+    f = full[cp]
+    n = (e - s) * before[inverse, f]
+    n += np.where(differs[inverse, f], np.clip(np.minimum(part[cp], e) - s, 0, None), 0)
+    out = np.zeros(k, dtype=np.int64)
+    np.add.at(out, cp, n)
     return out
 
 
@@ -317,6 +377,7 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
                 side.slots.setdefault(s.fqn, (s, b))
         sides[key] = side
     said_bad: set = set()
+    pending: list[tuple[int, int, int, int, int, int, int]] = []
     for f in dict.fromkeys([*na, *nb]):
         sa, sb = sides["a"].slots.get(f), sides["b"].slots.get(f)
         ia = sa[1].index if sa else None
@@ -352,17 +413,17 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
         # real elements, the rest only padding
         full = min(world, slot_a.dim0 // slot_a.rows) if slot_a.rows else 0
         part = (slot_a.dim0 - full * slot_a.rows) * slot_a.row if full < world else 0
-        n = 0
-        for s, e, ra, rb in _pieces(slot_a.offset, slot_b.offset, length,
-                                    sides["a"].channels[ia], sides["b"].channels[ib]):
-            if ra is rb or ra == rb:
+        pending.append((ia, ib, slot_a.offset, slot_b.offset, length, full, part))
+        pred.at_risk.append(AtRisk(f, -len(pending), numel, where, "order"))  # counted below
+    counts = _count_at_risk(pending, sides["a"].channels, sides["b"].channels, orders).tolist()
+    kept = []
+    for x in pred.at_risk:
+        if x.why == "order" and x.elements < 0:
+            x.elements = counts[-x.elements - 1]
+            if not x.elements:
                 continue
-            d, before = orders.differ(ra, rb)
-            n += (e - s) * before[full]  # owners below ``full`` whose order differs
-            if part > s and full < world and d[full]:
-                n += min(part, e) - s
-        if n:
-            pred.at_risk.append(AtRisk(f, n, numel, where, "order"))
+        kept.append(x)
+    pred.at_risk = kept
     if pred.at_risk:
         pred.verdict = DIFFERS
     elif pred.unpredicted:
