@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -95,9 +96,10 @@ class ReductionPrediction:
 # ---------------------------------------------------------------- per-rank layout at world W
 
 
-@dataclass(frozen=True)
-class Slot:
-    """One payload of a bucket's per-rank row at the target world size (elements)."""
+class Slot(NamedTuple):
+    """One payload of a bucket's per-rank row at the target world size (elements). A named
+    tuple, not a dataclass: a prediction makes one per payload and side, and tuples are
+    cheaper to build."""
 
     fqn: str
     offset: int  # element offset in the per-rank row
@@ -227,6 +229,7 @@ def _count_at_risk(pending: list, chan_a: dict, chan_b: dict, orders: "_Orders")
     oa, ob, length, full, part = cols.T
     ring_ids: dict[int, int] = {}
     ring_objs: list = []
+    memo: dict[int, list[int]] = {}
 
     def axis(chan: dict, buckets: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         base, los, rids, off = {}, [], [], 0
@@ -234,12 +237,17 @@ def _count_at_risk(pending: list, chan_a: dict, chan_b: dict, orders: "_Orders")
             starts, rings, count = chan[b]
             base[b] = off
             los.extend(off + x for x in starts)
-            for r in rings:
-                i = ring_ids.get(id(r))
-                if i is None:
-                    i = ring_ids[id(r)] = len(ring_objs)
-                    ring_objs.append(r)
-                rids.append(i)
+            got = memo.get(id(rings))  # buckets of one size share one channel list
+            if got is None:
+                got = []
+                for r in rings:
+                    i = ring_ids.get(id(r))
+                    if i is None:
+                        i = ring_ids[id(r)] = len(ring_objs)
+                        ring_objs.append(r)
+                    got.append(i)
+                memo[id(rings)] = got
+            rids.extend(got)
             off += count
         return (np.array([base[b] for b in buckets], dtype=np.int64),
                 np.array(los, dtype=np.int64), np.array(rids, dtype=np.int64))
@@ -310,7 +318,8 @@ def _reduce_counts(layout: Layout, eager: list[dict], shapes: dict) -> dict[str,
 
 def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: Topology | str,
             capture_world: int | None = None, eager: dict[str, list[dict]] | None = None,
-            source: str | None = None) -> ReductionPrediction:
+            source: str | None = None, _counts: tuple[dict, dict] | None = None
+            ) -> ReductionPrediction:
     """The prediction for two sides' selected layouts (``{"a": Layout, "b": Layout}``, as
     ``parity.diff.buckets.compare_buckets`` returns them), the parameters' global shapes
     (params.json ``global_shape``), at ``topology`` (a Topology or ``NODESxGPUS[:channels=C]``).
@@ -321,8 +330,11 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     pred = ReductionPrediction(topo, SAME, rank=la.rank, source=source)
     ba, bb = la.buckets.get("reduce_scatter", []), lb.buckets.get("reduce_scatter", [])
     eager = eager or {}
-    na = _reduce_counts(la, eager.get("a") or [], shapes)
-    nb = _reduce_counts(lb, eager.get("b") or [], shapes)
+    if _counts is not None:  # assess computed them for the consequence classes already
+        na, nb = _counts
+    else:
+        na = _reduce_counts(la, eager.get("a") or [], shapes)
+        nb = _reduce_counts(lb, eager.get("b") or [], shapes)
     if not ba and not bb and not na and not nb:
         pred.unpredicted.append({"collective": "reduce_scatter", "a": None, "b": None,
                                  "reason": "no reduce-scatter layouts recorded"})
@@ -337,36 +349,37 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     # buckets that are the same on both sides (same payloads, order and dtype) cannot differ:
     # their parameters are skipped below, so their layouts are not derived
     same_bucket = {}
-    by_fqns_b = {(tuple(b.fqns), b.dtype): b.index for b in bb}
+    names = {id(b): tuple(b.fqns) for b in (*ba, *bb)}  # each bucket's payloads, listed once
+    by_fqns_b = {(names[id(b)], b.dtype): b.index for b in bb}
     for b in ba:
-        j = by_fqns_b.get((tuple(b.fqns), b.dtype))
+        j = by_fqns_b.get((names[id(b)], b.dtype))
         if j is not None:
             same_bucket[b.index] = j
     first_a: dict[str, int] = {}
     first_b: dict[str, int] = {}
     for b in ba:
-        for f in b.fqns:
+        for f in names[id(b)]:
             first_a.setdefault(f, b.index)
     for b in bb:
-        for f in b.fqns:
+        for f in names[id(b)]:
             first_b.setdefault(f, b.index)
     skip: dict[str, set] = {"a": set(), "b": set()}
     for b in ba:  # only where each payload's first bucket on both sides is this pair
         j = same_bucket.get(b.index)
-        if j is not None and all(first_a[f] == b.index and first_b.get(f) == j for f in b.fqns):
+        if j is not None and all(first_a[f] == b.index and first_b.get(f) == j for f in names[id(b)]):
             skip["a"].add(b.index)
             skip["b"].add(j)
     for key, buckets in (("a", ba), ("b", bb)):
         side = _Side({}, {})
         for b in buckets:
             if b.index in skip[key]:
-                for f in b.fqns:  # the bucket is known, its slot never asked for
+                for f in names[id(b)]:  # the bucket is known, its slot never asked for
                     side.slots.setdefault(f, (None, b))
                 continue
             got = derive_layout(b, shapes, world, capture_world, dims_of)
             if isinstance(got, str):
                 bad[(key, b.index)] = got
-                for f in b.fqns:
+                for f in names[id(b)]:
                     side.slots.setdefault(f, (None, b))
                 continue
             slots, count, esize = got
@@ -472,15 +485,19 @@ def predict_runs(a_dir: str | Path, b_dir: str | Path, topology: Topology | str
 # ------------------------------------------------------------------- the diff engine's entry
 
 
-def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]]) -> None:
+def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]],
+             _counts: tuple[dict, dict] | None = None) -> None:
     """Consequence classes on the order comparison (parity.consequences): a reduce-scatter
     group carrying a gradient that the two sides reduce with a different number of collectives
     becomes ``reduction_structure``; ``order.structure`` lists such gradients and
     ``order.consequences`` counts the differing groups per class."""
     from parity import consequences as cq
 
-    na = _reduce_counts(layouts["a"], order.eager.get("a") or [], shapes)
-    nb = _reduce_counts(layouts["b"], order.eager.get("b") or [], shapes)
+    if _counts is not None:  # assess's: computed once for this and the prediction
+        na, nb = _counts
+    else:
+        na = _reduce_counts(layouts["a"], order.eager.get("a") or [], shapes)
+        nb = _reduce_counts(layouts["b"], order.eager.get("b") or [], shapes)
     order.structure = [{"fqn": f, "a": na.get(f, 0), "b": nb.get(f, 0)}
                        for f in dict.fromkeys([*na, *nb]) if na.get(f, 0) != nb.get(f, 0)]
     odd = {x["fqn"] for x in order.structure}
@@ -514,10 +531,16 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
         ref = layouts["a"].rank if layouts["a"].rank in run_a.ranks else (ranks[0] if ranks else None)
         shapes = shapes_of(run_a.ranks[ref].params) if ref in run_a.ranks else {}
         refb = layouts["b"].rank if layouts["b"].rank in run_b.ranks else ref
-        if refb in run_b.ranks:
+        rda = run_a.ranks.get(ref)
+        # B's table adds shapes only where it is not A's: the same bytes (digest) that decoded
+        # on A are not decoded twice
+        digest = rda.table_digest if rda is not None and len(rda.params) == rda.n_params else None
+        if refb in run_b.ranks and (digest is None or run_b.ranks[refb].table_digest != digest):
             for f, s in shapes_of(run_b.ranks[refb].params).items():
                 shapes.setdefault(f, s)
-    annotate(order, layouts, shapes)
+    counts = (_reduce_counts(layouts["a"], order.eager.get("a") or [], shapes),
+              _reduce_counts(layouts["b"], order.eager.get("b") or [], shapes))
+    annotate(order, layouts, shapes, counts)
     if at is None:
         return None
-    return predict(layouts, shapes, at, world, order.eager, source)
+    return predict(layouts, shapes, at, world, order.eager, source, _counts=counts)
