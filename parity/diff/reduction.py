@@ -395,10 +395,10 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
         sa, sb = sides["a"].slots.get(f), sides["b"].slots.get(f)
         ia = sa[1].index if sa else None
         ib = sb[1].index if sb else None
-        where = {"collective": "reduce_scatter", "a": ia, "b": ib}
         if ia is not None and same_bucket.get(ia) == ib and ib is not None \
                 and na.get(f) == nb.get(f):
             continue
+        where = {"collective": "reduce_scatter", "a": ia, "b": ib}
         pred.params_checked += 1
         dims = dims_of[f] if f in dims_of else _dims(shapes.get(f))
         numel = dims[0] * dims[1] if dims else 0
@@ -427,16 +427,19 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
         full = min(world, slot_a.dim0 // slot_a.rows) if slot_a.rows else 0
         part = (slot_a.dim0 - full * slot_a.rows) * slot_a.row if full < world else 0
         pending.append((ia, ib, slot_a.offset, slot_b.offset, length, full, part))
-        pred.at_risk.append(AtRisk(f, -len(pending), numel, where, "order"))  # counted below
-    counts = _count_at_risk(pending, sides["a"].channels, sides["b"].channels, orders).tolist()
-    kept = []
-    for x in pred.at_risk:
-        if x.why == "order" and x.elements < 0:
-            x.elements = counts[-x.elements - 1]
-            if not x.elements:
-                continue
-        kept.append(x)
-    pred.at_risk = kept
+        pred.at_risk.append((f, numel, where))  # counted below, kept if any element is at risk
+    if pending:
+        counts = iter(_count_at_risk(pending, sides["a"].channels, sides["b"].channels,
+                                     orders).tolist())
+        kept = []
+        for x in pred.at_risk:
+            if type(x) is tuple:
+                n = next(counts)
+                if not n:
+                    continue
+                x = AtRisk(x[0], n, x[1], x[2], "order")
+            kept.append(x)
+        pred.at_risk = kept
     if pred.at_risk:
         pred.verdict = DIFFERS
     elif pred.unpredicted:
