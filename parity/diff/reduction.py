@@ -201,7 +201,8 @@ class _Orders:
 @dataclass
 class _Side:
     slots: dict[str, tuple[Slot, Bucket]]
-    channels: dict[int, tuple[list[int], list[tuple[int, ...]], int]]  # bucket -> (los, rings, count)
+    # bucket -> (channel starts, rings, per-rank count)
+    channels: dict[int, tuple[list[int], list[tuple[int, ...]], int]]
 
 
 def _channels(topo: Topology, count: int, esize: int
@@ -366,7 +367,8 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     skip: dict[str, set] = {"a": set(), "b": set()}
     for b in ba:  # only where each payload's first bucket on both sides is this pair
         j = same_bucket.get(b.index)
-        if j is not None and all(first_a[f] == b.index and first_b.get(f) == j for f in names[id(b)]):
+        if j is not None and all(first_a[f] == b.index and first_b.get(f) == j
+                                 for f in names[id(b)]):
             skip["a"].add(b.index)
             skip["b"].add(j)
     for key, buckets in (("a", ba), ("b", bb)):
