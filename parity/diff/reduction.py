@@ -20,8 +20,10 @@ answers the question a 256-GPU weight-hash run answers, without a rerun:
    addition commutes). A gradient reduced by a different number of collectives (or in another
    dtype) is at risk as a whole.
 
-Cost: per parameter a few vectorized operations over the W owners (the pieces its range makes
-with both sides' channel boundaries); per distinct pair of rings one W x W comparison.
+Cost: one pass of numpy over every parameter at once (``_count_at_risk``: each side's buckets
+laid end to end, the pieces a payload makes with both sides' channel boundaries found by
+``searchsorted``), plus one W x W comparison per distinct pair of rings; what is left in Python
+is one short step per parameter (classes, slots) and per bucket (its layout at W).
 """
 
 from __future__ import annotations
