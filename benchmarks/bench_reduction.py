@@ -16,6 +16,7 @@ is shared), ``reduction_overhead_wall`` the same with wall times, and
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -23,11 +24,15 @@ TOPOLOGY = "32x8:channels=16"
 
 
 def _best(fn, reps: int, setup=None) -> tuple[float, float, object]:
-    """(best wall, best CPU, last result) of ``reps`` calls of ``fn(*setup())`` (setup untimed)."""
+    """(best wall, best CPU, last result) of ``reps`` calls of ``fn(*setup())`` (setup untimed).
+    Every call starts from a collected heap (``gc.collect()``, untimed): the synthetic runs
+    leave a large heap, and a full collection landing inside one timed call or another is noise
+    of the size of the prediction itself."""
     wall = cpu = float("inf")
     out = None
     for _ in range(reps):
         args = setup() if setup is not None else ()
+        gc.collect()
         t0, c0 = time.perf_counter(), time.process_time()
         out = fn(*args)
         cpu = min(cpu, time.process_time() - c0)

@@ -283,3 +283,45 @@ def test_a_sweep_cell_is_diffed_at_the_spec_topology(tmp_path):
     assert policy.cell_code(Cell, "reduction") == 0 and policy.cell_code(Cell, "any") == 1
     Cell.diff = {**d, "reduction_order": None}
     assert policy.cell_code(Cell, "reduction") == 1
+
+
+@pytest.mark.parametrize("topo", ["2x2:channels=4", "4x2:channels=3", "8x8:channels=16"])
+def test_vectorized_count_across_several_buckets_equals_the_definition(topo):
+    """The count lays every bucket of a side end to end on one axis: payloads moved between
+    buckets of different sizes (different channel splits) and a bucket the same on both sides
+    (skipped, predicts nothing) give the element-by-element count."""
+    shapes = {"p0": [4100, 3], "p1": [1000, 7], "s0": [9, 4], "p2": [3333, 2], "q0": [2048, 5],
+              "q1": [77, 3]}
+    lay = _layouts([["p0", "s0"], ["p1", "p2"], ["q0", "q1"]],
+                   [["p2"], ["p1", "s0", "p0"], ["q0", "q1"]], shapes)
+    p = predict(lay, shapes, topo, capture_world=4)
+    assert {x.fqn: x.elements for x in p.at_risk} == _brute(lay, shapes, p.topology)
+    assert "q0" not in p.fqns() and p.params_checked == 4
+
+
+def test_assess_reads_b_shapes_only_where_its_table_is_not_a_s(tmp_path):
+    """Equal parameter tables (same digest) are decoded once; the prediction is the one made
+    with both tables decoded."""
+    from parity.artifacts import read_run
+    from parity.diff.buckets import compare_buckets
+    from parity.diff.reduction import assess
+    from tests.synth import make_run
+
+    a = make_run(tmp_path / "a", world_size=4, steps=1, n_params=18)
+    b = make_run(tmp_path / "b", world_size=4, steps=1, n_params=18, bucket_layout="graph",
+                 bucket_order="reversed-rs")
+
+    def run(force_decode):
+        ra, rb = read_run(a), read_run(b)
+        ranks = sorted(ra.ranks)
+        if force_decode:
+            for rd in rb.ranks.values():
+                rd.table.digest = "not A's"
+        layouts, order = compare_buckets(ra, rb, {"a": ranks, "b": ranks}, ranks)
+        pred = assess(ra, rb, ranks, layouts, order, 4, "32x8:channels=16")
+        return pred.to_dict(), rb.ranks[layouts["b"].rank].table.rows is None
+
+    fast, b_undecoded = run(False)
+    slow, b_undecoded_slow = run(True)
+    assert fast == slow and fast["verdict"] == "differs" and fast["params_checked"] == 18
+    assert b_undecoded and not b_undecoded_slow

@@ -20,16 +20,18 @@ answers the question a 256-GPU weight-hash run answers, without a rerun:
    addition commutes). A gradient reduced by a different number of collectives (or in another
    dtype) is at risk as a whole.
 
-Cost: per parameter a few vectorized operations over the W owners (the pieces its range makes
-with both sides' channel boundaries); per distinct pair of rings one W x W comparison.
+Cost: one pass of numpy over every parameter at once (``_count_at_risk``: each side's buckets
+laid end to end, the pieces a payload makes with both sides' channel boundaries found by
+``searchsorted``), plus one W x W comparison per distinct pair of rings; what is left in Python
+is one short step per parameter (classes, slots) and per bucket (its layout at W).
 """
 
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -96,9 +98,10 @@ class ReductionPrediction:
 # ---------------------------------------------------------------- per-rank layout at world W
 
 
-@dataclass(frozen=True)
-class Slot:
-    """One payload of a bucket's per-rank row at the target world size (elements)."""
+class Slot(NamedTuple):
+    """One payload of a bucket's per-rank row at the target world size (elements). A named
+    tuple, not a dataclass: a prediction makes one per payload and side, and tuples are
+    cheaper to build."""
 
     fqn: str
     offset: int  # element offset in the per-rank row
@@ -200,35 +203,103 @@ class _Orders:
 @dataclass
 class _Side:
     slots: dict[str, tuple[Slot, Bucket]]
-    channels: dict[int, tuple[list[int], list[tuple[int, ...]]]]  # bucket -> (los, rings)
+    # bucket -> (channel starts, rings, per-rank count)
+    channels: dict[int, tuple[list[int], list[tuple[int, ...]], int]]
 
 
-def _channels(topo: Topology, count: int, esize: int) -> tuple[list[int], list[tuple[int, ...]]]:
+def _channels(topo: Topology, count: int, esize: int
+              ) -> tuple[list[int], list[tuple[int, ...]], int]:
     segs = reduce_scatter_segments(topo, count, esize)
-    return [s.lo for s in segs], [s.order for s in segs]
+    return [s.lo for s in segs], [s.order for s in segs], count
 
 
-def _pieces(oa: int, ob: int, length: int, ca, cb) -> list[tuple[int, int, tuple, tuple]]:
-    """[start, end) ranges of a payload of ``length`` elements at per-rank offsets ``oa`` (A)
-    and ``ob`` (B) within which each side's channel is constant, with the two rings."""
-    los_a, rings_a = ca
-    los_b, rings_b = cb
-    ia, ib = bisect_right(los_a, oa), bisect_right(los_b, ob)
-    if (ia == len(los_a) or los_a[ia] >= oa + length) and (
-            ib == len(los_b) or los_b[ib] >= ob + length):  # one channel on each side
-        return [(0, length, rings_a[max(0, ia - 1)], rings_b[max(0, ib - 1)])]
-    cuts = {0, length}
-    for los, o in ((los_a, oa), (los_b, ob)):
-        i = bisect_right(los, o)
-        while i < len(los) and los[i] < o + length:
-            cuts.add(los[i] - o)
-            i += 1
-    pts = sorted(cuts)
-    out = []
-    for s, e in zip(pts, pts[1:]):
-        ra = rings_a[max(0, bisect_right(los_a, oa + s) - 1)]
-        rb = rings_b[max(0, bisect_right(los_b, ob + s) - 1)]
-        out.append((s, e, ra, rb))
+def _count_at_risk(pending: list, chan_a: dict, chan_b: dict, orders: "_Orders") -> np.ndarray:
+    """Elements at risk for every parameter of ``pending`` at once (numpy, no per-parameter
+    Python loop): entry k is (bucket A, bucket B, offset A, offset B, length, full, part), a
+    payload of ``length`` elements per rank at per-rank offsets A and B, owners below ``full``
+    holding whole shards and owner ``full`` holding ``part`` real elements. ``chan_*``: bucket
+    -> (channel starts, rings, per-rank count).
+
+    Each side's buckets are laid end to end on one axis (bucket ``b`` starts at ``base[b]``),
+    so one ``searchsorted`` finds every channel boundary inside every payload; the payload is
+    cut at both sides' boundaries into pieces within which each side's ring is constant, and a
+    piece adds ``length x (owners below full whose sum order differs)`` plus its overlap with
+    owner ``full``'s ``part`` when that owner's order differs."""
+    k = len(pending)
+    if not k:
+        return np.zeros(0, dtype=np.int64)
+    cols = np.array([p[2:] for p in pending], dtype=np.int64).reshape(k, 5)
+    oa, ob, length, full, part = cols.T
+    ring_ids: dict[int, int] = {}
+    ring_objs: list = []
+    memo: dict[int, list[int]] = {}
+
+    def axis(chan: dict, buckets: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        base, los, rids, off = {}, [], [], 0
+        for b in dict.fromkeys(buckets):
+            starts, rings, count = chan[b]
+            base[b] = off
+            los.extend(off + x for x in starts)
+            got = memo.get(id(rings))  # buckets of one size share one channel list
+            if got is None:
+                got = []
+                for r in rings:
+                    i = ring_ids.get(id(r))
+                    if i is None:
+                        i = ring_ids[id(r)] = len(ring_objs)
+                        ring_objs.append(r)
+                    got.append(i)
+                memo[id(rings)] = got
+            rids.extend(got)
+            off += count
+        return (np.array([base[b] for b in buckets], dtype=np.int64),
+                np.array(los, dtype=np.int64), np.array(rids, dtype=np.int64))
+
+    base_a, los_a, rid_a = axis(chan_a, [p[0] for p in pending])
+    base_b, los_b, rid_b = axis(chan_b, [p[1] for p in pending])
+    if not los_a.size or not los_b.size:  # only empty buckets: nothing to sum
+        return np.zeros(k, dtype=np.int64)
+    start_a, start_b = base_a + oa, base_b + ob
+    # the cuts of each payload: 0, and each side's channel starts strictly inside it
+    cut_param, cut_pos = [np.arange(k)], [np.zeros(k, dtype=np.int64)]
+    for los, start in ((los_a, start_a), (los_b, start_b)):
+        i0 = np.searchsorted(los, start, "right")
+        i1 = np.searchsorted(los, start + length, "left")
+        inside = np.maximum(i1 - i0, 0)
+        if inside.any():
+            owner = np.repeat(np.arange(k), inside)
+            first = np.repeat(i0 - np.cumsum(inside) + inside, inside)
+            idx = first + np.arange(owner.size)
+            cut_param.append(owner)
+            cut_pos.append(los[idx] - start[owner])
+    cp, pos = np.concatenate(cut_param), np.concatenate(cut_pos)
+    order = np.lexsort((pos, cp))
+    cp, pos = cp[order], pos[order]
+    keep = np.ones(cp.size, dtype=bool)  # a boundary of both sides at one place: one cut
+    keep[1:] = (cp[1:] != cp[:-1]) | (pos[1:] != pos[:-1])
+    cp, s = cp[keep], pos[keep]
+    last = np.ones(cp.size, dtype=bool)
+    last[:-1] = cp[1:] != cp[:-1]
+    e = np.where(last, length[cp], np.roll(s, -1))
+    ra = rid_a[np.searchsorted(los_a, start_a[cp] + s, "right") - 1]
+    rb = rid_b[np.searchsorted(los_b, start_b[cp] + s, "right") - 1]
+    pair, inverse = np.unique(ra * len(ring_objs) + rb, return_inverse=True)
+    world = orders.world
+    before = np.zeros((pair.size, world + 1), dtype=np.int64)
+    differs = np.zeros((pair.size, world + 1), dtype=bool)  # column ``world``: no such owner
+    for j, key in enumerate(pair.tolist()):
+        x, y = ring_objs[key // len(ring_objs)], ring_objs[key % len(ring_objs)]
+        if x is y or x == y:
+            continue
+        d, cum = orders.differ(x, y)
+        before[j] = cum
+        differs[j, :world] = d
+    inverse = inverse.reshape(-1)
+    f = full[cp]
+    n = (e - s) * before[inverse, f]
+    n += np.where(differs[inverse, f], np.clip(np.minimum(part[cp], e) - s, 0, None), 0)
+    out = np.zeros(k, dtype=np.int64)
+    np.add.at(out, cp, n)
     return out
 
 
@@ -250,7 +321,8 @@ def _reduce_counts(layout: Layout, eager: list[dict], shapes: dict) -> dict[str,
 
 def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: Topology | str,
             capture_world: int | None = None, eager: dict[str, list[dict]] | None = None,
-            source: str | None = None) -> ReductionPrediction:
+            source: str | None = None, _counts: tuple[dict, dict] | None = None
+            ) -> ReductionPrediction:
     """The prediction for two sides' selected layouts (``{"a": Layout, "b": Layout}``, as
     ``parity.diff.buckets.compare_buckets`` returns them), the parameters' global shapes
     (params.json ``global_shape``), at ``topology`` (a Topology or ``NODESxGPUS[:channels=C]``).
@@ -261,8 +333,11 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     pred = ReductionPrediction(topo, SAME, rank=la.rank, source=source)
     ba, bb = la.buckets.get("reduce_scatter", []), lb.buckets.get("reduce_scatter", [])
     eager = eager or {}
-    na = _reduce_counts(la, eager.get("a") or [], shapes)
-    nb = _reduce_counts(lb, eager.get("b") or [], shapes)
+    if _counts is not None:  # assess computed them for the consequence classes already
+        na, nb = _counts
+    else:
+        na = _reduce_counts(la, eager.get("a") or [], shapes)
+        nb = _reduce_counts(lb, eager.get("b") or [], shapes)
     if not ba and not bb and not na and not nb:
         pred.unpredicted.append({"collective": "reduce_scatter", "a": None, "b": None,
                                  "reason": "no reduce-scatter layouts recorded"})
@@ -277,36 +352,38 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     # buckets that are the same on both sides (same payloads, order and dtype) cannot differ:
     # their parameters are skipped below, so their layouts are not derived
     same_bucket = {}
-    by_fqns_b = {(tuple(b.fqns), b.dtype): b.index for b in bb}
+    names = {id(b): tuple(b.fqns) for b in (*ba, *bb)}  # each bucket's payloads, listed once
+    by_fqns_b = {(names[id(b)], b.dtype): b.index for b in bb}
     for b in ba:
-        j = by_fqns_b.get((tuple(b.fqns), b.dtype))
+        j = by_fqns_b.get((names[id(b)], b.dtype))
         if j is not None:
             same_bucket[b.index] = j
     first_a: dict[str, int] = {}
     first_b: dict[str, int] = {}
     for b in ba:
-        for f in b.fqns:
+        for f in names[id(b)]:
             first_a.setdefault(f, b.index)
     for b in bb:
-        for f in b.fqns:
+        for f in names[id(b)]:
             first_b.setdefault(f, b.index)
     skip: dict[str, set] = {"a": set(), "b": set()}
     for b in ba:  # only where each payload's first bucket on both sides is this pair
         j = same_bucket.get(b.index)
-        if j is not None and all(first_a[f] == b.index and first_b.get(f) == j for f in b.fqns):
+        if j is not None and all(first_a[f] == b.index and first_b.get(f) == j
+                                 for f in names[id(b)]):
             skip["a"].add(b.index)
             skip["b"].add(j)
     for key, buckets in (("a", ba), ("b", bb)):
         side = _Side({}, {})
         for b in buckets:
             if b.index in skip[key]:
-                for f in b.fqns:  # the bucket is known, its slot never asked for
+                for f in names[id(b)]:  # the bucket is known, its slot never asked for
                     side.slots.setdefault(f, (None, b))
                 continue
             got = derive_layout(b, shapes, world, capture_world, dims_of)
             if isinstance(got, str):
                 bad[(key, b.index)] = got
-                for f in b.fqns:
+                for f in names[id(b)]:
                     side.slots.setdefault(f, (None, b))
                 continue
             slots, count, esize = got
@@ -317,14 +394,15 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
                 side.slots.setdefault(s.fqn, (s, b))
         sides[key] = side
     said_bad: set = set()
+    pending: list[tuple[int, int, int, int, int, int, int]] = []
     for f in dict.fromkeys([*na, *nb]):
         sa, sb = sides["a"].slots.get(f), sides["b"].slots.get(f)
         ia = sa[1].index if sa else None
         ib = sb[1].index if sb else None
-        where = {"collective": "reduce_scatter", "a": ia, "b": ib}
         if ia is not None and same_bucket.get(ia) == ib and ib is not None \
                 and na.get(f) == nb.get(f):
             continue
+        where = {"collective": "reduce_scatter", "a": ia, "b": ib}
         pred.params_checked += 1
         dims = dims_of[f] if f in dims_of else _dims(shapes.get(f))
         numel = dims[0] * dims[1] if dims else 0
@@ -352,17 +430,20 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
         # real elements, the rest only padding
         full = min(world, slot_a.dim0 // slot_a.rows) if slot_a.rows else 0
         part = (slot_a.dim0 - full * slot_a.rows) * slot_a.row if full < world else 0
-        n = 0
-        for s, e, ra, rb in _pieces(slot_a.offset, slot_b.offset, length,
-                                    sides["a"].channels[ia], sides["b"].channels[ib]):
-            if ra is rb or ra == rb:
-                continue
-            d, before = orders.differ(ra, rb)
-            n += (e - s) * before[full]  # owners below ``full`` whose order differs
-            if part > s and full < world and d[full]:
-                n += min(part, e) - s
-        if n:
-            pred.at_risk.append(AtRisk(f, n, numel, where, "order"))
+        pending.append((ia, ib, slot_a.offset, slot_b.offset, length, full, part))
+        pred.at_risk.append((f, numel, where))  # counted below, kept if any element is at risk
+    if pending:
+        counts = iter(_count_at_risk(pending, sides["a"].channels, sides["b"].channels,
+                                     orders).tolist())
+        kept = []
+        for x in pred.at_risk:
+            if type(x) is tuple:
+                n = next(counts)
+                if not n:
+                    continue
+                x = AtRisk(x[0], n, x[1], x[2], "order")
+            kept.append(x)
+        pred.at_risk = kept
     if pred.at_risk:
         pred.verdict = DIFFERS
     elif pred.unpredicted:
@@ -411,15 +492,19 @@ def predict_runs(a_dir: str | Path, b_dir: str | Path, topology: Topology | str
 # ------------------------------------------------------------------- the diff engine's entry
 
 
-def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]]) -> None:
+def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]],
+             _counts: tuple[dict, dict] | None = None) -> None:
     """Consequence classes on the order comparison (parity.consequences): a reduce-scatter
     group carrying a gradient that the two sides reduce with a different number of collectives
     becomes ``reduction_structure``; ``order.structure`` lists such gradients and
     ``order.consequences`` counts the differing groups per class."""
     from parity import consequences as cq
 
-    na = _reduce_counts(layouts["a"], order.eager.get("a") or [], shapes)
-    nb = _reduce_counts(layouts["b"], order.eager.get("b") or [], shapes)
+    if _counts is not None:  # assess's: computed once for this and the prediction
+        na, nb = _counts
+    else:
+        na = _reduce_counts(layouts["a"], order.eager.get("a") or [], shapes)
+        nb = _reduce_counts(layouts["b"], order.eager.get("b") or [], shapes)
     order.structure = [{"fqn": f, "a": na.get(f, 0), "b": nb.get(f, 0)}
                        for f in dict.fromkeys([*na, *nb]) if na.get(f, 0) != nb.get(f, 0)]
     odd = {x["fqn"] for x in order.structure}
@@ -453,10 +538,16 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
         ref = layouts["a"].rank if layouts["a"].rank in run_a.ranks else (ranks[0] if ranks else None)
         shapes = shapes_of(run_a.ranks[ref].params) if ref in run_a.ranks else {}
         refb = layouts["b"].rank if layouts["b"].rank in run_b.ranks else ref
-        if refb in run_b.ranks:
+        rda = run_a.ranks.get(ref)
+        # B's table adds shapes only where it is not A's: the same bytes (digest) that decoded
+        # on A are not decoded twice
+        digest = rda.table_digest if rda is not None and len(rda.params) == rda.n_params else None
+        if refb in run_b.ranks and (digest is None or run_b.ranks[refb].table_digest != digest):
             for f, s in shapes_of(run_b.ranks[refb].params).items():
                 shapes.setdefault(f, s)
-    annotate(order, layouts, shapes)
+    counts = (_reduce_counts(layouts["a"], order.eager.get("a") or [], shapes),
+              _reduce_counts(layouts["b"], order.eager.get("b") or [], shapes))
+    annotate(order, layouts, shapes, counts)
     if at is None:
         return None
-    return predict(layouts, shapes, at, world, order.eager, source)
+    return predict(layouts, shapes, at, world, order.eager, source, _counts=counts)
