@@ -41,4 +41,25 @@ def step_loss(s):
         local = [local_tensor(p).reshape(()) for p in parts]
         if len({x.dtype for x in local}) != 1 or len({x.device for x in local}) != 1:
             return s.loss_ref
+        local = _fold_totals(local)
+        if len(local) == 1:
+            return local[0]
         return torch.stack(local).sum()
+
+
+def _fold_totals(parts: list) -> list:
+    """A chunked loss (torchtitan's ChunkedLossWrapper) calls ``backward`` on each chunk's loss
+    inside the loss computation and the trainer then calls ``backward`` on their total: the
+    total is not another micro-batch. A part equal (to rounding) to the sum of the two or more
+    parts since the last such total replaces them; micro-batches (gradient accumulation) stay
+    separate parts."""
+    out, pending = [], []
+    for p in parts:
+        if len(pending) >= 2:
+            acc = float(torch.stack(pending).sum())
+            if abs(float(p) - acc) <= 1e-5 * max(1.0, abs(acc)):
+                out.append(p)
+                pending = []
+                continue
+        pending.append(p)
+    return out + pending
