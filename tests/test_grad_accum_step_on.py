@@ -116,3 +116,19 @@ def test_step_on_is_checked_before_running(tmp_path):
     p = _exec(tmp_path / "bad", "--step-on", "no-colon")
     assert p.returncode == 2 and "MODULE:FUNCTION" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_chunked_loss_total_is_not_another_micro_batch():
+    """torchtitan's chunked loss calls backward on each chunk and then on their total: the
+    total replaces its chunks; micro-batches of gradient accumulation stay separate."""
+    import torch
+
+    from parity.capture.loss import _fold_totals
+
+    def vals(*v):
+        return [float(x) for x in _fold_totals([torch.tensor(x) for x in v])]
+
+    assert vals(2.0, 2.01, 4.01) == pytest.approx([4.01])
+    assert vals(2.0, 2.01) == pytest.approx([2.0, 2.01])
+    assert vals(1.0, 1.5, 2.5, 1.2, 1.3, 2.5) == pytest.approx([2.5, 2.5])
+    assert vals(4.0, 4.0) == pytest.approx([4.0, 4.0])
