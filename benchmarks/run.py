@@ -285,13 +285,16 @@ def bench_diff(quick: bool, tmp: Path) -> dict:
     # the baseline: the same pairs as artifact schema 1 wrote them
     a1 = make_run(tmp / "a1", **common, schema=1)
     b20_1 = make_run(tmp / "b20_1", **common, diverge_at=20, **div, schema=1)
+    # identical runs in two directories (a directory diffed with itself is incomplete, issue 21)
+    a_same = make_run(tmp / "a_same", **common)
+    a1_same = make_run(tmp / "a1_same", **common, schema=1)
     gen = time.perf_counter() - t0
     base = [sys.executable, "-m", "parity", "diff"]
     out: dict = {"diff_ranks": ranks, "diff_steps": steps, "diff_params": params,
                  "diff_generate_seconds": gen}
     peak = 0.0
-    for name, x, y, want in (("v1_seconds_identical", a1, a1, 0), ("v1_seconds_step20", a1, b20_1, 1),
-                             ("seconds_identical", a, a, 0), ("seconds_step20", a, b20, 1),
+    for name, x, y, want in (("v1_seconds_identical", a1, a1_same, 0), ("v1_seconds_step20", a1, b20_1, 1),
+                             ("seconds_identical", a, a_same, 0), ("seconds_step20", a, b20, 1),
                              ("seconds_step2", a, b2, 1)):
         js = tmp / f"{name}.json"
         wall, mem, rc, cpu = _best_child(base + [str(x), str(y), "--json", str(js)], reps)
@@ -312,8 +315,8 @@ def bench_diff(quick: bool, tmp: Path) -> dict:
     # in one process (what the targets are judged on): reading and comparing, no imports
     from parity.diff import diff_runs
 
-    for name, x, y in (("v1_seconds_identical", a1, a1), ("v1_seconds_step20", a1, b20_1),
-                       ("seconds_identical", a, a), ("seconds_step20", a, b20),
+    for name, x, y in (("v1_seconds_identical", a1, a1_same), ("v1_seconds_step20", a1, b20_1),
+                       ("seconds_identical", a, a_same), ("seconds_step20", a, b20),
                        ("seconds_step2", a, b2)):
         wall, cpu = _best_inproc(lambda: diff_runs(x, y), reps)
         out[f"diff_inproc_{name}"], out[f"diff_inproc_cpu_{name}"] = wall, cpu
