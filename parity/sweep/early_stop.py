@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 
+from parity import params_codec
+from parity.diff.engine import _loss_bits  # one rule for "the loss is bitwise equal"
 from parity.rundir import STEPS_FILE, live_rank_dir
 
 __all__ = ["DivergenceWatch"]
@@ -66,21 +67,18 @@ def _params(rank_folder: Path | None) -> list | None:
     if rank_folder is None:
         return None
     try:
-        obj = json.loads((rank_folder / "params.json").read_text())
-    except (OSError, ValueError, UnicodeDecodeError):
+        data = (rank_folder / "params.json").read_bytes()
+    except OSError:
         return None
-    rows = obj.get("params") if isinstance(obj, dict) else None
+    try:  # schema 2 (params_codec); schema 1 is one object per row under "params"
+        rows = params_codec.decode(data)
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError):
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            return None
+        rows = obj.get("params") if isinstance(obj, dict) else None
     return [p.get("fqn") for p in rows if isinstance(p, dict)] if isinstance(rows, list) else None
-
-
-def _loss_bits(rec: dict):
-    h = rec.get("loss_hash")
-    if isinstance(h, str) and h:
-        return ("h", h)
-    v = rec.get("loss")
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return ("f", struct.pack("<d", float(v)))
-    return None
 
 
 class DivergenceWatch:
