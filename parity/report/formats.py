@@ -60,14 +60,13 @@ def render_sweep(sweep, fmt: str = "console", output=None, fail_on: str | None =
 
 
 # -------------------------------------------------------------------------------------- formats
-# One class per `parity report --format`; registry.py has the protocol.
+# One class per `parity report --format` (registry.py has the protocol), registered in the
+# order --format lists them: console here, JSON, markdown and JUnit each after its renderer,
+# HTML (html.py renders it) last.
 
 
-@register_format("console")
+@register_format("console", title="console", help="the matrix and the verdict")
 class ConsoleFormat(ReportFormat):
-    title = "console"
-    help = "the matrix and the verdict"
-
     def render(self, report: SweepReport, fail_on: str) -> str:
         import io
 
@@ -80,53 +79,6 @@ class ConsoleFormat(ReportFormat):
             super().write(report, fail_on, output)
         else:  # a terminal gets colour and its width
             print_safely(lambda: print_sweep_console(report, sys.stdout, fail_on=fail_on))
-
-
-@register_format("json")
-class JsonFormat(ReportFormat):
-    title = "JSON"
-    help = "sweep.json as is"
-
-    def render(self, report: SweepReport, fail_on: str) -> str:
-        return sweep_json(report)
-
-
-@register_format("markdown")
-class MarkdownFormat(ReportFormat):
-    title = "markdown"
-    help = "for a CI job summary"
-
-    def render(self, report: SweepReport, fail_on: str) -> str:
-        return sweep_markdown(report, fail_on)
-
-
-@register_format("junit")
-class JUnitFormat(ReportFormat):
-    title = "JUnit"
-    help = "one testcase per cell"
-
-    def render(self, report: SweepReport, fail_on: str) -> str:
-        return sweep_junit(report, fail_on)
-
-
-@register_format("html")
-class HtmlFormat(ReportFormat):
-    """A file by default (SWEEP_DIR/report.html); its path goes to stdout."""
-
-    title = "HTML"
-    help = "one self-contained page"
-
-    def render(self, report: SweepReport, fail_on: str) -> str:
-        from parity.report.html import render_sweep_html  # lazy: the HTML report is optional
-
-        return render_sweep_html(report, fail_on)
-
-    def write(self, report: SweepReport, fail_on: str, output=None) -> None:
-        from parity.report.html import write_sweep_html
-
-        path = output or os.path.join(report.dir, "report.html")
-        write_sweep_html(report, path, fail_on=fail_on)
-        print_safely(lambda: sys.stdout.write(f"{path}\n"))
 
 
 def _value(v) -> str:
@@ -363,6 +315,12 @@ def sweep_json(sweep: SweepReport | dict) -> str:
     return json.dumps(finite_json(data), indent=1, allow_nan=False) + "\n"
 
 
+@register_format("json", title="JSON", help="sweep.json as is")
+class JsonFormat(ReportFormat):
+    def render(self, report: SweepReport, fail_on: str) -> str:
+        return sweep_json(report)
+
+
 # -------------------------------------------------------------------------------------- markdown
 
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
@@ -430,6 +388,12 @@ def sweep_markdown(sweep: SweepReport | dict, fail_on: str | None = None) -> str
                      f" (write it with `parity report {_code(report.dir)} --format html`)")]
     lines.append("")
     return "\n".join(lines)
+
+
+@register_format("markdown", title="markdown", help="for a CI job summary")
+class MarkdownFormat(ReportFormat):
+    def render(self, report: SweepReport, fail_on: str) -> str:
+        return sweep_markdown(report, fail_on)
 
 
 def _link(path: str) -> str:
@@ -521,3 +485,26 @@ def sweep_junit(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
     root.append(suite)
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+@register_format("junit", title="JUnit", help="one testcase per cell")
+class JUnitFormat(ReportFormat):
+    def render(self, report: SweepReport, fail_on: str) -> str:
+        return sweep_junit(report, fail_on)
+
+
+@register_format("html", title="HTML", help="one self-contained page")
+class HtmlFormat(ReportFormat):
+    """A file by default (SWEEP_DIR/report.html); its path goes to stdout."""
+
+    def render(self, report: SweepReport, fail_on: str) -> str:
+        from parity.report.html import render_sweep_html  # lazy: the HTML report is optional
+
+        return render_sweep_html(report, fail_on)
+
+    def write(self, report: SweepReport, fail_on: str, output=None) -> None:
+        from parity.report.html import write_sweep_html
+
+        path = output or os.path.join(report.dir, "report.html")
+        write_sweep_html(report, path, fail_on=fail_on)
+        print_safely(lambda: sys.stdout.write(f"{path}\n"))

@@ -2,12 +2,13 @@
 
 A format subclasses :class:`ReportFormat` and registers under its name::
 
-    @register_format("markdown")
-    class Markdown(ReportFormat):
-        title = "markdown"                   # in ``parity report``'s one-line help
-        help = "for a CI job summary"        # after the name in --format's help
+    @register_format("markdown", title="markdown", help="for a CI job summary")
+    class MarkdownFormat(ReportFormat):
         def render(self, report, fail_on):   # the typed SweepReport -> the text written
             return sweep_markdown(report, fail_on)
+
+``title`` is how ``parity report``'s one-line help names it, ``help`` follows the name in
+``--format``'s help.
 
 The CLI's ``--format`` choices and help read :data:`FORMATS` (the built-in formats register in
 formats.py, which the CLI imports); ``formats.render_sweep`` looks the name up here. A format
@@ -33,7 +34,8 @@ class ReportFormat(ABC):
     ``output`` (a path) or stdout. Renderers present what the sweep recorded, never a verdict
     of their own (statuses come from the runner, the verdict line from parity.policy)."""
 
-    name: ClassVar[str] = "?"  # set by register_format
+    # set by register_format
+    name: ClassVar[str] = "?"
     title: ClassVar[str] = "?"  # as prose names it: "JSON", "JUnit"
     help: ClassVar[str] = ""  # one phrase for --format's help
 
@@ -53,12 +55,13 @@ class ReportFormat(ABC):
             print_safely(lambda: sys.stdout.write(text))
 
 
-def register_format(name: str):
-    """Class decorator: register a ReportFormat subclass as format ``name`` (one instance)."""
+def register_format(name: str, *, title: str, help: str):
+    """Class decorator: register a ReportFormat subclass as format ``name`` (one instance),
+    called ``title`` in prose and described by ``help`` in --format's help."""
     def register(cls: type[ReportFormat]) -> type[ReportFormat]:
         if name in FORMATS:
             raise ValueError(f"report format {name!r} registered twice")
-        cls.name = name
+        cls.name, cls.title, cls.help = name, title, help
         FORMATS[name] = cls()
         return cls
 
@@ -81,7 +84,7 @@ def formats_help() -> str:
 def formats_titles() -> str:
     """'console, JSON, markdown, JUnit or HTML': the formats as a sentence names them."""
     titles = [f.title for f in FORMATS.values()]
-    return titles[0] if len(titles) == 1 else ", ".join(titles[:-1]) + " or " + titles[-1]
+    return ", ".join(titles) if len(titles) < 2 else ", ".join(titles[:-1]) + " or " + titles[-1]
 
 
 def open_output(path):
