@@ -10,12 +10,10 @@ markup, markdown table syntax and HTML, XML) since axis values and log lines are
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 import sys
-import xml.etree.ElementTree as ET
 
 from parity import policy
 from parity.errors import ParityError
@@ -26,8 +24,8 @@ from parity.report.stdout import make_rich_console, print_safely
 from parity.report.text import safe_text
 from parity.sweep.model import CellResult, SideResult, SweepReport, as_report, got
 
-# parity.diff (numpy) and parity.sweep.state are imported where used: the CLI imports this
-# module for --format's choices, and `parity --help` stays fast
+# parity.diff (numpy), parity.sweep.state, json and ElementTree are imported where used: the CLI
+# imports this module for --format's choices, and every command's start stays fast
 
 STATUS_TEXT = {"match": "match", "hash_mismatch": "HASH MISMATCH",
                "order_mismatch": "order mismatch", "failed": "FAILED", "skipped": "skipped",
@@ -308,6 +306,8 @@ def _print_first_finding(console, report: SweepReport) -> None:
 
 def sweep_json(sweep: SweepReport | dict) -> str:
     """The report as JSON: as it was read (its keys in the file's order), else ``to_dict``."""
+    import json
+
     from parity.artifacts import finite_json
 
     report = as_report(sweep)
@@ -423,6 +423,8 @@ def sweep_junit(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
     testcase per cell; failing the policy -> failure (body: the cell's console text), failed or
     unproven -> error, skipped -> skipped; a tolerated finding passes and says so.
     ``sweep``: typed, or sweep.json as ``load_sweep`` returns it (typed here, once)."""
+    import xml.etree.ElementTree as ET
+
     from parity.sweep.gate import sweep_policy
 
     report = as_report(sweep)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 
-from rich.text import Text
+# rich is imported by T (the console); the CLI imports the report formats, which use safe_text,
+# for --format's choices, and `parity --help` should not load rich
 
 # C0 and C1 controls, DEL, bidi marks/embeddings/overrides/isolates, lone surrogates
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
@@ -31,6 +32,8 @@ def safe_text(text, keep_lines: bool = False) -> str:
     return (_UNSAFE_KEEP_LINES if keep_lines else _UNSAFE).sub(_escape, s)
 
 
-def T(s, style: str | None = None) -> Text:
+def T(s, style: str | None = None) -> "Text":  # noqa: F821
     """Literal rich text for the console (never markup; unsafe characters escaped)."""
+    from rich.text import Text
+
     return Text(safe_text(s, keep_lines=True), style=style or "")

@@ -9,10 +9,12 @@ the dependency runs one way: runner -> launchers -> launch_* -> launcher.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from parity.errors import ParityError
-from parity.sweep.launcher import Launcher
+
+if TYPE_CHECKING:  # the interface imports shutil & co.: the CLI reads NAMES without them
+    from parity.sweep.launcher import Launcher
 
 LOCAL = "local"  # this machine: one torchrun agent per node (launch_multinode.MultiNodeLauncher)
 SLURM = "slurm"  # sbatch jobs (launch_slurm.SlurmLauncher)
@@ -34,7 +36,7 @@ def _slurm(options: dict, grace: float) -> Launcher:
 
 
 # name -> factory(options from the spec's [launcher] table, grace seconds)
-LAUNCHERS: dict[str, Callable[[dict, float], Launcher]] = {LOCAL: _local, SLURM: _slurm}
+LAUNCHERS: dict[str, Callable[[dict, float], "Launcher"]] = {LOCAL: _local, SLURM: _slurm}
 NAMES = tuple(LAUNCHERS)
 
 
