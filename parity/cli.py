@@ -267,7 +267,8 @@ def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
               help="Optimizer steps per job [default: the spec's steps].")
 @click.option("--dry-run", is_flag=True, help="Print the cells and commands; run nothing.")
 @click.option("--launcher", type=click.Choice(LAUNCHERS), default=None,
-              help=f"Where jobs run [default: the spec's [launcher] type, else {DEFAULT_LAUNCHER}].")
+              help="Where jobs run [default: the spec's [launcher] type, else "
+                   f"{DEFAULT_LAUNCHER}].")
 @click.option("--fail-on", type=FAIL_ON, default=DEFAULT_POLICY, show_default=True,
               help=POLICY_HELP + " Recorded in sweep.json: report and gate default to it.")
 @click.option("--control", is_flag=True,

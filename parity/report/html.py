@@ -364,7 +364,8 @@ def _runs(report: SweepReport, page_dir: str | None) -> str:
                 continue
             meta = _run_meta(here(got(side.run_dir)))
             logs = [got(side.console_log)] + [r.get(k) for r in side.rank_logs or []
-                                                if isinstance(r, dict) for k in ("stdout", "stderr")]
+                                                if isinstance(r, dict)
+                                                for k in ("stdout", "stderr")]
             links = " ".join(f'<a href="{_href(here(p), page_dir)}">{_e(os.path.basename(p))}</a>'
                              for p in logs if p)
             rows.append(f"<tr><td>{_e(got(cell.id))}</td><td>{_e(side_name)}</td>"
@@ -502,10 +503,10 @@ def render_diff_html(diff: DiffResult | dict, fail_on: str = "hash") -> str:
     loss_rows = []
     for step in loss.steps:
         style = ' style="background:#fde2e0"' if step.equal is False else ""
+        bitwise = "equal" if step.equal else ("-" if step.equal is None else "DIFFERS")
         loss_rows.append(f"<tr{style}><td>{_e(step.step)}</td><td class=mono>"
                          f"{_e(repr(step.a))}</td><td class=mono>{_e(repr(step.b))}</td>"
-                         f"<td>{'equal' if step.equal else ('-' if step.equal is None else 'DIFFERS')}"
-                         "</td></tr>")
+                         f"<td>{bitwise}</td></tr>")
     loss_rows = "".join(loss_rows)
     loss_html = (f"<h2>Loss of rank {_e(loss.rank)}, side by side</h2>"
                  f"{charts.loss_svg(d.get('loss') or {}, result.ranks_compared)}<table><tr><th>step"
