@@ -22,6 +22,9 @@ from parity import __version__
 from parity.errors import EXIT_USAGE, ParityError
 from parity.policy import DEFAULT as DEFAULT_POLICY
 from parity.policy import POLICIES
+from parity.report.formats import FORMATS, formats_help, formats_titles
+from parity.sweep.launchers import DEFAULT as DEFAULT_LAUNCHER
+from parity.sweep.launchers import NAMES as LAUNCHERS
 
 EXIT_INTERNAL = 4
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -263,8 +266,9 @@ def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
 @click.option("--steps", default=None, type=click.IntRange(min=1),
               help="Optimizer steps per job [default: the spec's steps].")
 @click.option("--dry-run", is_flag=True, help="Print the cells and commands; run nothing.")
-@click.option("--launcher", type=click.Choice(["local", "slurm"]), default=None,
-              help="Where jobs run [default: the spec's [launcher] type, else local].")
+@click.option("--launcher", type=click.Choice(LAUNCHERS), default=None,
+              help="Where jobs run [default: the spec's [launcher] type, else "
+                   f"{DEFAULT_LAUNCHER}].")
 @click.option("--fail-on", type=FAIL_ON, default=DEFAULT_POLICY, show_default=True,
               help=POLICY_HELP + " Recorded in sweep.json: report and gate default to it.")
 @click.option("--control", is_flag=True,
@@ -282,28 +286,28 @@ def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_
     from parity.report.formats import print_sweep_console
     from parity.report.stdout import print_safely
     from parity.sweep.gate import evaluate
+    from parity.sweep.model import as_report
     from parity.sweep.runner import run_sweep
 
     sweep = run_sweep(spec, out_dir=out_dir, only=only, jobs=jobs, resume=resume, steps=steps,
                       dry_run=dry_run, launcher=launcher, fail_on=fail_on, control=control)
     if sweep is None:  # --dry-run: the plan is printed, nothing ran
         sys.exit(0)
-    code, _ = evaluate(sweep, fail_on)
+    report = as_report(sweep)  # typed once; the gate and the console read it
+    code, _ = evaluate(report, fail_on)
     # the console report ends with the gate's verdict line
-    print_safely(lambda: print_sweep_console(sweep, sys.stdout, fail_on=fail_on))
+    print_safely(lambda: print_sweep_console(report, sys.stdout, fail_on=fail_on))
     sys.exit(code)
 
 
 @cli.command("report", context_settings=CONTEXT,
-             short_help="Render a sweep: console, JSON, markdown, JUnit or HTML.",
+             short_help=f"Render a sweep: {formats_titles()}.",
              epilog=_exits("0  rendered (the verdict is the gate's exit code, not this one)",
                            "2  not a sweep directory, or --output cannot be written",
                            "4  internal error in parity"))
 @click.argument("sweep_dir", type=click.Path())
-@click.option("--format", "fmt", type=click.Choice(["console", "json", "markdown", "junit", "html"]),
-              default="console", show_default=True,
-              help="console: the matrix and the verdict; json: sweep.json as is; markdown: for a "
-                   "CI job summary; junit: one testcase per cell; html: one self-contained page.")
+@click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="console",
+              show_default=True, help=formats_help())
 @click.option("--output", type=click.Path(dir_okay=False),
               help="Write to FILE [default: stdout; html: SWEEP_DIR/report.html].")
 @click.option("--fail-on", type=FAIL_ON, default=None,
@@ -312,8 +316,9 @@ def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_
 def report_cmd(sweep_dir, fmt, output, fail_on):
     """Render the sweep in SWEEP_DIR (written by `parity sweep --out`)."""
     from parity.report.formats import render_sweep
+    from parity.sweep.state import load_report
 
-    render_sweep(sweep_dir, fmt, output, fail_on=fail_on)
+    render_sweep(load_report(sweep_dir), fmt, output, fail_on=fail_on)  # read and typed once
 
 
 @cli.command("gate", context_settings=CONTEXT,

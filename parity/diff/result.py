@@ -246,3 +246,86 @@ def load_diff_json(path: str | Path) -> dict:
     if not isinstance(obj, dict) or obj.get("schema_version") != SCHEMA_VERSION:
         raise ParityError(f"{path}: not a schema-{SCHEMA_VERSION} diff JSON")
     return obj
+
+
+# ---------------------------------------------------------------------------- from the JSON
+
+
+@dataclass
+class RecordedPrediction:
+    """``reduction_order`` as a diff JSON recorded it (``from_dict`` does not rebuild the
+    topology): what ``DiffResult.exit_code``, ``judge`` and ``to_dict`` need of it."""
+
+    data: dict
+
+    def to_dict(self) -> dict:
+        return dict(self.data)
+
+
+def from_dict(d: dict) -> DiffResult:
+    """A diff JSON (``to_dict``'s shape: ``--json``, a sweep cell's ``diff``) typed again, so the
+    reports read one model whether the result was just computed or read back. Tolerant as the
+    reports always were of the dict: a key left out reads as None (empty for lists), an entry
+    that is not an object is skipped; ``reduction_order`` stays as recorded
+    (:class:`RecordedPrediction`)."""
+    def obj(x) -> dict:
+        return x if isinstance(x, dict) else {}
+
+    def objs(x) -> list[dict]:
+        return [e for e in x or [] if isinstance(e, dict)]
+
+    def side(s: dict) -> Side:
+        return Side(s.get("path"), s.get("world_size"), s.get("ranks") or [],
+                    s.get("missing_ranks") or [], s.get("steps") or [], s.get("status"),
+                    s.get("bucket_source"))
+
+    fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else None
+    loss, order = obj(d.get("loss")), obj(d.get("order"))
+    reduction = d.get("reduction_order")
+    return DiffResult(
+        a=side(obj(d.get("a"))), b=side(obj(d.get("b"))), verdict=d.get("verdict"),
+        incomplete=d.get("incomplete") or [], world_size=d.get("world_size"),
+        ranks_compared=d.get("ranks_compared") or [], steps_compared=d.get("steps_compared") or [],
+        params_compared=d.get("params_compared"), kinds_compared=d.get("kinds_compared") or [],
+        params_only_in_a=d.get("params_only_in_a") or [],
+        params_only_in_b=d.get("params_only_in_b") or [],
+        first_divergent_step=d.get("first_divergent_step"),
+        first_divergence=None if fd is None else FirstDivergence(
+            fd.get("step"), fd.get("origin"), fd.get("grad_before_param"),
+            fd.get("previous_step"), fd.get("params"), fd.get("grads"), fd.get("ranks") or [],
+            fd.get("loss_differs"), fd.get("explanation")),
+        divergent=[Divergence(x.get("step"), x.get("fqn"), x.get("kind"), x.get("ranks") or [],
+                              {coll: sides for coll, sides in obj(x.get("buckets")).items()
+                               if isinstance(sides, dict)})
+                   for x in objs(d.get("divergent"))],
+        per_step=[StepCount(x.get("step"), x.get("params"), x.get("grads"), x.get("ranks"),
+                            x.get("exact")) for x in objs(d.get("per_step"))],
+        loss=LossComparison(loss.get("captured"), loss.get("rank"),
+                            loss.get("first_divergent_step"),
+                            [LossStep(x.get("step"), x.get("a"), x.get("b"), x.get("equal"),
+                                      x.get("ranks_differing"), x.get("a_total"),
+                                      x.get("b_total"), x.get("a_ranks"), x.get("b_ranks"))
+                             for x in objs(loss.get("steps"))]),
+        order=OrderComparison(
+            order.get("verdict"), order.get("a_source"), order.get("b_source"),
+            order.get("rank"), [_pair_from_dict(p) for p in objs(order.get("pairs"))],
+            order.get("first_bucket"), order.get("counts") or {}, order.get("notes") or [],
+            order.get("rank_disagreements") or {}, order.get("compared") or [],
+            order.get("eager") or {}, order.get("consequences") or {},
+            order.get("structure") or []),
+        problems=[Problem(x.get("side"), x.get("message")) for x in objs(d.get("problems"))],
+        stats=d.get("stats") or {},
+        warnings=[CaptureWarning(x.get("side"), x.get("ranks"), x.get("message"))
+                  for x in objs(d.get("warnings"))],
+        schema_version=d.get("schema_version", SCHEMA_VERSION), bucketing=d.get("bucketing") or {},
+        reduction_order=RecordedPrediction(reduction) if isinstance(reduction, dict) else None)
+
+
+def _pair_from_dict(p: dict) -> BucketPair:
+    a, b = p.get("a") or {}, p.get("b") or {}
+    return BucketPair(p.get("collective"), p.get("verdict"), a.get("buckets") or [],
+                      b.get("buckets") or [], a.get("groups") or [], b.get("groups") or [],
+                      position=p.get("position"), a_entry=p.get("a_entry"),
+                      b_entry=p.get("b_entry"), detail=p.get("detail", ""),
+                      moved=p.get("moved") or [], consequence=p.get("consequence"),
+                      rows=p.get("rows") or [])

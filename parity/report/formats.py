@@ -1,4 +1,7 @@
-"""Render a sweep report (SWEEP_DIR/sweep.json) as console text, JSON, markdown, JUnit or HTML.
+"""Render a sweep report (SWEEP_DIR/sweep.json) as console text, JSON, markdown, JUnit or HTML:
+one registered class per format (registry.py has the protocol), each calling its renderer here
+(HTML: html.py). The renderers take the typed ``SweepReport``; the public ones also accept
+sweep.json as ``load_sweep`` returns it and type it once, at their entry.
 
 Renderers only present what the sweep recorded: statuses and reasons come from the runner and
 the diff engine, never from here. Every piece of recorded text is escaped for its format (rich
@@ -7,24 +10,22 @@ markup, markdown table syntax and HTML, XML) since axis values and log lines are
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
 import sys
-import xml.etree.ElementTree as ET
-from pathlib import Path
 
 from parity import policy
-from parity.diff.bucket_summary import cell_headline
-from parity.text import ranges
 from parity.errors import ParityError
+from parity.text import ranges
+from parity.report.registry import (FORMATS, ReportFormat, formats_help,  # noqa: F401
+                                    formats_titles, get_format, register_format)
 from parity.report.stdout import make_rich_console, print_safely
 from parity.report.text import safe_text
 from parity.sweep.model import CellResult, SideResult, SweepReport, as_report, got
-from parity.sweep.state import axis_names
 
-FORMATS = ("console", "json", "markdown", "junit", "html")
+# parity.diff (numpy), parity.sweep.state, json and ElementTree are imported where used: the CLI
+# imports this module for --format's choices, and every command's start stays fast
 
 STATUS_TEXT = {"match": "match", "hash_mismatch": "HASH MISMATCH",
                "order_mismatch": "order mismatch", "failed": "FAILED", "skipped": "skipped",
@@ -37,56 +38,45 @@ STATUS_ICON = {"match": "✅", "hash_mismatch": "❌", "order_mismatch": "⚠️
                "skipped": "⏭️"}
 
 
-def render_sweep(sweep_dir, fmt: str = "console", output=None, fail_on: str | None = None) -> None:
-    """Render the sweep in ``sweep_dir`` (or its sweep.json) to ``output`` (a path) or stdout,
-    under ``fail_on`` (default: the policy the sweep ran under), as ``parity gate`` judges it."""
+def render_sweep(sweep, fmt: str = "console", output=None, fail_on: str | None = None) -> None:
+    """Render ``sweep`` in format ``fmt`` (a name in :data:`FORMATS`) to ``output`` (a path) or
+    stdout, under ``fail_on`` (default: the policy the sweep ran under), as ``parity gate``
+    judges it. ``sweep``: the typed report (``state.load_report``, as ``parity report`` loads it
+    once), or a sweep directory or its sweep.json, read here."""
     from parity.sweep.gate import sweep_policy
     from parity.sweep.state import load_report
 
-    if fmt not in FORMATS:
-        raise ParityError(f"unknown format {fmt!r} (one of {', '.join(FORMATS)})")
-    sweep = load_report(sweep_dir)  # checks the fields the renderers read, naming a bad one
-    pol = sweep_policy(sweep, fail_on)
+    form = get_format(fmt)
+    report = sweep if isinstance(sweep, SweepReport) else load_report(sweep)
+    pol = sweep_policy(report, fail_on)
     try:
-        _render(sweep, fmt, output, pol)
+        form.write(report, pol, output)
     except (AttributeError, TypeError, KeyError, ValueError) as e:  # deeper than load_sweep checks
-        raise ParityError(f"{sweep.dir}/sweep.json: malformed sweep report "
+        raise ParityError(f"{report.dir}/sweep.json: malformed sweep report "
                           f"({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''})"
                           ) from None
 
 
-def _render(sweep: SweepReport, fmt: str, output, pol: str) -> None:
-    if fmt == "html":
-        from parity.report.html import write_sweep_html  # lazy: the HTML report is optional
-
-        path = output or os.path.join(sweep.dir, "report.html")
-        write_sweep_html(sweep, path, fail_on=pol)
-        print_safely(lambda: sys.stdout.write(f"{path}\n"))
-        return
-    if fmt == "console":
-        if output:
-            with _open_out(output) as f:
-                print_sweep_console(sweep, f, color=False, fail_on=pol)
-        else:
-            print_safely(lambda: print_sweep_console(sweep, sys.stdout, fail_on=pol))
-        return
-    if fmt == "json":
-        text = sweep_json(sweep)
-    else:
-        text = {"markdown": sweep_markdown, "junit": sweep_junit}[fmt](sweep, pol)
-    if output:
-        with _open_out(output) as f:
-            f.write(text)
-    else:
-        print_safely(lambda: sys.stdout.write(text))
+# -------------------------------------------------------------------------------------- formats
+# One class per `parity report --format` (registry.py has the protocol), registered in the
+# order --format lists them: console here, JSON, markdown and JUnit each after its renderer,
+# HTML (html.py renders it) last.
 
 
-def _open_out(path):
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "w", encoding="utf-8")
-    except OSError as e:
-        raise ParityError(f"cannot write {path}: {e.strerror or e}") from None
+@register_format("console", title="console", help="the matrix and the verdict")
+class ConsoleFormat(ReportFormat):
+    def render(self, report: SweepReport, fail_on: str) -> str:
+        import io
+
+        buf = io.StringIO()
+        print_sweep_console(report, buf, color=False, fail_on=fail_on)
+        return buf.getvalue()
+
+    def write(self, report: SweepReport, fail_on: str, output=None) -> None:
+        if output:  # plain text, no colour
+            super().write(report, fail_on, output)
+        else:  # a terminal gets colour and its width
+            print_safely(lambda: print_sweep_console(report, sys.stdout, fail_on=fail_on))
 
 
 def _value(v) -> str:
@@ -101,34 +91,33 @@ def _secs(x) -> str:
     return f"{x:.0f}s" if x >= 10 else f"{x:.1f}s"
 
 
-def _summary(sweep: SweepReport) -> str:
-    counts = sweep.counts or {}
+def _summary(report: SweepReport) -> str:
+    counts = report.counts or {}
     parts = [f"{n} {STATUS_TEXT.get(s, s).lower()}" for s, n in counts.items() if n]
-    total = len(sweep.cells or [])
-    tail = "" if sweep.is_complete() else " (sweep did not finish)"
+    total = len(report.cells or [])
+    tail = "" if report.is_complete() else " (sweep did not finish)"
     return f"{total} cells: " + (", ".join(parts) or "none") + tail
 
 
-def _cell_time(c: CellResult):
-    sides = c.sides or {}
-    walls = [s.wall for s in sides.values() if isinstance(s, SideResult)
-             and isinstance(s.wall, (int, float))]
-    return sum(walls) if walls else got(c.wall)
+def _cell_time(cell: CellResult):
+    walls = [side.wall for side in (cell.sides or {}).values() if isinstance(side, SideResult)
+             and isinstance(side.wall, (int, float))]
+    return sum(walls) if walls else got(cell.wall)
 
 
-def _failure_logs(c: CellResult) -> list[str]:
+def _failure_logs(cell: CellResult) -> list[str]:
     """The log files worth opening for a failed cell: the failed side's ranks, console first."""
     out = []
-    for name, s in (c.sides or {}).items():
-        if not isinstance(s, SideResult) or got(s.status) in ("ok", "not_run", "stopped"):
+    for side in (cell.sides or {}).values():
+        if not isinstance(side, SideResult) or got(side.status) in ("ok", "not_run", "stopped"):
             continue
-        m = re.search(r"\brank (\d+):", str(s.reason or ""))
+        m = re.search(r"\brank (\d+):", str(side.reason or ""))
         blamed = int(m.group(1)) if m else None
-        ranks = [r for r in s.rank_logs or [] if isinstance(r, dict) and r.get("stderr")]
+        ranks = [r for r in side.rank_logs or [] if isinstance(r, dict) and r.get("stderr")]
         ranks.sort(key=lambda r: (r.get("rank") != blamed, r.get("rank", 0)))
         out += [r["stderr"] for r in ranks[:1]]
-        if s.console_log:
-            out.append(s.console_log)
+        if side.console_log:
+            out.append(side.console_log)
         out += [r["stderr"] for r in ranks[1:]]
     return out
 
@@ -137,14 +126,15 @@ def _failure_logs(c: CellResult) -> list[str]:
 SEVERITY = {"failed": 0, "nondeterministic": 0.5, "hash_mismatch": 1, "order_mismatch": 2}
 
 
-def first_finding(sweep: SweepReport) -> CellResult | None:
+def first_finding(report: SweepReport) -> CellResult | None:
     """The most severe cell (failed, then hash mismatch, then order mismatch), first in matrix
     order among equals."""
-    cells = [c for c in sweep.cells or [] if isinstance(c, CellResult) and c.status in SEVERITY]
-    return min(cells, key=lambda c: SEVERITY[c.status]) if cells else None
+    cells = [cell for cell in report.cells or []
+             if isinstance(cell, CellResult) and cell.status in SEVERITY]
+    return min(cells, key=lambda cell: SEVERITY[cell.status]) if cells else None
 
 
-def side_path(sweep: SweepReport, path) -> str | None:
+def side_path(report: SweepReport, path) -> str | None:
     """A path recorded in the sweep (relative to the sweep directory) as seen from here: joined
     to the directory the sweep was read from, so a moved or downloaded folder still works."""
     if not path:
@@ -152,14 +142,14 @@ def side_path(sweep: SweepReport, path) -> str | None:
     path = str(path)
     if os.path.isabs(path):
         return path
-    return os.path.join(sweep.dir or ".", path)
+    return os.path.join(report.dir or ".", path)
 
 
-def diff_command(sweep: SweepReport, cell: CellResult) -> str | None:
+def diff_command(report: SweepReport, cell: CellResult) -> str | None:
     """``parity diff REF CAND`` for a compared cell, shell-quoted, to be printed unwrapped."""
     diff = cell.diff or {}
-    a = side_path(sweep, (diff.get("a") or {}).get("path"))
-    b = side_path(sweep, (diff.get("b") or {}).get("path"))
+    a = side_path(report, (diff.get("a") or {}).get("path"))
+    b = side_path(report, (diff.get("b") or {}).get("path"))
     if not (a and b):
         return None
     return f"parity diff {shlex.quote(a)} {shlex.quote(b)}"
@@ -178,7 +168,7 @@ def cell_ranks(cell: CellResult) -> str:
     return ""
 
 
-def cell_text(sweep: SweepReport, cell: CellResult, fail_on: str, width: int = 110) -> str:
+def cell_text(report: SweepReport, cell: CellResult, fail_on: str, width: int = 110) -> str:
     """A cell as the console shows it (JUnit failure bodies): verdict line, reason, divergent
     parameters, per-step counts, the first differing bucket, the diff command."""
     import io
@@ -211,11 +201,11 @@ def cell_text(sweep: SweepReport, cell: CellResult, fail_on: str, width: int = 1
                 for x in per[:8]))
         for part in first_bucket_section((diff.get("order") or {}).get("first_bucket")):
             con.print(part)
-    cmd = diff_command(sweep, cell)
+    cmd = diff_command(report, cell)
     if cmd:
         say(f"details: {cmd}")
     for p in _failure_logs(cell)[:3]:
-        say(f"log: {side_path(sweep, p)}")
+        say(f"log: {side_path(report, p)}")
     return buf.getvalue()
 
 
@@ -232,23 +222,28 @@ def print_sweep_console(sweep: SweepReport | dict, file=None, color: bool | None
                         fail_on: str | None = None) -> None:
     """The matrix: one row per cell, its axis values, status and the reason; the most severe
     finding; and last the gate's verdict line under ``fail_on`` (default: the sweep's).
-    ``sweep``: typed, or sweep.json as ``load_sweep`` returns it."""
+    ``sweep``: typed, or sweep.json as ``load_sweep`` returns it (typed here, once)."""
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
-    sweep = as_report(sweep)
+    from parity.diff.bucket_summary import cell_headline
+    from parity.report.console import verdict_text
+    from parity.sweep.gate import sweep_policy
+    from parity.sweep.state import axis_names
+
+    report = as_report(sweep)
     file = file or sys.stdout
     isatty = getattr(file, "isatty", lambda: False)()
     width = None if isatty else int(os.environ.get("COLUMNS", "140") or 140)
     console = make_rich_console(file=file, width=width, no_color=(color is False) or None,
                                 force_terminal=False if color is False else None,
                                 highlight=False, soft_wrap=False)
-    title = f"parity sweep {got(sweep.name, '?')}"
-    if sweep.description:
-        title += f" - {sweep.description}"
-    axes = axis_names(sweep)
+    title = f"parity sweep {got(report.name, '?')}"
+    if report.description:
+        title += f" - {report.description}"
+    axes = axis_names(report)
     t = Table(title=Text(_safe(title)), title_justify="left", show_lines=False)
     for a in axes:
         t.add_column(Text(_safe(a)))
@@ -256,55 +251,52 @@ def print_sweep_console(sweep: SweepReport | dict, file=None, color: bool | None
     t.add_column("detail", overflow="fold")
     t.add_column("bucketing A vs B", overflow="fold")  # issue 14: collective counts per side
     t.add_column("time", justify="right")
-    for c in sweep.cells or []:
-        status = got(c.status, "?")
-        row = [Text(_safe(_value((c.axes or {}).get(a)))) for a in axes]
+    for cell in report.cells or []:
+        status = got(cell.status, "?")
+        row = [Text(_safe(_value((cell.axes or {}).get(a)))) for a in axes]
         row.append(Text(STATUS_TEXT.get(status, status), style=STATUS_STYLE.get(status, "")))
-        row.append(Text(_safe(c.reason or "")))
-        row.append(Text(_safe(cell_headline(got(c.diff)))))
-        row.append(_secs(_cell_time(c)))
+        row.append(Text(_safe(cell.reason or "")))
+        row.append(Text(_safe(cell_headline(got(cell.diff)))))
+        row.append(_secs(_cell_time(cell)))
         t.add_row(*row)
     console.print(t)
-    console.print(escape(_safe(_summary(sweep))), highlight=False)
-    for c in sweep.cells or []:
-        if c.status == "failed":
-            logs = [side_path(sweep, p) for p in _failure_logs(c)]
+    console.print(escape(_safe(_summary(report))), highlight=False)
+    for cell in report.cells or []:
+        if cell.status == "failed":
+            logs = [side_path(report, p) for p in _failure_logs(cell)]
             if logs:
                 shown = ", ".join(logs[:3]) + (f" (+{len(logs) - 3} more)" if len(logs) > 3 else "")
-                console.print(escape(_safe(f"  {c.id}: logs: {shown}")), highlight=False)
-    _print_first_finding(console, sweep)
-    if sweep.dir:
-        d = shlex.quote(sweep.dir)
+                console.print(escape(_safe(f"  {cell.id}: logs: {shown}")), highlight=False)
+    _print_first_finding(console, report)
+    if report.dir:
+        d = shlex.quote(report.dir)
         console.print(_safe(f"report: {os.path.join(d, 'sweep.json')}  (parity report {d} "
                             f"--format html|markdown|junit; parity gate {d})"), markup=False,
                       highlight=False, soft_wrap=True)
-    from parity.report.console import verdict_text
-    from parity.sweep.gate import sweep_policy
-
-    verdict, _ = policy.judge_sweep(sweep, sweep_policy(sweep, fail_on))
+    verdict, _ = policy.judge_sweep(report, sweep_policy(report, fail_on))
     console.print(verdict_text(verdict), soft_wrap=True)
 
 
-def _print_first_finding(console, sweep: SweepReport) -> None:
+def _print_first_finding(console, report: SweepReport) -> None:
     """The most severe cell's finding in full (failed, hash mismatch, order mismatch): the
     reason, the bucket side by side, and how to diff it (one unwrapped, copyable line)."""
     from parity.report.console import first_bucket_section
 
-    c = first_finding(sweep)
-    if c is None:
+    cell = first_finding(report)
+    if cell is None:
         return
-    diff = c.diff or {}
+    diff = cell.diff or {}
     console.print()
-    console.print(_safe(f"First finding (most severe), cell {c.id}: {c.status}"),
+    console.print(_safe(f"First finding (most severe), cell {cell.id}: {cell.status}"),
                   style="bold", markup=False, highlight=False, soft_wrap=True)
-    console.print(_safe(f"  {c.reason or ''}"), markup=False, highlight=False)
-    if c.status == "failed":
-        for p in _failure_logs(c)[:3]:
-            console.print(_safe(f"  log: {side_path(sweep, p)}"), markup=False, highlight=False,
+    console.print(_safe(f"  {cell.reason or ''}"), markup=False, highlight=False)
+    if cell.status == "failed":
+        for p in _failure_logs(cell)[:3]:
+            console.print(_safe(f"  log: {side_path(report, p)}"), markup=False, highlight=False,
                           soft_wrap=True)
     for part in first_bucket_section((diff.get("order") or {}).get("first_bucket")):
         console.print(part)
-    cmd = diff_command(sweep, c)
+    cmd = diff_command(report, cell)
     if cmd:
         console.print(_safe(f"details: {cmd}"), markup=False, highlight=False, soft_wrap=True)
 
@@ -314,11 +306,19 @@ def _print_first_finding(console, sweep: SweepReport) -> None:
 
 def sweep_json(sweep: SweepReport | dict) -> str:
     """The report as JSON: as it was read (its keys in the file's order), else ``to_dict``."""
+    import json
+
     from parity.artifacts import finite_json
 
     report = as_report(sweep)
     data = report.source if report.source is not None else report.to_dict()
     return json.dumps(finite_json(data), indent=1, allow_nan=False) + "\n"
+
+
+@register_format("json", title="JSON", help="sweep.json as is")
+class JsonFormat(ReportFormat):
+    def render(self, report: SweepReport, fail_on: str) -> str:
+        return sweep_json(report)
 
 
 # -------------------------------------------------------------------------------------- markdown
@@ -336,19 +336,22 @@ def md_escape(text) -> str:
 
 def sweep_markdown(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
     """A report fit for a CI job summary ($GITHUB_STEP_SUMMARY): the gate's verdict line first,
-    the matrix with ranks, the most severe finding's diff command, where the HTML page is."""
+    the matrix with ranks, the most severe finding's diff command, where the HTML page is.
+    ``sweep``: typed, or sweep.json as ``load_sweep`` returns it (typed here, once)."""
+    from parity.diff.bucket_summary import cell_headline
     from parity.sweep.gate import sweep_policy
+    from parity.sweep.state import axis_names
 
-    sweep = as_report(sweep)
-    axes = axis_names(sweep)
-    verdict, _ = policy.judge_sweep(sweep, sweep_policy(sweep, fail_on))
+    report = as_report(sweep)
+    axes = axis_names(report)
+    verdict, _ = policy.judge_sweep(report, sweep_policy(report, fail_on))
     icon = {"HOLDS": "✅", "FAILS": "❌"}.get(verdict.word, "⚠️")
-    lines = [f"## parity sweep `{_code(got(sweep.name, '?'))}`", ""]
+    lines = [f"## parity sweep `{_code(got(report.name, '?'))}`", ""]
     lines += [f"{icon} **{md_escape(verdict.head())}**: {md_escape(verdict.body())}", ""]
-    if sweep.description:
-        lines += [md_escape(sweep.description), ""]
-    lines += [md_escape(_summary(sweep)), ""]
-    sides = sweep.sides or {}
+    if report.description:
+        lines += [md_escape(report.description), ""]
+    lines += [md_escape(_summary(report)), ""]
+    sides = report.sides or {}
     if sides:
         lines.append(" vs ".join(f"{md_escape(k)}: {md_escape(v.get('label', k))}"
                                  for k, v in sides.items() if isinstance(v, dict)))
@@ -356,35 +359,41 @@ def sweep_markdown(sweep: SweepReport | dict, fail_on: str | None = None) -> str
     header = [*(md_escape(a) for a in axes), "status", "ranks", "detail", "bucketing A vs B", "time"]
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "|".join(["---"] * len(header)) + "|")
-    for c in sweep.cells or []:
-        status = got(c.status, "?")
-        row = [md_escape(_value((c.axes or {}).get(a))) for a in axes]
+    for cell in report.cells or []:
+        status = got(cell.status, "?")
+        row = [md_escape(_value((cell.axes or {}).get(a))) for a in axes]
         row.append(f"{STATUS_ICON.get(status, '')} {md_escape(STATUS_TEXT.get(status, status))}")
-        row.append(md_escape(cell_ranks(c)))
-        row.append(md_escape(c.reason or ""))
-        head = cell_headline(got(c.diff))
+        row.append(md_escape(cell_ranks(cell)))
+        row.append(md_escape(cell.reason or ""))
+        head = cell_headline(got(cell.diff))
         row.append(f"`{_code(head)}`" if head else "")
-        row.append(md_escape(_secs(_cell_time(c))))
+        row.append(md_escape(_secs(_cell_time(cell))))
         lines.append("| " + " | ".join(row) + " |")
-    failed = [c for c in sweep.cells or [] if c.status == "failed"]
+    failed = [cell for cell in report.cells or [] if cell.status == "failed"]
     if failed:
         lines += ["", "<details><summary>logs of failed cells</summary>", ""]
-        for c in failed:
-            logs = _failure_logs(c)
-            lines.append(f"- {md_escape(c.id)}: " + (", ".join(f"`{_code(p)}`" for p in logs)
-                                                        or "no logs"))
+        for cell in failed:
+            logs = _failure_logs(cell)
+            lines.append(f"- {md_escape(cell.id)}: " + (", ".join(f"`{_code(p)}`" for p in logs)
+                                                           or "no logs"))
         lines += ["", "</details>"]
-    first = first_finding(sweep)
-    cmd = diff_command(sweep, first) if first else None
+    first = first_finding(report)
+    cmd = diff_command(report, first) if first else None
     if cmd:
         lines += ["", f"Most severe finding ({md_escape(first.id)}): `{_code(cmd)}`"]
-    if sweep.dir:
-        html = os.path.join(sweep.dir, "report.html")
+    if report.dir:
+        html = os.path.join(report.dir, "report.html")
         lines += ["", f"HTML report: [{md_escape(html)}]({_link(html)})"
                   + ("" if os.path.exists(html) else
-                     f" (write it with `parity report {_code(sweep.dir)} --format html`)")]
+                     f" (write it with `parity report {_code(report.dir)} --format html`)")]
     lines.append("")
     return "\n".join(lines)
+
+
+@register_format("markdown", title="markdown", help="for a CI job summary")
+class MarkdownFormat(ReportFormat):
+    def render(self, report: SweepReport, fail_on: str) -> str:
+        return sweep_markdown(report, fail_on)
 
 
 def _link(path: str) -> str:
@@ -412,52 +421,56 @@ def _x(text) -> str:
 def sweep_junit(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
     """JUnit XML, as ``parity gate`` judges under ``fail_on`` (default: the sweep's policy): one
     testcase per cell; failing the policy -> failure (body: the cell's console text), failed or
-    unproven -> error, skipped -> skipped; a tolerated finding passes and says so."""
+    unproven -> error, skipped -> skipped; a tolerated finding passes and says so.
+    ``sweep``: typed, or sweep.json as ``load_sweep`` returns it (typed here, once)."""
+    import xml.etree.ElementTree as ET
+
     from parity.sweep.gate import sweep_policy
 
-    sweep = as_report(sweep)
-    pol = sweep_policy(sweep, fail_on)
-    verdict, _ = policy.judge_sweep(sweep, pol)
-    name = f"parity.{got(sweep.name, 'sweep')}"
-    cells = sweep.cells or []
+    report = as_report(sweep)
+    pol = sweep_policy(report, fail_on)
+    verdict, _ = policy.judge_sweep(report, pol)
+    name = f"parity.{got(report.name, 'sweep')}"
+    cells = report.cells or []
     counts = {"tests": len(cells), "failures": 0, "errors": 0, "skipped": 0}
     suite = ET.Element("testsuite", name=_x(name))
     total_time = 0.0
-    for c in cells:
-        status = got(c.status)
-        t = _cell_time(c) or 0.0
+    for cell in cells:
+        status = got(cell.status)
+        t = _cell_time(cell) or 0.0
         total_time += t
-        case = ET.SubElement(suite, "testcase", classname=_x(name), name=_x(got(c.id, "?")),
+        case = ET.SubElement(suite, "testcase", classname=_x(name), name=_x(got(cell.id, "?")),
                              time=f"{t:.3f}")
-        reason = _x(c.reason or "")
-        code = policy.cell_code(c, pol)
+        reason = _x(cell.reason or "")
+        code = policy.cell_code(cell, pol)
         tolerated = ""
         if code == 1:
             counts["failures"] += 1
             el = ET.SubElement(case, "failure", message=_x(f"{status}: {reason}"), type=status)
-            el.text = _x(cell_text(sweep, c, pol))
+            el.text = _x(cell_text(report, cell, pol))
         elif code == 3:
             counts["errors"] += 1
             nondet = status == policy.NONDETERMINISTIC
             el = ET.SubElement(case, "error", message=_x(
                 f"{status}: {reason}" if nondet else f"unproven under --fail-on {pol}: {reason}"),
                 type=status if nondet else "unproven")
-            el.text = _x(cell_text(sweep, c, pol))
+            el.text = _x(cell_text(report, cell, pol))
         elif code == 0 and status != "match":
             tolerated = f"tolerated under --fail-on {pol}: {status}: {reason}\n"
         elif status == "failed":
             counts["errors"] += 1
             el = ET.SubElement(case, "error", message=reason or "failed", type="failed")
-            el.text = _x("logs:\n" + "\n".join(_failure_logs(c))) if _failure_logs(c) else reason
+            el.text = (_x("logs:\n" + "\n".join(_failure_logs(cell))) if _failure_logs(cell)
+                       else reason)
         elif status == "skipped":
             counts["skipped"] += 1
             ET.SubElement(case, "skipped", message=reason)
-        out = [tolerated + cell_text(sweep, c, pol)] if tolerated else []
-        for side, s in (c.sides or {}).items():
-            if isinstance(s, SideResult) and s.run_dir:
-                out.append(f"{side}: run {side_path(sweep, s.run_dir)} logs "
-                           f"{side_path(sweep, got(s.log_dir))} console "
-                           f"{side_path(sweep, got(s.console_log))}")
+        out = [tolerated + cell_text(report, cell, pol)] if tolerated else []
+        for side_name, side in (cell.sides or {}).items():
+            if isinstance(side, SideResult) and side.run_dir:
+                out.append(f"{side_name}: run {side_path(report, side.run_dir)} logs "
+                           f"{side_path(report, got(side.log_dir))} console "
+                           f"{side_path(report, got(side.console_log))}")
         if out:
             ET.SubElement(case, "system-out").text = _x("\n".join(out))
     props = ET.Element("properties")
@@ -474,3 +487,26 @@ def sweep_junit(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
     root.append(suite)
     ET.indent(root)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+@register_format("junit", title="JUnit", help="one testcase per cell")
+class JUnitFormat(ReportFormat):
+    def render(self, report: SweepReport, fail_on: str) -> str:
+        return sweep_junit(report, fail_on)
+
+
+@register_format("html", title="HTML", help="one self-contained page")
+class HtmlFormat(ReportFormat):
+    """A file by default (SWEEP_DIR/report.html); its path goes to stdout."""
+
+    def render(self, report: SweepReport, fail_on: str) -> str:
+        from parity.report.html import render_sweep_html  # lazy: the HTML report is optional
+
+        return render_sweep_html(report, fail_on)
+
+    def write(self, report: SweepReport, fail_on: str, output=None) -> None:
+        from parity.report.html import write_sweep_html
+
+        path = output or os.path.join(report.dir, "report.html")
+        write_sweep_html(report, path, fail_on=fail_on)
+        print_safely(lambda: sys.stdout.write(f"{path}\n"))

@@ -10,7 +10,9 @@ share the rest by size (true offsets and sizes are in the tooltips and the table
 position whose parameter differs is outlined and marked, not only the first.
 
 The verdict line comes from parity.policy, as on the console; every piece of text goes through
-``html.escape`` (parameter names, axis values and paths are user data).
+``html.escape`` (parameter names, axis values and paths are user data). The pages read the typed
+``DiffResult`` (a sweep cell's diff is typed once, with ``diff.result.from_dict``); the charts
+(html_charts.py) and the bucket pictures of every pair (html_reduction.py) read its JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from parity.report.html_reduction import (SWEEP_EXTRA_BUCKETS, buckets_html, pai
                                          prediction_html)
 from parity import policy
 from parity.artifacts import write_text_atomic
+from parity.diff.result import DiffResult
+from parity.diff.result import from_dict as diff_from_dict
 from parity.rundir import META_FILE, rank_dir
 from parity.sweep.model import CellResult, SideResult, SweepReport, as_report, got
 from parity.sweep.state import axis_names
@@ -95,33 +99,33 @@ def _verdict_block(v: policy.Verdict) -> str:
 # ------------------------------------------------------------------------------------- strips
 
 
-def _step_states(cell: CellResult, steps: list[int]) -> list[tuple[str, str]]:
-    """(state, tooltip) per step for one cell's strip."""
+def _step_states(cell: CellResult, diff: DiffResult | None,
+                 steps: list[int]) -> list[tuple[str, str]]:
+    """(state, tooltip) per step for one cell's strip (``diff``: the cell's, typed)."""
     status = got(cell.status)
     if status == "skipped":
         return [("skipped", f"step {s}: skipped ({cell.reason or ''})") for s in steps]
-    diff = cell.diff or {}
-    compared = set(diff.get("steps_compared") or [])
-    first = diff.get("first_divergent_step")
-    counts = {p.get("step"): p for p in diff.get("per_step") or [] if isinstance(p, dict)}
+    compared = set(diff.steps_compared) if diff else set()
+    first = diff.first_divergent_step if diff else None
+    counts = {count.step: count for count in diff.per_step} if diff else {}
     out = []
     for s in steps:
         if s not in compared:
             state = "failed" if status == "failed" else "missing"
             out.append((state, f"step {s}: not compared ({state})"))
         elif first is not None and s >= first:
-            p = counts.get(s, {})
-            n = p.get("params", "?")
-            g = p.get("grads", "?")
+            count = counts.get(s)
+            n = count.params if count else "?"
+            g = count.grads if count else "?"
             out.append(("divergent", f"step {s}: {n} parameters, {g} gradients differ"))
         else:
             out.append(("equal", f"step {s}: bitwise equal"))
     return out
 
 
-def _strip(cell: CellResult, steps: list[int]) -> str:
+def _strip(cell: CellResult, diff: DiffResult | None, steps: list[int]) -> str:
     w, gap, h = 18, 2, 18
-    states = _step_states(cell, steps)
+    states = _step_states(cell, diff, steps)
     rects = []
     for i, (state, tip) in enumerate(states):
         fill = STATE_COLOURS[state]
@@ -232,7 +236,7 @@ def _bucket_section(fb: dict, anchor: str, labels: tuple[str, str], cells: list[
                  f"<span class=muted>{_e(fb.get('detail'))}</span></p>")
     seen = ""
     if cells and got(cells[0].id) is not None:
-        ids = ", ".join(f"<code>{_e(got(c.id))}</code>" for c in cells)
+        ids = ", ".join(f"<code>{_e(got(cell.id))}</code>" for cell in cells)
         seen = f"<p class=muted>The same finding in {len(cells)} cell(s): {ids}</p>"
     table = ["<div class=wide><table><tr><th>pos</th><th>A parameter</th><th>A offset</th>"
              "<th>B parameter</th><th>B offset</th><th>size (A / B where they differ)</th>"
@@ -265,24 +269,25 @@ def _size_cell(ra: dict, rb: dict) -> str:
     return _e(sa if ra else sb)
 
 
-def _bucket_findings(cells: list[CellResult], labels: tuple[str, str]) -> tuple[str, dict]:
+def _bucket_findings(cells: list[tuple[CellResult, DiffResult | None]],
+                     labels: tuple[str, str]) -> tuple[str, dict]:
     """One section per distinct finding (cells grouped); {cell id: anchor}."""
     groups: dict[str, list[CellResult]] = {}
     fbs: dict[str, dict] = {}
-    for c in cells:
-        fb = ((c.diff or {}).get("order") or {}).get("first_bucket")
+    for cell, diff in cells:
+        fb = diff.order.first_bucket if diff else None
         if isinstance(fb, dict):
             key = _fingerprint(fb)
-            groups.setdefault(key, []).append(c)
+            groups.setdefault(key, []).append(cell)
             fbs.setdefault(key, fb)
     anchors, sections = {}, []
-    for i, (key, cs) in enumerate(groups.items()):
+    for i, (key, same) in enumerate(groups.items()):
         anchor = f"bucket-{i}"
-        for c in cs:
-            anchors[got(c.id)] = anchor
-        sections.append(_bucket_section(fbs[key], anchor, labels, cs))
+        for cell in same:
+            anchors[got(cell.id)] = anchor
+        sections.append(_bucket_section(fbs[key], anchor, labels, same))
         # issue 20: the finding's other differing buckets too, most consequential first
-        for k, view in enumerate(pair_views(cs[0].diff or {})[1:SWEEP_EXTRA_BUCKETS + 1]):
+        for k, view in enumerate(pair_views(same[0].diff or {})[1:SWEEP_EXTRA_BUCKETS + 1]):
             sections.append(_bucket_section(view, f"{anchor}-{k + 1}", labels, []))
     return "".join(sections), anchors
 
@@ -290,24 +295,24 @@ def _bucket_findings(cells: list[CellResult], labels: tuple[str, str]) -> tuple[
 # ------------------------------------------------------------------------------------ tables
 
 
-def _divergent_table(cells: list[tuple[CellResult, str]], show_cell: bool = True) -> str:
+def _divergent_table(cells: list[tuple[CellResult, DiffResult | None, str]],
+                     show_cell: bool = True) -> str:
+    """Every divergent parameter of each (cell, its diff, the anchor of its bucket picture)."""
     rows = []
-    for cell, anchor in cells:
-        for d in (cell.diff or {}).get("divergent") or []:
-            buckets = d.get("buckets") or {}
+    for cell, diff, anchor in cells:
+        for div in diff.divergent if diff else []:
             where = []
-            for coll, sides in buckets.items() if isinstance(buckets, dict) else []:
-                if isinstance(sides, dict):
-                    for side in ("a", "b"):
-                        loc = sides.get(side)
-                        if isinstance(loc, dict):
-                            where.append(_e(f"{side.upper()} {coll} #{loc.get('index')} @ "
-                                            f"{loc.get('offset')}"))
+            for coll, refs in div.buckets.items():  # collective -> {"a": ref, "b": ref}
+                for side in ("a", "b"):
+                    ref = refs.get(side)
+                    if isinstance(ref, dict):
+                        where.append(_e(f"{side.upper()} {coll} #{ref.get('index')} @ "
+                                        f"{ref.get('offset')}"))
             link = f'<a href="#{anchor}">bucket picture</a>' if anchor else ""
             first = f"<td>{_e(got(cell.id))}</td>" if show_cell else ""
-            rows.append(f"<tr>{first}<td>{_e(d.get('step'))}</td>"
-                        f"<td>{_e(d.get('kind'))}</td><td class=mono>{_e(d.get('fqn'))}</td>"
-                        f"<td>{_e(','.join(map(str, d.get('ranks') or [])))}</td>"
+            rows.append(f"<tr>{first}<td>{_e(div.step)}</td>"
+                        f"<td>{_e(div.kind)}</td><td class=mono>{_e(div.fqn)}</td>"
+                        f"<td>{_e(','.join(map(str, div.ranks)))}</td>"
                         f"<td class=loc>{'<br>'.join(where)}</td><td>{link}</td></tr>")
     if not rows:
         return "<p class=muted>No divergent parameters: every compared hash is equal.</p>"
@@ -346,26 +351,27 @@ def _href(path: str, page_dir: str | None) -> str:
     return html.escape(path.replace(os.sep, "/").replace(" ", "%20"), quote=True)
 
 
-def _runs(sweep: SweepReport, page_dir: str | None) -> str:
-    base = sweep.dir or ""
+def _runs(report: SweepReport, page_dir: str | None) -> str:
+    base = report.dir or ""
     rows = []
 
     def here(p):
         return os.path.join(base, p) if p and base and not os.path.isabs(p) else p
 
-    for cell in sweep.cells or []:
-        for side, s in (cell.sides or {}).items():
-            if not isinstance(s, SideResult) or s.status == "not_run":
+    for cell in report.cells or []:
+        for side_name, side in (cell.sides or {}).items():
+            if not isinstance(side, SideResult) or side.status == "not_run":
                 continue
-            meta = _run_meta(here(got(s.run_dir)))
-            logs = [got(s.console_log)] + [r.get(k) for r in s.rank_logs or []
-                                             if isinstance(r, dict) for k in ("stdout", "stderr")]
+            meta = _run_meta(here(got(side.run_dir)))
+            logs = [got(side.console_log)] + [r.get(k) for r in side.rank_logs or []
+                                                if isinstance(r, dict)
+                                                for k in ("stdout", "stderr")]
             links = " ".join(f'<a href="{_href(here(p), page_dir)}">{_e(os.path.basename(p))}</a>'
                              for p in logs if p)
-            rows.append(f"<tr><td>{_e(got(cell.id))}</td><td>{_e(side)}</td>"
-                        f"<td>{_e(got(s.status))}</td><td>{_e(meta.get('torch'))}</td>"
+            rows.append(f"<tr><td>{_e(got(cell.id))}</td><td>{_e(side_name)}</td>"
+                        f"<td>{_e(got(side.status))}</td><td>{_e(meta.get('torch'))}</td>"
                         f"<td>{_e(meta.get('world_size'))}</td>"
-                        f"<td class=mono>{_e(trainer_command(got(s.command)))}</td>"
+                        f"<td class=mono>{_e(trainer_command(got(side.command)))}</td>"
                         f"<td>{links}</td></tr>")
     if not rows:
         return ""
@@ -389,51 +395,51 @@ def render_sweep_html(sweep: SweepReport | dict, fail_on: str | None = None,
                       page_dir: str | None = None) -> str:
     """The sweep page: the gate's verdict line, the matrix, each distinct bucket finding once,
     divergent parameters, the runs (collapsed). ``sweep``: typed, or sweep.json as
-    ``load_sweep`` returns it."""
+    ``load_sweep`` returns it (typed here, once; each cell's diff too)."""
     from parity.diff.bucket_summary import cell_headline
 
-    sweep = as_report(sweep)
-    cells = sweep.cells or []
-    axes = axis_names(sweep)
-    n_steps = got(sweep.steps)
-    all_steps = sorted({s for c in cells for s in ((c.diff or {}).get("steps_compared") or [])})
+    report = as_report(sweep)
+    cells = report.cells or []
+    typed = [(cell, diff_from_dict(cell.diff) if isinstance(cell.diff, dict) else None)
+             for cell in cells]
+    axes = axis_names(report)
+    n_steps = got(report.steps)
+    all_steps = sorted({s for _, diff in typed if diff for s in diff.steps_compared})
     steps = list(range(0, int(n_steps) + 1)) if isinstance(n_steps, int) else all_steps or [0]
-    sides = sweep.sides or {}
+    sides = report.sides or {}
     labels = (str((sides.get("reference") or {}).get("label") or "reference"),
               str((sides.get("candidate") or {}).get("label") or "candidate"))
-    pol = policy.check(fail_on or sweep.fail_on or policy.DEFAULT)
-    verdict, _ = policy.judge_sweep(sweep, pol)
-    findings, anchors = _bucket_findings(cells, labels)
+    pol = policy.check(fail_on or report.fail_on or policy.DEFAULT)
+    verdict, _ = policy.judge_sweep(report, pol)
+    findings, anchors = _bucket_findings(typed, labels)
     head = "".join(f"<th>{_e(a)}</th>" for a in axes)
     rows = []
-    for c in cells:
-        status = got(c.status, "?")
-        diff = c.diff or {}
-        vals = "".join(f"<td>{_e(_value((c.axes or {}).get(a)))}</td>" for a in axes)
-        anchor = anchors.get(got(c.id))
+    for cell, diff in typed:
+        status = got(cell.status, "?")
+        vals = "".join(f"<td>{_e(_value((cell.axes or {}).get(a)))}</td>" for a in axes)
+        anchor = anchors.get(got(cell.id))
         layout = f'<a href="#{anchor}">layout</a>' if anchor else ""
-        code = policy.cell_code(c, pol)
+        code = policy.cell_code(cell, pol)
         tol = " <span class=muted>(tolerated)</span>" if code == 0 and status != "match" else ""
-        fd = diff.get("first_divergence") if isinstance(diff.get("first_divergence"), dict) else {}
         where = ""
-        if diff.get("first_divergent_step") is not None:
-            where = f"step {diff['first_divergent_step']}"
-            if fd.get("ranks"):
-                where += f", rank {','.join(map(str, fd['ranks']))}"
+        if diff and diff.first_divergent_step is not None:
+            where = f"step {diff.first_divergent_step}"
+            if diff.first_divergence and diff.first_divergence.ranks:
+                where += f", rank {','.join(map(str, diff.first_divergence.ranks))}"
         rows.append(
             f"<tr>{vals}<td><span class=badge style=\"background:{STATUS_COLOURS.get(status, '#444')}"
             f"\">{_e(status)}</span>{tol}</td><td>{_e(where)}</td>"
-            f"<td>{_strip(c, steps)}</td><td>{layout}</td>"
-            f"<td class=\"muted detail\">{_e(got(c.reason))}</td>"
-            f"<td class=mono>{_e(cell_headline(diff))}</td></tr>")
+            f"<td>{_strip(cell, diff, steps)}</td><td>{layout}</td>"
+            f"<td class=\"muted detail\">{_e(got(cell.reason))}</td>"
+            f"<td class=mono>{_e(cell_headline(cell.diff or {}))}</td></tr>")
     counts: dict[str, int] = {}
-    for c in cells:
-        counts[got(c.status, "?")] = counts.get(got(c.status, "?"), 0) + 1
+    for cell in cells:
+        counts[got(cell.status, "?")] = counts.get(got(cell.status, "?"), 0) + 1
     summary = ", ".join(f"{v} {k}" for k, v in counts.items())
-    name = got(sweep.name, "sweep")
+    name = got(report.name, "sweep")
     body = [
         f"<h1>parity sweep: {_e(name)}</h1>",
-        f"<div class=muted>{_e(got(sweep.description))}</div>",
+        f"<div class=muted>{_e(got(report.description))}</div>",
         _verdict_block(verdict),
         f"<p>{len(cells)} cells: {_e(summary)}</p>",
         "<h2>Cells</h2>", _legend(),
@@ -444,94 +450,91 @@ def render_sweep_html(sweep: SweepReport | dict, fail_on: str | None = None,
         "<h2>Bucket layout findings</h2>",
         findings or "<p class=muted>Every compared bucket layout is identical.</p>",
         "<h2>Divergent parameters</h2>",
-        _divergent_table([(c, anchors.get(got(c.id), "")) for c in cells]),
-        _runs(sweep, page_dir),
+        _divergent_table([(cell, diff, anchors.get(got(cell.id), "")) for cell, diff in typed]),
+        _runs(report, page_dir),
         f"<p class=muted>written by parity {time.strftime('%Y-%m-%d %H:%M:%S')}"
-        + (f"; sweep directory <code>{_e(sweep.dir)}</code>" if sweep.dir else "")
+        + (f"; sweep directory <code>{_e(report.dir)}</code>" if report.dir else "")
         + "</p>",
     ]
     return _page(f"parity sweep: {name}", body)
 
 
-def render_diff_html(d: dict, fail_on: str = "hash") -> str:
-    """The page of one ``parity diff`` (``DiffResult.to_dict()``): what the console shows, the
-    verdict line, summary, loss side by side, per-step counts, divergent parameters, and the
-    first differing bucket as a picture."""
+def render_diff_html(diff: DiffResult | dict, fail_on: str = "hash") -> str:
+    """The page of one ``parity diff``: what the console shows, the verdict line, summary, loss
+    side by side, per-step counts, divergent parameters, and the first differing bucket as a
+    picture. ``diff``: the result, or its JSON (``DiffResult.to_dict()``, typed here once)."""
     from parity.report import html_charts as charts
 
+    result = diff if isinstance(diff, DiffResult) else diff_from_dict(diff)
+    d = diff.to_dict() if isinstance(diff, DiffResult) else diff  # the charts read the JSON
     verdict = policy.judge_pair(d, fail_on)
-    a, b = d.get("a") or {}, d.get("b") or {}
-    steps = d.get("steps_compared") or []
-    fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else None
-    order = d.get("order") or {}
-    status = policy.status(d.get("verdict"), order.get("verdict"))
+    a, b, order, fd = result.a, result.b, result.order, result.first_divergence
+    steps = result.steps_compared
+    status = policy.status(result.verdict, order.verdict)
     summary = [
         ("Status", f'<span class=badge style="background:{STATUS_COLOURS.get(status, "#444")}">'
                    f"{_e(status)}</span>"),
-        ("A (reference)", f"<code>{_e(a.get('path'))}</code> "
-                          f"<span class=muted>manifests: {_e(a.get('bucket_source') or 'none')}</span>"),
-        ("B (candidate)", f"<code>{_e(b.get('path'))}</code> "
-                          f"<span class=muted>manifests: {_e(b.get('bucket_source') or 'none')}</span>"),
-        ("World size", _e(d.get("world_size"))),
-        ("Ranks compared", _e(",".join(map(str, d.get("ranks_compared") or [])))),
+        ("A (reference)", f"<code>{_e(a.path)}</code> "
+                          f"<span class=muted>manifests: {_e(a.bucket_source or 'none')}</span>"),
+        ("B (candidate)", f"<code>{_e(b.path)}</code> "
+                          f"<span class=muted>manifests: {_e(b.bucket_source or 'none')}</span>"),
+        ("World size", _e(result.world_size)),
+        ("Ranks compared", _e(",".join(map(str, result.ranks_compared)))),
         ("Steps compared", f"{len(steps)} ({_e(steps[0] if steps else '-')}-"
                            f"{_e(steps[-1] if steps else '-')}) <span class=muted>step 0: initial "
                            "parameters; step N: after optimizer step N</span>"),
-        ("Parameters", f"{_e(d.get('params_compared'))} "
-                       f"<span class=muted>({_e(', '.join(d.get('kinds_compared') or []))})</span>"),
+        ("Parameters", f"{_e(result.params_compared)} "
+                       f"<span class=muted>({_e(', '.join(result.kinds_compared))})</span>"),
     ]
     if fd:
-        first = "gradients (the backward pass differs first)" if fd.get("grad_before_param") \
+        first = "gradients (the backward pass differs first)" if fd.grad_before_param \
             else "parameters"
-        summary.append(("First divergence", f"step {_e(fd.get('step'))} [{_e(fd.get('origin'))}] "
-                                            f"on rank(s) {_e(','.join(map(str, fd.get('ranks') or [])))}: "
-                                            f"{_e(fd.get('explanation'))}"))
+        summary.append(("First divergence", f"step {_e(fd.step)} [{_e(fd.origin)}] "
+                                            f"on rank(s) {_e(','.join(map(str, fd.ranks)))}: "
+                                            f"{_e(fd.explanation)}"))
         summary.append(("Diverged first in", _e(first)))
     else:
         summary.append(("First divergence", "none"))
-    summary.append(("Bucket layouts", _e(order.get("verdict")) + (
-        f" <span class=muted>({_e(order.get('a_source'))} vs {_e(order.get('b_source'))}, rank "
-        f"{_e(order.get('rank'))})</span>" if order.get("compared") else "")))
+    summary.append(("Bucket layouts", _e(order.verdict) + (
+        f" <span class=muted>({_e(order.a_source)} vs {_e(order.b_source)}, rank "
+        f"{_e(order.rank)})</span>" if order.compared else "")))
     table = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in summary)
-    loss = d.get("loss") or {}
+    loss = result.loss
     loss_rows = []
-    for s in loss.get("steps") or []:
-        if not isinstance(s, dict):
-            continue
-        eq = s.get("equal")
-        style = ' style="background:#fde2e0"' if eq is False else ""
-        loss_rows.append(f"<tr{style}><td>{_e(s.get('step'))}</td><td class=mono>"
-                         f"{_e(repr(s.get('a')))}</td><td class=mono>{_e(repr(s.get('b')))}</td>"
-                         f"<td>{'equal' if eq else ('-' if eq is None else 'DIFFERS')}</td></tr>")
+    for step in loss.steps:
+        style = ' style="background:#fde2e0"' if step.equal is False else ""
+        bitwise = "equal" if step.equal else ("-" if step.equal is None else "DIFFERS")
+        loss_rows.append(f"<tr{style}><td>{_e(step.step)}</td><td class=mono>"
+                         f"{_e(repr(step.a))}</td><td class=mono>{_e(repr(step.b))}</td>"
+                         f"<td>{bitwise}</td></tr>")
     loss_rows = "".join(loss_rows)
-    loss_html = (f"<h2>Loss of rank {_e(loss.get('rank'))}, side by side</h2>"
-                 f"{charts.loss_svg(loss, d.get('ranks_compared') or [])}<table><tr><th>step"
+    loss_html = (f"<h2>Loss of rank {_e(loss.rank)}, side by side</h2>"
+                 f"{charts.loss_svg(d.get('loss') or {}, result.ranks_compared)}<table><tr><th>step"
                  f"</th><th>A</th><th>B</th><th>bitwise</th></tr>{loss_rows}</table>"
-                 if loss.get("captured") and loss_rows else "<p class=muted>Loss not captured.</p>")
-    per = [p for p in d.get("per_step") or [] if isinstance(p, dict)]
+                 if loss.captured and loss_rows else "<p class=muted>Loss not captured.</p>")
     per_html = ""
-    if per:
+    if result.per_step:
         per_html = ("<h2>Divergent per step</h2><p class=muted>parameters and gradients whose hash "
                     "differs on any rank</p>" + charts.divergent_svg(d)
                     + "<table><tr><th>step</th><th>params</th><th>grads</th>"
                     "<th>ranks</th></tr>" + "".join(
-                        f"<tr><td>{_e(p.get('step'))}</td><td>{_e(p.get('params'))}</td>"
-                        f"<td>{_e(p.get('grads'))}</td><td>{_e(p.get('ranks'))}</td></tr>"
-                        for p in per) + "</table>")
+                        f"<tr><td>{_e(count.step)}</td><td>{_e(count.params)}</td>"
+                        f"<td>{_e(count.grads)}</td><td>{_e(count.ranks)}</td></tr>"
+                        for count in result.per_step) + "</table>")
     cell = CellResult(id=None, status=status, diff=d)
-    findings, anchors = _bucket_findings([cell], ("reference", "candidate"))
+    findings, anchors = _bucket_findings([(cell, result)], ("reference", "candidate"))
     strip_steps = list(range(0, (max(steps) if steps else 0) + 1))
     body = [
         "<h1>parity diff</h1>",
-        f"<div class=muted>A <code>{_e(a.get('path'))}</code> vs B <code>{_e(b.get('path'))}</code>"
+        f"<div class=muted>A <code>{_e(a.path)}</code> vs B <code>{_e(b.path)}</code>"
         "</div>",
         _verdict_block(verdict),
-        _said_html(d),
+        _said_html(result),
         f"<table>{table}</table>",
-        f"<p>Steps: {_strip(cell, strip_steps)}</p>", _legend(),
+        f"<p>Steps: {_strip(cell, result, strip_steps)}</p>", _legend(),
         loss_html, per_html,
         "<h2>Divergent parameters</h2>",
-        _divergent_table([(cell, anchors.get(None, ""))], show_cell=False),
+        _divergent_table([(cell, result, anchors.get(None, ""))], show_cell=False),
         "<h2>Differing buckets, most consequential first</h2>",
         buckets_html(d, lambda fb, anchor: _bucket_section(fb, anchor, ("reference",
                                                                          "candidate"), []))
@@ -543,13 +546,12 @@ def render_diff_html(d: dict, fail_on: str = "hash") -> str:
     return _page("parity diff", body)
 
 
-def _said_html(d: dict) -> str:
+def _said_html(result: DiffResult) -> str:
     """Incomplete reasons and capture warnings of a diff (every one, as the console lists them)."""
-    items = [f"incomplete: {m}" for m in d.get("incomplete") or []]
-    for w in d.get("warnings") or []:
-        if isinstance(w, dict):
-            items.append(f"capture warning ({str(w.get('side', '?')).upper()} rank(s) "
-                         f"{w.get('ranks')}): {w.get('message')}")
+    items = [f"incomplete: {m}" for m in result.incomplete]
+    for w in result.warnings:
+        items.append(f"capture warning ({str(w.side or '?').upper()} rank(s) "
+                     f"{w.ranks}): {w.message}")
     if not items:
         return ""
     return "<ul class=warnings>" + "".join(f"<li>{_e(i)}</li>" for i in items) + "</ul>"
@@ -565,4 +567,4 @@ def write_sweep_html(sweep: SweepReport | dict, path: str | os.PathLike,
 
 def write_diff_html(result, path: str | os.PathLike, fail_on: str = "hash") -> None:
     """The page of one ``parity diff`` under ``fail_on`` (its own wording, not a sweep's)."""
-    write_text_atomic(path, render_diff_html(result.to_dict(), fail_on))
+    write_text_atomic(path, render_diff_html(result, fail_on))

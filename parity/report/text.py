@@ -9,8 +9,10 @@ Every report format shows them as visible escapes (``\\x1b``, ``\\u202e``, ``\\u
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-from rich.text import Text
+if TYPE_CHECKING:  # rich is imported by T: the CLI imports safe_text's users at start
+    from rich.text import Text
 
 # C0 and C1 controls, DEL, bidi marks/embeddings/overrides/isolates, lone surrogates
 _UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069"
@@ -33,4 +35,6 @@ def safe_text(text, keep_lines: bool = False) -> str:
 
 def T(s, style: str | None = None) -> Text:
     """Literal rich text for the console (never markup; unsafe characters escaped)."""
+    from rich.text import Text
+
     return Text(safe_text(s, keep_lines=True), style=style or "")

@@ -17,14 +17,14 @@ from parity.sweep.model import SweepReport, as_report
 POLICIES = tuple(policy.POLICIES)
 
 
-def sweep_policy(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
+def sweep_policy(report: SweepReport, fail_on: str | None = None) -> str:
     """``fail_on`` if given, else the policy the sweep ran under (else the default)."""
-    return policy.check(fail_on or as_report(sweep).fail_on or policy.DEFAULT)
+    return policy.check(fail_on or report.fail_on or policy.DEFAULT)
 
 
 def evaluate(sweep: SweepReport | dict, fail_on: str | None = None) -> tuple[int, list[str]]:
     """(exit code, report lines ending with the verdict line) for a loaded sweep report (typed,
-    or sweep.json as ``load_sweep`` returns it)."""
+    or sweep.json as ``load_sweep`` returns it: typed here, once)."""
     report = as_report(sweep)
     verdict, lines = policy.judge_sweep(report, sweep_policy(report, fail_on))
     return verdict.code, lines + [verdict.line()]

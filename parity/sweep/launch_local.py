@@ -107,7 +107,8 @@ class LocalHandle:
 
 
 class LocalLauncher(Launcher):
-    name = "local"
+    """One torchrun on this machine: how the ``local`` launcher (launch_multinode.py) runs a
+    one-node job."""
 
     def __init__(self, grace: float = 5.0, host: str = "127.0.0.1"):
         self.grace = grace

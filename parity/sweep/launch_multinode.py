@@ -222,14 +222,15 @@ class MultiNodeHandle:
 class MultiNodeLauncher(Launcher):
     """``job.nnodes`` torchrun agents on this machine, meeting at ``127.0.0.1:<free port>``.
 
-    A drop-in for the local launcher (a one-node job runs exactly as there). Agent K runs as its
+    This is the launcher named ``local`` (launchers.py), not :class:`LocalLauncher`: one class
+    serves every job shape this machine can run. A one-node job is handed to LocalLauncher
+    unchanged; the class is named for what it adds (one agent per node, their rendezvous, the
+    merge of their run folders), which a one-node job does not need. Agent K runs as its
     own local job (process tree killed on timeout or cancel) and passes ``--local-addr
     127.0.0.<K+1>`` so that it gets group rank K (c10d orders nodes by address; all of 127/8 is
     this machine). All agents append to ``job.console_log``. When an agent fails the others
     are stopped after the grace period (a lone agent would wait for its peers until timeout).
     """
-
-    name = "local"
 
     def __init__(self, grace: float = 5.0, host: str = "127.0.0.1"):
         self.grace = grace

@@ -112,8 +112,6 @@ class SlurmLauncher(Launcher):
     ``grace`` is accepted for the common interface; after ``scancel`` the cluster's ``KillWait``
     decides when SIGKILL follows SIGTERM. ``poll_interval`` bounds how often ``squeue`` runs."""
 
-    name = "slurm"
-
     def __init__(self, options: dict | None = None, grace: float = 5.0,
                  poll_interval: float = 1.0, python: str = sys.executable):
         self.options = dict(options or {})

@@ -7,8 +7,8 @@ timeout. The runner calls ``start`` and then ``poll`` until it returns a :class:
 itself, so that a SLURM launcher can hand it to the scheduler.
 
 Implementations: launch_local.py (one node), launch_multinode.py (several torchrun agents on this
-machine), launch_slurm.py; they import this module, and launchers.py (the registry, imported by
-the runner) imports them and picks one by name.
+machine), launch_slurm.py; they import this module, and launchers.py (the registry of names,
+imported by the runner) imports them and picks one by name.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class JobResult:
 class Launcher(ABC):
     """start(job) -> handle; poll(handle) -> JobResult | None; cancel(handle)."""
 
-    name = "?"
+    name = "?"  # the registry's name for it, set by launchers.make_launcher
 
     @abstractmethod
     def start(self, job: Job):

@@ -1,23 +1,50 @@
-"""The launcher registry: a launcher by name. It imports the concrete launchers, which import
-only the interface (launcher.py), so the dependency runs one way: runner -> launchers ->
-launch_* -> launcher."""
+"""The launcher registry: the one place launcher names live. The spec's ``[launcher] type``,
+``parity sweep --launcher``'s choices and the runner read :data:`NAMES` and the constants here;
+``make_launcher`` builds the launcher called by a name and gives it that name.
+
+A factory imports its launcher's module when called (the concrete launchers import only the
+interface, launcher.py), so the CLI and the spec parser read the names without loading them;
+the dependency runs one way: runner -> launchers -> launch_* -> launcher.
+"""
 
 from __future__ import annotations
 
-from parity.errors import ParityError
-from parity.sweep.launch_multinode import MultiNodeLauncher
-from parity.sweep.launch_slurm import SlurmLauncher
-from parity.sweep.launcher import Launcher
+from typing import TYPE_CHECKING, Callable
 
-NAMES = ("local", "slurm")
+from parity.errors import ParityError
+
+if TYPE_CHECKING:  # the interface imports shutil & co.: the CLI reads NAMES without them
+    from parity.sweep.launcher import Launcher
+
+LOCAL = "local"  # this machine: one torchrun agent per node (launch_multinode.MultiNodeLauncher)
+SLURM = "slurm"  # sbatch jobs (launch_slurm.SlurmLauncher)
+DEFAULT = LOCAL  # a spec without a [launcher] table
+
+
+def _local(options: dict, grace: float) -> Launcher:
+    # One launcher for one node or several: a multi-node job runs one torchrun agent per node
+    # on this machine (c10d rendezvous on 127.0.0.1), a one-node job as LocalLauncher.
+    from parity.sweep.launch_multinode import MultiNodeLauncher
+
+    return MultiNodeLauncher(grace=grace)
+
+
+def _slurm(options: dict, grace: float) -> Launcher:
+    from parity.sweep.launch_slurm import SlurmLauncher
+
+    return SlurmLauncher(options, grace=grace)
+
+
+# name -> factory(options from the spec's [launcher] table, grace seconds)
+LAUNCHERS: dict[str, Callable[[dict, float], "Launcher"]] = {LOCAL: _local, SLURM: _slurm}
+NAMES = tuple(LAUNCHERS)
 
 
 def make_launcher(name: str, options: dict | None = None, grace: float = 5.0) -> Launcher:
-    """The launcher called ``name`` ("local" | "slurm"), configured from the spec's table."""
-    if name == "local":
-        # One launcher for one node or several: a multi-node job runs one torchrun agent per
-        # node on this machine (c10d rendezvous on 127.0.0.1), a one-node job as LocalLauncher.
-        return MultiNodeLauncher(grace=grace)
-    if name == "slurm":
-        return SlurmLauncher(options or {}, grace=grace)
-    raise ParityError(f"unknown launcher {name!r} ({', '.join(NAMES)})")
+    """The launcher called ``name`` (one of :data:`NAMES`), configured from the spec's table."""
+    factory = LAUNCHERS.get(name)
+    if factory is None:
+        raise ParityError(f"unknown launcher {name!r} ({', '.join(NAMES)})")
+    launcher = factory(options or {}, grace)
+    launcher.name = name  # what a `launcher:NAME` requirement is checked against
+    return launcher

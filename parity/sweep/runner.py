@@ -29,7 +29,7 @@ from parity.sweep import control as ctl
 from parity.sweep import state as st
 from parity.sweep.early_stop import DivergenceWatch
 from parity.sweep.launcher import CANCELLED, OK, Job, JobResult, Launcher
-from parity.sweep.launchers import make_launcher
+from parity.sweep.launchers import LOCAL, make_launcher
 from parity.sweep.model import SideResult
 from parity.sweep.progress import make_progress
 from parity.sweep.results import clean_finish, compare_cell
@@ -86,7 +86,7 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
 
     lnch = make_launcher(launcher_name, sp.launcher.options, grace=grace)
     if jobs is None:  # local: one job at a time (2 cores); slurm: all at once, the queue schedules
-        jobs = 1 if launcher_name == "local" else max(1, 2 * len(selected))
+        jobs = 1 if launcher_name == LOCAL else max(1, 2 * len(selected))
     st.prepare_sweep_dir(sweep_dir)
     lock = st.SweepLock(sweep_dir).acquire()
     try:
@@ -113,7 +113,7 @@ def _dry_run(sp: Spec, cells: list[Cell], selected: set[str], sweep_dir: Path, l
     try:
         lnch = make_launcher(launcher_name, sp.launcher.options, grace=grace)
     except ParityError as e:
-        lnch, stand_in = make_launcher("local", grace=grace), True
+        lnch, stand_in = make_launcher(LOCAL, grace=grace), True
         note = f"\nnote: {e}; showing local commands, requirements not checked"
     prefix = parity_command()
     owners: dict[str, str] = {}  # reference fingerprint -> the first cell that runs that job

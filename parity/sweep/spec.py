@@ -24,12 +24,12 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 from parity.errors import ParityError, SpecError
 from parity.nccl_model import parse_topology
-from parity.sweep import torchtitan_args
+from parity.sweep import launchers, torchtitan_args
 
 SIDES = ("reference", "candidate")
 CELLS_DIR = "cells"  # SWEEP_DIR/cells/CELL_ID/{cell.json,diff.json,reference/,candidate/,logs/}
 BUILTIN_ENTRY = ["-m", "parity.workloads.train"]
-LAUNCHERS = ("local", "slurm")
+LAUNCHERS = launchers.NAMES  # the registry (launchers.py) is the one list of launcher names
 DEFAULT_TIMEOUT = 1800.0
 
 # Placeholders every spec may use besides its axis names.

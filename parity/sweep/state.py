@@ -251,11 +251,9 @@ def _public_cell(st: dict) -> CellResult:
         **{k: st[k] for k in ("control", "shares_reference_with", "early_stop") if k in st})
 
 
-def axis_names(sweep) -> list[str]:
+def axis_names(report: SweepReport) -> list[str]:
     """Axis names in the spec's order: sweep.json's ``axes`` is a list of {name, values} (then
-    any axis only a cell names, in the order first seen). Every report's matrix uses this.
-    ``sweep`` is a SweepReport or sweep.json as a dict."""
-    report = as_report(sweep)
+    any axis only a cell names, in the order first seen). Every report's matrix uses this."""
     names = [a["name"] for a in report.axes or [] if isinstance(a, dict) and "name" in a]
     for c in report.cells or []:
         for k in (c.axes if isinstance(c, CellResult) and isinstance(c.axes, dict) else {}):
