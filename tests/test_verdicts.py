@@ -190,3 +190,17 @@ def test_capture_warnings_reach_the_sweep_reason_and_the_gate():
     assert code == 0 and any(line.startswith("warning   c: 1 capture warning (B: 2 parameter")
                              for line in lines)
     assert "1 capture warning: c (B: 2 parameter(s) joined ...)" in lines[-1]
+
+
+def test_diff_verdict_line_says_capture_warnings_like_the_json_one():
+    """`parity diff`'s console verdict (DiffResult.judge) and the one reports build from the JSON
+    (policy.judge_pair) say the same words, capture warnings included."""
+    from parity.diff.result import from_dict
+    from parity.policy import judge_pair
+
+    d = {"verdict": "match", "order": {"verdict": "identical"}, "steps_compared": [1],
+         "ranks_compared": [0], "params_compared": 1, "kinds_compared": ["params"],
+         "warnings": [{"side": "b", "ranks": [0], "message": "2 parameter(s) joined ..."}]}
+    r = from_dict(d)
+    assert r.judge("hash").line() == judge_pair(d, "hash").line()
+    assert "1 capture warning: B: 2 parameter(s) joined ..." in r.judge().line()

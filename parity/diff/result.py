@@ -157,6 +157,8 @@ class DiffResult:
                       "consequences": self.order.consequences},
             "reduction_order": self._reduction_dict(),
             "params_only_in_a": self.params_only_in_a, "params_only_in_b": self.params_only_in_b,
+            # the same words as the JSON-fed verdict (sweep reports, HTML): capture warnings
+            "warnings": [{"side": w.side, "message": w.message} for w in self.warnings],
         }, fail_on)
 
     # -- serialization
