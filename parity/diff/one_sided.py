@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from parity.artifacts import RankData, Run
+from parity.diff.hashes import step_fields
 from parity.text import ranges
 
 
@@ -25,6 +26,8 @@ def one_sided(ra: list[RankData], rb: list[RankData], ranks: list[int], steps: l
     cells = {"gradients": ([], []), "loss": ([], [])}  # per side: (row, col) only that side has
     for i, (x, y) in enumerate(zip(ra, rb)):
         xs, ys = x.steps, y.steps
+        if step_fields(xs, ys, steps, "grad_digest", "loss_hash", "loss") is not None:
+            continue  # equal values (and types) on both sides: nothing recorded on one only
         for j, s in enumerate(steps):
             p, q = xs.get(s), ys.get(s)
             if p is None or q is None:
