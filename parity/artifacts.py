@@ -21,14 +21,17 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 import xxhash
 
 from parity import params_codec
 from parity.errors import ArtifactError
 from parity.rundir import (BUCKETS_FILE, HASHES_FILE, HASHES_V1_FILE, META_FILE, PARAMS_FILE,
                            RUN_FILE, STEPS_FILE, rank_dir, rank_of, refused_records)
+
+if TYPE_CHECKING:  # numpy is imported when per-parameter hashes are read (RankData.hashes)
+    import numpy as np
 
 SCHEMA_VERSION = 2
 READABLE_VERSIONS = (1, 2)  # schema 1: hex hashes in hashes.jsonl, row-per-parameter params.json
@@ -408,6 +411,8 @@ class RankData:
                 isinstance(p.get("since"), int) and p["since"] > step for p in self.params[n:]):
             # parameters that joined the optimizers after this step: not recorded yet (NO_HASH)
             raw += NO_HASH * (len(self.params) - n)
+        import numpy as np
+
         return np.frombuffer(raw, dtype=np.uint8).reshape(-1, HASH_BYTES)
 
     _read_hint: int = field(default=1 << 16, repr=False, compare=False)

@@ -156,15 +156,20 @@ def summarize(buckets: list[dict]) -> dict:
     return out
 
 
-def summarize_run(run: Any) -> dict | None:
-    """``summarize`` of the lowest rank of a ``parity.artifacts.Run``; None if it has no buckets."""
+def summarize_run(run: Any, _known: tuple[list, dict] | None = None) -> dict | None:
+    """``summarize`` of the lowest rank of a ``parity.artifacts.Run``; None if it has no buckets.
+    ``_known``: (records, their summary) of the other side; records that are the very same list
+    (the reader shares byte-identical manifests) are not summarized twice."""
     ranks = getattr(run, "ranks", {}) or {}
     if not ranks:
         return None
     rd = ranks[min(ranks)]
     if not rd.buckets:
         return None
-    out = summarize(rd.buckets)
+    if _known is not None and _known[0] is rd.buckets:
+        out = dict(_known[1])
+    else:
+        out = summarize(rd.buckets)
     out["rank"] = rd.rank
     return out
 
@@ -311,7 +316,10 @@ def moved_between(a: dict | None, b: dict | None) -> list[dict]:
 def summarize_pair(run_a: Any, run_b: Any) -> dict:
     """The diff's ``bucketing``: both sides' summaries and the parameters whose bucket moved to
     another module's between them."""
-    a, b = summarize_run(run_a), summarize_run(run_b)
+    a = summarize_run(run_a)
+    ranks_a = getattr(run_a, "ranks", {}) or {}
+    known = (ranks_a[min(ranks_a)].buckets, a) if a is not None else None
+    b = summarize_run(run_b, known)
     return {"a": a, "b": b, "moved": moved_between(a, b)}
 
 

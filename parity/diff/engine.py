@@ -14,8 +14,6 @@ import struct
 import time
 from pathlib import Path
 
-import numpy as np
-
 from parity.artifacts import RankData, Run, gc_paused, read_run
 from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
@@ -320,8 +318,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
 
     hc = compare_hashes(ranks, ra, rb, aligns, steps, count_budget)
     _lazy_problems(ra, rb, n_before, problems)
-    both = hc.compared
-    steps_compared = [s for j, s in enumerate(steps) if both[:, j].any()] if ranks else []
+    both = hc.compared_rows  # numpy only where something differs (hashes.py)
+    steps_compared = hc.steps_compared if ranks else []
     _step_gaps(steps, ranks, ra, rb, both, incomplete)
     if hc.unreadable:
         side, r, s, k = hc.unreadable[0]
@@ -477,8 +475,8 @@ def _n_compared(aligns) -> int:
     distinct = list({id(al): al for al in aligns}.values())
     if not distinct:
         return 0
-    # a set, not np.unique: that imports numpy.ma (~30 ms of a 256-rank diff)
-    return len(set(np.concatenate([al.gid for al in distinct]).tolist()))
+    # a set of the Python ids: no numpy on the path of two identical runs
+    return len(set().union(*(al.gids for al in distinct)))
 
 
 def _links(name: str, loc_a: dict, loc_b: dict) -> dict:
@@ -546,6 +544,10 @@ def _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, shape_rows: s
 def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
     if not ranks or not steps:
         return
+    if all(len(x.steps) == len(steps) for x in ra) and all(len(y.steps) == len(steps) for y in rb):
+        return  # every rank of both sides has every step (``steps`` is their union)
+    import numpy as np
+
     from parity.diff.hashes import presence_table
 
     pa, pb = presence_table(ra, steps), presence_table(rb, steps)

@@ -5,9 +5,10 @@ Cost model (docs/diff.md has the numbers):
 1. Parameters are aligned per rank by normalized FQN (``Alignment``); ranks whose tables list the
    same keys in the same order share one cached alignment, and for them the per-step roll-up
    digests of steps.jsonl are comparable as they are.
-2. Roll-ups are compared for every (rank, step) at once (numpy); only cells whose roll-ups differ
+2. Roll-ups are compared for every (rank, step) as the strings steps.jsonl holds (pure Python:
+   two identical runs, the common case, never import numpy); only cells whose roll-ups differ
    (or whose two sides store parameters in different orders) are "drilled": their per-parameter
-   hash lines are read (by offset) and compared, vectorized over parameters.
+   hash lines are read (by offset) and compared, vectorized over parameters (numpy).
 3. The first divergent step is drilled completely (every rank, both kinds) for the detailed
    report. Later steps are drilled only for per-step counts, and only until every parameter is
    known to differ ("saturated": after a real divergence, usually on the first rank drilled);
@@ -20,10 +21,14 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-
-import numpy as np
+from functools import cached_property
+from itertools import repeat
+from typing import TYPE_CHECKING
 
 from parity.artifacts import RankData, rollup_digest
+
+if TYPE_CHECKING:  # numpy is imported where something differs (see the module docstring)
+    import numpy as np
 
 KINDS = ("param", "grad")
 _DIGEST_FIELD = {"param": "param_digest", "grad": "grad_digest"}
@@ -48,11 +53,15 @@ def param_keys(params: list[dict]) -> list[str]:
 
 @dataclass
 class Alignment:
-    """Rows of one rank's two tables that hold the same parameter."""
+    """Rows of one rank's two tables that hold the same parameter.
 
-    ia: np.ndarray  # row in A's table
-    ib: np.ndarray  # row in B's table
-    gid: np.ndarray  # global parameter id (ParamIndex)
+    Kept as Python lists (``rows_a``, ``rows_b``, ``gids``; ``None`` rows for an identity
+    alignment): the numpy views ``ia``, ``ib``, ``gid`` are built on first use, which only
+    happens when some hash differs or the tables differ."""
+
+    rows_a: list[int] | None  # row in A's table (None: 0..n_a-1)
+    rows_b: list[int] | None  # row in B's table (None: 0..n_b-1)
+    gids: list[int]  # global parameter id (ParamIndex) of each aligned row
     identity: bool  # both tables list the same keys in the same order: roll-ups comparable
     n_a: int
     n_b: int
@@ -61,8 +70,28 @@ class Alignment:
     permutation: bool = False  # same keys in another order: B's roll-up in A's order computable
 
     def __post_init__(self):
-        self.permutation = (not self.identity and len(self.ia) == self.n_a == self.n_b
-                            and bool((self.ia == np.arange(self.n_a)).all()))
+        self.permutation = (not self.identity and len(self.gids) == self.n_a == self.n_b
+                            and self.rows_a == list(range(self.n_a)))
+
+    @cached_property
+    def ia(self) -> np.ndarray:
+        import numpy as np
+
+        return np.arange(self.n_a, dtype=np.int64) if self.rows_a is None else \
+            np.asarray(self.rows_a, dtype=np.int64)
+
+    @cached_property
+    def ib(self) -> np.ndarray:
+        import numpy as np
+
+        return np.arange(self.n_b, dtype=np.int64) if self.rows_b is None else \
+            np.asarray(self.rows_b, dtype=np.int64)
+
+    @cached_property
+    def gid(self) -> np.ndarray:
+        import numpy as np
+
+        return np.asarray(self.gids, dtype=np.int64)
 
 
 class ParamIndex:
@@ -72,15 +101,15 @@ class ParamIndex:
         self.names: list[str] = []
         self.ids: dict[str, int] = {}
 
-    def ids_of(self, keys: list[str]) -> np.ndarray:
+    def ids_of(self, keys: list[str]) -> list[int]:
         ids = self.ids
-        out = np.empty(len(keys), dtype=np.int64)
-        for i, k in enumerate(keys):
+        out = []
+        for k in keys:
             j = ids.get(k)
             if j is None:
                 j = ids[k] = len(self.names)
                 self.names.append(k)
-            out[i] = j
+            out.append(j)
         return out
 
 
@@ -109,9 +138,8 @@ class Aligner:
         if hit is not None:
             return hit
         if keys_a == keys_b:
-            ia = ib = np.arange(len(keys_a), dtype=np.int64)
-            al = Alignment(ia, ib, self.index.ids_of(list(keys_a)), True, len(keys_a), len(keys_b),
-                           [], [])
+            al = Alignment(None, None, self.index.ids_of(list(keys_a)), True, len(keys_a),
+                           len(keys_b), [], [])
         else:
             pos_b = {k: j for j, k in enumerate(keys_b)}
             ia_l, ib_l = [], []
@@ -122,7 +150,7 @@ class Aligner:
                     ib_l.append(j)
             set_a = set(keys_a)
             al = Alignment(
-                np.asarray(ia_l, dtype=np.int64), np.asarray(ib_l, dtype=np.int64),
+                ia_l, ib_l,
                 self.index.ids_of([keys_a[i] for i in ia_l]), False, len(keys_a), len(keys_b),
                 [k for k in keys_a if k not in pos_b], [k for k in keys_b if k not in set_a],
             )
@@ -132,6 +160,8 @@ class Aligner:
 
 def digest_table(ranks: list[RankData], steps: list[int], kind: str) -> np.ndarray:
     """(len(ranks), len(steps)) array of roll-up digests (bytes); b"" where absent."""
+    import numpy as np
+
     fld = _DIGEST_FIELD[kind]
     out = np.zeros((len(ranks), len(steps)), dtype="S32")
     for i, rd in enumerate(ranks):
@@ -143,6 +173,8 @@ def digest_table(ranks: list[RankData], steps: list[int], kind: str) -> np.ndarr
 
 
 def presence_table(ranks: list[RankData], steps: list[int]) -> np.ndarray:
+    import numpy as np
+
     out = np.zeros((len(ranks), len(steps)), dtype=bool)
     for i, rd in enumerate(ranks):
         out[i] = [s in rd.steps for s in steps]
@@ -161,6 +193,8 @@ class StepDetail:
         chunks = self.pairs[kind]
         if not chunks:
             return []
+        import numpy as np
+
         gids = np.concatenate([g for g, _ in chunks])
         ranks = np.concatenate([np.full(len(g), r, dtype=np.int64) for g, r in chunks])
         order = np.lexsort((ranks, gids))
@@ -184,13 +218,22 @@ class StepCount:
 @dataclass
 class HashComparison:
     steps: list[int]
-    compared: np.ndarray  # (R, S) both sides present
+    compared_rows: list[list[bool]]  # [rank row][step column]: both sides present
     first_step: int | None
     detail: StepDetail | None
     counts: list[StepCount]
     cells_drilled: int
     unreadable: list[tuple[str, int, int, str]]  # (side, rank, step, kind)
     grads_compared: bool
+    steps_compared: list[int] = field(default_factory=list)  # steps some rank has on both sides
+
+    @property
+    def compared(self) -> np.ndarray:
+        """``compared_rows`` as an (R, S) bool array."""
+        import numpy as np
+
+        return np.array(self.compared_rows, dtype=bool).reshape(len(self.compared_rows),
+                                                                len(self.steps))
 
 
 def _load(rd: RankData, step: int, kind: str, n: int) -> np.ndarray | None:
@@ -200,39 +243,106 @@ def _load(rd: RankData, step: int, kind: str, n: int) -> np.ndarray | None:
             rd.problems.append(f"{rd.path / 'hashes.jsonl'}: step {step} {kind} line has "
                                f"{h.shape[0]} hashes, the table {n}")
         return None
+    import numpy as np
+
     return h.view(np.uint64)  # (n, 2)
+
+
+def _rollup_pass(ra: list[RankData], rb: list[RankData], aligns: list[Alignment],
+                 steps: list[int]):
+    """Every (rank, step) cell's roll-ups, compared as the strings steps.jsonl holds: which cells
+    both sides recorded, which need drilling per kind (roll-ups differ, or the two tables
+    order their rows differently), and whether any gradient roll-up was comparable."""
+    both_rows: list[list[bool]] = []
+    cand_rows: dict[str, list[list[bool]]] = {k: [] for k in KINDS}
+    grads_compared = False
+    n_cand = 0
+    n = len(steps)
+    for x, y, al in zip(ra, rb, aligns):
+        xs, ys, ident = x.steps, y.steps, al.identity
+        if ident and len(xs) == n and len(ys) == n:  # ``steps`` holds both ranks' steps
+            # the usual rank: both sides recorded every step; its roll-ups as lists (C loops)
+            fast = step_fields(xs, ys, steps, "param_digest", "grad_digest")
+            if fast is not None:
+                grads = fast[1]
+                both_rows.append([True] * n)
+                cand_rows["param"].append([False] * n)
+                cand_rows["grad"].append([False] * n)
+                grads_compared = grads_compared or any(
+                    isinstance(u, str) and u != "" for u in grads)
+                continue
+        brow: list[bool] = []
+        prow: list[bool] = []
+        grow: list[bool] = []
+        for s in steps:
+            p, q = xs.get(s), ys.get(s)
+            if p is None or q is None:
+                brow.append(False)
+                prow.append(False)
+                grow.append(False)
+                continue
+            brow.append(True)
+            u, v = p.get("param_digest"), q.get("param_digest")
+            c = isinstance(u, str) and u != "" and isinstance(v, str) and v != "" and (
+                u != v or not ident)
+            prow.append(c)
+            u, v = p.get("grad_digest"), q.get("grad_digest")
+            ok = isinstance(u, str) and u != "" and isinstance(v, str) and v != ""
+            grads_compared = grads_compared or ok
+            d = ok and (u != v or not ident)
+            grow.append(d)
+            n_cand += c or d
+        both_rows.append(brow)
+        cand_rows["param"].append(prow)
+        cand_rows["grad"].append(grow)
+    return both_rows, cand_rows, grads_compared, n_cand
+
+
+def step_fields(xs: dict, ys: dict, steps: list[int], *names: str):
+    """When both sides' records of ``steps`` (every one present) hold equal values of each
+    field in ``names`` (the same types too: ``True == 1``), those values of A's side as one list
+    per field, else None. For a rank whose two sides agree, in C loops rather than per cell."""
+    recs_a, recs_b = list(map(xs.get, steps)), list(map(ys.get, steps))
+    if None in recs_a or None in recs_b:
+        return None
+    out = []
+    for name in names:
+        va = list(map(dict.get, recs_a, repeat(name)))
+        vb = list(map(dict.get, recs_b, repeat(name)))
+        if va != vb or list(map(type, va)) != list(map(type, vb)):
+            return None
+        out.append(va)
+    return out
 
 
 def compare_hashes(ranks: list[int], ra: list[RankData], rb: list[RankData],
                    aligns: list[Alignment], steps: list[int],
                    count_budget: int = DEFAULT_COUNT_BUDGET) -> HashComparison:
     """Compare the hashes of ``ranks`` (parallel lists ``ra``, ``rb``, ``aligns``) over ``steps``."""
-    pres_a, pres_b = presence_table(ra, steps), presence_table(rb, steps)
-    both = pres_a & pres_b
-    ident = np.array([al.identity for al in aligns], dtype=bool)[:, None]
-    cand: dict[str, np.ndarray] = {}
-    comparable: dict[str, np.ndarray] = {}
-    digests_a: dict[str, np.ndarray] = {}
-    for kind in KINDS:
-        da, db = digest_table(ra, steps, kind), digest_table(rb, steps, kind)
-        digests_a[kind] = da
-        ok = both & (da != b"") & (db != b"")
-        comparable[kind] = ok
-        cand[kind] = ok & ((da != db) | ~ident)
-    grads_compared = bool(comparable["grad"].any())
+    both, cand, grads_compared, n_cand = _rollup_pass(ra, rb, aligns, steps)
+    col_both = [any(col) for col in zip(*both)] if both else [False] * len(steps)
+    steps_compared = [s for s, c in zip(steps, col_both) if c]
 
     unreadable: list[tuple[str, int, int, str]] = []
     first_step: int | None = None
     detail: StepDetail | None = None
     counts: list[StepCount] = []
     drilled = 0
-    budget_left = count_budget
-    n_glob = 1 + max((int(al.gid.max()) for al in aligns if len(al.gid)), default=-1)
+    if not n_cand:  # every roll-up both sides recorded is equal: nothing to drill
+        return HashComparison(steps, both, None, None, counts, drilled, unreadable,
+                              grads_compared, steps_compared)
 
-    any_cand = cand["param"] | cand["grad"]
-    for j in np.flatnonzero(any_cand.any(axis=0)):
-        step = steps[j]
-        rows = np.flatnonzero(any_cand[:, j])
+    import numpy as np
+
+    budget_left = count_budget
+    n_glob = 1 + max((max(al.gids) for al in {id(al): al for al in aligns}.values()
+                      if al.gids), default=-1)
+
+    cand_p, cand_g = cand["param"], cand["grad"]
+    for j, step in enumerate(steps):
+        rows = [i for i in range(len(aligns)) if cand_p[i][j] or cand_g[i][j]]
+        if not rows:
+            continue
         after_first = first_step is not None
         det = StepDetail(step)
         masks = {k: np.zeros(n_glob, dtype=bool) for k in KINDS}
@@ -242,7 +352,7 @@ def compare_hashes(ranks: list[int], ra: list[RankData], rb: list[RankData],
         for i in rows:
             al = aligns[i]
             for kind in KINDS:
-                if not cand[kind][i, j]:
+                if not cand[kind][i][j]:
                     continue
                 if after_first and al.identity and saturated[kind]:
                     # every parameter already differs somewhere; the roll-up says this rank does
@@ -261,7 +371,7 @@ def compare_hashes(ranks: list[int], ra: list[RankData], rb: list[RankData],
                 hb = _load(rb[i], step, kind, al.n_b)
                 if hb is not None and al.permutation:
                     # B's hashes in A's order have A's roll-up iff nothing differs: A unread
-                    if rollup_digest(hb[al.ib].tobytes()).encode() == digests_a[kind][i, j]:
+                    if rollup_digest(hb[al.ib].tobytes()) == ra[i].steps[step][_DIGEST_FIELD[kind]]:
                         continue
                 ha = _load(ra[i], step, kind, al.n_a)
                 if ha is None or hb is None:
@@ -293,13 +403,12 @@ def compare_hashes(ranks: list[int], ra: list[RankData], rb: list[RankData],
                                                                   or not grads_compared))))
     if first_step is not None:  # steps after the first with nothing different count as zeros
         have = {c.step for c in counts}
-        compared_steps = both.any(axis=0)
         for j, step in enumerate(steps):
-            if step > first_step and step not in have and compared_steps[j]:
+            if step > first_step and step not in have and col_both[j]:
                 counts.append(StepCount(step, 0, 0 if grads_compared else None, 0, True))
         counts.sort(key=lambda c: c.step)
     return HashComparison(steps, both, first_step, detail, counts, drilled, unreadable,
-                          grads_compared)
+                          grads_compared, steps_compared)
 
 
 __all__ = ["Aligner", "Alignment", "ParamIndex", "param_keys", "compare_hashes", "HashComparison",

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
-
 from parity.artifacts import RankData, Run
-from parity.diff.hashes import digest_table, presence_table
+from parity.diff.hashes import step_fields
 from parity.text import ranges
 
 
@@ -24,21 +22,31 @@ def one_sided(ra: list[RankData], rb: list[RankData], ranks: list[int], steps: l
     """Gradients or losses present on one side only at a (rank, step) both sides recorded."""
     if not ranks or not steps:
         return []
-    both = presence_table(ra, steps) & presence_table(rb, steps)
-    grads = (digest_table(ra, steps, "grad") != b"", digest_table(rb, steps, "grad") != b"")
-
-    def has_loss(lst):
-        return np.array([[loss_bits(x.steps.get(s)) is not None for s in steps] for x in lst],
-                        dtype=bool).reshape(len(lst), len(steps))
-
+    # pure Python over (rank, step) cells: two identical runs never import numpy
+    cells = {"gradients": ([], []), "loss": ([], [])}  # per side: (row, col) only that side has
+    for i, (x, y) in enumerate(zip(ra, rb)):
+        xs, ys = x.steps, y.steps
+        if step_fields(xs, ys, steps, "grad_digest", "loss_hash", "loss") is not None:
+            continue  # equal values (and types) on both sides: nothing recorded on one only
+        for j, s in enumerate(steps):
+            p, q = xs.get(s), ys.get(s)
+            if p is None or q is None:
+                continue
+            u, v = p.get("grad_digest"), q.get("grad_digest")
+            ga, gb = isinstance(u, str) and u != "", isinstance(v, str) and v != ""
+            if ga != gb:
+                cells["gradients"][0 if ga else 1].append((i, j))
+            la, lb = loss_bits(p) is not None, loss_bits(q) is not None
+            if la != lb:
+                cells["loss"][0 if la else 1].append((i, j))
     out = []
-    for what, (ha, hb) in (("gradients", grads), ("loss", (has_loss(ra), has_loss(rb)))):
-        for side, only in (("A", both & ha & ~hb), ("B", both & hb & ~ha)):
-            if only.any():
-                st = [steps[j] for j in np.flatnonzero(only.any(axis=0))]
-                rk = [ranks[i] for i in np.flatnonzero(only.any(axis=1))]
+    for what in ("gradients", "loss"):
+        for side, only in zip(("A", "B"), cells[what]):
+            if only:
+                st = [steps[j] for j in sorted({j for _, j in only})]
+                rk = [ranks[i] for i in sorted({i for i, _ in only})]
                 out.append(f"{what} recorded by {side} only at step(s) {ranges(st)} on rank(s) "
-                           f"{ranges(rk)} ({int(only.sum())} record(s)){_hint(what)}")
+                           f"{ranges(rk)} ({len(only)} record(s)){_hint(what)}")
     return out
 
 

@@ -31,12 +31,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
-
-import numpy as np
+from typing import TYPE_CHECKING, NamedTuple
 
 from parity.diff.buckets import Bucket, Layout, eager_for
 from parity.nccl_model import MODEL, MODEL_LIMITS, Topology, parse_topology, reduce_scatter_segments
+
+if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
+    import numpy as np
 
 SAME, DIFFERS, UNKNOWN = "same", "differs", "unknown"
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1,
@@ -177,6 +178,8 @@ class _Orders:
     def canon(self, ring: tuple[int, ...]) -> np.ndarray:
         m = self._canon.get(ring)  # few distinct rings: hashing them is cheap enough
         if m is None:
+            import numpy as np
+
             r = np.asarray(ring, dtype=np.int32)
             n = r.size
             pos = np.empty(n, dtype=np.int64)
@@ -192,6 +195,8 @@ class _Orders:
         key = (id(ra), id(rb))  # rings are shared tuple objects (nccl_model caches them)
         v = self._differ.get(key)
         if v is None:
+            import numpy as np
+
             m = np.zeros(self.world, dtype=bool) if ra == rb else \
                 ~(self.canon(ra) == self.canon(rb)).all(axis=1)
             v = (m.tolist(), [0, *np.cumsum(m).tolist()])
@@ -225,6 +230,8 @@ def _count_at_risk(pending: list, chan_a: dict, chan_b: dict, orders: "_Orders")
     cut at both sides' boundaries into pieces within which each side's ring is constant, and a
     piece adds ``length x (owners below full whose sum order differs)`` plus its overlap with
     owner ``full``'s ``part`` when that owner's order differs."""
+    import numpy as np
+
     k = len(pending)
     if not k:
         return np.zeros(0, dtype=np.int64)
