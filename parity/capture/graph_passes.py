@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from parity.capture import graph_walk
 
+
 def pass_name(fn: Any) -> str:
     return fn.func.__name__ if isinstance(fn, functools.partial) else getattr(
         fn, "__name__", type(fn).__name__)

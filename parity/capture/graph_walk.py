@@ -5,6 +5,10 @@ Buckets are recovered structurally from the collective's input (``cat`` /
 ``copy_(slice(buf), cat(...))`` / ``bucketing._pre_bucket_*`` / ``fsdp.all_gather_copy_in``);
 which parameter each payload is comes from the FQNs of the graph's inputs and outputs
 (graph_fqns.py). Nothing here assumes who built the graph.
+
+Public, for the other graph modules: ``extract_buckets``, ``rs_payload_map`` (graph.py),
+``op_name``, ``collective_kind``, ``walk_back``, the operator tuples (graph_makefx.py,
+graph_passes.py), ``JointPhase`` (graph_makefx.py, graph_passes.py, ops.py), ``is_compute``.
 """
 
 from __future__ import annotations
