@@ -25,6 +25,12 @@ class _Absent:
         return False
 
 
+# The ``source`` of a bucket line: which kind of hook point recorded it. One spelling for capture
+# (capture/sources.py: each manifest source writes one of these), diff and report.
+SOURCE_FSDP2 = "fsdp2"  # eager FSDP2's collectives (capture/fsdp2.py)
+SOURCE_GRAPH = "graph"  # a compiled graph (capture/graph.py, capture/graph_makefx.py)
+SOURCE_DTENSOR = "dtensor"  # DTensor redistributions outside graphs (capture/eager_collectives.py)
+
 ABSENT: Any = _Absent()
 # optional record keys, written after the required ones when present (docs/artifacts.md)
 _OPTIONAL = {"stage": str, "trace": str, "module": str, "placements": str, "position": int,
@@ -97,7 +103,7 @@ class BucketEntry:
 class BucketRecord:
     """One collective bucket's layout, as one line of buckets.jsonl (without ``v``)."""
 
-    source: str | None  # "fsdp2" | "graph" | "dtensor"
+    source: str | None  # SOURCE_FSDP2 | SOURCE_GRAPH | SOURCE_DTENSOR
     collective: str | None  # "all_gather" | "reduce_scatter" (dtensor: also all_reduce, ...)
     index: int | None  # issue order among this collective's buckets (per step / per graph)
     entries: list[BucketEntry]

@@ -10,12 +10,14 @@ import torch
 
 from parity.artifacts import read_run
 from parity.capture import fsdp2
+from parity.capture.manifest_source import SourceHooks
 
 
 def _recorder(warnings, emitted=None):
-    return fsdp2.FSDP2Recorder(emit=(emitted if emitted is not None else []).append,
-                               step=lambda: 1, normalize=lambda f: f, warn=warnings.append,
-                               fail=lambda e: pytest.fail(f"fail called: {e}"))
+    return fsdp2.FSDP2Recorder(SourceHooks(
+        emit=(emitted if emitted is not None else []).append, on_graph=None, on_loss=None,
+        done=lambda: 0, warn=warnings.append, lost=warnings.append,
+        fail=lambda e: pytest.fail(f"fail called: {e}")))
 
 
 def test_missing_internal_is_one_warning(monkeypatch):
@@ -23,9 +25,9 @@ def test_missing_internal_is_one_warning(monkeypatch):
 
     monkeypatch.delattr(pg, "foreach_reduce")
     warnings = []
-    assert _recorder(warnings).install() is False
-    assert warnings == [f"FSDP2 manifests unavailable: {fsdp2.GROUP_MODULE}.foreach_reduce not "
-                        f"found (torch {torch.__version__})"]
+    assert _recorder(warnings).install() == (f"{fsdp2.GROUP_MODULE}.foreach_reduce not "
+                                             f"found (torch {torch.__version__})")
+    assert warnings == []  # the session says it (FSDP2Recorder.unavailable + the reason)
 
 
 def test_changed_signature_is_one_warning(monkeypatch):
@@ -33,9 +35,9 @@ def test_changed_signature_is_one_warning(monkeypatch):
 
     monkeypatch.setattr(pg, "foreach_all_gather", lambda params, pg_, *a: None)
     warnings = []
-    assert _recorder(warnings).install() is False
-    assert warnings == [f"FSDP2 manifests unavailable: {fsdp2.GROUP_MODULE}.foreach_all_gather "
-                        f"has an unexpected signature (torch {torch.__version__})"]
+    assert _recorder(warnings).install() == (f"{fsdp2.GROUP_MODULE}.foreach_all_gather "
+                                             f"has an unexpected signature (torch {torch.__version__})")
+    assert warnings == []
 
 
 def test_install_wraps_and_uninstall_restores():
@@ -44,8 +46,8 @@ def test_install_wraps_and_uninstall_restores():
     ag, rs = pg.foreach_all_gather, pg.foreach_reduce
     warnings = []
     r1, r2 = _recorder(warnings), _recorder(warnings)
-    assert r1.install() and pg.foreach_all_gather is not ag
-    assert r2.install() and pg.foreach_all_gather.__wrapped__ is ag  # not wrapped twice
+    assert r1.install() is None and pg.foreach_all_gather is not ag
+    assert r2.install() is None and pg.foreach_all_gather.__wrapped__ is ag  # not wrapped twice
     r2.uninstall()
     assert pg.foreach_all_gather is ag and pg.foreach_reduce is rs
     r1.uninstall()  # its wrapper is gone already: nothing to restore, nothing broken

@@ -182,7 +182,7 @@ def test_callback_failure_does_not_break_training(capsys):
     seen = []
 
     def on_graph(record):
-        seen.append(record["graph"])
+        seen.append(record.graph)
         raise RuntimeError("writer is broken")
 
     graph._state["warned"] = False

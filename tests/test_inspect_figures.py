@@ -22,8 +22,8 @@ def test_higher_order_ops_are_compute():
     g = fx.Graph()
     q = g.placeholder("q")
     node = g.call_function(flex_attention, (q, q, q, None, (), 1.0, {}, (), ()))
-    assert graph_walk._op_name(node) == "higher_order::flex_attention"
-    assert graph_walk._is_compute(node)
+    assert graph_walk.op_name(node) == "higher_order::flex_attention"
+    assert graph_walk.is_compute(node)
 
 
 def _gm_with(n_ag: int, n_rs: int) -> fx.GraphModule:

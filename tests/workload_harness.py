@@ -135,8 +135,8 @@ def main() -> int:
     if manifests:
         from parity.capture import graph
 
-        def on_graph(record: dict) -> None:
-            result["graphs"].append(dict(record, buckets=[b.to_dict() for b in record["buckets"]]))
+        def on_graph(record) -> None:  # a GraphRecord
+            result["graphs"].append(record.to_dict())
             write()
 
         graph.install(on_graph)

@@ -25,7 +25,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from parity.records import BucketEntry, BucketRecord, dtype_name
+from parity.capture.manifest_source import ManifestSource, SourceHooks
+from parity.capture.names import normalize_fqn
+from parity.capture.patches import _tracing
+from parity.capture.table import _module_roots
+from parity.records import SOURCE_DTENSOR, BucketEntry, BucketRecord, dtype_name
 
 __all__ = ["EagerCollectives", "kind_of", "MODULES"]
 
@@ -111,17 +115,22 @@ def _chain(owners: list[tuple], names: dict[int, str]) -> str:
     return " > ".join(reversed(parts))
 
 
-class EagerCollectives:
-    """Wraps ``redistribute_local_tensor`` and hands records to ``emit(record)``."""
+class EagerCollectives(ManifestSource):
+    """Wraps ``redistribute_local_tensor`` and hands records to ``hooks.emit(record)`` (a
+    manifest source, manifest_source.py)."""
 
-    def __init__(self, emit: Callable[[BucketRecord], None], step: Callable[[], int],
-                 modules: Callable[[], list], tracing: Callable[[], bool],
-                 normalize: Callable[[str], str]):
-        self.emit = emit
-        self.step = step
-        self.modules = modules  # the model roots, for parameter and module names
-        self.tracing = tracing
-        self.normalize = normalize
+    name = "dtensor"
+    source = SOURCE_DTENSOR
+    trigger = MODULES[0]
+    unavailable = "eager collectives unavailable"
+
+    def __init__(self, hooks: SourceHooks):
+        super().__init__(hooks)
+        self.emit = hooks.emit
+        self.step = hooks.done  # new_step runs when the step has finished
+        self.modules = _module_roots  # the model roots, for parameter and module names
+        self.tracing = _tracing
+        self.normalize = normalize_fqn
         self.patches: list[tuple[Any, str, Any]] = []
         # this step's calls: (record, tensor key, owner chain); names are resolved in new_step
         self.current: list[tuple[BucketRecord, tuple, list]] = []
@@ -224,7 +233,7 @@ class EagerCollectives:
             # is the shard it ends with, not the full tensor it starts from
             numel = -(-numel // world)
         size = numel * local_tensor.element_size()
-        rec = BucketRecord("dtensor", kind, len(self.current),
+        rec = BucketRecord(SOURCE_DTENSOR, kind, len(self.current),
                            [BucketEntry(None, 0, size, numel, dtype, shape)], group="",
                            dtype=dtype, world_size=world, total_bytes=size,
                            placements=f"{_placements(current_spec)} -> "

@@ -27,7 +27,10 @@ from typing import Callable
 
 import torch
 
-from parity.records import BucketEntry, BucketRecord, common_module, dtype_name
+from parity.capture import post_import
+from parity.capture.manifest_source import ManifestSource, SourceHooks
+from parity.capture.names import normalize_fqn
+from parity.records import SOURCE_FSDP2, BucketEntry, BucketRecord, common_module, dtype_name
 
 GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _AG_ARGS = ("fsdp_params", "group")
@@ -63,21 +66,26 @@ def _calling_group(depth: int = 2):
     return None
 
 
-class FSDP2Recorder:
+class FSDP2Recorder(ManifestSource):
     """Wraps FSDP2's collective entry points and reports bucket layouts as they change.
 
-    ``emit(record)`` receives a :class:`~parity.records.BucketRecord` (docs/artifacts.md);
-    ``step()`` returns the optimizer step the collective precedes (1-based); ``normalize`` maps
-    FQNs; ``warn`` records one warning; ``fail`` is called with an exception raised while
-    recording.
+    A manifest source (manifest_source.py): ``hooks.emit(record)`` receives a
+    :class:`~parity.records.BucketRecord` (docs/artifacts.md) of the optimizer step the
+    collective precedes (``hooks.done() + 1``); ``hooks.fail`` is called with an exception raised
+    while recording.
     """
 
-    def __init__(self, emit, step, normalize, warn, fail):
-        self._emit = emit
-        self._step = step
-        self._normalize = normalize
-        self._warn = warn
-        self._fail = fail
+    name = "fsdp2"
+    source = SOURCE_FSDP2
+    trigger = GROUP_MODULE
+    unavailable = "FSDP2 manifests unavailable"
+
+    def __init__(self, hooks: SourceHooks):
+        super().__init__(hooks)
+        self._emit = hooks.emit
+        self._step = lambda: hooks.done() + 1
+        self._normalize = normalize_fqn
+        self._fail = hooks.fail
         self._module = None
         self._orig: dict[str, Callable] = {}
         self._index = {"all_gather": 0, "reduce_scatter": 0}
@@ -87,8 +95,14 @@ class FSDP2Recorder:
         self.seconds = 0.0  # time spent recording
 
     # ------------------------------------------------------------------ install / uninstall
-    def install(self) -> bool:
-        """Wrap the collectives; returns False (after one warning) if FSDP2's internals moved."""
+    def ready(self) -> bool:
+        """Imported to the end: a post-import callback runs while the module still initializes
+        (then the first forward asks again, table.py)."""
+        mod = sys.modules.get(GROUP_MODULE)
+        return mod is not None and post_import.module_ready(mod)
+
+    def install(self) -> str | None:
+        """Wrap the collectives; the reason if FSDP2's internals moved."""
         mod = sys.modules.get(GROUP_MODULE)
         if mod is None:
             try:
@@ -96,8 +110,8 @@ class FSDP2Recorder:
 
                 mod = importlib.import_module(GROUP_MODULE)
             except Exception as e:  # noqa: BLE001 - any import failure means "unavailable"
-                self._unavailable(f"{GROUP_MODULE} cannot be imported ({e.__class__.__name__})")
-                return False
+                return self._unavailable(f"{GROUP_MODULE} cannot be imported "
+                                         f"({e.__class__.__name__})")
         ag = getattr(mod, "foreach_all_gather", None)
         rs = getattr(mod, "foreach_reduce", None)
         # Wrapped by an earlier recorder in this process: wrap the originals instead.
@@ -107,14 +121,12 @@ class FSDP2Recorder:
             rs = rs.__wrapped__
         for name, fn in (("foreach_all_gather", ag), ("foreach_reduce", rs)):
             if not callable(fn):
-                self._unavailable(f"{GROUP_MODULE}.{name} not found")
-                return False
+                return self._unavailable(f"{GROUP_MODULE}.{name} not found")
         ag_get = _arg_getter(ag, _AG_ARGS)
         rs_get = _arg_getter(rs, _RS_ARGS)
         if ag_get is None or rs_get is None:
             bad = "foreach_all_gather" if ag_get is None else "foreach_reduce"
-            self._unavailable(f"{GROUP_MODULE}.{bad} has an unexpected signature")
-            return False
+            return self._unavailable(f"{GROUP_MODULE}.{bad} has an unexpected signature")
         self._module = mod
         self._orig = {"foreach_all_gather": ag, "foreach_reduce": rs}
         recorder = self
@@ -155,7 +167,7 @@ class FSDP2Recorder:
             w.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
         mod.foreach_all_gather = foreach_all_gather
         mod.foreach_reduce = foreach_reduce
-        return True
+        return None
 
     def uninstall(self) -> None:
         self.enabled = False
@@ -167,8 +179,8 @@ class FSDP2Recorder:
                 setattr(mod, name, fn)
         self._module = None
 
-    def _unavailable(self, what: str) -> None:
-        self._warn(f"FSDP2 manifests unavailable: {what} (torch {torch.__version__})")
+    def _unavailable(self, what: str) -> str:
+        return f"{what} (torch {torch.__version__})"
 
     # ------------------------------------------------------------------------------ records
     def new_step(self) -> None:
@@ -210,7 +222,7 @@ class FSDP2Recorder:
             return
         self._last[key] = sig
         self._emit(BucketRecord(
-            "fsdp2", collective, index, entries, graph=phase, step=self._step(), group=group,
+            SOURCE_FSDP2, collective, index, entries, graph=phase, step=self._step(), group=group,
             dtype=dtype_name(dtype), world_size=world_size,
             total_bytes=sum(e.size for e in entries)))
 

@@ -5,13 +5,14 @@ Runs inside user processes. ``install(on_graph)`` wraps the place where
 aot_autograd receives its forward/backward compilers, so that after the
 user's compiler has run (bucketing passes mutate the ``GraphModule`` in place,
 both in hand-written ``aot_autograd(...)`` backends and in inductor's
-post-grad passes) we read the final graph and call ``on_graph(record)``:
+post-grad passes) we read the final graph and call ``on_graph(record)`` with a
+:class:`~parity.capture.manifest_source.GraphRecord` (graph ``"forward"`` or
+``"backward"``).
 
-    {"graph": "forward" | "backward", "graph_id": int, "buckets": [BucketRecord, ...],
-     "warnings": [...]}
-
-``graph_id`` numbers aot compilations in order; a forward graph and the
-backward graph compiled from the same joint graph share it.
+``graph_id`` numbers aot compilations in order (:func:`next_graph_id`, shared
+with graph_makefx.py); a forward graph and the backward graph compiled from the
+same joint graph share it. :class:`CompiledGraphs` is this hook as a manifest
+source (installed at the trainer's first ``torch.compile`` call).
 
 This module is the hook (and its module-global state); graph_walk.py is the
 pure FX walk that turns a graph into :class:`~parity.records.BucketRecord`\ s,
@@ -44,14 +45,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from parity.capture.graph_fqns import _dynamo_input_fqns, _graph_io_fqns, source_to_fqn
-from parity.capture.graph_walk import _rs_payload_map, extract_buckets
+from parity.capture.graph_fqns import dynamo_input_fqns, graph_io_fqns, source_to_fqn
+from parity.capture.graph_walk import extract_buckets, rs_payload_map
+from parity.capture.manifest_source import ON_COMPILE, GraphRecord, ManifestSource
 from parity.capture.names import normalize_fqn  # re-exported (__all__)
+from parity.records import SOURCE_GRAPH
 
 
-__all__ = ["install", "uninstall", "is_installed", "extract_buckets", "normalize_fqn", "source_to_fqn"]
+__all__ = ["install", "uninstall", "is_installed", "extract_buckets", "normalize_fqn", "source_to_fqn",
+           "next_graph_id", "CompiledGraphs"]
 
-OnGraph = Callable[[dict], None]
+OnGraph = Callable[[GraphRecord], None]
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {
@@ -63,6 +67,10 @@ _state: dict[str, Any] = {
 }
 _graph_ids = itertools.count()
 
+
+def next_graph_id() -> int:
+    """The next compilation's ``graph_id`` (one numbering for every graph hook in the process)."""
+    return next(_graph_ids)
 
 
 def _warn_once(reason: str) -> None:
@@ -79,7 +87,7 @@ class _Compilation:
     """What one aot compilation knows: its id and the dynamo inputs' FQNs."""
 
     def __init__(self, plain_fqns: list[str | None]) -> None:
-        self.graph_id = next(_graph_ids)
+        self.graph_id = next_graph_id()
         self.plain_fqns = plain_fqns
 
 
@@ -93,8 +101,8 @@ def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
         pre = None
         try:
             if hasattr(gm, "graph"):
-                _, output_fqns = _graph_io_fqns(gm, comp.plain_fqns)
-                pre = _rs_payload_map(gm, output_fqns)
+                _, output_fqns = graph_io_fqns(gm, comp.plain_fqns)
+                pre = rs_payload_map(gm, output_fqns)
                 # the graph as the user's passes receive it (the bucketing comparison's input)
                 _emit(gm, graph_kind, comp, None, stage="before_passes")
         except Exception as e:  # never break compilation
@@ -132,7 +140,7 @@ def _emit(gm: Any, graph_kind: str, comp: _Compilation, pre: dict | None,
     try:
         if not hasattr(gm, "graph"):
             raise TypeError(f"{graph_kind} compiler received {type(gm).__name__}, not a GraphModule")
-        input_fqns, output_fqns = _graph_io_fqns(gm, comp.plain_fqns)
+        input_fqns, output_fqns = graph_io_fqns(gm, comp.plain_fqns)
         warnings: list[str] = []
         buckets = extract_buckets(
             gm,
@@ -147,7 +155,7 @@ def _emit(gm: Any, graph_kind: str, comp: _Compilation, pre: dict | None,
             for b in buckets:
                 b.stage = stage
             warnings = []  # said again, if still true, for the graph after the passes
-        record = {"graph": graph_kind, "graph_id": comp.graph_id, "buckets": buckets, "warnings": warnings}
+        record = GraphRecord(graph_kind, comp.graph_id, buckets, warnings)
     except Exception as e:
         _warn_once(f"{type(e).__name__}: {e} (reading the {graph_kind} graph)")
         return
@@ -192,7 +200,7 @@ def _wrap_entry(original: Callable[..., Any], input_fqns: Callable[[dict], list]
 
 
 def _wrap_aot_module_simplified(original: Callable[..., Any]) -> Callable[..., Any]:
-    return _wrap_entry(original, lambda params: _dynamo_input_fqns(params.get("mod")))
+    return _wrap_entry(original, lambda params: dynamo_input_fqns(params.get("mod")))
 
 
 def _wrap_aot_compile_joint(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -293,3 +301,20 @@ def uninstall() -> None:
 
 def is_installed() -> bool:
     return bool(_state["patches"])
+
+
+class CompiledGraphs(ManifestSource):
+    """This hook as a manifest source (manifest_source.py). The patches are process-wide, so
+    the state stays module-global; this class is how the session turns them on and off."""
+
+    name = "graph"
+    source = SOURCE_GRAPH
+    trigger = ON_COMPILE  # earlier, aot_autograd may be half-imported
+    unavailable = "compiled manifests unavailable"
+    echo = False  # install() has printed its reason on stderr already
+
+    def install(self) -> str | None:
+        return install(self.hooks.on_graph, warn=self.hooks.warn)
+
+    def uninstall(self) -> None:
+        uninstall()

@@ -48,7 +48,7 @@ def source_to_fqn(name: str) -> str | None:
     return normalize_fqn(".".join(parts)) or None
 
 
-def _dynamo_input_fqns(gm: Any) -> list[str | None]:
+def dynamo_input_fqns(gm: Any) -> list[str | None]:
     """Per placeholder of a dynamo graph (aot's ``PlainAOTInput(idx)``), its parameter FQN."""
     fqns: list[str | None] = []
     graph = getattr(gm, "graph", None)
@@ -97,7 +97,7 @@ def _desc_fqn(desc: Any, plain_fqns: list[str | None], flat_name_map: dict[str, 
     return None
 
 
-def _graph_io_fqns(gm: Any, plain_fqns: list[str | None]) -> tuple[list[str | None], list[str | None]]:
+def graph_io_fqns(gm: Any, plain_fqns: list[str | None]) -> tuple[list[str | None], list[str | None]]:
     """(per placeholder, per output position) parameter FQN of an aot fw/bw graph."""
     flat_name_map = {}
     meta = getattr(gm, "meta", None) or {}

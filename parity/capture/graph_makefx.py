@@ -17,6 +17,8 @@ trainer is edited) sees:
 
 Nothing runs inside the trace: the wrappers act on the tracer's *result* and on the runner's
 outputs, after make_fx is done. The FX walk itself is graph_walk.py's ``extract_buckets``.
+:class:`MakeFxGraphs` is this hook as a manifest source (installed once the trainer module is
+imported).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from collections.abc import Callable
 from typing import Any
 
 from parity.capture import graph, graph_passes, graph_walk
+from parity.capture.manifest_source import GraphRecord, ManifestSource
 from parity.capture.names import normalize_fqn
-from parity.records import BucketRecord
+from parity.records import SOURCE_GRAPH, BucketRecord
 
-__all__ = ["TRAINER_MODULE", "install", "uninstall", "placeholder_fqns", "split_joint"]
+__all__ = ["TRAINER_MODULE", "install", "uninstall", "placeholder_fqns", "split_joint",
+           "MakeFxGraphs"]
 
 TRAINER_MODULE = "torchtitan.experiments.graph_trainer.trainer"
 _NAMES = ("minimal_fx_tracer", "run_traced")
@@ -68,18 +72,10 @@ def _output_fqns(traced: Any, grad_fqns: list[str]) -> list[str | None]:
 
 
 def split_joint(gm: Any, buckets: list[BucketRecord]) -> None:
-    """Label each bucket of a joint graph ``forward`` or ``backward`` (in place).
-
-    A node traced under autograd's backward carries ``meta["autograd_backward"]``; a node made
-    by a pass may not: it then counts as backward from the first backward node on (graph order).
-    """
-    where: dict[str, str] = {}
-    in_backward = False
-    for node in gm.graph.nodes:
-        flag = node.meta.get("autograd_backward")
-        if flag:
-            in_backward = True
-        where[node.name] = "backward" if (flag or (flag is None and in_backward)) else "forward"
+    """Label each bucket of a joint graph ``forward`` or ``backward`` (in place), by its node's
+    phase (graph_walk.JointPhase)."""
+    phase_of = graph_walk.JointPhase()
+    where = {node.name: phase_of(node) for node in gm.graph.nodes}
     for b in buckets:
         b.graph = where.get(b.node, "backward" if b.collective == "reduce_scatter" else "forward")
 
@@ -101,7 +97,7 @@ def reduce_scatter_targets(gm: Any, output_fqns: list[str | None], *,
         position.setdefault(o, []).append(i)
     mapping: dict[Any, str] = {}
     for node in gm.graph.nodes:
-        if graph_walk._op_name(node) not in graph_walk._RS_OPS:
+        if graph_walk.op_name(node) not in graph_walk.RS_OPS:
             continue
         found: set[str] = set()
         seen = {node}
@@ -117,7 +113,7 @@ def reduce_scatter_targets(gm: Any, output_fqns: list[str | None], *,
                     todo.append(u)
         if len(found) == 1:
             fqn = found.pop()
-            for cur in graph_walk._walk_back(node.args[0]):
+            for cur in graph_walk.walk_back(node.args[0]):
                 if cur.op == "placeholder":
                     break
                 mapping.setdefault(cur, fqn)
@@ -132,7 +128,7 @@ def _grad_fqns(module: Any) -> list[str]:
 
 
 def _record(traced: Any, module: Any, stage: str, pre: dict | None,
-            graph_id: int | None = None) -> tuple[dict, dict | None]:
+            graph_id: int | None = None) -> tuple[GraphRecord, dict | None]:
     gm = traced.gm
     n_ph = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
     inputs = placeholder_fqns(traced, n_ph)
@@ -142,15 +138,14 @@ def _record(traced: Any, module: Any, stage: str, pre: dict | None,
     if pre:
         rs_map = {**rs_map, **pre}  # pre-pass nodes still in the graph name their payloads
     if graph_id is None:
-        graph_id = next(graph._graph_ids)
+        graph_id = graph.next_graph_id()
     buckets = graph_walk.extract_buckets(gm, inputs, outputs, "joint", graph_id=graph_id,
                                          warnings=warnings, rs_payload_fqns=rs_map)
     split_joint(gm, buckets)
     for b in buckets:
         b.stage = stage
         b.trace = "make_fx"
-    return ({"graph": "joint", "graph_id": graph_id, "buckets": buckets, "warnings": warnings,
-             "stage": stage}, rs_map)
+    return GraphRecord("joint", graph_id, buckets, warnings, stage), rs_map
 
 
 def _wrap_tracer(original: Callable) -> Callable:
@@ -164,7 +159,7 @@ def _wrap_tracer(original: Callable) -> Callable:
             if hooks is not None:
                 try:
                     record, rs_map = _record(traced, module, "before_passes", None)
-                    _state["pre"] = (weakref.ref(traced.gm), rs_map, record["graph_id"])
+                    _state["pre"] = (weakref.ref(traced.gm), rs_map, record.graph_id)
                     hooks["on_graph"](record)
                 except Exception as e:  # noqa: BLE001 - never break the trainer
                     hooks["warn"](f"compiled manifests: make_fx graph before passes not read "
@@ -198,9 +193,9 @@ def _wrap_runner(original: Callable) -> Callable:
                 record, _ = _record(traced, kwargs.get("module"), "after_passes", rs_map,
                                     graph_id=pre_id if pre_ref is not None else None)
                 if pre_ref is None:
-                    record["warnings"].append("no graph before passes (precompiled artifact)")
+                    record.warnings.append("no graph before passes (precompiled artifact)")
                 around = graph_passes.around_bucketing(_state.pop("pass_runs", None) or [])
-                for b in record["buckets"] if around else ():
+                for b in record.buckets if around else ():
                     counts = around.get(f"{b.collective}/{b.graph}")
                     if counts is not None:
                         b.extra["around_bucketing"] = counts
@@ -260,7 +255,7 @@ def _wrap_apply(original: Callable) -> Callable:
     return apply_graph_passes
 
 
-def install(on_graph: Callable[[dict], None], on_loss: Callable[[Any], None],
+def install(on_graph: Callable[[GraphRecord], None], on_loss: Callable[[Any], None],
             warn: Callable[[str], None]) -> str | None:
     """Wrap GraphTrainer's tracer and runner (its trainer module must be imported). Returns
     None when installed, else the reason."""
@@ -293,3 +288,19 @@ def uninstall() -> None:
     _state["patches"] = []
     _state["hooks"] = None
     _state.pop("pre", None)
+
+
+class MakeFxGraphs(ManifestSource):
+    """This hook as a manifest source (manifest_source.py); the patches are process-wide, so the
+    state stays module-global. Its graphs are ``source: graph`` like graph.py's."""
+
+    name = "graph_makefx"
+    source = SOURCE_GRAPH
+    trigger = TRAINER_MODULE
+    unavailable = "compiled manifests unavailable"
+
+    def install(self) -> str | None:
+        return install(self.hooks.on_graph, self.hooks.on_loss, self.hooks.lost)
+
+    def uninstall(self) -> None:
+        uninstall()

@@ -19,9 +19,6 @@ from typing import Any, Callable
 
 from parity.capture import graph_walk
 
-_KINDS = {**{op: "all_gather" for op in (*graph_walk._AG_OPS, *graph_walk._AG_COALESCED_OPS)},
-          **{op: "reduce_scatter" for op in (*graph_walk._RS_OPS, *graph_walk._RS_COALESCED_OPS)}}
-
 
 def pass_name(fn: Any) -> str:
     return fn.func.__name__ if isinstance(fn, functools.partial) else getattr(
@@ -29,18 +26,15 @@ def pass_name(fn: Any) -> str:
 
 
 def count_collectives(gm: Any) -> dict[str, int]:
-    """``{"all_gather/forward": n, ...}`` in a joint graph (phase as graph_makefx.split_joint)."""
+    """``{"all_gather/forward": n, ...}`` in a joint graph (phase: graph_walk.JointPhase)."""
     out: dict[str, int] = {}
-    in_backward = False
+    phase_of = graph_walk.JointPhase()
     for node in gm.graph.nodes:
-        flag = node.meta.get("autograd_backward")
-        if flag:
-            in_backward = True
-        kind = _KINDS.get(graph_walk._op_name(node))
-        if kind is None:
+        phase = phase_of(node)  # asked of every node: a backward node turns the phase
+        found = graph_walk.collective_kind(graph_walk.op_name(node))
+        if found is None:
             continue
-        phase = "backward" if (flag or (flag is None and in_backward)) else "forward"
-        key = f"{kind}/{phase}"
+        key = f"{found[0]}/{phase}"
         out[key] = out.get(key, 0) + 1
     return out
 

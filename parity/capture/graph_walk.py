@@ -5,21 +5,27 @@ Buckets are recovered structurally from the collective's input (``cat`` /
 ``copy_(slice(buf), cat(...))`` / ``bucketing._pre_bucket_*`` / ``fsdp.all_gather_copy_in``);
 which parameter each payload is comes from the FQNs of the graph's inputs and outputs
 (graph_fqns.py). Nothing here assumes who built the graph.
+
+Public, for the other graph modules: ``extract_buckets``, ``rs_payload_map`` (graph.py),
+``op_name``, ``collective_kind``, ``walk_back``, the operator tuples (graph_makefx.py,
+graph_passes.py), ``JointPhase`` (graph_makefx.py, graph_passes.py, ops.py), ``is_compute``.
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 from parity.capture.names import PROPERTY_MODULE, node_module
-from parity.records import BucketEntry, BucketRecord, common_module, common_prefix, dtype_name
+from parity.records import (SOURCE_GRAPH, BucketEntry, BucketRecord, common_module, common_prefix,
+                            dtype_name)
 
 
-_AG_OPS = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out")
-_AG_COALESCED_OPS = ("_c10d_functional::all_gather_into_tensor_coalesced",)
-_RS_OPS = ("_c10d_functional::reduce_scatter_tensor",)
-_RS_COALESCED_OPS = ("_c10d_functional::reduce_scatter_tensor_coalesced",)
+AG_OPS = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out")
+AG_COALESCED_OPS = ("_c10d_functional::all_gather_into_tensor_coalesced",)
+RS_OPS = ("_c10d_functional::reduce_scatter_tensor",)
+RS_COALESCED_OPS = ("_c10d_functional::reduce_scatter_tensor_coalesced",)
 _WAIT_OPS = ("_c10d_functional::wait_tensor", "c10d_functional::wait_tensor")
 _CAT_OPS = ("aten::cat",)
 _COPY_OPS = ("aten::copy_", "aten::copy")
@@ -29,7 +35,7 @@ _PRE_RS_OPS = ("bucketing::_pre_bucket_reduce_scatter",)
 _FSDP_COPY_IN_OPS = ("fsdp::all_gather_copy_in",)
 
 
-def _op_name(node: Any) -> str:
+def op_name(node: Any) -> str:
     """``namespace::name`` of a call_function node's operator, '' otherwise."""
     if getattr(node, "op", None) != "call_function":
         return ""
@@ -53,10 +59,10 @@ _PLUMBING_OPS = frozenset(
      "aten::slice_scatter", "aten::_to_copy", "prims::convert_element_type"))
 
 
-def _is_compute(node: Any) -> bool:
+def is_compute(node: Any) -> bool:
     """True for a call_function node that computes: not a collective, wait, getitem, view,
     cast, copy, allocation or bucket cat/split (what ``max_consec_compute_between_rs`` counts)."""
-    name = _op_name(node)
+    name = op_name(node)
     if not name or name == "getitem" or name in _PLUMBING_OPS:
         return False
     if name.split("::", 1)[0] in _NOT_COMPUTE_NAMESPACES:
@@ -81,7 +87,7 @@ def _issuing_module(node: Any, own_first: bool = True) -> str | None:
         if cur in seen:
             continue
         seen.add(cur)
-        if _is_compute(cur):
+        if is_compute(cur):
             mod = node_module(cur)
             if mod and mod != PROPERTY_MODULE:
                 return mod
@@ -106,7 +112,7 @@ def _single_input(node: Any) -> Any:
     return inputs[0] if len(inputs) == 1 else None
 
 
-def _walk_back(node: Any):
+def walk_back(node: Any):
     """Yield node and its chain of single-tensor-input producers (views, casts, copies)."""
     cur = node
     for _ in range(64):
@@ -119,7 +125,7 @@ def _walk_back(node: Any):
 
 
 def _placeholder_of(node: Any) -> Any:
-    for cur in _walk_back(node):
+    for cur in walk_back(node):
         if cur.op == "placeholder":
             return cur
     return None
@@ -154,10 +160,10 @@ def _split_outputs(start: Any) -> list[Any] | None:
         if len(users) != 1:
             return None
         user = users[0]
-        if _op_name(user) in _SPLIT_OPS:
+        if op_name(user) in _SPLIT_OPS:
             pieces: dict[int, Any] = {}
             for g in user.users:
-                if _op_name(g) == "getitem" and isinstance(g.args[1], int):
+                if op_name(g) == "getitem" and isinstance(g.args[1], int):
                     pieces[g.args[1]] = g
             if not pieces:
                 return None
@@ -181,7 +187,7 @@ def _payload_pieces(buffer: Any, warnings: list[str] | None = None
     for _ in range(64):
         if cur is None or cur.op != "call_function":
             break
-        name = _op_name(cur)
+        name = op_name(cur)
         if name in _COPY_OPS and len(cur.args) >= 2:
             cur = cur.args[1]  # copy_(slice(buf), cat(...)): the data comes from src
             continue
@@ -223,7 +229,7 @@ def _group_size(arg: Any) -> int:
         raise TypeError(f"cannot read group_size from {arg!r}") from None
 
 
-def _rs_payload_map(gm: Any, output_fqns: list[str | None]) -> dict[Any, str]:
+def rs_payload_map(gm: Any, output_fqns: list[str | None]) -> dict[Any, str]:
     """Before passes: map each per-parameter reduce-scatter's input chain -> FQN.
 
     After bucketing, the merged reduce-scatter's input list still references
@@ -232,13 +238,13 @@ def _rs_payload_map(gm: Any, output_fqns: list[str | None]) -> dict[Any, str]:
     """
     mapping: dict[Any, str] = {}
     for node in gm.graph.nodes:
-        if _op_name(node) not in _RS_OPS:
+        if op_name(node) not in RS_OPS:
             continue
         pos = _output_position(node)
         fqn = output_fqns[pos] if pos is not None and pos < len(output_fqns) else None
         if fqn is None:
             continue
-        for cur in _walk_back(node.args[0]):
+        for cur in walk_back(node.args[0]):
             if cur.op == "placeholder":
                 break
             mapping.setdefault(cur, fqn)
@@ -268,169 +274,267 @@ def extract_buckets(
     the parameter whose gradient sits at that offset, and a mismatch with
     the parameter its reduced slice is written to is reported in
     ``warnings``.
+
+    Per collective, in this order: its payloads (:func:`_payloads`), where each one ends up
+    (:func:`_payload_outputs`), one entry per payload (:func:`_entries`), the bucket's total
+    (:func:`_bucket_total`), the passes' own account (:func:`_check_from_node`), the module it
+    was issued under (:func:`_bucket_module`).
     """
     warnings = warnings if warnings is not None else []
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    # Where each node sits: its index in graph order and the compute nodes before it (the
-    # bucketing summary's spans and compute-between-reduce-scatters, parity/diff/bucket_summary.py).
-    position: dict[Any, int] = {}
-    compute_before: dict[Any, int] = {}
-    computed = 0
-    for i, n in enumerate(gm.graph.nodes):
-        position[n] = i
-        compute_before[n] = computed
-        if _is_compute(n):
-            computed += 1
-    placeholder_fqn = {n: (input_fqns[i] if i < len(input_fqns) else None) for i, n in enumerate(placeholders)}
-    buckets: list[BucketRecord] = []
+    places = _NodePlaces.of(gm)
+    names = _PayloadNames.of(gm, input_fqns, output_fqns, rs_payload_fqns)
     counters = {"all_gather": 0, "reduce_scatter": 0}
-
-    def ag_fqn(piece: Any) -> str | None:
-        ph = _placeholder_of(piece)
-        return placeholder_fqn.get(ph) if ph is not None else None
-
-    def output_fqn(node: Any) -> str | None:
-        pos = _output_position(node)
-        return output_fqns[pos] if pos is not None and pos < len(output_fqns) else None
-
-    def input_side_fqn(piece: Any) -> str | None:
-        if not rs_payload_fqns:
-            return None
-        for cur in _walk_back(piece):
-            if cur in rs_payload_fqns:
-                return rs_payload_fqns[cur]
-        return None
-
+    buckets: list[BucketRecord] = []
     for node in gm.graph.nodes:
-        name = _op_name(node)
-        if name in _AG_OPS or name in _AG_COALESCED_OPS:
-            kind = "all_gather"
-        elif name in _RS_OPS or name in _RS_COALESCED_OPS:
-            kind = "reduce_scatter"
-        else:
+        found = collective_kind(op_name(node))
+        if found is None:
             continue
-        coalesced = name in _AG_COALESCED_OPS or name in _RS_COALESCED_OPS
-        world_size = _group_size(node.args[1] if kind == "all_gather" else node.args[2])
+        kind, coalesced = found
         index = counters[kind]
         counters[kind] += 1
-        label = f"{graph_kind} {kind} #{index} ({node.name})"
-
-        if coalesced:
-            pieces, dtypes, pattern = list(node.args[0]), None, "coalesced"
-        else:
-            pieces, dtypes, pattern = _payload_pieces(node.args[0], warnings)
-            if pattern == "cat":
-                # A plain cat may be the user's own math (e.g. the backward of
-                # a split weight); it is a bucket only if the result is split
-                # back into as many pieces.
-                split = _split_outputs(node)
-                if split is None or len(split) != len(pieces):
-                    pieces, dtypes, pattern = [node.args[0]], None, "single"
-        buffer_val = _val(node.args[0]) if not coalesced else None
-
-        # Where each payload ends up (output side), by position.
-        if kind == "reduce_scatter":
-            if coalesced:
-                by_idx = {u.args[1]: u for u in node.users if _op_name(u) == "getitem"}
-                outs = [by_idx.get(i) for i in range(len(pieces))]
-                wait_outs = []
-                for g in outs:
-                    waits = [u for u in g.users if _op_name(u) in _WAIT_OPS] if g is not None else []
-                    wait_outs.append(waits[0] if waits else g)
-                outs = wait_outs
-            elif pattern == "single":
-                outs = [node]
-            else:
-                outs = _split_outputs(node) or []
-            if len(outs) != len(pieces):
-                warnings.append(f"{label}: {len(pieces)} input payloads but {len(outs)} output slices")
-                outs = (outs + [None] * len(pieces))[: len(pieces)]
-
-        own = node_module(node)  # the collective's own annotation, when it names a module
-        own = own if own and own != PROPERTY_MODULE else None
-        if kind == "all_gather":  # each payload's module: where its gathered slice is used
-            if coalesced:
-                by_idx = {u.args[1]: u for u in node.users if _op_name(u) == "getitem"}
-                ag_outs = [by_idx.get(i) for i in range(len(pieces))]
-            elif pattern == "single":
-                ag_outs = [node]
-            else:
-                ag_outs = _split_outputs(node) or []
-            ag_outs = (ag_outs + [None] * len(pieces))[: len(pieces)]
-
-        entries = []
-        offset = 0
-        for i, piece in enumerate(pieces):
-            val = _val(piece)
-            if val is None:
-                warnings.append(f"{label}: payload {i} ({getattr(piece, 'name', piece)}) has no meta['val']")
-                entries = []
-                break
-            dtype = dtypes[i] if dtypes else val.dtype
-            if kind == "all_gather":
-                numel = _numel(val)
-                fqn = ag_fqn(piece)
-                ph = _placeholder_of(piece)
-                shape = list(_val(ph).shape) if ph is not None and _val(ph) is not None else list(val.shape)
-            else:
-                numel = _numel(val) // world_size
-                out_node = outs[i]
-                out_fqn = output_fqn(out_node) if out_node is not None else None
-                in_fqn = input_side_fqn(piece)
-                fqn = in_fqn or out_fqn
-                if in_fqn and out_fqn and in_fqn != out_fqn:
-                    warnings.append(
-                        f"{label}: payload at offset {offset} is the gradient of {in_fqn} "
-                        f"but its reduced slice is written to {out_fqn}"
-                    )
-                final = _output_node_value(out_node)
-                if final is not None:
-                    shape = list(final.shape)
-                else:
-                    full = list(val.shape)
-                    shape = [full[0] // world_size, *full[1:]] if full else []
-            if kind == "all_gather":
-                out = ag_outs[i]
-                module = _issuing_module(out, own_first=out is node) if out is not None else None
-            else:  # the module whose backward produced the gradient
-                module = next((node_module(c) for c in _walk_back(piece) if _is_compute(c)), None)
-            size = numel * dtype.itemsize
-            if fqn is None:
-                warnings.append(f"{label}: payload {i} at offset {offset} not traced to a parameter")
-            entries.append(BucketEntry(
-                fqn, offset, size, numel, dtype_name(dtype), shape,
-                module=(module if module and module != PROPERTY_MODULE else None)
-                or (own if len(pieces) == 1 else None)))
-            offset += size
-
-        if buffer_val is not None:
-            bucket_dtype = buffer_val.dtype
-            total = _numel(buffer_val) * bucket_dtype.itemsize
-            if kind == "reduce_scatter":
-                total //= world_size
-            if entries and total != offset:
-                warnings.append(f"{label}: entries cover {offset} bytes of a {total}-byte payload")
-        else:
-            bucket_dtype = _val(pieces[0]).dtype if pieces and _val(pieces[0]) is not None else None
-            total = offset
-
-        sources = node.meta.get("from_node") or []
-        bucketed_from = [s for s in sources if getattr(s, "pass_name", "") == "bucketing_pass"]
-        if bucketed_from and len(bucketed_from) != len(entries):
-            warnings.append(f"{label}: from_node lists {len(bucketed_from)} collectives, found {len(entries)} payloads")
-
-        # A merged bucket is issued under the innermost module holding every payload's module
-        # ("" the root); a single collective under its own annotation when it has one.
-        # A merged bucket's own annotation is its first member's (copied by the pass).
-        common = common_prefix([e.module for e in entries])
-        bucket_module = own if (own is not None and len(entries) == 1) or common is None else common
-        buckets.append(BucketRecord(
-            "graph", kind, index, entries, graph=graph_kind, graph_id=graph_id, node=node.name,
-            group=common_module([e.fqn for e in entries]),
-            dtype=dtype_name(bucket_dtype) if bucket_dtype is not None else "",
-            world_size=world_size, total_bytes=total, position=position[node],
-            compute_before=compute_before[node], module=bucket_module))
+        buckets.append(_bucket(node, kind, coalesced, index, graph_kind, graph_id, places, names,
+                               warnings))
     return buckets
+
+
+def collective_kind(name: str) -> tuple[str, bool] | None:
+    """``(kind, coalesced)`` of an operator name (op_name): kind ``all_gather`` or
+    ``reduce_scatter``; None for any other operator."""
+    if name in AG_OPS or name in AG_COALESCED_OPS:
+        return "all_gather", name in AG_COALESCED_OPS
+    if name in RS_OPS or name in RS_COALESCED_OPS:
+        return "reduce_scatter", name in RS_COALESCED_OPS
+    return None
+
+
+class JointPhase:
+    """The phase of each node of a make_fx joint graph, asked in graph order: ``phase(node)``.
+
+    A node traced under autograd's backward carries ``meta["autograd_backward"]``; a node made
+    by a pass may not: it then counts as backward from the first backward node on. One rule for
+    the bucket labels (graph_makefx.split_joint), the pass counts (graph_passes) and the op
+    records (ops.py)."""
+
+    def __init__(self) -> None:
+        self.in_backward = False
+
+    def __call__(self, node: Any) -> str:
+        flag = node.meta.get("autograd_backward")
+        if flag:
+            self.in_backward = True
+        return "backward" if (flag or (flag is None and self.in_backward)) else "forward"
+
+
+@dataclass
+class _NodePlaces:
+    """Where each node sits: its index in graph order and the compute nodes before it (the
+    bucketing summary's spans and compute-between-reduce-scatters, parity/diff/bucket_summary.py)."""
+
+    position: dict[Any, int]
+    compute_before: dict[Any, int]
+
+    @classmethod
+    def of(cls, gm: Any) -> "_NodePlaces":
+        position: dict[Any, int] = {}
+        compute_before: dict[Any, int] = {}
+        computed = 0
+        for i, n in enumerate(gm.graph.nodes):
+            position[n] = i
+            compute_before[n] = computed
+            if is_compute(n):
+                computed += 1
+        return cls(position, compute_before)
+
+
+@dataclass
+class _PayloadNames:
+    """Which parameter a payload is: the graph input it comes from (all-gather), the graph
+    output its reduced slice reaches or, before the passes, its input chain (reduce-scatter)."""
+
+    placeholder_fqn: dict[Any, str | None]
+    output_fqns: list[str | None]
+    rs_payload_fqns: dict[Any, str] | None
+
+    @classmethod
+    def of(cls, gm: Any, input_fqns: list[str | None], output_fqns: list[str | None],
+           rs_payload_fqns: dict[Any, str] | None) -> "_PayloadNames":
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        return cls({n: (input_fqns[i] if i < len(input_fqns) else None)
+                    for i, n in enumerate(placeholders)}, output_fqns, rs_payload_fqns)
+
+    def of_input(self, placeholder: Any) -> str | None:
+        return self.placeholder_fqn.get(placeholder) if placeholder is not None else None
+
+    def of_output(self, node: Any) -> str | None:
+        pos = _output_position(node)
+        return self.output_fqns[pos] if pos is not None and pos < len(self.output_fqns) else None
+
+    def of_reduce_input(self, piece: Any) -> str | None:
+        if not self.rs_payload_fqns:
+            return None
+        for cur in walk_back(piece):
+            if cur in self.rs_payload_fqns:
+                return self.rs_payload_fqns[cur]
+        return None
+
+
+def _bucket(node: Any, kind: str, coalesced: bool, index: int, graph_kind: str, graph_id: int,
+            places: _NodePlaces, names: _PayloadNames, warnings: list[str]) -> BucketRecord:
+    """One collective node as a bucket record."""
+    world_size = _group_size(node.args[1] if kind == "all_gather" else node.args[2])
+    label = f"{graph_kind} {kind} #{index} ({node.name})"
+    pieces, dtypes, pattern = _payloads(node, coalesced, warnings)
+    outs = _payload_outputs(node, kind, coalesced, pattern, len(pieces), label, warnings)
+    own = node_module(node)  # the collective's own annotation, when it names a module
+    own = own if own and own != PROPERTY_MODULE else None
+    entries, offset = _entries(node, kind, pieces, dtypes, outs, world_size, own, label, names,
+                               warnings)
+    bucket_dtype, total = _bucket_total(node, kind, coalesced, pieces, entries, offset,
+                                        world_size, label, warnings)
+    _check_from_node(node, entries, label, warnings)
+    return BucketRecord(
+        SOURCE_GRAPH, kind, index, entries, graph=graph_kind, graph_id=graph_id, node=node.name,
+        group=common_module([e.fqn for e in entries]),
+        dtype=dtype_name(bucket_dtype) if bucket_dtype is not None else "",
+        world_size=world_size, total_bytes=total, position=places.position[node],
+        compute_before=places.compute_before[node], module=_bucket_module(own, entries))
+
+
+def _payloads(node: Any, coalesced: bool, warnings: list[str]
+              ) -> tuple[list[Any], list[Any] | None, str]:
+    """(pieces, dtypes or None, pattern) of a collective's input, as _payload_pieces."""
+    if coalesced:
+        return list(node.args[0]), None, "coalesced"
+    pieces, dtypes, pattern = _payload_pieces(node.args[0], warnings)
+    if pattern == "cat":
+        # A plain cat may be the user's own math (e.g. the backward of
+        # a split weight); it is a bucket only if the result is split
+        # back into as many pieces.
+        split = _split_outputs(node)
+        if split is None or len(split) != len(pieces):
+            return [node.args[0]], None, "single"
+    return pieces, dtypes, pattern
+
+
+def _payload_outputs(node: Any, kind: str, coalesced: bool, pattern: str, n: int, label: str,
+                     warnings: list[str]) -> list[Any]:
+    """Per payload, the node its slice of the result ends up in (None: not found), by position.
+
+    A reduce-scatter's slice names the gradient it is written to (a coalesced one: after its
+    wait); an all-gather's slice, where the gathered parameter is used (its module)."""
+    if coalesced:
+        by_idx = {u.args[1]: u for u in node.users if op_name(u) == "getitem"}
+        outs = [by_idx.get(i) for i in range(n)]
+        if kind == "reduce_scatter":
+            outs = [_waited(g) for g in outs]
+    elif pattern == "single":
+        outs = [node]
+    else:
+        outs = _split_outputs(node) or []
+    if kind == "reduce_scatter" and len(outs) != n:
+        warnings.append(f"{label}: {n} input payloads but {len(outs)} output slices")
+    return (outs + [None] * n)[:n]
+
+
+def _waited(node: Any) -> Any:
+    """The wait on ``node``'s result, if any, else ``node``."""
+    waits = [u for u in node.users if op_name(u) in _WAIT_OPS] if node is not None else []
+    return waits[0] if waits else node
+
+
+def _entries(node: Any, kind: str, pieces: list[Any], dtypes: list[Any] | None, outs: list[Any],
+             world_size: int, own: str | None, label: str, names: _PayloadNames,
+             warnings: list[str]) -> tuple[list[BucketEntry], int]:
+    """One entry per payload, at its byte offset; and the bytes they cover. A payload without a
+    traced value leaves the bucket without entries (said)."""
+    entries: list[BucketEntry] = []
+    offset = 0
+    for i, piece in enumerate(pieces):
+        val = _val(piece)
+        if val is None:
+            warnings.append(f"{label}: payload {i} ({getattr(piece, 'name', piece)}) has no meta['val']")
+            return [], offset
+        dtype = dtypes[i] if dtypes else val.dtype
+        if kind == "all_gather":
+            numel, fqn, shape = _gathered(piece, val, names)
+            out = outs[i]  # each payload's module: where its gathered slice is used
+            module = _issuing_module(out, own_first=out is node) if out is not None else None
+        else:
+            numel, fqn, shape = _reduced(piece, val, outs[i], world_size, offset, label, names,
+                                         warnings)
+            # the module whose backward produced the gradient
+            module = next((node_module(c) for c in walk_back(piece) if is_compute(c)), None)
+        size = numel * dtype.itemsize
+        if fqn is None:
+            warnings.append(f"{label}: payload {i} at offset {offset} not traced to a parameter")
+        entries.append(BucketEntry(
+            fqn, offset, size, numel, dtype_name(dtype), shape,
+            module=(module if module and module != PROPERTY_MODULE else None)
+            or (own if len(pieces) == 1 else None)))
+        offset += size
+    return entries, offset
+
+
+def _gathered(piece: Any, val: Any, names: _PayloadNames) -> tuple[int, str | None, list]:
+    """An all-gather payload: (numel, parameter, its shape): the graph input it comes from."""
+    ph = _placeholder_of(piece)
+    shape = list(_val(ph).shape) if ph is not None and _val(ph) is not None else list(val.shape)
+    return _numel(val), names.of_input(ph), shape
+
+
+def _reduced(piece: Any, val: Any, out_node: Any, world_size: int, offset: int, label: str,
+             names: _PayloadNames, warnings: list[str]) -> tuple[int, str | None, list]:
+    """A reduce-scatter payload: (numel per rank, parameter, shape of its reduced slice). The
+    parameter is whose gradient the input side says (before the passes), else the one the
+    reduced slice is written to; a disagreement is said."""
+    out_fqn = names.of_output(out_node) if out_node is not None else None
+    in_fqn = names.of_reduce_input(piece)
+    if in_fqn and out_fqn and in_fqn != out_fqn:
+        warnings.append(
+            f"{label}: payload at offset {offset} is the gradient of {in_fqn} "
+            f"but its reduced slice is written to {out_fqn}"
+        )
+    final = _output_node_value(out_node)
+    if final is not None:
+        shape = list(final.shape)
+    else:
+        full = list(val.shape)
+        shape = [full[0] // world_size, *full[1:]] if full else []
+    return _numel(val) // world_size, in_fqn or out_fqn, shape
+
+
+def _bucket_total(node: Any, kind: str, coalesced: bool, pieces: list[Any],
+                  entries: list[BucketEntry], offset: int, world_size: int, label: str,
+                  warnings: list[str]) -> tuple[Any, int]:
+    """(dtype, bytes per rank) of the bucket: its input buffer's, checked against the entries;
+    a coalesced collective has no buffer: its first payload's dtype, the entries' bytes."""
+    buffer_val = _val(node.args[0]) if not coalesced else None
+    if buffer_val is None:
+        first = _val(pieces[0]) if pieces else None
+        return (first.dtype if first is not None else None), offset
+    total = _numel(buffer_val) * buffer_val.dtype.itemsize
+    if kind == "reduce_scatter":
+        total //= world_size
+    if entries and total != offset:
+        warnings.append(f"{label}: entries cover {offset} bytes of a {total}-byte payload")
+    return buffer_val.dtype, total
+
+
+def _check_from_node(node: Any, entries: list[BucketEntry], label: str,
+                     warnings: list[str]) -> None:
+    """A merged bucket lists the collectives the bucketing pass merged: as many as payloads."""
+    sources = node.meta.get("from_node") or []
+    bucketed_from = [s for s in sources if getattr(s, "pass_name", "") == "bucketing_pass"]
+    if bucketed_from and len(bucketed_from) != len(entries):
+        warnings.append(f"{label}: from_node lists {len(bucketed_from)} collectives, found {len(entries)} payloads")
+
+
+def _bucket_module(own: str | None, entries: list[BucketEntry]) -> str | None:
+    """A merged bucket is issued under the innermost module holding every payload's module
+    ("" the root); a single collective under its own annotation when it has one. A merged
+    bucket's own annotation is its first member's (copied by the pass)."""
+    common = common_prefix([e.module for e in entries])
+    return own if (own is not None and len(entries) == 1) or common is None else common
 
 
 def _output_node_value(node: Any) -> Any:

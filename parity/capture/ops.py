@@ -46,6 +46,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from parity.capture.graph_walk import JointPhase
 from parity.capture.hashing import host_digest
 from parity.capture.env import one_line as _one_line
 from parity.capture.env import say as _say
@@ -145,16 +146,10 @@ class _Interpreter(torch.fx.Interpreter):
         self.rec = rec
         self.graph_label = graph
         self.kind = graph.split("#")[0]
-        self.in_backward = False
+        self.joint_phase = JointPhase()  # a make_fx joint graph (GraphTrainer aot_fx_trace)
 
     def _phase(self, n) -> str:
-        if self.kind != "joint":
-            return self.kind
-        # a make_fx joint graph (GraphTrainer aot_fx_trace): graph_makefx.split_joint's rule
-        flag = n.meta.get("autograd_backward")
-        if flag:
-            self.in_backward = True
-        return "backward" if (flag or (flag is None and self.in_backward)) else "forward"
+        return self.joint_phase(n) if self.kind == "joint" else self.kind
 
     def run_node(self, n):
         if n.op == "call_module":  # a compiled region inside the graph (regional inductor)

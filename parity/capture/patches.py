@@ -136,7 +136,9 @@ def install(current) -> None:
                     getattr(target, "__self__", None), torch.nn.Module):
                 s._forget_forward_hook()
             if s.manifests:
-                s._install_graph()
+                from parity.capture.manifest_source import ON_COMPILE
+
+                s._install_sources(ON_COMPILE)
         return orig_compile(*args, **kwargs)
 
     functools.update_wrapper(compile, orig_compile)

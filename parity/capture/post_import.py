@@ -14,7 +14,7 @@ from parity.capture.env import one_line, say
 _callbacks: dict[str, list] = {}
 
 
-def _module_ready(mod) -> bool:
+def module_ready(mod) -> bool:
     spec = getattr(mod, "__spec__", None)
     return not getattr(spec, "_initializing", False)
 
@@ -85,7 +85,7 @@ def _fire(name: str, module) -> None:
 def when_imported(name: str, callback) -> None:
     """Call ``callback(module)`` once ``name`` is imported (now, if it already is)."""
     mod = sys.modules.get(name)
-    if mod is not None and _module_ready(mod):
+    if mod is not None and module_ready(mod):
         callback(mod)
         return
     _callbacks.setdefault(name, []).append(callback)
@@ -93,11 +93,17 @@ def when_imported(name: str, callback) -> None:
         sys.meta_path.insert(0, _finder)
 
 
-def cancel(name: str | None = None) -> None:
-    """Forget pending callbacks (all, or those for ``name``)."""
+def cancel(name: str | None = None, callback=None) -> None:
+    """Forget pending callbacks (all, those for ``name``, or that one ``callback`` of ``name``)."""
     if name is None:
         _callbacks.clear()
-    else:
+    elif callback is None:
         _callbacks.pop(name, None)
+    else:
+        pending = [cb for cb in _callbacks.get(name, ()) if cb is not callback]
+        if pending:
+            _callbacks[name] = pending
+        else:
+            _callbacks.pop(name, None)
     if not _callbacks and _finder in sys.meta_path:
         sys.meta_path.remove(_finder)

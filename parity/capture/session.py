@@ -5,8 +5,9 @@ One :class:`Session` per process (the hooks are global). It is started either by
 or by the API (``parity.capture.start``); both take the same path from there. The session is
 assembled from one module per concern: patches.py (process-wide torch patches), table.py (the
 parameter table and names), steps.py (the step clock), writing.py (meta.json and step writes);
-this module keeps start/stop/fail, the warnings, and the routing of bucket manifests (fsdp2.py,
-graph.py, graph_makefx.py, eager_collectives.py) to the writer.
+this module keeps start/stop/fail, the warnings, and one table of manifest sources (the classes
+listed in sources.py: FSDP2, compiled graphs, make_fx graphs, DTensor collectives; the protocol
+in manifest_source.py) whose bucket records it routes to the writer.
 
 What happens when (docs/capture.md has the full story):
 
@@ -26,6 +27,7 @@ once, removes the hooks and lets training go on.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import sys
 import threading
@@ -38,10 +40,10 @@ from parity.capture import nccl_emulation, patches, post_import, table
 from parity.capture.env import one_line as _one_line
 from parity.capture.env import say as _say
 from parity.capture.hashing import HASHERS
+from parity.capture.manifest_source import ON_COMPILE, GraphRecord, ManifestSource, SourceHooks
 from parity.capture.names import normalize_fqn
-from parity.capture.patches import _tracing
 from parity.capture.steps import StepClock
-from parity.capture.table import ParamTable, _module_roots
+from parity.capture.table import ParamTable
 from parity.capture.writing import RankRecord
 from parity.errors import ParityError
 from parity.records import BucketRecord
@@ -92,13 +94,10 @@ class Session(RankRecord, StepClock, ParamTable):
         self._handles: list = []
         self._fwd_handle = None
         self._root_ref = None
-        self._fsdp = None
-        self._graph = None
-        self._graph_tried = False
-        self._makefx = None
-        self._eager = None
-        self._fsdp_tried = False
-        self._manifest_sources: list[str] = []  # sources hooked so far
+        # manifest sources tried so far, by name (sources.py); None: tried, not installed
+        self._sources: dict[str, ManifestSource | None] = {}
+        self._triggers: list[tuple[str, object]] = []  # (module, our post-import callback)
+        self._manifest_sources: list[str] = []  # the ``source`` of those recording (meta.json)
         self._lock = threading.RLock()
 
         # step state
@@ -159,17 +158,13 @@ class Session(RankRecord, StepClock, ParamTable):
             self._fwd_handle = torch.nn.modules.module.register_module_forward_pre_hook(
                 self._forward_pre_hook)
             if self.manifests:
-                from parity.capture import fsdp2
+                from parity.capture import sources
 
-                post_import.when_imported(fsdp2.GROUP_MODULE, self._install_fsdp2)
-                from parity.capture import graph_makefx
-
-                post_import.when_imported(graph_makefx.TRAINER_MODULE, self._install_makefx)
-                from parity.capture import eager_collectives
-
-                post_import.when_imported(eager_collectives.MODULES[0], self._install_eager)
-                # Compiled-graph manifests are hooked when the trainer first calls torch.compile
-                # (see patches.py); earlier, aot_autograd may be half-imported.
+                for cls in sources.SOURCES:  # ON_COMPILE ones: patches.py, at torch.compile
+                    if cls.trigger != ON_COMPILE:
+                        callback = functools.partial(self._install_source, cls.name)
+                        self._triggers.append((cls.trigger, callback))
+                        post_import.when_imported(cls.trigger, callback)
             if not self.lazy:
                 self._ensure_writer()
             atexit.register(self._atexit)
@@ -231,26 +226,15 @@ class Session(RankRecord, StepClock, ParamTable):
         table.uninstall_registration_hooks(self._registration_handles)
         self._registration_handles = []
         self._remove_forward_hook()
-        if self._fsdp is not None:
-            self._fsdp.uninstall()
-        if self._makefx is not None:
-            self._makefx.uninstall()
-            self._makefx = None
-        if self._eager is not None:
-            self._eager.uninstall()
-            self._eager = None
-        if self._graph is not None:
-            try:
-                self._graph.uninstall()
-            except Exception:  # noqa: BLE001
-                pass
-            self._graph = None
-        try:
-            from parity.capture import fsdp2
-
-            post_import.cancel(fsdp2.GROUP_MODULE)
-        except Exception:  # noqa: BLE001
-            pass
+        for source in self._sources.values():  # kept: its seconds still count (meta.json)
+            if source is not None:
+                try:
+                    source.uninstall()
+                except Exception:  # noqa: BLE001
+                    pass
+        for module, callback in self._triggers:
+            post_import.cancel(module, callback)
+        self._triggers = []
 
     def _fail(self, e: BaseException) -> None:
         """Capture broke: say so once, unhook, keep training."""
@@ -286,22 +270,50 @@ class Session(RankRecord, StepClock, ParamTable):
                 self._fail(e)
 
     # ------------------------------------------------------------------------- manifests
-    def _install_fsdp2(self, _module=None) -> None:
-        if self._fsdp is not None or self._fsdp_tried or self.failed or self.stopped:
+    def _install_source(self, name: str, _module=None) -> None:
+        """Install the manifest source ``name`` (sources.py): its trigger fired. At most once per
+        session; a reason it cannot is one warning (manifest_source.py, [Note: when a source
+        installs])."""
+        if name in self._sources or self.failed or self.stopped:
             return
-        from parity.capture import fsdp2
+        from parity.capture import sources
 
-        mod = sys.modules.get(fsdp2.GROUP_MODULE)
-        if mod is None or not post_import._module_ready(mod):
-            return  # half-imported: the first forward tries again
-        self._fsdp_tried = True
+        cls = sources.BY_NAME[name]
+        source = cls(self._source_hooks(cls.source))
+        if not source.ready():
+            return  # half-imported: the first forward asks again
+        self._sources[name] = None
+        try:
+            reason, echo = source.install(), cls.echo
+        except Exception as e:  # noqa: BLE001
+            reason, echo = f"{name}.install failed ({_one_line(e)})", True
+        if reason:
+            self._manifest_warn(cls.source)(f"{cls.unavailable}: {reason}", echo=echo)
+            return
+        self._sources[name] = source
+        self._source_on(cls.source)
 
-        rec = fsdp2.FSDP2Recorder(emit=self._emit_bucket, step=lambda: self.done + 1,
-                                  normalize=normalize_fqn, warn=self._manifest_warn("fsdp2"),
-                                  fail=self._fail)
-        if rec.install():
-            self._fsdp = rec
-            self._source_on("fsdp2")
+    def _install_sources(self, trigger: str) -> None:
+        """Every source ``trigger`` installs (patches.py: ON_COMPILE at torch.compile)."""
+        from parity.capture import sources
+
+        for cls in sources.SOURCES:
+            if cls.trigger == trigger:
+                self._install_source(cls.name)
+
+    def _install_imported_sources(self) -> None:
+        """Ask again the sources whose trigger module is imported by now: one only half-imported
+        when its post-import callback ran (FSDP2's) installs at the first forward (table.py)."""
+        from parity.capture import sources
+
+        for cls in sources.SOURCES:
+            if cls.trigger != ON_COMPILE and cls.trigger in sys.modules:
+                self._install_source(cls.name)
+
+    def _source_hooks(self, source: str) -> SourceHooks:
+        return SourceHooks(emit=self._emit_bucket, on_graph=self._on_graph,
+                           on_loss=self._note_traced_loss, done=lambda: self.done,
+                           warn=self.warn, lost=self._manifest_warn(source), fail=self._fail)
 
     def _source_on(self, source: str) -> None:
         if source not in self._manifest_sources:
@@ -316,51 +328,6 @@ class Session(RankRecord, StepClock, ParamTable):
             self.warn(msg, echo=echo)
         return warn
 
-    def _install_graph(self, _module=None) -> None:
-        if self._graph is not None or self._graph_tried or self.failed or self.stopped:
-            return
-        self._graph_tried = True
-        warn = self._manifest_warn("graph")
-        from parity.capture import graph
-
-        try:
-            reason = graph.install(self._on_graph, warn=self.warn)
-        except Exception as e:  # noqa: BLE001
-            warn(f"compiled manifests unavailable: graph.install failed ({_one_line(e)})")
-            return
-        if reason:  # graph.py has printed it already
-            warn(f"compiled manifests unavailable: {reason}", echo=False)
-            return
-        self._graph = graph
-        self._source_on("graph")
-
-    def _install_makefx(self, _module=None) -> None:
-        if self._makefx is not None or self.failed or self.stopped:
-            return
-        from parity.capture import graph_makefx
-
-        warn = self._manifest_warn("graph")
-        reason = graph_makefx.install(self._on_graph, self._note_traced_loss, warn)
-        if reason:
-            warn(f"compiled manifests unavailable: {reason}")
-            return
-        self._makefx = graph_makefx
-        self._source_on("graph")
-
-    def _install_eager(self, _module=None) -> None:
-        if self._eager is not None or self.failed or self.stopped:
-            return
-        from parity.capture.eager_collectives import EagerCollectives
-
-        rec = EagerCollectives(self._emit_bucket, lambda: self.done, _module_roots, _tracing,
-                               normalize_fqn)
-        reason = rec.install()
-        if reason:
-            self._manifest_warn("dtensor")(f"eager collectives unavailable: {reason}")
-            return
-        self._eager = rec
-        self._source_on("dtensor")
-
     def _note_traced_loss(self, t) -> None:
         """The loss a traced step returned (its backward ran inside the graph)."""
         if isinstance(t, torch.Tensor) and t.numel() == 1:
@@ -369,14 +336,14 @@ class Session(RankRecord, StepClock, ParamTable):
 
             loss.note(self, t)
 
-    def _on_graph(self, record: dict) -> None:
+    def _on_graph(self, record: GraphRecord) -> None:
         if self.failed or self.stopped:
             return
         try:
             with self._lock:
-                for w in record.get("warnings") or ():
-                    self.warn(f"graph {record.get('graph_id')}: {w}")
-                for b in record.get("buckets") or ():  # BucketRecords (graph_walk.py)
+                for w in record.warnings:
+                    self.warn(f"graph {record.graph_id}: {w}")
+                for b in record.buckets:
                     b.step = self.done + 1
                     for e in b.entries:
                         if isinstance(e.fqn, str):

@@ -180,10 +180,9 @@ class StepClock:
                     self.done = self.k
                     self.open = True
                     self.backwards = 0
-                    if self._fsdp is not None:
-                        self._fsdp.new_step()
-                    if self._eager is not None:
-                        self._eager.new_step()
+                    for source in self._sources.values():  # manifest sources (sources.py)
+                        if source is not None:
+                            source.new_step()
                     if self.k == 1:
                         self._write_first()
                     elif self._step_sampled:

@@ -16,7 +16,6 @@ is initialised in ``Session.__init__``), split out so that each concern reads on
 from __future__ import annotations
 
 import gc
-import sys
 import weakref
 
 import torch
@@ -133,11 +132,8 @@ class ParamTable:
         try:
             self._root_ref = weakref.ref(module)
             self._remove_forward_hook()
-            if self.manifests and self._fsdp is None:
-                from parity.capture import fsdp2
-
-                if fsdp2.GROUP_MODULE in sys.modules:
-                    self._install_fsdp2()
+            if self.manifests:
+                self._install_imported_sources()
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         return None
@@ -149,11 +145,8 @@ class ParamTable:
             return
         self._remove_forward_hook()
         try:
-            if self.manifests and self._fsdp is None:
-                from parity.capture import fsdp2
-
-                if fsdp2.GROUP_MODULE in sys.modules:
-                    self._install_fsdp2()
+            if self.manifests:
+                self._install_imported_sources()
         except Exception as e:  # noqa: BLE001
             self._fail(e)
 

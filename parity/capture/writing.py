@@ -61,7 +61,8 @@ class RankRecord:
                 "recorded_steps": self.recorded_steps, "steps": self.done,
                 "optimizers": len(self._optimizers),
                 "seconds": round(self.capture_seconds
-                                 + (self._fsdp.seconds if self._fsdp is not None else 0.0), 6)}
+                                 + sum(s.seconds for s in self._sources.values() if s is not None),
+                                 6)}
 
     def _runtime_meta(self) -> dict:
         """What the trainer has configured by its first step (threads, determinism, device)."""

@@ -33,6 +33,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from parity.records import SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH
+
 __all__ = ["summarize", "summarize_run", "headline", "issued_elsewhere", "pair_rows", "side_label",
            "cell_headline", "bucket_homes", "moved_between", "summarize_pair"]
 
@@ -110,9 +112,9 @@ def summarize(buckets: list[dict]) -> dict:
     for b in buckets:
         by_source[b.get("source") or "?"].append(b)
     for source, recs in by_source.items():
-        if source == "fsdp2":
+        if source == SOURCE_FSDP2:
             recs = _latest_fsdp2(recs)
-        elif source == "dtensor":
+        elif source == SOURCE_DTENSOR:
             recs = _latest_dtensor(recs)
         for b in recs:
             groups[_key(b)]["before" if b.get("stage") == BEFORE else "after"].append(b)
@@ -129,9 +131,9 @@ def summarize(buckets: list[dict]) -> dict:
             "spans": None, "max_span": None,
             "compute_between_rs": None, "max_consec_compute_between_rs": None,
         }
-        if source == "fsdp2":
+        if source == SOURCE_FSDP2:
             row["count_before"] = sum(len(b.get("entries") or []) for b in after)
-        elif source == "dtensor":  # issued one by one, outside any pass: nothing merged them
+        elif source == SOURCE_DTENSOR:  # issued one by one, outside any pass: nothing merged them
             row["count_before"] = len(after)
         elif before:
             row["count_before"] = len(before)
@@ -144,7 +146,7 @@ def summarize(buckets: list[dict]) -> dict:
         # counts right before the first bucketing pass and right after the last one
         # (GraphTrainer aot_fx_trace: capture/graph_passes.py); None where not recorded
         row["around_bucketing"] = around
-        if source == "graph" and collective == "reduce_scatter" and after:
+        if source == SOURCE_GRAPH and collective == "reduce_scatter" and after:
             between = _compute_between(after)
             row["compute_between_rs"] = between
             row["max_consec_compute_between_rs"] = max(between) if between else None
@@ -206,7 +208,7 @@ def _chain_ok(chain: str, owner: str) -> bool:
 
 
 def _entry_module(b: dict, e: dict) -> str | None:
-    if b.get("source") == "fsdp2":
+    if b.get("source") == SOURCE_FSDP2:
         return b.get("group")
     return e.get("module") if e.get("module") is not None else b.get("module")
 
@@ -248,8 +250,8 @@ def bucket_homes(buckets: list[dict]) -> dict[str, dict[str, str]]:
         if b.get("stage") != BEFORE:
             by_source[b.get("source") or "?"].append(b)
     for source, rs in by_source.items():
-        recs += _latest_fsdp2(rs) if source == "fsdp2" else (
-            _latest_dtensor(rs) if source == "dtensor" else rs)
+        recs += _latest_fsdp2(rs) if source == SOURCE_FSDP2 else (
+            _latest_dtensor(rs) if source == SOURCE_DTENSOR else rs)
     phase = {"forward": 0, "backward": 1}
     recs.sort(key=lambda b: (phase.get(b.get("graph") or "", 2), b.get("graph_id") or 0,
                              b.get("index") or 0))
@@ -257,9 +259,9 @@ def bucket_homes(buckets: list[dict]) -> dict[str, dict[str, str]]:
     for b in recs:
         source, coll = b.get("source"), b.get("collective") or ""
         fqns = _fqns(b)
-        if source == "fsdp2":
+        if source == SOURCE_FSDP2:
             home = _common_module([g.strip() for g in (b.get("group") or "").split(",")])
-        elif source == "dtensor":
+        elif source == SOURCE_DTENSOR:
             home = _chain_home(b.get("module") or "")
         else:
             mods = [pre.get((b.get("graph_id"), coll, e.get("fqn")), e.get("module"))
@@ -342,7 +344,7 @@ def issued_elsewhere(buckets: list[dict]) -> list[dict]:
             if not fqn or module is None:
                 continue
             owner = _owner(fqn)
-            ok = _chain_ok(module, owner) if b.get("source") == "dtensor" else _within(module, owner)
+            ok = _chain_ok(module, owner) if b.get("source") == SOURCE_DTENSOR else _within(module, owner)
             if ok:
                 continue
             key = (fqn, module, b.get("collective"), b.get("graph"))
@@ -384,7 +386,7 @@ _PHASE = {"all_gather": "forward", "reduce_scatter": "backward"}
 def _phase(row: dict) -> str:
     """Where a row's collectives run: the graph kind for compiled graphs, else forward for
     all-gathers and backward for reduce-scatters (eager FSDP2 issues them there)."""
-    if row.get("source") == "dtensor":
+    if row.get("source") == SOURCE_DTENSOR:
         return "DTensor"
     if row.get("graph") in ("forward", "backward"):
         return row["graph"]
@@ -395,11 +397,11 @@ def side_label(row: dict | None) -> str:
     """What a row summarizes: ``forward #0`` (a compiled graph), ``eager FSDP2``, ``eager DTensor``."""
     if row is None:
         return "-"
-    if row.get("source") == "graph":
+    if row.get("source") == SOURCE_GRAPH:
         return f"{row.get('graph')} #{row.get('graph_id')}"
-    if row.get("source") == "fsdp2" and row.get("graph"):
+    if row.get("source") == SOURCE_FSDP2 and row.get("graph"):
         return f"eager FSDP2 {row['graph']}"
-    return {"fsdp2": "eager FSDP2", "dtensor": "eager DTensor"}.get(row.get("source"), str(row.get("source")))
+    return {SOURCE_FSDP2: "eager FSDP2", SOURCE_DTENSOR: "eager DTensor"}.get(row.get("source"), str(row.get("source")))
 
 
 def pair_rows(a: dict | None, b: dict | None) -> list[dict]:

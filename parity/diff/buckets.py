@@ -24,7 +24,7 @@ from itertools import zip_longest
 
 from parity import consequences
 from parity.artifacts import Run
-from parity.records import BucketRecord
+from parity.records import SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord
 from parity.text import ranges
 
 COLLECTIVES = ("all_gather", "reduce_scatter")
@@ -147,7 +147,7 @@ def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None
     layout = Layout(source, rank, {c: [] for c in COLLECTIVES})
     if source is None:
         return layout
-    graph = source == "graph"
+    graph = source == SOURCE_GRAPH
     for coll in COLLECTIVES:
         # a graph recorded before its passes (``stage``) is context, not the layout that runs
         recs = [r for r in records if r.get("source") == source and r.get("collective") == coll
@@ -499,13 +499,10 @@ def check_ranks(layouts: dict[int, Layout], ref: int) -> list[str]:
 
 
 # ------------------------------------------------------------------ eager collectives (dtensor)
-EAGER_SOURCE = "dtensor"
-
-
 def eager_collectives(records: list[dict]) -> list[dict]:
     """One rank's eager DTensor collectives (``source: dtensor``) of the first step that has
     any, as runs of equal consecutive calls: {collective, fqn, tensor, module, dtype, count}."""
-    recs = [r for r in records if r.get("source") == EAGER_SOURCE]
+    recs = [r for r in records if r.get("source") == SOURCE_DTENSOR]
     if not recs:
         return []
     step = min((r.get("step") for r in recs if isinstance(r.get("step"), int)), default=None)
@@ -582,8 +579,8 @@ def explain_eager(fqn: str, shape: str | None, la: Layout, lb: Layout,
 
 
 # ------------------------------------------------------------- per-rank agreement, both sides
-A_PREFERS = ("fsdp2", "graph")
-B_PREFERS = ("graph", "fsdp2")
+A_PREFERS = (SOURCE_FSDP2, SOURCE_GRAPH)
+B_PREFERS = (SOURCE_GRAPH, SOURCE_FSDP2)
 
 
 _ENTRY_KEY = operator.itemgetter("fqn", "offset", "size", "numel", "dtype")

@@ -34,7 +34,7 @@ class Side:
     missing_ranks: list[int]  # ranks of range(world_size) without one
     steps: list[int]  # steps complete on every usable rank
     status: str | None  # run.json status, if any
-    bucket_source: str | None  # "fsdp2" | "graph" | None (no manifests)
+    bucket_source: str | None  # records.SOURCE_FSDP2 | SOURCE_GRAPH | None (no manifests)
 
 
 @dataclass
