@@ -14,8 +14,14 @@ Knobs (environment):
   GA_MICRO=N      micro-batches per step (default 2)
   GA_UPDATE=hand  no torch.optim optimizer: ``sgd_update(model, lr)`` in this script updates
                   the parameters by hand (``parity exec --step-on grad_accum:sgd_update``)
+  GA_UPDATE=imported  the same update, from the module hand_update.py next to this file,
+                  imported as the trainer starts (``--step-on hand_update:sgd_update``, or
+                  ``trainers.hand_update:sgd_update`` when run as ``-m trainers.grad_accum``)
+
+Also runs as a module: ``torchrun ... -m trainers.grad_accum`` from tests/.
 """
 
+import importlib
 import os
 import sys
 
@@ -72,7 +78,11 @@ def main():
     mesh = init_device_mesh("cpu", (world,))
     steps = int(os.environ.get("GA_STEPS", "2"))
     micro = int(os.environ.get("GA_MICRO", "2"))
-    hand = os.environ.get("GA_UPDATE") == "hand"
+    hand = os.environ.get("GA_UPDATE") in ("hand", "imported")
+    update = sgd_update
+    if os.environ.get("GA_UPDATE") == "imported":
+        update = importlib.import_module(f"{__package__}.hand_update" if __package__
+                                         else "hand_update").sgd_update
 
     torch.manual_seed(0)
     model = Model()
@@ -91,7 +101,7 @@ def main():
             loss.backward()
             shares.append(loss.detach())
         if hand:
-            sgd_update(model, 1e-2)
+            update(model, 1e-2)
         else:
             opt.step()
             opt.zero_grad(set_to_none=True)
