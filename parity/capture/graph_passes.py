@@ -28,8 +28,9 @@ def pass_name(fn: Any) -> str:
         fn, "__name__", type(fn).__name__)
 
 
-def count_collectives(gm: Any) -> dict[str, int]:
-    """``{"all_gather/forward": n, ...}`` in a joint graph (phase as graph_makefx.split_joint)."""
+def count_collectives(gm: Any, graph_phase: str | None = None) -> dict[str, int]:
+    """``{"all_gather/forward": n, ...}`` in a joint graph (phase as graph_makefx.split_joint),
+    or in a forward or backward graph (``graph_phase``: aot_autograd's partitioned graphs)."""
     out: dict[str, int] = {}
     in_backward = False
     for node in gm.graph.nodes:
@@ -39,7 +40,8 @@ def count_collectives(gm: Any) -> dict[str, int]:
         kind = _KINDS.get(graph_walk._op_name(node))
         if kind is None:
             continue
-        phase = "backward" if (flag or (flag is None and in_backward)) else "forward"
+        phase = graph_phase or ("backward" if (flag or (flag is None and in_backward))
+                                else "forward")
         key = f"{kind}/{phase}"
         out[key] = out.get(key, 0) + 1
     return out
@@ -83,3 +85,33 @@ def around_bucketing(runs: list[dict]) -> dict[str, dict] | None:
     keys = set(first["before"]) | set(last["after"])
     return {k: {"before": first["before"].get(k, 0), "after": last["after"].get(k, 0),
                 "passes": names} for k in sorted(keys)}
+
+
+class AroundCompiler:
+    """GraphTrainer jit (``--compile.mode jit --compile.backend aot_eager``): the forward and
+    backward compilers aot_autograd calls ARE torchtitan's bucketing pass
+    (``transformer_block_bucketing_reordering_pass``, ``autobucketing_reordering_pass``), so
+    the counts right before and after the compiler are the counts around bucketing. A compiler
+    whose name does not say ``bucket`` (inductor's ``compile_fx``, where bucketing is one of
+    its post-grad passes among others) gets none."""
+
+    def __init__(self, compiler: Any, gm: Any, graph_phase: str):
+        name = pass_name(compiler)
+        self.name = name if "bucket" in name.lower() else None
+        self.phase = graph_phase
+        self.before = None
+        if self.name is not None:
+            try:
+                self.before = count_collectives(gm, graph_phase)
+            except Exception:  # noqa: BLE001 - counting never breaks the compile
+                self.before = None
+
+    def counts(self, gm: Any) -> dict[str, dict] | None:
+        """``around_bucketing``'s shape, for the graph the compiler left (``gm``, in place)."""
+        if self.before is None:
+            return None
+        try:
+            after = count_collectives(gm, self.phase)
+        except Exception:  # noqa: BLE001
+            return None
+        return around_bucketing([{"pass": self.name, "before": self.before, "after": after}])
