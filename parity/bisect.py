@@ -34,8 +34,8 @@ from pathlib import Path
 
 from parity.artifacts import write_json_atomic
 from parity.capture import env_record
-from parity.rundir import ops_ranks, read_ops
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, ParityError
+from parity.rundir import ops_ranks, read_ops
 
 SCHEMA_VERSION = 1  # bisect.json: parity/schemas/bisect.schema.json
 GRAD_OP = "parity.grad"

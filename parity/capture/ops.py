@@ -37,7 +37,6 @@ import functools
 import json
 import operator
 import os
-import re
 import sys
 import threading
 import time
@@ -49,8 +48,8 @@ from torch.utils._pytree import tree_flatten
 from parity.capture.hashing import host_digest
 from parity.capture.env import one_line as _one_line
 from parity.capture.env import say as _say
-from parity.rundir import ops_path
 from parity.capture.names import PROPERTY_MODULE, node_module, normalize_fqn, stack_module  # noqa: F401
+from parity.rundir import ops_path
 
 ENV_STEP = "PARITY_OPS_STEP"
 ENV_EXIT = "PARITY_OPS_EXIT"
