@@ -74,7 +74,12 @@ def test_counts_around_a_jit_compiler_that_is_the_bucketing_pass():
     gm = _gm_with(0, 3)
     compiler = functools.partial(transformer_block_bucketing_reordering_pass,
                                  fsdp_manual_buckets=[])
-    around = graph_passes.AroundCompiler(compiler, gm, "backward")
+    def wrap_bw_compiler(bw_compiler_fn):  # as torch._dynamo.backends.common does
+        def _wrapped_bw_compiler(*args, **kwargs):
+            return bw_compiler_fn(*args, **kwargs)
+        return _wrapped_bw_compiler
+
+    around = graph_passes.AroundCompiler(wrap_bw_compiler(compiler), gm, "backward")
     compiler(gm, ())
     assert around.counts(gm) == {"reduce_scatter/backward": {
         "before": 3, "after": 2, "passes": "transformer_block_bucketing_reordering_pass"}}

@@ -87,6 +87,31 @@ def around_bucketing(runs: list[dict]) -> dict[str, dict] | None:
                 "passes": names} for k in sorted(keys)}
 
 
+def _bucketing_name(compiler: Any, depth: int = 3) -> str | None:
+    """The name of the bucketing pass ``compiler`` is, looking through the wrappers torch puts
+    around it (dynamo's ``aot_autograd`` wraps the backward compiler in ``_wrapped_bw_compiler``,
+    which holds it in its closure); None when it is no bucketing pass."""
+    todo, seen = [(compiler, 0)], set()
+    while todo:
+        fn, d = todo.pop(0)
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        name = pass_name(fn)
+        if "bucket" in name.lower():
+            return name
+        if d < depth:
+            todo.append((getattr(fn, "__wrapped__", None), d + 1))
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    inner = cell.cell_contents
+                except ValueError:
+                    continue
+                if callable(inner):
+                    todo.append((inner, d + 1))
+    return None
+
+
 class AroundCompiler:
     """GraphTrainer jit (``--compile.mode jit --compile.backend aot_eager``): the forward and
     backward compilers aot_autograd calls ARE torchtitan's bucketing pass
@@ -96,8 +121,7 @@ class AroundCompiler:
     its post-grad passes among others) gets none."""
 
     def __init__(self, compiler: Any, gm: Any, graph_phase: str):
-        name = pass_name(compiler)
-        self.name = name if "bucket" in name.lower() else None
+        self.name = _bucketing_name(compiler)
         self.phase = graph_phase
         self.before = None
         if self.name is not None:
