@@ -35,9 +35,9 @@ from pathlib import Path
 from parity.artifacts import write_json_atomic
 from parity.capture import env_record
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, ParityError
+from parity.rundir import ops_ranks, read_ops
 
 SCHEMA_VERSION = 1  # bisect.json: parity/schemas/bisect.schema.json
-OPS_DIR = "ops"  # same as parity.capture.ops.OPS_DIR (not imported: that module imports torch)
 GRAD_OP = "parity.grad"
 SIDES = ("a", "b")
 SKIP_NAMESPACES = ("profiler",)
@@ -215,29 +215,6 @@ def rerun(plan: RerunPlan, out_dir: Path, step: int) -> tuple[int, Path, Path]:
 
 
 # -------------------------------------------------------------------------------- 2. records
-def load_ops(run_dir: Path, rank: int) -> tuple[dict, list[dict]] | None:
-    path = run_dir / OPS_DIR / f"rank-{rank:05d}.jsonl"
-    try:
-        lines = path.read_text().splitlines()
-        meta = json.loads(lines[0]).get("meta") or {}
-        return meta, [json.loads(x) for x in lines[1:] if x.strip()]
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-
-
-def ops_ranks(run_dir: Path) -> list[int]:
-    d = run_dir / OPS_DIR
-    if not d.is_dir():
-        return []
-    out = []
-    for p in d.glob("rank-*.jsonl"):
-        try:
-            out.append(int(p.stem.split("-", 1)[1]))
-        except ValueError:
-            pass
-    return sorted(out)
-
-
 def base_op(name: str) -> str:
     """``aten.mul_.Tensor`` -> ``mul`` (namespace, overload and the in-place mark dropped)."""
     if name == GRAD_OP:
@@ -361,12 +338,13 @@ def _hashes(recs: list[dict]) -> set[str]:
     return {o["hash"] for r in recs for o in r.get("out") or () if o.get("hash")}
 
 
-def _opaque_before(recs: list[dict], i: int | None, other: set[str] | None = None) -> list[str]:
-    """The regions not recorded op by op (inductor graphs, compiled graphs in an eager
-    process) before index ``i`` (None: anywhere), by name, in order. With ``other`` (every
+def _opaque_records(recs: list[dict], i: int | None, other: set[str] | None = None) -> list[dict]:
+    """The first record of each region not recorded op by op (inductor graphs, compiled graphs
+    in an eager process) before index ``i`` (None: anywhere), in order. With ``other`` (every
     output hash the other side recorded), a region whose outputs all appear there computed
     the same values and is left out: the difference cannot enter there."""
-    names: list[str] = []
+    out: list[dict] = []
+    names: set[str] = set()
     for r in recs:
         if i is not None and r["i"] >= i:
             break
@@ -376,8 +354,22 @@ def _opaque_before(recs: list[dict], i: int | None, other: set[str] | None = Non
         if other is not None and outs and all(h and h in other for h in outs):
             continue
         if r["op"] not in names:
-            names.append(r["op"])
-    return names
+            names.add(r["op"])
+            out.append(r)
+    return out
+
+
+def _opaque_before(recs: list[dict], i: int | None, other: set[str] | None = None) -> list[str]:
+    return [r["op"] for r in _opaque_records(recs, i, other)]
+
+
+def _entering(a: dict, b: dict, a_recs: list[dict], b_recs: list[dict]) -> list[dict]:
+    """The regions not recorded op by op, before the first differing pair on their side, that
+    computed values the other side never had: where the difference can enter unseen. Each
+    ``{"region", "side", "module"}``, A's first, in execution order."""
+    return [{"region": r["op"], "side": side, "module": r.get("module") or ""}
+            for side, recs, i, other in (("A", a_recs, a["i"], b_recs), ("B", b_recs, b["i"], a_recs))
+            for r in _opaque_records(recs, i, _hashes(other))]
 
 
 def _regions(recs: list[dict]) -> list[str]:
@@ -394,15 +386,19 @@ def _regions(recs: list[dict]) -> list[str]:
 def _grad_verdict(a: dict, b: dict, a_recs: list[dict], b_recs: list[dict], fb_before: int,
                   layouts: str | None) -> dict:
     """Where a difference first seen in a gradient enters, as far as the records tell."""
-    if not fb_before:
+    entering = _entering(a, b, a_recs, b_recs)
+    if fb_before:
+        head = (f"it is a gradient as the optimizer consumes it, and the {fb_before} aligned "
+                "forward/backward op(s) before it matched")
+    elif entering:
+        head = ("it is a gradient as the optimizer consumes it; no forward/backward op before it "
+                "could be compared op by op")
+    else:
         return {"differed": None, "detail": "it is a gradient as the optimizer consumes it; no "
                 "forward/backward op before it could be compared, so the ops do not tell where "
                 "the difference enters"}
-    opaque = ([f"{n} (A)" for n in _opaque_before(a_recs, a["i"], _hashes(b_recs))]
-              + [f"{n} (B)" for n in _opaque_before(b_recs, b["i"], _hashes(a_recs))])
-    head = (f"it is a gradient as the optimizer consumes it, and the {fb_before} aligned "
-            "forward/backward op(s) before it matched")
-    if opaque:
+    if entering:
+        opaque = [f"{e['region']} ({e['side']})" for e in entering]
         where = "; ".join(opaque[:4]) + (f" (+{len(opaque) - 4} more)" if len(opaque) > 4 else "")
         tail = ("" if layouts == "identical" else
                 ", or in the reduce-scatter or its bucketing (`parity diff` shows the layouts)")
@@ -485,11 +481,15 @@ def analyse_rank(a_recs: list[dict], b_recs: list[dict], layouts: str | None = N
         if _value(pa) == _value(pb):
             last = (pa, pb)
     before = [r for r in al.a_only if r["i"] < a["i"]]
+    inputs = (_grad_verdict(a, b, a_recs, b_recs, sum(
+        1 for pa, _ in al.pairs if pa["i"] < a["i"] and pa.get("kind") != "grad"), layouts)
+        if a.get("kind") == "grad" else _inputs_verdict(a, b, a_recs))
+    # Where the difference enters when the first differing op did not compute it itself: the
+    # first region not recorded op by op whose outputs the other side never had.
+    entering = _entering(a, b, a_recs, b_recs) if inputs.get("differed") is not False else []
     out.update(verdict="differs", first={"a": _describe(a), "b": _describe(b)},
                last_match={"a": _describe(last[0]), "b": _describe(last[1])} if last else None,
-               inputs=(_grad_verdict(a, b, a_recs, b_recs, sum(
-                   1 for pa, _ in al.pairs if pa["i"] < a["i"] and pa.get("kind") != "grad"),
-                   layouts) if a.get("kind") == "grad" else _inputs_verdict(a, b, a_recs)),
+               inputs=inputs, enters=entering[0] if entering else None,
                unaligned_before={"a": len(before),
                                  "groups": _groups(before, [])[:8]},
                differing_pairs=len(differing))
@@ -620,7 +620,7 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
             report["warnings"].append(w)
     per_rank = {}
     for r in ranks:
-        la, lb = load_ops(runs["a"][1], r), load_ops(runs["b"][1], r)
+        la, lb = read_ops(runs["a"][1], r), read_ops(runs["b"][1], r)
         if la is None or lb is None:
             report["warnings"].append(f"rank {r}: an ops file is unreadable")
             continue
@@ -665,10 +665,20 @@ def format_report(rep: dict) -> str:
              f"A {rep['a'].get('process')} ({rep['a'].get('ops')} ops), "
              f"B {rep['b'].get('process')} ({rep['b'].get('ops')} ops)"]
     few = rep.get("too_few_ops")
+    enters = rep.get("enters")
     if few:
         who = " and ".join(s.upper() for s in few["sides"])
-        lines[0] += (f"; {who} recorded too few forward/backward ops to compare (A {few['a']}, "
-                     f"B {few['b']}): what follows says little about where the difference enters")
+        lines[0] += (f"; {who} recorded too few forward/backward ops to compare op by op "
+                     f"(A {few['a']}, B {few['b']})" + (
+                         ": compared by the outputs of the regions not recorded op by op"
+                         if enters else ": what follows says little about where the difference "
+                         "enters"))
+    if enters:
+        other = "A" if enters["side"] == "B" else "B"
+        name = enters["region"]
+        lines.append(f"the difference enters {'' if name.startswith('inside') else 'in '}{name} "
+                     f"({enters['side']}" + (f", {enters['module']}" if enters["module"] else "")
+                     + f"): values {other} never computed come out of it")
     f = rep.get("first")
     if f:
         a, b = f["a"], f["b"]

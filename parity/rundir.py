@@ -5,6 +5,7 @@
     RUN_DIR/rank-NNNNN/steps.jsonl     one line per recorded step (line 0 is step 0)
     RUN_DIR/rank-NNNNN/hashes.bin      per-parameter hashes, raw (schema 1: hashes.jsonl)
     RUN_DIR/nodes/node-K/...           a multi-node job's per-node output before the merge
+    RUN_DIR/ops/rank-NNNNN.jsonl       op records of one step (a `parity bisect` rerun only)
 
 The writer (artifacts.RankWriter), the reader (artifacts.read_run), ``parity exec``
 (capture/launch.py), the multi-node launcher, the sweep runner and the HTML report all ask this
@@ -110,3 +111,33 @@ def refused_records(rank_folder: str | os.PathLike) -> list[dict]:
         if isinstance(obj, dict):
             out.append(obj)
     return out
+
+
+OPS_DIR = "ops"  # RUN_DIR/ops/rank-NNNNN.jsonl: capture/ops.py writes, bisect.py reads
+_OPS_FILE_RE = re.compile(r"^rank-(\d{5})\.jsonl$")
+
+
+def ops_path(run_dir: str | os.PathLike, rank: int) -> Path:
+    """``RUN_DIR/ops/rank-NNNNN.jsonl``: one rank's op records (a meta line, then one per op)."""
+    return Path(run_dir) / OPS_DIR / f"rank-{rank:05d}.jsonl"
+
+
+def ops_ranks(run_dir: str | os.PathLike) -> list[int]:
+    """The ranks with an ops file in ``run_dir``, sorted ([] when there is none)."""
+    try:
+        names = [p.name for p in (Path(run_dir) / OPS_DIR).iterdir()]
+    except OSError:
+        return []
+    return sorted(int(m.group(1)) for m in map(_OPS_FILE_RE.match, names) if m)
+
+
+def read_ops(run_dir: str | os.PathLike, rank: int) -> tuple[dict, list[dict]] | None:
+    """(meta, records) of one rank's ops file, None when it is missing or unreadable."""
+    import json
+
+    try:
+        lines = ops_path(run_dir, rank).read_text().splitlines()
+        meta = json.loads(lines[0]).get("meta") or {}
+        return meta, [json.loads(x) for x in lines[1:] if x.strip()]
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

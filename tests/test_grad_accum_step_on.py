@@ -29,12 +29,12 @@ def _env(**extra):
     return env
 
 
-def _exec(out, *opts, **knobs):
+def _exec(out, *opts, trainer=(TRAINER,), cwd=None, **knobs):
     argv = [sys.executable, "-m", "parity", "exec", "--out", str(out), *opts, "--",
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-            "2", TRAINER]
+            "2", *trainer]
     return subprocess.run(argv, env=_env(**knobs), capture_output=True, text=True,
-                          timeout=TIMEOUT)
+                          timeout=TIMEOUT, cwd=cwd)
 
 
 _FLOAT = r"-?\d+\.\d+(?:e[-+]?\d+)?"  # the ranks' lines may run into each other
@@ -60,6 +60,29 @@ def hand(tmp_path_factory):
     plain = _exec(d / "plain", GA_UPDATE="hand")
     marked = _exec(d / "marked", "--step-on", "grad_accum:sgd_update", GA_UPDATE="hand")
     return d, plain, marked
+
+
+@pytest.fixture(scope="module")
+def importable(tmp_path_factory):
+    """--step-on naming importable modules: the trainer run as ``-m trainers.grad_accum`` (its
+    dotted name, not the script's stem), and an update function in a module it imports."""
+    d = tmp_path_factory.mktemp("importable")
+    as_module = _exec(d / "as_module", "--step-on", "trainers.grad_accum:sgd_update",
+                      trainer=("-m", "trainers.grad_accum"), cwd=HERE, GA_UPDATE="hand")
+    imported = _exec(d / "imported", "--step-on", "hand_update:sgd_update",
+                     GA_UPDATE="imported")
+    return d, as_module, imported
+
+
+def test_step_on_names_importable_modules(importable):
+    d, as_module, imported = importable
+    for name, p in (("as_module", as_module), ("imported", imported)):
+        assert p.returncode == 0, (name, p.stdout + p.stderr)
+        run = read_run(d / name)
+        reported = _reported(p.stdout)
+        for rank in (0, 1):
+            assert max(run.ranks[rank].steps) == 2, name
+            assert run.ranks[rank].steps[2]["loss"] == reported[(rank, 2)][0], name
 
 
 def test_loss_is_the_sum_over_the_steps_backward_calls(ga):

@@ -64,6 +64,29 @@ def test_counts_around_the_bucketing_passes_only():
     assert graph_passes.around_bucketing(runs[:1]) is None
 
 
+def test_counts_around_a_jit_compiler_that_is_the_bucketing_pass():
+    """GraphTrainer jit + aot_eager: aot_autograd's backward compiler IS torchtitan's bucketing
+    pass (a partial); the counts around it are the "at bucketing" figures, phase = the graph's."""
+    def transformer_block_bucketing_reordering_pass(gm, example_inputs, *, fsdp_manual_buckets):
+        gm.graph.erase_node(next(n for n in gm.graph.nodes if "reduce_scatter" in str(n.target)))
+        return gm
+
+    gm = _gm_with(0, 3)
+    compiler = functools.partial(transformer_block_bucketing_reordering_pass,
+                                 fsdp_manual_buckets=[])
+    def wrap_bw_compiler(bw_compiler_fn):  # as torch._dynamo.backends.common does
+        def _wrapped_bw_compiler(*args, **kwargs):
+            return bw_compiler_fn(*args, **kwargs)
+        return _wrapped_bw_compiler
+
+    around = graph_passes.AroundCompiler(wrap_bw_compiler(compiler), gm, "backward")
+    compiler(gm, ())
+    assert around.counts(gm) == {"reduce_scatter/backward": {
+        "before": 3, "after": 2, "passes": "transformer_block_bucketing_reordering_pass"}}
+    # a compiler that is not a bucketing pass (inductor's compile_fx): no figure
+    assert graph_passes.AroundCompiler(lambda gm, ex: gm, gm, "backward").counts(gm) is None
+
+
 def _ag(index, step, group, fqns):
     entries, off = [], 0
     for f in fqns:

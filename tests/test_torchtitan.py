@@ -11,6 +11,7 @@ own ConfigManager (no training).
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -190,12 +191,28 @@ def test_graph_trainer_manifests_carry_parameter_fqns(fx, jit):
 
 
 def test_eager_vs_jit_names_the_chunked_lm_head_reduce_scatters(eager, jit, tmp_path):
+    from parity.artifacts import read_run
+    from parity.diff.bucket_summary import summarize_run
+
     eager_recs = [b for b in jit.buckets() if b["source"] == "dtensor"]
     rs = [b for b in eager_recs if b["collective"] == "reduce_scatter" and b["step"] == 1]
     ag = [b for b in eager_recs if b["collective"] == "all_gather" and b["step"] == 1
           and b["entries"][0]["fqn"] == "lm_head.weight"]
     assert len(rs) == 8 and len(ag) == 8
     assert all("loss" in b["module"] for b in rs)
+    # one byte unit everywhere: an eager DTensor reduce-scatter's bytes are the shard it ends
+    # with (per rank), as inside the graph: lm_head [2048, 256] float32 over 2 ranks -> 1 MiB
+    for b in rs:
+        e = b["entries"][0]
+        assert e["numel"] * b["world_size"] == math.prod(e["shape"])
+        assert b["total_bytes"] == e["size"] == e["numel"] * 4 == 1_048_576
+    # jit + aot_eager: the compilers are torchtitan's bucketing pass; counts around it
+    rows = {(r["graph"], r["collective"]): r for r in summarize_run(read_run(jit.out))["graphs"]
+            if r["source"] == "graph"}
+    for key in (("forward", "all_gather"), ("backward", "reduce_scatter")):
+        around = rows[key]["around_bucketing"]
+        assert around["passes"] == "transformer_block_bucketing_reordering_pass", rows[key]
+        assert around["before"] == rows[key]["count_before"] > around["after"] > 0
     d = _diff(eager, jit, tmp_path)
     res = d["json"]
     assert d["rc"] == 1 and res["verdict"] == "hash_mismatch"

@@ -45,6 +45,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from parity.capture import graph_passes
 from parity.capture.graph_fqns import dynamo_input_fqns, graph_io_fqns, source_to_fqn
 from parity.capture.graph_walk import extract_buckets, rs_payload_map
 from parity.capture.manifest_source import ON_COMPILE, GraphRecord, ManifestSource
@@ -107,8 +108,9 @@ def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
                 _emit(gm, graph_kind, comp, None, stage="before_passes")
         except Exception as e:  # never break compilation
             _warn_once(f"{type(e).__name__}: {e} (before {graph_kind} passes)")
+        around = graph_passes.AroundCompiler(compiler, gm, graph_kind)  # jit: it IS the pass
         result = compiler(gm, example_inputs, *args, **kwargs)
-        _emit(gm, graph_kind, comp, pre)
+        _emit(gm, graph_kind, comp, pre, around=around.counts(gm))
         runtime = _state["runtime"]
         if runtime is not None and hasattr(gm, "graph"):
             result = runtime(gm, graph_kind, comp.graph_id, result)
@@ -133,7 +135,7 @@ def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
 
 
 def _emit(gm: Any, graph_kind: str, comp: _Compilation, pre: dict | None,
-          stage: str | None = None) -> None:
+          stage: str | None = None, around: dict | None = None) -> None:
     on_graph = _state["on_graph"]
     if on_graph is None:
         return
@@ -151,6 +153,10 @@ def _emit(gm: Any, graph_kind: str, comp: _Compilation, pre: dict | None,
             warnings=warnings,
             rs_payload_fqns=pre,
         )
+        for b in buckets if around else ():  # counts around the bucketing pass (graph_passes)
+            counts = around.get(f"{b.collective}/{b.graph}")
+            if counts is not None:
+                b.extra["around_bucketing"] = counts
         if stage is not None:
             for b in buckets:
                 b.stage = stage

@@ -25,8 +25,9 @@ def pass_name(fn: Any) -> str:
         fn, "__name__", type(fn).__name__)
 
 
-def count_collectives(gm: Any) -> dict[str, int]:
-    """``{"all_gather/forward": n, ...}`` in a joint graph (phase: graph_walk.JointPhase)."""
+def count_collectives(gm: Any, graph_phase: str | None = None) -> dict[str, int]:
+    """``{"all_gather/forward": n, ...}`` in a joint graph (phase: graph_walk.JointPhase),
+    or in a forward or backward graph (``graph_phase``: aot_autograd's partitioned graphs)."""
     out: dict[str, int] = {}
     phase_of = graph_walk.JointPhase()
     for node in gm.graph.nodes:
@@ -34,7 +35,7 @@ def count_collectives(gm: Any) -> dict[str, int]:
         found = graph_walk.collective_kind(graph_walk.op_name(node))
         if found is None:
             continue
-        key = f"{found[0]}/{phase}"
+        key = f"{found[0]}/{graph_phase or phase}"
         out[key] = out.get(key, 0) + 1
     return out
 
@@ -77,3 +78,57 @@ def around_bucketing(runs: list[dict]) -> dict[str, dict] | None:
     keys = set(first["before"]) | set(last["after"])
     return {k: {"before": first["before"].get(k, 0), "after": last["after"].get(k, 0),
                 "passes": names} for k in sorted(keys)}
+
+
+def _bucketing_name(compiler: Any, depth: int = 3) -> str | None:
+    """The name of the bucketing pass ``compiler`` is, looking through the wrappers torch puts
+    around it (dynamo's ``aot_autograd`` wraps the backward compiler in ``_wrapped_bw_compiler``,
+    which holds it in its closure); None when it is no bucketing pass."""
+    todo, seen = [(compiler, 0)], set()
+    while todo:
+        fn, d = todo.pop(0)
+        if fn is None or id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        name = pass_name(fn)
+        if "bucket" in name.lower():
+            return name
+        if d < depth:
+            todo.append((getattr(fn, "__wrapped__", None), d + 1))
+            for cell in getattr(fn, "__closure__", None) or ():
+                try:
+                    inner = cell.cell_contents
+                except ValueError:
+                    continue
+                if callable(inner):
+                    todo.append((inner, d + 1))
+    return None
+
+
+class AroundCompiler:
+    """GraphTrainer jit (``--compile.mode jit --compile.backend aot_eager``): the forward and
+    backward compilers aot_autograd calls ARE torchtitan's bucketing pass
+    (``transformer_block_bucketing_reordering_pass``, ``autobucketing_reordering_pass``), so
+    the counts right before and after the compiler are the counts around bucketing. A compiler
+    whose name does not say ``bucket`` (inductor's ``compile_fx``, where bucketing is one of
+    its post-grad passes among others) gets none."""
+
+    def __init__(self, compiler: Any, gm: Any, graph_phase: str):
+        self.name = _bucketing_name(compiler)
+        self.phase = graph_phase
+        self.before = None
+        if self.name is not None:
+            try:
+                self.before = count_collectives(gm, graph_phase)
+            except Exception:  # noqa: BLE001 - counting never breaks the compile
+                self.before = None
+
+    def counts(self, gm: Any) -> dict[str, dict] | None:
+        """``around_bucketing``'s shape, for the graph the compiler left (``gm``, in place)."""
+        if self.before is None:
+            return None
+        try:
+            after = count_collectives(gm, self.phase)
+        except Exception:  # noqa: BLE001
+            return None
+        return around_bucketing([{"pass": self.name, "before": self.before, "after": after}])

@@ -37,7 +37,6 @@ import functools
 import json
 import operator
 import os
-import re
 import sys
 import threading
 import time
@@ -51,10 +50,10 @@ from parity.capture.hashing import host_digest
 from parity.capture.env import one_line as _one_line
 from parity.capture.env import say as _say
 from parity.capture.names import PROPERTY_MODULE, node_module, normalize_fqn, stack_module  # noqa: F401
+from parity.rundir import ops_path
 
 ENV_STEP = "PARITY_OPS_STEP"
 ENV_EXIT = "PARITY_OPS_EXIT"
-OPS_DIR = "ops"
 GRAD_OP = "parity.grad"
 
 # Communication and bucket plumbing: recorded (so the streams show them) but never hashed or
@@ -63,10 +62,6 @@ COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "fsdp", "bucke
 COMM_OPS = ("aten._chunk_cat", "aten.chunk_cat", "aten.split_with_sizes_copy")
 
 _ACTIVE: "OpRecorder | None" = None
-
-
-def ops_path(run_dir: str | os.PathLike, rank: int) -> str:
-    return os.path.join(os.fspath(run_dir), OPS_DIR, f"rank-{rank:05d}.jsonl")
 
 
 def op_kind(name: str, schema=None) -> str:
@@ -141,12 +136,16 @@ class _Mode(TorchDispatchMode):
 class _Interpreter(torch.fx.Interpreter):
     """Runs a compiled graph node by node, hashing each call_function node's output."""
 
-    def __init__(self, gm, rec: "OpRecorder", graph: str):
+    def __init__(self, gm, rec: "OpRecorder", graph: str, prefix: str = ""):
         super().__init__(gm)
         self.rec = rec
         self.graph_label = graph
         self.kind = graph.split("#")[0]
         self.joint_phase = JointPhase()  # a make_fx joint graph (GraphTrainer aot_fx_trace)
+        self.prefix = prefix  # where the compiled module sits in the model (module_prefix)
+
+    def _module(self, n) -> str:
+        return _join(self.prefix, _node_module(n))
 
     def _phase(self, n) -> str:
         return self.joint_phase(n) if self.kind == "joint" else self.kind
@@ -155,7 +154,7 @@ class _Interpreter(torch.fx.Interpreter):
         if n.op == "call_module":  # a compiled region inside the graph (regional inductor)
             out = super().run_node(n)
             self.rec._opaque(f"inside compiled region {n.target}, not recorded op by op",
-                             self._phase(n), _node_module(n), f"{self.graph_label}:{n.name}",
+                             self._phase(n), self._module(n), f"{self.graph_label}:{n.name}",
                              out)
             return out
         if n.op != "call_function" or n.target is operator.getitem:
@@ -169,9 +168,35 @@ class _Interpreter(torch.fx.Interpreter):
         else:
             ins = None
         out = super().run_node(n)
-        self.rec.add(name, kind, ins, out, _node_module(n), self._phase(n),
+        self.rec.add(name, kind, ins, out, self._module(n), self._phase(n),
                      f"{self.graph_label}:{n.name}")
         return out
+
+
+def _join(prefix: str, module: str) -> str:
+    return f"{prefix}.{module}" if prefix and module else prefix or module
+
+
+def module_prefix(gm, args, names: dict[int, str]) -> str | None:
+    """Where a compiled module sits in the model, from one run of its forward graph: a graph
+    compiled from a submodule (torchtitan compiles each block, ``block.compile()``) names its
+    nodes' modules relative to that submodule (``norm``), and one graph serves every block of
+    that class. ``names`` maps the parameters registered now (id -> FQN); an argument that is
+    one of them, used by a node of module ``rel``, makes ``FQN's module`` minus ``rel`` the
+    prefix (``layers.0.norm.weight`` used in ``norm`` -> ``layers.0``). None when no argument
+    is a known parameter."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for ph, t in zip(phs, args):
+        fqn = names.get(id(t))
+        if fqn is None:
+            continue
+        owner = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        rel = next((m for m in map(_node_module, ph.users) if m), "")
+        if not rel:
+            return owner
+        if owner == rel or owner.endswith("." + rel):
+            return owner[:len(owner) - len(rel)].rstrip(".")
+    return None
 
 
 def _calls_gm(gm, f) -> bool:
@@ -203,15 +228,29 @@ def runs_graph_as_is(gm, compiled, depth: int = 2) -> bool:
     return False
 
 
-def _backend_name(compiled) -> str:
-    """"inductor" when the compiled callable comes from inductor, else "compiled"."""
-    seen = [compiled, *(c.cell_contents for c in getattr(compiled, "__closure__", None) or ()
-                        if _has_contents(c))]
-    for obj in seen:
-        t = type(obj)
-        if "inductor" in f"{t.__module__}.{t.__qualname__}".lower() or "inductor" in (
-                getattr(obj, "__module__", "") or ""):
+def backend_of(compiled, depth: int = 3) -> str:
+    """"inductor" when what the compiler returned is inductor's output, by type: an instance of
+    ``torch._inductor.output_code.OutputCode`` (inductor's forward: a ``CompiledFxGraph``) or a
+    wrapper whose closure holds one (its backward: ``torch._dynamo.disable`` around a
+    ``CompiledFxGraph``). Else "compiled" (a CUDA-graph runner, another backend's callable)."""
+    oc = sys.modules.get("torch._inductor.output_code")
+    output_code = getattr(oc, "OutputCode", None)
+    if output_code is None:  # inductor never ran in this process
+        return "compiled"
+    todo, seen = [(compiled, 0)], set()
+    while todo:
+        obj, d = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, output_code):
             return "inductor"
+        if d < depth:
+            todo += [(c.cell_contents, d + 1) for c in getattr(obj, "__closure__", None) or ()
+                     if _has_contents(c)]
+            inner = getattr(obj, "__wrapped__", None)
+            if inner is not None:
+                todo.append((inner, d + 1))
     return "compiled"
 
 
@@ -223,6 +262,26 @@ def _has_contents(cell) -> bool:
     return True
 
 
+def graph_module(gm) -> str:
+    """The module a whole compiled graph belongs to: the deepest module every op node of the
+    graph ran in ("" when its nodes name none or several)."""
+    mods = set()
+    for n in getattr(getattr(gm, "graph", None), "nodes", ()):
+        if n.op == "call_function":
+            m = _node_module(n)
+            if m:
+                mods.add(m)
+    if not mods:
+        return ""
+    parts = [m.split(".") for m in mods]
+    common = []
+    for seg in zip(*parts):
+        if len(set(seg)) != 1:
+            break
+        common.append(seg[0])
+    return ".".join(common)
+
+
 class OpRecorder:
     def __init__(self, session, step: int, exit_after: bool):
         self.session = session
@@ -230,6 +289,7 @@ class OpRecorder:
         self.exit_after = exit_after
         self.records: list[dict] = []
         self.compiled = False  # torch.compile was called in this process
+        self.backends: list[str] = []  # the backends torch.compile was asked for, in order
         self.recording = False
         self.in_optimizer = False
         self.done = False
@@ -239,6 +299,8 @@ class OpRecorder:
         self._runtime_hooked = False
         self._in_compiled_fn = False
         self._makefx_ids: dict[int, int] = {}
+        self._prefixes: dict[int, list[str]] = {}  # graph id -> forward runs' module prefixes
+        self._roots: list | None = None
         self.warnings: list[str] = []
         self._fwd_handle = None
         self._handles = []
@@ -264,6 +326,11 @@ class OpRecorder:
                 getattr(target, "__self__", None), torch.nn.Module)
             if is_module:
                 self.compiled = True
+            backend = kwargs.get("backend", "inductor")  # torch.compile's default
+            backend = backend if isinstance(backend, str) else getattr(
+                backend, "__name__", type(backend).__name__)
+            if backend not in self.backends:
+                self.backends.append(backend)
             if not self._runtime_hooked:  # hooked here, not at start: eager jobs never import dynamo
                 self._runtime_hooked = True
                 from parity.capture import graph
@@ -448,23 +515,31 @@ class OpRecorder:
         """GraphTrainer aot_fx_trace (graph_makefx's runner): at step K the traced joint graph
         (forward, loss and backward) is run by the hashing interpreter; the process is then a
         compiled one (no dispatch mode: every op of the step is a node of that graph)."""
-        if not (self.recording and not self.in_optimizer and os.getpid() == self.pid):
+        if not self._graph_recording():
             return None
         if not self.compiled:
             self.compiled = True
             h, self._fwd_handle = self._fwd_handle, None
             if h is not None:
                 h.remove()
-            for ctx in (self.mode, self.tracker):
-                if ctx is not None:
-                    try:
-                        ctx.__exit__(None, None, None)
-                    except Exception:  # noqa: BLE001
-                        pass
-            self.mode = self.tracker = None
+            self._stop_mode()
         gid = self._makefx_ids.setdefault(id(gm), len(self._makefx_ids))
         self.graphs_run += 1
         return functools.partial(_Interpreter, rec=self, graph=f"joint#{gid}")
+
+    def _stop_mode(self) -> None:
+        """Leave the dispatch mode and the module tracker (whichever is on)."""
+        for ctx in (self.mode, self.tracker):
+            if ctx is not None:
+                try:
+                    ctx.__exit__(None, None, None)
+                except Exception:  # noqa: BLE001
+                    pass
+        self.mode = self.tracker = None
+
+    def _graph_recording(self) -> bool:
+        """Step K's forward/backward in this process: compiled graphs run here are recorded."""
+        return self.recording and not self.in_optimizer and os.getpid() == self.pid
 
     def _eager_recording(self) -> bool:
         """An eager process recording forward/backward with its dispatch mode."""
@@ -505,44 +580,63 @@ class OpRecorder:
         boxed = getattr(compiled, "_boxed_call", False)
         if not self.compiled:
             return self._wrap_in_eager(compiled, label, boxed)
-        if not runs_graph_as_is(gm, compiled):
-            backend = _backend_name(compiled)
+        if runs_graph_as_is(gm, compiled):
+            def run(*args):
+                self.graphs_run += 1
+                interp = _Interpreter(gm, self, label,
+                                      self._prefix(gm, graph_kind, graph_id, args, boxed))
+                return interp.boxed_run(args[0]) if boxed else interp.run(*args)
+        else:
             # Inductor kernels, CUDA graphs...: interpreting the FX graph would record values
-            # the job never computed. Say so instead (one record per run, and a warning).
-            self.warnings.append(f"{label}: the compiled callable ({type(compiled).__name__}) "
-                                 "does not run its FX graph node by node (inductor or a runtime "
-                                 "wrapper): its ops are not recorded")
+            # the job never computed. One record per run, named by what torch produced.
+            backend = backend_of(compiled)
+            module = graph_module(gm)
+            self.warnings.append(f"{label}: the compiled callable ({type(compiled).__name__}, "
+                                 f"{backend}) does not run its FX graph node by node: its ops "
+                                 "are not recorded")
 
-            def opaque(*args):
-                if not (self.recording and not self.in_optimizer and os.getpid() == self.pid):
-                    return compiled(*args)
+            def run(*args):
+                prefix = self._prefix(gm, graph_kind, graph_id, args, boxed)
                 out = compiled(*args)
                 self._opaque(f"inside {backend} graph {label}, not recorded op by op",
-                             graph_kind, "", label, out)
+                             graph_kind, _join(prefix, module), label, out)
                 return out
 
-            if boxed:
-                opaque._boxed_call = True  # type: ignore[attr-defined]
-            return opaque
-
-        def recording() -> bool:
-            return self.recording and not self.in_optimizer and os.getpid() == self.pid
+        def recorded(*args):
+            return run(*args) if self._graph_recording() else compiled(*args)
 
         if boxed:
-            def run(args):
-                if not recording():
-                    return compiled(args)
-                self.graphs_run += 1
-                return _Interpreter(gm, self, label).boxed_run(args)
+            recorded._boxed_call = True  # type: ignore[attr-defined]
+        return recorded
 
-            run._boxed_call = True  # type: ignore[attr-defined]
-        else:
-            def run(*args):
-                if not recording():
-                    return compiled(*args)
-                self.graphs_run += 1
-                return _Interpreter(gm, self, label).run(*args)
-        return run
+    def _prefix(self, gm, graph_kind: str, graph_id: int, args, boxed: bool) -> str:
+        """The model path of the module a compiled graph runs for (module_prefix): found at
+        each forward run from its parameter arguments and kept per compilation; a backward
+        run takes the latest forward's (backwards run in reverse order of their forwards)."""
+        stack = self._prefixes.setdefault(graph_id, [])
+        if graph_kind == "backward":
+            return stack.pop() if stack else ""
+        names: dict[int, str] = {}
+        try:
+            roots = list(getattr(self.session, "_name_roots", ()) or ())
+            ref = getattr(self.session, "_root_ref", None)
+            if not roots and ref is not None and ref() is not None:
+                roots = [ref()]  # names not resolved yet (step 1): the first module called
+            if not roots:  # nor that: every module tree (a gc scan, once)
+                if self._roots is None:
+                    from parity.capture.table import _module_roots
+
+                    self._roots = _module_roots()
+                roots = self._roots
+            for root in roots:
+                for fqn, p in root.named_parameters(remove_duplicate=False):
+                    names.setdefault(id(p), normalize_fqn(fqn))
+            prefix = module_prefix(gm, args[0] if boxed else args, names) or ""
+        except Exception:  # noqa: BLE001 - names only
+            prefix = ""
+        if graph_kind == "forward":
+            stack.append(prefix)
+        return prefix
 
     # --------------------------------------------------------------------------- output
     def _finish(self, complete: bool) -> None:
@@ -551,13 +645,7 @@ class OpRecorder:
         self.done = True
         self.recording = False
         self.in_optimizer = False
-        for ctx in (self.mode, self.tracker):
-            if ctx is not None:
-                try:
-                    ctx.__exit__(None, None, None)
-                except Exception:  # noqa: BLE001
-                    pass
-        self.mode = self.tracker = None
+        self._stop_mode()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -567,6 +655,7 @@ class OpRecorder:
         meta = {"meta": {"step": self.step, "rank": rank, "complete": complete,
                          "process": "compiled" if self.compiled else "eager",
                          "graphs_run": self.graphs_run, "ops": len(self.records),
+                         "compile_backends": self.backends,
                          "warnings": self.warnings, "time": time.time()}}
         tmp = f"{path}.tmp-{os.getpid()}"
         with open(tmp, "w") as f:
@@ -598,16 +687,6 @@ def activate_from_env(session) -> OpRecorder | None:
     except Exception as e:  # noqa: BLE001
         _say(f"op capture disabled: {_one_line(e)}")
         return None
-
-
-def read_ops(path: str | os.PathLike) -> tuple[dict, list[dict]]:
-    """(meta, records) of one rank's ops file."""
-    with open(path) as f:
-        lines = f.read().splitlines()
-    if not lines:
-        raise ValueError(f"{path}: empty")
-    meta = json.loads(lines[0]).get("meta") or {}
-    return meta, [json.loads(x) for x in lines[1:] if x.strip()]
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,7 +9,8 @@ around it (parity's own global optimizer hooks are called with a stand-in optimi
 after; nobody else's).
 
 FUNCTION is ``name`` or ``Class.method`` in MODULE. MODULE is wrapped right after it is
-imported; ``__main__`` (or the stem of the script being run) is the trainer script itself, whose
+imported; ``__main__`` (or the stem of the script being run, or the module name it runs under
+with ``python -m``) is the trainer script itself, whose
 functions are defined as it runs: there the function is wrapped at the first Python call after
 its ``def`` (a profile hook that removes itself). A call from a name bound before the wrap (``from
 m import f`` executed earlier) is not seen: name the module where the trainer looks it up.
@@ -141,11 +142,20 @@ def _install_on(owner, attr_path: str, label: str, session) -> bool:
 
 
 def _main_names() -> set[str]:
+    """The names the running trainer answers to: ``__main__``, its script's stem, and when it
+    runs as ``python -m pkg.train`` (torchrun ``-m``) its module name ``pkg.train``
+    (``__main__.__spec__.name``: it is never imported under that name, so a wait for its
+    import would never end)."""
     names = {"__main__"}
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if path:
         names.add(os.path.splitext(os.path.basename(path))[0])
+    spec_name = getattr(getattr(main, "__spec__", None), "name", None)
+    if spec_name:
+        names.add(spec_name)
+        if spec_name.endswith(".__main__"):  # python -m pkg runs pkg/__main__.py
+            names.add(spec_name.rsplit(".", 1)[0])
     return names
 
 

@@ -14,8 +14,14 @@ Knobs (environment):
   GA_MICRO=N      micro-batches per step (default 2)
   GA_UPDATE=hand  no torch.optim optimizer: ``sgd_update(model, lr)`` in this script updates
                   the parameters by hand (``parity exec --step-on grad_accum:sgd_update``)
+  GA_UPDATE=imported  the same update, looked up in the module hand_update.py next to this
+                  file (``--step-on hand_update:sgd_update``, or
+                  ``trainers.hand_update:sgd_update`` when run as ``-m trainers.grad_accum``)
+
+Also runs as a module: ``torchrun ... -m trainers.grad_accum`` from tests/.
 """
 
+import importlib
 import os
 import sys
 
@@ -55,13 +61,14 @@ class Model(nn.Module):
         return self.out(x)
 
 
-def sgd_update(model, lr):
-    """A hand-written SGD step (no torch.optim): what --step-on names."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-lr)
-                p.grad = None
+def _sibling(name):
+    """A module next to this file, whether it runs as a script or as ``-m trainers.grad_accum``."""
+    return importlib.import_module(f"{__package__}.{name}" if __package__ else name)
+
+
+# A hand-written SGD step (no torch.optim): what --step-on names, here (grad_accum:sgd_update)
+# or in its own module (hand_update:sgd_update).
+sgd_update = _sibling("hand_update").sgd_update
 
 
 def main():
@@ -72,7 +79,10 @@ def main():
     mesh = init_device_mesh("cpu", (world,))
     steps = int(os.environ.get("GA_STEPS", "2"))
     micro = int(os.environ.get("GA_MICRO", "2"))
-    hand = os.environ.get("GA_UPDATE") == "hand"
+    hand = os.environ.get("GA_UPDATE") in ("hand", "imported")
+    # looked up now: --step-on wraps the name where the trainer looks it up
+    update = _sibling("hand_update").sgd_update if os.environ.get(
+        "GA_UPDATE") == "imported" else sgd_update
 
     torch.manual_seed(0)
     model = Model()
@@ -91,7 +101,7 @@ def main():
             loss.backward()
             shares.append(loss.detach())
         if hand:
-            sgd_update(model, 1e-2)
+            update(model, 1e-2)
         else:
             opt.step()
             opt.zero_grad(set_to_none=True)

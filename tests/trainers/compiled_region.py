@@ -1,0 +1,107 @@
+"""An FSDP2 trainer whose transformer-like blocks can run through ``torch.compile``, as
+torchtitan compiles each block (``block.compile(...)``: names stay the same). It imports
+nothing from parity.
+
+    torchrun --standalone --nproc_per_node 2 tests/trainers/compiled_region.py
+
+Options (on the command line, so that `parity bisect` reruns them from run.json's argv):
+  --steps N           optimizer steps (default 2)
+  --backend NAME      eager (default: nothing compiled) | inductor | aot_eager: the backend each
+                      block is compiled with. Inductor fuses the RMSNorm and the SiLU gate into
+                      its own CPU kernel, which computes the bfloat16 norm in float32
+                      and rounds once: other values than eager's op-by-op rounding.
+  --alt-norm          the norm computes ``x / sqrt(ms + eps)`` instead of ``x * rsqrt(ms + eps)``
+                      (a deliberate formula change, found op by op under eager and aot_eager)
+"""
+
+import argparse
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+VOCAB = 64
+DIM = 48
+ALT_NORM = False
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # in bfloat16, as mixed-precision trainers run norms: eager rounds every op's output to
+        # bfloat16, inductor's fused kernel keeps float32 inside and rounds once
+        x = x.to(torch.bfloat16)
+        ms = x.pow(2).mean(-1, keepdim=True) + 1e-6
+        h = x / torch.sqrt(ms) if ALT_NORM else x * torch.rsqrt(ms)
+        return (h * self.weight.to(torch.bfloat16)).float()
+
+
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm = RMSNorm(dim)
+        self.w1 = nn.Linear(dim, 2 * dim, bias=False)
+        self.w3 = nn.Linear(dim, 2 * dim, bias=False)
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList([Block(DIM) for _ in range(2)])
+        self.out = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.emb(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def main():
+    global ALT_NORM
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--backend", default="eager")
+    ap.add_argument("--alt-norm", action="store_true")
+    args = ap.parse_args()
+    ALT_NORM = args.alt_norm
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = Model()
+    backend = args.backend
+    for block in model.layers:
+        if backend != "eager":
+            block.compile(backend=backend, fullgraph=True)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(100 + rank)
+    for step in range(args.steps):
+        tokens = torch.randint(0, VOCAB, (2, 16), generator=g)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if rank == 0:
+            print(f"step {step + 1} loss {loss.item():.6f} ({loss.item().hex()})", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
