@@ -2,9 +2,9 @@
 
 Cost model (docs/diff.md has the numbers):
 
-1. Parameters are aligned per rank by normalized FQN (``Alignment``); ranks whose tables list the
-   same keys in the same order share one cached alignment, and for them the per-step roll-up
-   digests of steps.jsonl are comparable as they are.
+1. Parameters are aligned per rank by normalized FQN (``ParamAlignment``); ranks whose tables
+   list the same keys in the same order share one cached alignment, and for them the per-step
+   roll-up digests of steps.jsonl are comparable as they are.
 2. Roll-ups are compared for every (rank, step) at once (numpy); only cells whose roll-ups differ
    (or whose two sides store parameters in different orders) are "drilled": their per-parameter
    hash lines are read (by offset) and compared, vectorized over parameters.
@@ -47,7 +47,7 @@ def param_keys(params: list[dict]) -> list[str]:
 
 
 @dataclass
-class Alignment:
+class ParamAlignment:
     """Rows of one rank's two tables that hold the same parameter."""
 
     ia: np.ndarray  # row in A's table
@@ -89,12 +89,12 @@ class Aligner:
 
     def __init__(self, index: ParamIndex):
         self.index = index
-        self._cache: dict[tuple, Alignment] = {}
+        self._cache: dict[tuple, ParamAlignment] = {}
         # by identity first: ranks share one keys tuple per distinct table (hashing a tuple of
         # 1,500 names per rank costs more than the lookup saves); the tuples are kept alive here
         self._by_id: dict[tuple[int, int], tuple] = {}
 
-    def align(self, keys_a: tuple[str, ...], keys_b: tuple[str, ...]) -> Alignment:
+    def align(self, keys_a: tuple[str, ...], keys_b: tuple[str, ...]) -> ParamAlignment:
         ik = (id(keys_a), id(keys_b))
         got = self._by_id.get(ik)
         if got is not None and got[0] is keys_a and got[1] is keys_b:
@@ -103,15 +103,15 @@ class Aligner:
         self._by_id[ik] = (keys_a, keys_b, al)
         return al
 
-    def _align(self, keys_a: tuple[str, ...], keys_b: tuple[str, ...]) -> Alignment:
+    def _align(self, keys_a: tuple[str, ...], keys_b: tuple[str, ...]) -> ParamAlignment:
         ck = (keys_a, keys_b)
         hit = self._cache.get(ck)
         if hit is not None:
             return hit
         if keys_a == keys_b:
             ia = ib = np.arange(len(keys_a), dtype=np.int64)
-            al = Alignment(ia, ib, self.index.ids_of(list(keys_a)), True, len(keys_a), len(keys_b),
-                           [], [])
+            al = ParamAlignment(ia, ib, self.index.ids_of(list(keys_a)), True, len(keys_a),
+                                len(keys_b), [], [])
         else:
             pos_b = {k: j for j, k in enumerate(keys_b)}
             ia_l, ib_l = [], []
@@ -121,7 +121,7 @@ class Aligner:
                     ia_l.append(i)
                     ib_l.append(j)
             set_a = set(keys_a)
-            al = Alignment(
+            al = ParamAlignment(
                 np.asarray(ia_l, dtype=np.int64), np.asarray(ib_l, dtype=np.int64),
                 self.index.ids_of([keys_a[i] for i in ia_l]), False, len(keys_a), len(keys_b),
                 [k for k in keys_a if k not in pos_b], [k for k in keys_b if k not in set_a],
@@ -204,9 +204,44 @@ def _load(rd: RankData, step: int, kind: str, n: int) -> np.ndarray | None:
 
 
 def compare_hashes(ranks: list[int], ra: list[RankData], rb: list[RankData],
-                   aligns: list[Alignment], steps: list[int],
+                   aligns: list[ParamAlignment], steps: list[int],
                    count_budget: int = DEFAULT_COUNT_BUDGET) -> HashComparison:
-    """Compare the hashes of ``ranks`` (parallel lists ``ra``, ``rb``, ``aligns``) over ``steps``."""
+    """Compare the hashes of ``ranks`` (parallel lists ``ra``, ``rb``, ``aligns``) over ``steps``.
+
+    The phases of the module docstring: roll-ups of every (rank, step) at once
+    (:func:`_candidates`), then each step with a candidate cell drilled (:func:`_drill_step`),
+    then the steps after the first divergent one that differ nowhere (:func:`_zero_counts`)."""
+    both, cand, digests_a, grads_compared = _candidates(ra, rb, aligns, steps)
+
+    unreadable: list[tuple[str, int, int, str]] = []
+    first_step: int | None = None
+    detail: StepDetail | None = None
+    counts: list[StepCount] = []
+    budget = _Budget(count_budget)
+    n_glob = 1 + max((int(al.gid.max()) for al in aligns if len(al.gid)), default=-1)
+
+    any_cand = cand["param"] | cand["grad"]
+    for j in np.flatnonzero(any_cand.any(axis=0)):
+        step = steps[j]
+        rows = np.flatnonzero(any_cand[:, j])
+        det, count = _drill_step(ranks, ra, rb, aligns, cand, digests_a, step, j, rows, n_glob,
+                                 first_step is not None, grads_compared, budget, unreadable)
+        if count is None:
+            continue  # roll-ups differed only by storage order
+        if first_step is None:
+            first_step, detail = step, det
+        counts.append(count)
+    if first_step is not None:
+        _zero_counts(counts, steps, both, first_step, grads_compared)
+    return HashComparison(steps, both, first_step, detail, counts, budget.drilled, unreadable,
+                          grads_compared)
+
+
+def _candidates(ra: list[RankData], rb: list[RankData], aligns: list[ParamAlignment],
+                steps: list[int]):
+    """(both present, candidate cells per kind, A's roll-ups per kind, whether any gradient is
+    comparable), as (rank, step) tables: a cell is a candidate when its roll-ups differ or its
+    two sides store parameters in different orders (roll-ups then say nothing)."""
     pres_a, pres_b = presence_table(ra, steps), presence_table(rb, steps)
     both = pres_a & pres_b
     ident = np.array([al.identity for al in aligns], dtype=bool)[:, None]
@@ -220,87 +255,96 @@ def compare_hashes(ranks: list[int], ra: list[RankData], rb: list[RankData],
         comparable[kind] = ok
         cand[kind] = ok & ((da != db) | ~ident)
     grads_compared = bool(comparable["grad"].any())
+    return both, cand, digests_a, grads_compared
 
-    unreadable: list[tuple[str, int, int, str]] = []
-    first_step: int | None = None
-    detail: StepDetail | None = None
-    counts: list[StepCount] = []
-    drilled = 0
-    budget_left = count_budget
-    n_glob = 1 + max((int(al.gid.max()) for al in aligns if len(al.gid)), default=-1)
 
-    any_cand = cand["param"] | cand["grad"]
-    for j in np.flatnonzero(any_cand.any(axis=0)):
-        step = steps[j]
-        rows = np.flatnonzero(any_cand[:, j])
-        after_first = first_step is not None
-        det = StepDetail(step)
-        masks = {k: np.zeros(n_glob, dtype=bool) for k in KINDS}
-        saturated = {k: False for k in KINDS}
-        diff_ranks: set[int] = set()
-        exact = known_ranks = True
-        for i in rows:
-            al = aligns[i]
-            for kind in KINDS:
-                if not cand[kind][i, j]:
-                    continue
-                if after_first and al.identity and saturated[kind]:
-                    # every parameter already differs somewhere; the roll-up says this rank does
+class _Budget:
+    """Cells drilled so far, and how many more may be drilled after the first divergent step
+    (``count_budget``): shared by every step of one comparison."""
+
+    def __init__(self, count_budget: int):
+        self.left = count_budget
+        self.drilled = 0
+
+
+def _drill_step(ranks: list[int], ra: list[RankData], rb: list[RankData],
+                aligns: list[ParamAlignment], cand: dict[str, np.ndarray],
+                digests_a: dict[str, np.ndarray], step: int, j: int, rows: np.ndarray,
+                n_glob: int, after_first: bool, grads_compared: bool, budget: _Budget,
+                unreadable: list[tuple[str, int, int, str]]
+                ) -> tuple[StepDetail, StepCount | None]:
+    """Read and compare the per-parameter hashes of step ``step``'s candidate cells (rank
+    positions ``rows``, step column ``j``): (what differs, the step's counts; None when nothing
+    differs after all). Before the first divergent step every cell is drilled for the detail;
+    after it, only until saturated or out of budget."""
+    det = StepDetail(step)
+    masks = {k: np.zeros(n_glob, dtype=bool) for k in KINDS}
+    saturated = {k: False for k in KINDS}
+    diff_ranks: set[int] = set()
+    exact = known_ranks = True
+    for i in rows:
+        al = aligns[i]
+        for kind in KINDS:
+            if not cand[kind][i, j]:
+                continue
+            if after_first and al.identity and saturated[kind]:
+                # every parameter already differs somewhere; the roll-up says this rank does
+                diff_ranks.add(ranks[i])
+                continue
+            if after_first and budget.left <= 0:
+                exact = False
+                if al.identity:
                     diff_ranks.add(ranks[i])
+                else:
+                    known_ranks = False
+                continue
+            budget.drilled += 1
+            if after_first:
+                budget.left -= 1
+            hb = _load(rb[i], step, kind, al.n_b)
+            if hb is not None and al.permutation:
+                # B's hashes in A's order have A's roll-up iff nothing differs: A unread
+                if rollup_digest(hb[al.ib].tobytes()).encode() == digests_a[kind][i, j]:
                     continue
-                if after_first and budget_left <= 0:
-                    exact = False
-                    if al.identity:
-                        diff_ranks.add(ranks[i])
-                    else:
-                        known_ranks = False
-                    continue
-                drilled += 1
-                if after_first:
-                    budget_left -= 1
-                hb = _load(rb[i], step, kind, al.n_b)
-                if hb is not None and al.permutation:
-                    # B's hashes in A's order have A's roll-up iff nothing differs: A unread
-                    if rollup_digest(hb[al.ib].tobytes()).encode() == digests_a[kind][i, j]:
-                        continue
-                ha = _load(ra[i], step, kind, al.n_a)
-                if ha is None or hb is None:
-                    if ha is None:
-                        unreadable.append(("a", ranks[i], step, kind))
-                    if hb is None:
-                        unreadable.append(("b", ranks[i], step, kind))
-                    continue
-                bad = (ha[al.ia] != hb[al.ib]).any(axis=1)
-                if bad.any():
-                    g = al.gid[bad]
-                    if not after_first:
-                        det.pairs[kind].append((g, ranks[i]))
-                    masks[kind][g] = True
-                    diff_ranks.add(ranks[i])
-                    if after_first and masks[kind].all():
-                        saturated[kind] = True
-        if not diff_ranks and exact:
-            continue  # roll-ups differed only by storage order
-        if first_step is None:
-            first_step, detail = step, det
-        n_p = int(masks["param"].sum())
-        n_g = int(masks["grad"].sum()) if grads_compared else None
-        if not exact:  # past the budget: counts are unknown unless saturated
-            n_p = n_p if saturated["param"] else None
-            n_g = n_g if saturated["grad"] else None
-        counts.append(StepCount(step, n_p, n_g, len(diff_ranks) if known_ranks else None,
-                                exact or (saturated["param"] and (saturated["grad"]
-                                                                  or not grads_compared))))
-    if first_step is not None:  # steps after the first with nothing different count as zeros
-        have = {c.step for c in counts}
-        compared_steps = both.any(axis=0)
-        for j, step in enumerate(steps):
-            if step > first_step and step not in have and compared_steps[j]:
-                counts.append(StepCount(step, 0, 0 if grads_compared else None, 0, True))
-        counts.sort(key=lambda c: c.step)
-    return HashComparison(steps, both, first_step, detail, counts, drilled, unreadable,
-                          grads_compared)
+            ha = _load(ra[i], step, kind, al.n_a)
+            if ha is None or hb is None:
+                if ha is None:
+                    unreadable.append(("a", ranks[i], step, kind))
+                if hb is None:
+                    unreadable.append(("b", ranks[i], step, kind))
+                continue
+            bad = (ha[al.ia] != hb[al.ib]).any(axis=1)
+            if bad.any():
+                g = al.gid[bad]
+                if not after_first:
+                    det.pairs[kind].append((g, ranks[i]))
+                masks[kind][g] = True
+                diff_ranks.add(ranks[i])
+                if after_first and masks[kind].all():
+                    saturated[kind] = True
+    if not diff_ranks and exact:
+        return det, None
+    n_p = int(masks["param"].sum())
+    n_g = int(masks["grad"].sum()) if grads_compared else None
+    if not exact:  # past the budget: counts are unknown unless saturated
+        n_p = n_p if saturated["param"] else None
+        n_g = n_g if saturated["grad"] else None
+    return det, StepCount(step, n_p, n_g, len(diff_ranks) if known_ranks else None,
+                          exact or (saturated["param"] and (saturated["grad"]
+                                                            or not grads_compared)))
 
 
-__all__ = ["Aligner", "Alignment", "ParamIndex", "param_keys", "compare_hashes", "HashComparison",
-           "StepCount", "StepDetail", "KINDS", "DEFAULT_COUNT_BUDGET"]
+def _zero_counts(counts: list[StepCount], steps: list[int], both: np.ndarray, first_step: int,
+                 grads_compared: bool) -> None:
+    """Steps after the first with nothing different count as zeros (compared, equal); ``counts``
+    ends sorted by step."""
+    have = {c.step for c in counts}
+    compared_steps = both.any(axis=0)
+    for j, step in enumerate(steps):
+        if step > first_step and step not in have and compared_steps[j]:
+            counts.append(StepCount(step, 0, 0 if grads_compared else None, 0, True))
+    counts.sort(key=lambda c: c.step)
+
+
+__all__ = ["Aligner", "ParamAlignment", "ParamIndex", "param_keys", "compare_hashes",
+           "HashComparison", "StepCount", "StepDetail", "KINDS", "DEFAULT_COUNT_BUDGET"]

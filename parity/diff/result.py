@@ -25,8 +25,8 @@ FAIL_ON = tuple(policy.POLICIES)
 
 
 @dataclass
-class Side:
-    """One run as the diff saw it."""
+class ComparedRun:
+    """One run as the diff saw it: ``DiffResult.a`` (the reference) or ``.b`` (the candidate)."""
 
     path: str
     world_size: int | None
@@ -103,8 +103,8 @@ class CaptureWarning:
 
 @dataclass
 class DiffResult:
-    a: Side
-    b: Side
+    a: ComparedRun
+    b: ComparedRun
     verdict: str  # match | hash_mismatch | incomplete
     incomplete: list[str]  # why the data is incomplete (empty: complete)
     world_size: int | None
@@ -222,7 +222,7 @@ class DiffResult:
         write_json_atomic(path, self.to_dict(), indent=None if len(self.divergent) > 200 else 1)
 
 
-def _side_dict(s: Side) -> dict:
+def _side_dict(s: ComparedRun) -> dict:
     return {"path": s.path, "world_size": s.world_size, "ranks": list(s.ranks),
             "missing_ranks": list(s.missing_ranks), "steps": list(s.steps), "status": s.status,
             "bucket_source": s.bucket_source}

@@ -18,7 +18,7 @@ from pathlib import Path
 from parity import policy
 from parity.diff.bucket_summary import cell_headline
 from parity.text import ranges
-from parity.errors import ParityError
+from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, ParityError
 from parity.report.stdout import make_rich_console, print_safely
 from parity.report.text import safe_text
 from parity.sweep.model import CellResult, SideResult, SweepReport, as_report, got
@@ -432,18 +432,18 @@ def sweep_junit(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
         reason = _x(c.reason or "")
         code = policy.cell_code(c, pol)
         tolerated = ""
-        if code == 1:
+        if code == EXIT_MISMATCH:
             counts["failures"] += 1
             el = ET.SubElement(case, "failure", message=_x(f"{status}: {reason}"), type=status)
             el.text = _x(cell_text(sweep, c, pol))
-        elif code == 3:
+        elif code == EXIT_INCOMPLETE:
             counts["errors"] += 1
             nondet = status == policy.NONDETERMINISTIC
             el = ET.SubElement(case, "error", message=_x(
                 f"{status}: {reason}" if nondet else f"unproven under --fail-on {pol}: {reason}"),
                 type=status if nondet else "unproven")
             el.text = _x(cell_text(sweep, c, pol))
-        elif code == 0 and status != "match":
+        elif code == EXIT_OK and status != "match":
             tolerated = f"tolerated under --fail-on {pol}: {status}: {reason}\n"
         elif status == "failed":
             counts["errors"] += 1
