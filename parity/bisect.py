@@ -34,7 +34,8 @@ from pathlib import Path
 
 from parity.artifacts import write_json_atomic
 from parity.capture import env_record
-from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, ParityError
+from parity.errors import (EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE,
+                           ParityError)
 from parity.rundir import ops_ranks, read_ops
 
 SCHEMA_VERSION = 1  # bisect.json: parity/schemas/bisect.schema.json
@@ -249,7 +250,10 @@ def _value(rec: dict) -> tuple:
 
 # --------------------------------------------------------------------------------- 3. align
 @dataclass
-class Alignment:
+class OpAlignment:
+    """Ops of one rank's two op streams paired by what they compute (diff.hashes'
+    ``ParamAlignment`` pairs parameter table rows instead)."""
+
     pairs: list[tuple[dict, dict]]  # (a, b), a's order
     a_only: list[dict]
     b_only: list[dict]
@@ -259,7 +263,7 @@ class Alignment:
     b_comm: int
 
 
-def align(a_recs: list[dict], b_recs: list[dict]) -> Alignment:
+def align(a_recs: list[dict], b_recs: list[dict]) -> OpAlignment:
     ca = [r for r in a_recs if comparable(r)]
     cb = [r for r in b_recs if comparable(r)]
     groups_a: dict[tuple, list[dict]] = collections.defaultdict(list)
@@ -296,7 +300,7 @@ def align(a_recs: list[dict], b_recs: list[dict]) -> Alignment:
     pairs.sort(key=lambda p: p[0]["i"])
     a_only.sort(key=lambda r: r["i"])
     b_only.sort(key=lambda r: r["i"])
-    return Alignment(pairs, a_only, b_only,
+    return OpAlignment(pairs, a_only, b_only,
                      a_skipped=len(a_recs) - len(ca), b_skipped=len(b_recs) - len(cb),
                      a_comm=sum(1 for r in a_recs if r.get("kind") == "comm"),
                      b_comm=sum(1 for r in b_recs if r.get("kind") == "comm"))
@@ -595,9 +599,9 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
             say(f"  {plan.side.upper()}: {note}")
         rc, run_dir, log = rerun(plan, out, step)
         runs[plan.side] = (rc, run_dir, log)
-        if rc == 130:  # Ctrl-C, forwarded to the job by parity exec
+        if rc == EXIT_INTERRUPTED:  # Ctrl-C, forwarded to the job by parity exec
             raise KeyboardInterrupt
-        if rc != 0:
+        if rc != EXIT_OK:
             raise ParityError(f"the rerun of {plan.side.upper()} ({plan.run_dir}) exited with "
                               f"code {rc}; its output is in {log}", EXIT_INCOMPLETE)
     ranks = sorted(set(ops_ranks(runs["a"][1])) & set(ops_ranks(runs["b"][1])))

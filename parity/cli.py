@@ -19,14 +19,13 @@ import sys
 import click
 
 from parity import __version__
-from parity.errors import EXIT_USAGE, ParityError
+from parity.errors import EXIT_INTERNAL, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, ParityError
 from parity.policy import DEFAULT as DEFAULT_POLICY
 from parity.policy import POLICIES
 from parity.report.formats import FORMATS, formats_help, formats_titles
 from parity.sweep.launchers import DEFAULT as DEFAULT_LAUNCHER
 from parity.sweep.launchers import NAMES as LAUNCHERS
 
-EXIT_INTERNAL = 4
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 POLICY_HELP = ("What fails the verdict (exit 1): 'hash' a hash mismatch (bucket layout "
                "differences are reported, tolerated); 'any' a hash mismatch or a bucket layout "
@@ -292,7 +291,7 @@ def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_
     sweep = run_sweep(spec, out_dir=out_dir, only=only, jobs=jobs, resume=resume, steps=steps,
                       dry_run=dry_run, launcher=launcher, fail_on=fail_on, control=control)
     if sweep is None:  # --dry-run: the plan is printed, nothing ran
-        sys.exit(0)
+        sys.exit(EXIT_OK)
     report = as_report(sweep)  # typed once; the gate and the console read it
     code, _ = evaluate(report, fail_on)
     # the console report ends with the gate's verdict line
@@ -356,17 +355,17 @@ def main(argv: list[str] | None = None) -> None:
             # it exits 1; the verdict commands print through print_safely and never get here
             from parity.report.stdout import closed_stdout_exit
 
-            closed_stdout_exit(0)
+            closed_stdout_exit(EXIT_OK)
         raise
     except ParityError as e:
         click.echo(f"parity: error: {e}", err=True)
         sys.exit(e.exit_code)
     except click.exceptions.Abort:
         click.echo("parity: interrupted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except KeyboardInterrupt:
         click.echo("parity: interrupted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except click.ClickException as e:
         msg = " ".join(e.format_message().split())  # one line, whatever click formatted
         click.echo(f"parity: error: {msg}" + ("" if isinstance(e, click.UsageError) and
@@ -375,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:  # a closed stdout outside print_safely (--help | head -1)
         from parity.report.stdout import closed_stdout_exit
 
-        closed_stdout_exit(0)
+        closed_stdout_exit(EXIT_OK)
     except Exception as e:  # a bug in parity: still one line unless asked for more
         if os.environ.get("PARITY_DEBUG"):
             raise
@@ -383,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"parity: internal error: {e.__class__.__name__}: {msg} "
                    "(rerun with PARITY_DEBUG=1 for the traceback)", err=True)
         sys.exit(EXIT_INTERNAL)
-    sys.exit(0)
+    sys.exit(EXIT_OK)
 
 
 if __name__ == "__main__":

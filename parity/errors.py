@@ -8,6 +8,9 @@ EXIT_OK = 0  # parity holds (or the command did what it was asked)
 EXIT_MISMATCH = 1  # parity does not hold under the --fail-on policy
 EXIT_USAGE = 2  # bad input or usage: spec errors, unreadable or foreign directories
 EXIT_INCOMPLETE = 3  # incomplete data: a side missing ranks or steps, a failed sweep cell
+EXIT_INTERNAL = 4  # a bug in parity: one line, PARITY_DEBUG=1 for the traceback
+EXIT_SIGNALED = 128  # + the signal's number: a process killed by a signal (the shell's convention)
+EXIT_INTERRUPTED = 130  # Ctrl-C (EXIT_SIGNALED + SIGINT): parity's own, or a job's forwarded
 
 
 class ParityError(Exception):

@@ -63,11 +63,14 @@ def common_module(fqns) -> str:
     return common_prefix([f.rsplit(".", 1)[0] if "." in f else "" for f in fqns if f]) or ""
 
 
-def _int(x) -> int | None:
+def as_int(x) -> int | None:
+    """``x`` if it is an int (a JSON bool is not), else None: how a record field of the wrong
+    type reads (tolerant reading; diff/buckets.py reads its fields alike)."""
     return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
-def _str(x) -> str | None:
+def as_str(x) -> str | None:
+    """``x`` if it is a str, else None (see :func:`as_int`)."""
     return x if isinstance(x, str) else None
 
 
@@ -93,10 +96,10 @@ class BucketEntry:
     @classmethod
     def from_dict(cls, d: dict) -> "BucketEntry":
         shape = d.get("shape")
-        return cls(_str(d.get("fqn")), _int(d.get("offset")), _int(d.get("size")),
-                   _int(d.get("numel")), _str(d.get("dtype")),
+        return cls(as_str(d.get("fqn")), as_int(d.get("offset")), as_int(d.get("size")),
+                   as_int(d.get("numel")), as_str(d.get("dtype")),
                    list(shape) if isinstance(shape, list) else None,
-                   _str(d["module"]) if "module" in d else ABSENT)
+                   as_str(d["module"]) if "module" in d else ABSENT)
 
 
 @dataclass
@@ -146,12 +149,13 @@ class BucketRecord:
                  "node", "dtype", "world_size", "total_bytes", "entries", *_OPTIONAL}
         entries = d.get("entries")
         return cls(
-            _str(d.get("source")), _str(d.get("collective")), _int(d.get("index")),
+            as_str(d.get("source")), as_str(d.get("collective")), as_int(d.get("index")),
             [BucketEntry.from_dict(e) for e in entries if isinstance(e, dict)]
             if isinstance(entries, list) else [],
-            graph=_str(d.get("graph")), graph_id=_int(d.get("graph_id")),
-            step=_int(d["step"]) if "step" in d else ABSENT,
-            group=_str(d.get("group")), node=_str(d.get("node")), dtype=_str(d.get("dtype")),
-            world_size=_int(d.get("world_size")), total_bytes=_int(d.get("total_bytes")),
-            **{k: (_str(d[k]) if t is str else _int(d[k])) for k, t in _OPTIONAL.items() if k in d},
+            graph=as_str(d.get("graph")), graph_id=as_int(d.get("graph_id")),
+            step=as_int(d["step"]) if "step" in d else ABSENT,
+            group=as_str(d.get("group")), node=as_str(d.get("node")), dtype=as_str(d.get("dtype")),
+            world_size=as_int(d.get("world_size")), total_bytes=as_int(d.get("total_bytes")),
+            **{k: (as_str(d[k]) if t is str else as_int(d[k]))
+               for k, t in _OPTIONAL.items() if k in d},
             extra={k: v for k, v in d.items() if k not in known})

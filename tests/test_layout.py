@@ -28,7 +28,7 @@ ROOT = Path(parity.__file__).parent
 LAYERS = [
     ("base", ("parity", "parity.errors", "parity.text", "parity.records", "parity.artifacts",
               "parity.rundir", "parity.nccl_model", "parity.consequences",
-              "parity.nccl_log", "parity.params_codec")),
+              "parity.nccl_log", "parity.params_codec", "parity.comm_ops", "parity.pidlock")),
     ("capture", ("parity.capture",)),
     ("diff", ("parity.policy", "parity.diff")),
     ("sweep", ("parity.sweep",)),

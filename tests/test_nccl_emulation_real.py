@@ -12,16 +12,15 @@ registration order)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from parity.diff import diff_runs
 from parity.diff.reduction import predict_runs
+from tests.real_jobs import capture, exe
 
 REPO = Path(__file__).resolve().parent.parent
 REORDER = str(REPO / "tests" / "trainers" / "reorder_fsdp2.py")
@@ -38,27 +37,12 @@ JOBS = {  # name: (topology, entry argv, env)
 }
 
 
-def _exe(name: str, module: str) -> list[str]:
-    exe = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
-    return [exe] if exe else [sys.executable, "-m", module]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     pytest.importorskip("torch")
     root = tmp_path_factory.mktemp("emulated")
-    out = {}
-    for name, (topo, entry, extra) in JOBS.items():
-        run = root / name
-        cmd = [*_exe("parity", "parity"), "exec", "--emulate-nccl", topo, "--out", str(run), "--",
-               *_exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node",
-               "4", *entry]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
-        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900, env=env)
-        if proc.returncode != 0:
-            pytest.fail(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-        out[name] = run
-    return out
+    return {name: capture(root / name, entry, exec_args=["--emulate-nccl", topo], env=extra)
+            for name, (topo, entry, extra) in JOBS.items()}
 
 
 def _grads_differing_at_step_1(a: Path, b: Path) -> set[str]:
@@ -105,7 +89,7 @@ def test_runs_emulated_under_other_topologies_are_refused(runs, tmp_path):
     shutil.copytree(runs["base"], other)
     for m in other.glob("rank-*/meta.json"):
         m.write_text(m.read_text().replace('"topology": "2x2:channels=4"', '"topology": "2x2"'))
-    p = subprocess.run([*_exe("parity", "parity"), "diff", str(runs["base"]), str(other)],
+    p = subprocess.run([*exe("parity", "parity"), "diff", str(runs["base"]), str(other)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
     assert "different NCCL topologies" in p.stderr

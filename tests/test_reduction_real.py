@@ -10,16 +10,14 @@ force 4 channels (``2x2:channels=4``) to see payloads move between channels."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from parity.diff import diff_runs
 from parity.diff.reduction import predict_runs
+from tests.real_jobs import capture, exe
 
 REPO = Path(__file__).resolve().parent.parent
 AT = "2x2:channels=4"
@@ -30,31 +28,16 @@ JOBS = {
 }
 
 
-def _exe(name: str, module: str) -> list[str]:
-    exe = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
-    return [exe] if exe else [sys.executable, "-m", module]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     pytest.importorskip("torch")
     root = tmp_path_factory.mktemp("reduction")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = {}
-    for name, args in JOBS.items():
-        run = root / name
-        cmd = [*_exe("parity", "parity"), "exec", "--out", str(run), "--",
-               *_exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node",
-               "4", "-m", "parity.workloads.train", "--steps", "1", *args]
-        proc = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=900, env=env)
-        if proc.returncode != 0:
-            pytest.fail(f"{name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-        out[name] = run
-    return out
+    return {name: capture(root / name, ["-m", "parity.workloads.train", "--steps", "1", *args])
+            for name, args in JOBS.items()}
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([*_exe("parity", "parity"), *args], capture_output=True, text=True,
+    return subprocess.run([*exe("parity", "parity"), *args], capture_output=True, text=True,
                           timeout=300, cwd=REPO)
 
 

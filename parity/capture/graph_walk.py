@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parity.capture.names import PROPERTY_MODULE, node_module
+from parity.comm_ops import COMM_NAMESPACES
 from parity.records import (SOURCE_GRAPH, BucketEntry, BucketRecord, common_module, common_prefix,
                             dtype_name)
 
@@ -52,7 +53,6 @@ def op_name(node: Any) -> str:
 
 # Not compute, for ``compute_before``: communication, its waits, bucket plumbing (the buffer
 # a bucket is packed into and split out of) and allocations; views are skipped by schema.
-_NOT_COMPUTE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "fsdp", "bucketing", "_dtensor")
 _PLUMBING_OPS = frozenset(
     (*_CAT_OPS, *_COPY_OPS, *_SPLIT_OPS, "aten::empty", "aten::empty_strided", "aten::new_empty",
      "aten::new_empty_strided", "aten::zeros", "aten::full", "aten::clone", "aten::contiguous",
@@ -65,7 +65,7 @@ def is_compute(node: Any) -> bool:
     name = op_name(node)
     if not name or name == "getitem" or name in _PLUMBING_OPS:
         return False
-    if name.split("::", 1)[0] in _NOT_COMPUTE_NAMESPACES:
+    if name.split("::", 1)[0] in COMM_NAMESPACES:
         return False
     return not getattr(node.target, "is_view", False)
 

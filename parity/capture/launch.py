@@ -30,7 +30,8 @@ from parity import __version__
 from parity.artifacts import SCHEMA_VERSION, write_json_atomic
 from parity.capture import env as cenv
 from parity.capture import env_record
-from parity.errors import EXIT_INCOMPLETE, EXIT_USAGE, ParityError
+from parity.errors import EXIT_INCOMPLETE, EXIT_OK, EXIT_SIGNALED, EXIT_USAGE, ParityError
+from parity.pidlock import PidLock
 from parity.rundir import (META_FILE, RUN_FILE, STEPS_FILE, looks_like_run, rank_dirs,
                            refused_records)
 
@@ -194,44 +195,19 @@ def refused_claims(out: Path) -> str | None:
     return (f"{len(recs)} process(es) were not recorded: {rec.get('reason') or f'rank {r} was claimed twice'}")
 
 
-class exec_lock:
+class exec_lock(PidLock):
     """``OUT/.parity-exec.lock`` held (flock) while a ``parity exec`` writes to OUT: a second one
     into the same directory is refused (it would clear or interleave the first one's files)."""
 
     def __init__(self, out: Path):
-        self.path = out / LOCK_FILE
-        self.fd: int | None = None
+        super().__init__(out / LOCK_FILE)
 
-    def __enter__(self):
-        import fcntl
+    def busy(self, holder: str) -> ParityError:
+        return ParityError(f"exec: another parity exec (pid {holder}) is writing to "
+                           f"{self.path.parent}; wait for it or give another --out")
 
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise ParityError(f"exec: cannot lock {self.path}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
-            except OSError:
-                holder = "?"
-            os.close(fd)
-            raise ParityError(f"exec: another parity exec (pid {holder}) is writing to "
-                              f"{self.path.parent}; wait for it or give another --out") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
-        return self
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            try:
-                os.ftruncate(self.fd, 0)
-            except OSError:
-                pass
-            os.close(self.fd)  # closing releases the flock
-            self.fd = None
+    def cannot_open(self, error: OSError) -> ParityError:
+        return ParityError(f"exec: cannot lock {self.path}: {error.strerror or error}")
 
 
 def _clear_previous(out: Path) -> None:
@@ -375,10 +351,10 @@ def _exec_locked(out: Path, command: list[str], *, every: int, grads: bool, mani
         _say(f"warning: {refused}; exiting with {EXIT_INCOMPLETE}")
         return EXIT_INCOMPLETE
     if rc == 0:
-        finish(0, "ok", None)
-        return 0
+        finish(EXIT_OK, "ok", None)
+        return EXIT_OK
     if rc < 0:
-        code = 128 - rc
+        code = EXIT_SIGNALED - rc
         reason = f"killed by {_signal_name(-rc)}"
     else:
         code = rc

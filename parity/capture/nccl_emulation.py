@@ -45,7 +45,7 @@ import threading
 import torch
 
 from parity.capture.env import say
-from parity.errors import ParityError
+from parity.errors import EXIT_USAGE, ParityError
 from parity.nccl_model import (MODEL, MODEL_LIMITS, Topology, all_reduce_segments,
                                parse_topology, reduce_scatter_segments, sum_order)
 
@@ -365,7 +365,7 @@ def _refuse(msg: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
-        os._exit(2)
+        os._exit(EXIT_USAGE)
 
 
 def _create(store, rank, size, timeout):

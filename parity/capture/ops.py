@@ -47,6 +47,7 @@ from torch.utils._pytree import tree_flatten
 
 from parity.capture.graph_walk import JointPhase
 from parity.capture.hashing import host_digest
+from parity.comm_ops import COMM_NAMESPACES
 from parity.capture.env import one_line as _one_line
 from parity.capture.env import say as _say
 from parity.capture.names import PROPERTY_MODULE, node_module, normalize_fqn, stack_module  # noqa: F401
@@ -58,7 +59,7 @@ GRAD_OP = "parity.grad"
 
 # Communication and bucket plumbing: recorded (so the streams show them) but never hashed or
 # aligned op by op; their effect is compared through the gradients they produce.
-COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "fsdp", "bucketing", "_dtensor")
+# (COMM_NAMESPACES: parity/comm_ops.py)
 COMM_OPS = ("aten._chunk_cat", "aten.chunk_cat", "aten.split_with_sizes_copy")
 
 _ACTIVE: "OpRecorder | None" = None

@@ -11,10 +11,10 @@ parity/text.py (re-exported here).
 from parity.diff.engine import diff_runs
 from parity.diff.hashes import KINDS
 from parity.diff.result import (FAIL_ON, SCHEMA_PATH, SCHEMA_VERSION, VERDICTS, CaptureWarning,
-                                DiffResult, Divergence, FirstDivergence, LossComparison,
-                                LossStep, Problem, Side, load_diff_json)
+                                ComparedRun, DiffResult, Divergence, FirstDivergence,
+                                LossComparison, LossStep, Problem, load_diff_json)
 from parity.text import ranges
 
-__all__ = ["diff_runs", "DiffResult", "CaptureWarning", "Side", "Problem", "Divergence",
+__all__ = ["diff_runs", "DiffResult", "CaptureWarning", "ComparedRun", "Problem", "Divergence",
            "FirstDivergence", "LossStep", "LossComparison", "load_diff_json", "SCHEMA_VERSION",
            "SCHEMA_PATH", "VERDICTS", "FAIL_ON", "KINDS", "ranges"]

@@ -24,7 +24,7 @@ from itertools import zip_longest
 
 from parity import consequences
 from parity.artifacts import Run
-from parity.records import SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord
+from parity.records import SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord, as_str
 from parity.text import ranges
 
 COLLECTIVES = ("all_gather", "reduce_scatter")
@@ -96,14 +96,6 @@ class Layout:
                         "index": b.index, "group": b.group, "position": pos, "offset": e.offset,
                         "size": e.size})
         return out
-
-
-def _int(x):
-    return x if isinstance(x, int) and not isinstance(x, bool) else None
-
-
-def _str(x):
-    return x if isinstance(x, str) else None
 
 
 def _bucket(rec: dict, coll: str, memo: dict | None = None) -> Bucket:
@@ -512,9 +504,9 @@ def eager_collectives(records: list[dict]) -> list[dict]:
             continue
         e = (r.get("entries") or [{}])[0]
         shape = e.get("shape") or []
-        item = {"collective": _str(r.get("collective")), "fqn": _str(e.get("fqn")),
-                "tensor": "x".join(str(s) for s in shape), "dtype": _str(r.get("dtype")),
-                "module": _str(r.get("module")) or "", "count": 1}
+        item = {"collective": as_str(r.get("collective")), "fqn": as_str(e.get("fqn")),
+                "tensor": "x".join(str(s) for s in shape), "dtype": as_str(r.get("dtype")),
+                "module": as_str(r.get("module")) or "", "count": 1}
         key = tuple(item[k] for k in ("collective", "fqn", "tensor", "dtype", "module"))
         if key in runs:
             runs[key]["count"] += 1

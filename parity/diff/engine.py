@@ -22,10 +22,10 @@ from parity.diff.emulation import check_same_emulation
 from parity.diff.env import numerics_env_differences
 from parity.diff.reduction import assess
 from parity.diff.one_sided import one_sided, refused_processes, same_run
-from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, ParamIndex, compare_hashes,
-                                param_keys)
-from parity.diff.result import (CaptureWarning, DiffResult, Divergence, FirstDivergence,
-                                LossComparison, LossStep, Problem, Side)
+from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, HashComparison, ParamIndex,
+                                compare_hashes, param_keys)
+from parity.diff.result import (CaptureWarning, ComparedRun, DiffResult, Divergence,
+                                FirstDivergence, LossComparison, LossStep, Problem)
 from parity.errors import EXIT_INCOMPLETE, ParityError
 from parity.text import ranges
 
@@ -198,6 +198,77 @@ def _capture_warnings(run: Run, side: str) -> list[CaptureWarning]:
 
 def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
           tolerate_exit: bool = False, at=None) -> DiffResult:
+    """The diff's phases, in order: what each side says of itself, whether the runs can be
+    compared, which ranks, parameters and steps both sides have, the hashes, the buckets, the
+    first divergence, the verdict. Each phase is a function below; ``problems`` (said, not
+    failing) and ``incomplete`` (not compared: the verdict cannot be ``match``) collect in the
+    order the report prints them."""
+    problems = _run_problems(run_a, run_b)
+    incomplete = _failed_jobs(run_a, run_b, tolerate_exit, problems)
+    ws = _comparable_world_size(run_a, run_b)
+    problems += [Problem(None, m) for m in numerics_env_differences(
+        run_a.ranks[min(run_a.ranks)].meta if run_a.ranks else None,
+        run_b.ranks[min(run_b.ranks)].meta if run_b.ranks else None)]
+    warnings = _capture_warnings(run_a, "a") + _capture_warnings(run_b, "b")
+    _capture_disabled(run_a, run_b, incomplete)
+    usable, ranks = _usable_ranks(run_a, run_b, ws, problems, incomplete)
+
+    ra = [run_a.ranks[r] for r in ranks]
+    rb = [run_b.ranks[r] for r in ranks]
+
+    # -- parameters
+    n_before = {id(x): len(x.problems) for x in ra + rb}  # what lazy reads add is said too
+    index, aligns, only_a, only_b = _align_params(ra, rb, ranks, allow_param_mismatch,
+                                                  incomplete)
+
+    # -- steps
+    steps = sorted(set().union(*(x.steps for x in ra), *(y.steps for y in rb))) if ranks else []
+    side_steps = _side_steps(run_a, run_b, usable)
+
+    hc = compare_hashes(ranks, ra, rb, aligns, steps, count_budget)
+    _lazy_problems(ra, rb, n_before, problems)
+    both = hc.compared_rows  # numpy only where something differs (hashes.py)
+    steps_compared = hc.steps_compared if ranks else []
+    _step_gaps(steps, ranks, ra, rb, both, incomplete)
+    _coverage_gaps(hc, ranks, steps_compared, aligns, incomplete)
+    loss = _compare_loss(ra, rb, ranks, steps, ws)
+    # what one side recorded and the other did not is not compared: parity is not proven
+    incomplete += one_sided(ra, rb, ranks, steps, _loss_bits)
+    incomplete += refused_processes(run_a, run_b)
+    same = same_run(run_a, run_b)
+    if same:
+        incomplete.insert(0, same)
+    _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, _ranks_to_check(hc, ranks))
+
+    # -- buckets
+    layouts, order = compare_buckets(run_a, run_b, usable, ranks)
+    # consequence classes of every bucket difference; the reduction-order prediction with ``at``
+    reduction = assess(run_a, run_b, ranks, layouts, order, ws, at)
+
+    # -- first divergence
+    first, fd, divergent = _first_divergence(run_a, ra, rb, ranks, steps_compared, index, hc,
+                                             loss, layouts, order)
+
+    _lazy_problems(ra, rb, n_before, problems)  # tables parsed for the checks above
+    verdict = _verdict(first, incomplete)
+    sides = _sides(run_a, run_b, ws, usable, side_steps, layouts)
+    per_step = [c for c in hc.counts if first is not None and c.step >= first]
+    return DiffResult(
+        a=sides["a"], b=sides["b"], verdict=verdict, incomplete=incomplete, world_size=ws,
+        ranks_compared=ranks, steps_compared=steps_compared,
+        params_compared=_n_compared(aligns),
+        bucketing=summarize_pair(run_a, run_b),
+        kinds_compared=["param", "grad"] if hc.grads_compared else ["param"],
+        params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
+        first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
+        problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
+        reduction_order=reduction,
+    )
+
+
+def _run_problems(run_a: Run, run_b: Run) -> list[Problem]:
+    """What the reader found in each run, and ranks that did not end cleanly: said in the
+    report, but not a reason to stop comparing what was recorded."""
     problems: list[Problem] = []
     problems += [Problem("a", m) for m in run_a.problems]
     problems += [Problem("b", m) for m in run_b.problems]
@@ -209,7 +280,13 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
                                           f"(rank {bad[0]}: status {st.get('status')!r}"
                                           + (f", {st.get('error')}" if st.get("error") else "")
                                           + ")"))
+    return problems
 
+
+def _failed_jobs(run_a: Run, run_b: Run, tolerate_exit: bool,
+                 problems: list[Problem]) -> list[str]:
+    """The incomplete list, started with the sides whose job failed (run.json). A side that
+    failed before recording a step stops the diff here: its failure is the only thing to say."""
     incomplete: list[str] = []
     for side, run in (("a", run_a), ("b", run_b)):
         failed = _failed(run)
@@ -221,7 +298,12 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
             problems.append(Problem(side, f"the job failed ({failed}); tolerated"))
         elif failed:
             incomplete.append(f"{side.upper()} failed: {failed}")
+    return incomplete
 
+
+def _comparable_world_size(run_a: Run, run_b: Run) -> int:
+    """The world size both runs share; raises (exit 2) for runs whose hashes cannot be set side
+    by side at all: other world sizes, other hashers, other NCCL emulation."""
     ws_a, ws_b = _world_size(run_a), _world_size(run_b)
     if ws_a != ws_b:
         raise ParityError(f"world sizes differ: A ({run_a.path}) has {ws_a} ranks, "
@@ -233,10 +315,11 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
                           f"B {'/'.join(sorted(h_b))}): their hashes cannot be compared; "
                           "capture both with the same --hasher")
     check_same_emulation(run_a, run_b)  # emulated numbers differ from plain ones on purpose
-    problems += [Problem(None, m) for m in numerics_env_differences(
-        run_a.ranks[min(run_a.ranks)].meta if run_a.ranks else None,
-        run_b.ranks[min(run_b.ranks)].meta if run_b.ranks else None)]
-    warnings = _capture_warnings(run_a, "a") + _capture_warnings(run_b, "b")
+    return ws
+
+
+def _capture_disabled(run_a: Run, run_b: Run, incomplete: list[str]) -> None:
+    """Ranks where capture turned itself off: their later steps were never recorded."""
     for side, run in (("a", run_a), ("b", run_b)):
         off = [r for r, rd in sorted(run.ranks.items())
                if (rd.meta.get("capture") or {}).get("disabled")]
@@ -245,6 +328,11 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
             incomplete.append(f"{side.upper()}: capture was disabled on rank(s) {ranges(off)} "
                               f"({why}); later steps not recorded there")
 
+
+def _usable_ranks(run_a: Run, run_b: Run, ws: int, problems: list[Problem],
+                  incomplete: list[str]) -> tuple[dict[str, list[int]], list[int]]:
+    """(each side's ranks with a parameter table, the ranks both sides have): only those are
+    compared; a rank one side lacks is said as incomplete, a stray rank folder as a problem."""
     usable: dict[str, list[int]] = {}
     for side, run in (("a", run_a), ("b", run_b)):
         ok = [r for r, rd in sorted(run.ranks.items()) if rd.n_params and 0 <= r < ws]
@@ -275,12 +363,14 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
             has = [r for r in missing if r in usable[other]]
             incomplete.append(f"{side.upper()} is missing rank(s) {ranges(missing)}"
                               + (f" ({other.upper()} has {ranges(has)})" if has else ""))
+    return usable, ranks
 
-    ra = [run_a.ranks[r] for r in ranks]
-    rb = [run_b.ranks[r] for r in ranks]
 
-    # -- parameters
-    n_before = {id(x): len(x.problems) for x in ra + rb}  # what lazy reads add is said too
+def _align_params(ra: list[RankData], rb: list[RankData], ranks: list[int],
+                  allow_param_mismatch: bool, incomplete: list[str]):
+    """(index, per-rank alignments, names only in A, names only in B): parameters are matched
+    by normalized FQN, rank by rank. Different parameter sets are not comparable (exit 2)
+    unless allowed; then only the common ones are compared and the diff is incomplete."""
     index = ParamIndex()
     aligner = Aligner(index)
     seen_keys: dict = {}
@@ -307,20 +397,23 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     aligns = [aligner.align(ka, kb) for ka, kb in zip(keys_a, keys_b)]
     del keys_a, keys_b
     _unaligned(ranks, aligns, set(only_a) | set(only_b), incomplete)
+    return index, aligns, only_a, only_b
 
-    # -- steps
-    steps = sorted(set().union(*(x.steps for x in ra), *(y.steps for y in rb))) if ranks else []
+
+def _side_steps(run_a: Run, run_b: Run, usable: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Each side's steps recorded on every one of its usable ranks (the result's sides)."""
     side_steps = {}
     for side, run in (("a", run_a), ("b", run_b)):
         present = [run.ranks[r] for r in usable[side]]
         side_steps[side] = (sorted(set.intersection(*(set(x.steps) for x in present)))
                             if present else [])
+    return side_steps
 
-    hc = compare_hashes(ranks, ra, rb, aligns, steps, count_budget)
-    _lazy_problems(ra, rb, n_before, problems)
-    both = hc.compared_rows  # numpy only where something differs (hashes.py)
-    steps_compared = hc.steps_compared if ranks else []
-    _step_gaps(steps, ranks, ra, rb, both, incomplete)
+
+def _coverage_gaps(hc: HashComparison, ranks: list[int], steps_compared: list[int], aligns,
+                   incomplete: list[str]) -> None:
+    """Hashes that could not be read, and a diff that compared no step, rank or parameter:
+    nothing compared is never a ``match``."""
     if hc.unreadable:
         side, r, s, k = hc.unreadable[0]
         incomplete.append(f"{len(hc.unreadable)} hash line(s) could not be read (first: "
@@ -332,28 +425,27 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     elif not _n_compared(aligns):
         incomplete.append("no parameter was compared: no rank's table shares an entry with the "
                           "other side's same rank")
-    loss = _compare_loss(ra, rb, ranks, steps, ws)
-    # what one side recorded and the other did not is not compared: parity is not proven
-    incomplete += one_sided(ra, rb, ranks, steps, _loss_bits)
-    incomplete += refused_processes(run_a, run_b)
-    same = same_run(run_a, run_b)
-    if same:
-        incomplete.insert(0, same)
-    # table checks (shapes, per-rank entries): the first and last rank and those that diverge
+
+
+def _ranks_to_check(hc: HashComparison, ranks: list[int]) -> set[int]:
+    """Positions in ``ranks`` whose tables are checked (shapes, per-rank entries): the first
+    and last rank and those that diverge; checking every rank would parse every table."""
     check = {0, len(ranks) - 1} if ranks else set()
     if hc.detail is not None:
         pos = {r: i for i, r in enumerate(ranks)}
         for kind in KINDS:
             for _, r in hc.detail.pairs[kind][:16]:
                 check.add(pos[r])
-    _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, check)
+    return check
 
-    # -- buckets
-    layouts, order = compare_buckets(run_a, run_b, usable, ranks)
-    # consequence classes of every bucket difference; the reduction-order prediction with ``at``
-    reduction = assess(run_a, run_b, ranks, layouts, order, ws, at)
 
-    # -- first divergence
+def _first_divergence(run_a: Run, ra: list[RankData], rb: list[RankData], ranks: list[int],
+                      steps_compared: list[int], index: ParamIndex, hc: HashComparison,
+                      loss: LossComparison, layouts: dict[str, Layout], order: OrderComparison
+                      ) -> tuple[int | None, FirstDivergence | None, list[Divergence]]:
+    """(first divergent step, what happened there, the divergent parameters): the earlier of
+    the first step whose hashes differ and the first whose loss differs; where it began
+    (gradients, update, loss) and the buckets behind a divergent gradient."""
     first_hash = hc.first_step
     first_loss = loss.first_divergent_step
     cands = [s for s in (first_hash, first_loss) if s is not None]
@@ -400,32 +492,31 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         fd = FirstDivergence(first, origin, grad_div, prev, n_kind["param"],
                              n_kind["grad"] if hc.grads_compared else None, sorted(rank_set),
                              loss_div, why)
+    return first, fd, divergent
 
-    _lazy_problems(ra, rb, n_before, problems)  # tables parsed for the checks above
+
+def _verdict(first: int | None, incomplete: list[str]) -> str:
+    """A divergence is a mismatch whatever else is missing; ``match`` only with nothing left
+    uncompared."""
     if first is not None:
         verdict = "hash_mismatch"
     elif incomplete:
         verdict = "incomplete"
     else:
         verdict = "match"
+    return verdict
 
+
+def _sides(run_a: Run, run_b: Run, ws: int, usable: dict[str, list[int]],
+           side_steps: dict[str, list[int]], layouts: dict[str, Layout]
+           ) -> dict[str, ComparedRun]:
+    """Each run as the diff saw it (the result's ``a`` and ``b``)."""
     sides = {}
     for side, run, lay in (("a", run_a, layouts["a"]), ("b", run_b, layouts["b"])):
-        sides[side] = Side(str(run.path), ws, usable[side],
+        sides[side] = ComparedRun(str(run.path), ws, usable[side],
                            [r for r in range(ws) if r not in usable[side]], side_steps[side],
                            (run.run_meta or {}).get("status"), lay.source)
-    per_step = [c for c in hc.counts if first is not None and c.step >= first]
-    return DiffResult(
-        a=sides["a"], b=sides["b"], verdict=verdict, incomplete=incomplete, world_size=ws,
-        ranks_compared=ranks, steps_compared=steps_compared,
-        params_compared=_n_compared(aligns),
-        bucketing=summarize_pair(run_a, run_b),
-        kinds_compared=["param", "grad"] if hc.grads_compared else ["param"],
-        params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
-        first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
-        problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
-        reduction_order=reduction,
-    )
+    return sides
 
 
 def _explain_eager(why: str, divergent: list[Divergence], run_a: Run, ranks: list[int],

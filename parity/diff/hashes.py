@@ -2,7 +2,7 @@
 
 Cost model (docs/diff.md has the numbers):
 
-1. Parameters are aligned per rank by normalized FQN (``Alignment``); ranks whose tables list the
+1. Parameters are aligned per rank by normalized FQN (``ParamAlignment``); ranks whose tables list the
    same keys in the same order share one cached alignment, and for them the per-step roll-up
    digests of steps.jsonl are comparable as they are.
 2. Roll-ups are compared for every (rank, step) as the strings steps.jsonl holds (pure Python:
@@ -37,7 +37,7 @@ _FQN = operator.itemgetter("fqn")  # drilled (rank, step, kind) cells after the 
 
 
 def param_keys(params: list[dict]) -> list[str]:
-    """Alignment keys of a rank's table: the FQN, made unique by occurrence if a rank holds
+    """ParamAlignment keys of a rank's table: the FQN, made unique by occurrence if a rank holds
     several entries with one name (``fqn#1``, ``fqn#2``...)."""
     keys = list(map(_FQN, params))
     if len(set(keys)) != len(keys):
@@ -52,7 +52,7 @@ def param_keys(params: list[dict]) -> list[str]:
 
 
 @dataclass
-class Alignment:
+class ParamAlignment:
     """Rows of one rank's two tables that hold the same parameter.
 
     Kept as Python lists (``rows_a``, ``rows_b``, ``gids``; ``None`` rows for an identity
@@ -118,12 +118,12 @@ class Aligner:
 
     def __init__(self, index: ParamIndex):
         self.index = index
-        self._cache: dict[tuple, Alignment] = {}
+        self._cache: dict[tuple, ParamAlignment] = {}
         # by identity first: ranks share one keys tuple per distinct table (hashing a tuple of
         # 1,500 names per rank costs more than the lookup saves); the tuples are kept alive here
         self._by_id: dict[tuple[int, int], tuple] = {}
 
-    def align(self, keys_a: tuple[str, ...], keys_b: tuple[str, ...]) -> Alignment:
+    def align(self, keys_a: tuple[str, ...], keys_b: tuple[str, ...]) -> ParamAlignment:
         ik = (id(keys_a), id(keys_b))
         got = self._by_id.get(ik)
         if got is not None and got[0] is keys_a and got[1] is keys_b:
@@ -132,13 +132,13 @@ class Aligner:
         self._by_id[ik] = (keys_a, keys_b, al)
         return al
 
-    def _align(self, keys_a: tuple[str, ...], keys_b: tuple[str, ...]) -> Alignment:
+    def _align(self, keys_a: tuple[str, ...], keys_b: tuple[str, ...]) -> ParamAlignment:
         ck = (keys_a, keys_b)
         hit = self._cache.get(ck)
         if hit is not None:
             return hit
         if keys_a == keys_b:
-            al = Alignment(None, None, self.index.ids_of(list(keys_a)), True, len(keys_a),
+            al = ParamAlignment(None, None, self.index.ids_of(list(keys_a)), True, len(keys_a),
                            len(keys_b), [], [])
         else:
             pos_b = {k: j for j, k in enumerate(keys_b)}
@@ -149,7 +149,7 @@ class Aligner:
                     ia_l.append(i)
                     ib_l.append(j)
             set_a = set(keys_a)
-            al = Alignment(
+            al = ParamAlignment(
                 ia_l, ib_l,
                 self.index.ids_of([keys_a[i] for i in ia_l]), False, len(keys_a), len(keys_b),
                 [k for k in keys_a if k not in pos_b], [k for k in keys_b if k not in set_a],
@@ -248,7 +248,7 @@ def _load(rd: RankData, step: int, kind: str, n: int) -> np.ndarray | None:
     return h.view(np.uint64)  # (n, 2)
 
 
-def _rollup_pass(ra: list[RankData], rb: list[RankData], aligns: list[Alignment],
+def _rollup_pass(ra: list[RankData], rb: list[RankData], aligns: list[ParamAlignment],
                  steps: list[int]):
     """Every (rank, step) cell's roll-ups, compared as the strings steps.jsonl holds: which cells
     both sides recorded, which need drilling per kind (roll-ups differ, or the two tables
@@ -316,7 +316,7 @@ def step_fields(xs: dict, ys: dict, steps: list[int], *names: str):
 
 
 def compare_hashes(ranks: list[int], ra: list[RankData], rb: list[RankData],
-                   aligns: list[Alignment], steps: list[int],
+                   aligns: list[ParamAlignment], steps: list[int],
                    count_budget: int = DEFAULT_COUNT_BUDGET) -> HashComparison:
     """Compare the hashes of ``ranks`` (parallel lists ``ra``, ``rb``, ``aligns``) over ``steps``."""
     both, cand, grads_compared, n_cand = _rollup_pass(ra, rb, aligns, steps)
@@ -411,5 +411,5 @@ def compare_hashes(ranks: list[int], ra: list[RankData], rb: list[RankData],
                           grads_compared, steps_compared)
 
 
-__all__ = ["Aligner", "Alignment", "ParamIndex", "param_keys", "compare_hashes", "HashComparison",
+__all__ = ["Aligner", "ParamAlignment", "ParamIndex", "param_keys", "compare_hashes", "HashComparison",
            "StepCount", "StepDetail", "KINDS", "DEFAULT_COUNT_BUDGET"]

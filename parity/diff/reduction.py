@@ -206,7 +206,9 @@ class _Orders:
 
 
 @dataclass
-class _Side:
+class _SideSlots:
+    """One side's reduce-scatter slots, looked up by parameter, and each bucket's channels."""
+
     slots: dict[str, tuple[Slot, Bucket]]
     # bucket -> (channel starts, rings, per-rank count)
     channels: dict[int, tuple[list[int], list[tuple[int, ...]], int]]
@@ -352,7 +354,7 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
         return pred
     world = topo.world
     orders = _Orders(world)
-    sides: dict[str, _Side] = {}
+    sides: dict[str, _SideSlots] = {}
     bad: dict[tuple[str, int], str] = {}
     split_of: dict[tuple[int, int], tuple] = {}  # (per-rank count, element size) -> channels
     dims_of: dict = {}
@@ -381,7 +383,7 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
             skip["a"].add(b.index)
             skip["b"].add(j)
     for key, buckets in (("a", ba), ("b", bb)):
-        side = _Side({}, {})
+        side = _SideSlots({}, {})
         for b in buckets:
             if b.index in skip[key]:
                 for f in names[id(b)]:  # the bucket is known, its slot never asked for

@@ -25,8 +25,8 @@ FAIL_ON = tuple(policy.POLICIES)
 
 
 @dataclass
-class Side:
-    """One run as the diff saw it."""
+class ComparedRun:
+    """One run as the diff saw it: ``DiffResult.a`` (the reference) or ``.b`` (the candidate)."""
 
     path: str
     world_size: int | None
@@ -103,8 +103,8 @@ class CaptureWarning:
 
 @dataclass
 class DiffResult:
-    a: Side
-    b: Side
+    a: ComparedRun
+    b: ComparedRun
     verdict: str  # match | hash_mismatch | incomplete
     incomplete: list[str]  # why the data is incomplete (empty: complete)
     world_size: int | None
@@ -224,7 +224,7 @@ class DiffResult:
         write_json_atomic(path, self.to_dict(), indent=None if len(self.divergent) > 200 else 1)
 
 
-def _side_dict(s: Side) -> dict:
+def _side_dict(s: ComparedRun) -> dict:
     return {"path": s.path, "world_size": s.world_size, "ranks": list(s.ranks),
             "missing_ranks": list(s.missing_ranks), "steps": list(s.steps), "status": s.status,
             "bucket_source": s.bucket_source}
@@ -276,10 +276,10 @@ def from_dict(d: dict) -> DiffResult:
     def objs(x) -> list[dict]:
         return [e for e in x or [] if isinstance(e, dict)]
 
-    def side(s: dict) -> Side:
-        return Side(s.get("path"), s.get("world_size"), s.get("ranks") or [],
-                    s.get("missing_ranks") or [], s.get("steps") or [], s.get("status"),
-                    s.get("bucket_source"))
+    def side(s: dict) -> ComparedRun:
+        return ComparedRun(s.get("path"), s.get("world_size"), s.get("ranks") or [],
+                           s.get("missing_ranks") or [], s.get("steps") or [], s.get("status"),
+                           s.get("bucket_source"))
 
     fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else None
     loss, order = obj(d.get("loss")), obj(d.get("order"))

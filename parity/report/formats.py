@@ -16,7 +16,7 @@ import shlex
 import sys
 
 from parity import policy
-from parity.errors import ParityError
+from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, ParityError
 from parity.text import ranges
 from parity.report.registry import (FORMATS, ReportFormat, formats_help,  # noqa: F401
                                     formats_titles, get_format, register_format)
@@ -444,18 +444,18 @@ def sweep_junit(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
         reason = _x(cell.reason or "")
         code = policy.cell_code(cell, pol)
         tolerated = ""
-        if code == 1:
+        if code == EXIT_MISMATCH:
             counts["failures"] += 1
             el = ET.SubElement(case, "failure", message=_x(f"{status}: {reason}"), type=status)
             el.text = _x(cell_text(report, cell, pol))
-        elif code == 3:
+        elif code == EXIT_INCOMPLETE:
             counts["errors"] += 1
             nondet = status == policy.NONDETERMINISTIC
             el = ET.SubElement(case, "error", message=_x(
                 f"{status}: {reason}" if nondet else f"unproven under --fail-on {pol}: {reason}"),
                 type=status if nondet else "unproven")
             el.text = _x(cell_text(report, cell, pol))
-        elif code == 0 and status != "match":
+        elif code == EXIT_OK and status != "match":
             tolerated = f"tolerated under --fail-on {pol}: {status}: {reason}\n"
         elif status == "failed":
             counts["errors"] += 1

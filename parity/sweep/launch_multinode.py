@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity.artifacts import SCHEMA_VERSION, write_json_atomic
+from parity.errors import EXIT_OK, EXIT_USAGE
 from parity.rundir import NODES_DIR, RUN_FILE, node_out_dir, rank_of
 from parity.sweep.launch_local import LocalLauncher, free_port
 from parity.sweep.launcher import (CANCELLED, FAILED, NOT_FOUND, OK, TIMEOUT, Job, JobResult,
@@ -325,9 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 3 and argv[0] == "merge" and argv[2].isdigit():
         merge_node_runs(argv[1], int(argv[2]))
-        return 0
+        return EXIT_OK
     print("usage: python -m parity.sweep.launch_multinode merge RUN_DIR NNODES", file=sys.stderr)
-    return 2
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

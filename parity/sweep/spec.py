@@ -88,7 +88,10 @@ class Axis:
 
 
 @dataclass
-class Side:
+class SideSpec:
+    """One side of the spec as written (``[reference]`` or ``[candidate]``): templates, not yet
+    filled in for a cell (that is :class:`SideJob`)."""
+
     name: str  # "reference" | "candidate"
     label: str
     template: list[str]  # entry argv template: what follows torchrun's own options
@@ -149,7 +152,7 @@ class Spec:
     requires: list[str]
     capture: bool
     axes: list[Axis]
-    sides: dict[str, Side]
+    sides: dict[str, SideSpec]
     launcher: LauncherSpec
     # a side that exits non-zero after every rank recorded every step counts as finished (a
     # crash in teardown, e.g. at process-group destruction); off: the exit code is the status
@@ -478,6 +481,9 @@ def load_spec(path: str | os.PathLike | None = None, base_dir: Path | None = Non
 
 
 def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None) -> Spec:
+    """Validate a spec's TOML text into a :class:`Spec`: the top-level keys here, then the axes
+    (:func:`_parse_axes`), the two sides (:func:`_parse_side`), every template's placeholders
+    and the launcher. The first problem raises a SpecError naming file, key and problem."""
     v = _V(source)
     try:
         doc = tomllib.loads(text)
@@ -515,7 +521,30 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
     requires = [v.requirement(r, f"requires[{i}]")
                 for i, r in enumerate(v.strings(doc.get("requires", []), "requires"))]
 
-    # axes
+    axes = _parse_axes(v, doc)
+    known = set(RESERVED_PLACEHOLDERS) | {a.name for a in axes}
+    for axis in axes:
+        for vk, items in axis.flags.items():
+            v.templates(items, _join(f"axes.{axis.name}.flags", vk), known)
+
+    sides: dict[str, SideSpec] = {}
+    axis_by_name = {a.name: a for a in axes}
+    for sname in SIDES:
+        sides[sname] = _parse_side(v, doc, sname, axis_by_name, known)
+    for sname in SIDES:
+        for k, t in {**env, **sides[sname].env}.items():
+            v.template(t, _join(f"{sname}.env" if k in sides[sname].env else "env", k), known)
+
+    launcher = _launcher(v, doc.get("launcher", "local"), nnodes)
+    return Spec(name, description, source, text, steps, seed, nproc, nnodes, timeout, env, workdir,
+                requires, capture, axes, sides, launcher, tolerate_teardown_exit=tolerate, at=at,
+                control=control, stop_after_divergence=stop_after, emulate_nccl=emulate)
+
+
+def _parse_axes(v: _V, doc: dict) -> list[Axis]:
+    """The ``[axes]`` table: each axis's values (scalars, distinct, in spec order: the cells'
+    order) and its per-value flags and requirements. An axis name is a placeholder, so it must
+    be an identifier and not a reserved one."""
     axes: list[Axis] = []
     raw_axes = v.table(doc.get("axes", {}), "axes")
     for aname, adef in raw_axes.items():
@@ -551,55 +580,45 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
         axis.flags = _value_map(v, adef.get("flags", {}), f"{key}.flags", axis, "flags")
         axis.requires = _value_map(v, adef.get("requires", {}), f"{key}.requires", axis, "requires")
         axes.append(axis)
+    return axes
 
-    known = set(RESERVED_PLACEHOLDERS) | {a.name for a in axes}
-    for axis in axes:
-        for vk, items in axis.flags.items():
-            v.templates(items, _join(f"axes.{axis.name}.flags", vk), known)
 
-    # sides
-    sides: dict[str, Side] = {}
-    axis_by_name = {a.name: a for a in axes}
-    for sname in SIDES:
-        if sname not in doc:
-            v.fail(sname, f"missing [{sname}] table (each spec compares a reference and a candidate)")
-        sdef = v.table(doc[sname], sname, _SIDE_KEYS)
-        builtin = v.boolean(sdef.get("builtin", False), f"{sname}.builtin")
-        if builtin:
-            if "argv" in sdef:
-                v.fail(f"{sname}.argv", "not allowed with builtin = true (put the workload's "
-                       "arguments in 'args')")
-            args = v.strings(sdef.get("args", []), f"{sname}.args")
-            template = BUILTIN_ENTRY + args
-            v.templates(args, f"{sname}.args", known)
-        else:
-            if "args" in sdef:
-                v.fail(f"{sname}.args", "only used with builtin = true; give the full entry as "
-                       "'argv' (e.g. [\"-m\", \"torchtitan.train\", ...])")
-            if "argv" not in sdef:
-                v.fail(sname, "missing 'argv' (what follows torchrun's options: "
-                       "[\"-m\", \"module\", ...] or [\"script.py\", ...]) or builtin = true")
-            template = v.strings(sdef["argv"], f"{sname}.argv", nonempty=True)
-            v.templates(template, f"{sname}.argv", known)
-        label = v.string(sdef.get("label", sname), f"{sname}.label")
-        senv = v.env(sdef.get("env", {}), f"{sname}.env")
-        sflags: dict[str, dict[str, list[str]]] = {}
-        for aname, table in v.table(sdef.get("flags", {}), f"{sname}.flags").items():
-            fkey = _join(f"{sname}.flags", aname)
-            if aname not in axis_by_name:
-                v.fail(fkey, f"no axis named {aname!r} (axes: {', '.join(axis_by_name) or 'none'})")
-            sflags[aname] = _value_map(v, table, fkey, axis_by_name[aname], "flags")
-            for vk, items in sflags[aname].items():
-                v.templates(items, _join(fkey, vk), known)
-        sides[sname] = Side(sname, label, template, senv, sflags, builtin)
-    for sname in SIDES:
-        for k, t in {**env, **sides[sname].env}.items():
-            v.template(t, _join(f"{sname}.env" if k in sides[sname].env else "env", k), known)
-
-    launcher = _launcher(v, doc.get("launcher", "local"), nnodes)
-    return Spec(name, description, source, text, steps, seed, nproc, nnodes, timeout, env, workdir,
-                requires, capture, axes, sides, launcher, tolerate_teardown_exit=tolerate, at=at,
-                control=control, stop_after_divergence=stop_after, emulate_nccl=emulate)
+def _parse_side(v: _V, doc: dict, sname: str, axis_by_name: dict[str, Axis],
+                known: set[str]) -> SideSpec:
+    """The ``[reference]`` or ``[candidate]`` table: the built-in workload's ``args`` or a full
+    ``argv``, its label, env and per-axis flag overrides (placeholders checked against
+    ``known``)."""
+    if sname not in doc:
+        v.fail(sname, f"missing [{sname}] table (each spec compares a reference and a candidate)")
+    sdef = v.table(doc[sname], sname, _SIDE_KEYS)
+    builtin = v.boolean(sdef.get("builtin", False), f"{sname}.builtin")
+    if builtin:
+        if "argv" in sdef:
+            v.fail(f"{sname}.argv", "not allowed with builtin = true (put the workload's "
+                   "arguments in 'args')")
+        args = v.strings(sdef.get("args", []), f"{sname}.args")
+        template = BUILTIN_ENTRY + args
+        v.templates(args, f"{sname}.args", known)
+    else:
+        if "args" in sdef:
+            v.fail(f"{sname}.args", "only used with builtin = true; give the full entry as "
+                   "'argv' (e.g. [\"-m\", \"torchtitan.train\", ...])")
+        if "argv" not in sdef:
+            v.fail(sname, "missing 'argv' (what follows torchrun's options: "
+                   "[\"-m\", \"module\", ...] or [\"script.py\", ...]) or builtin = true")
+        template = v.strings(sdef["argv"], f"{sname}.argv", nonempty=True)
+        v.templates(template, f"{sname}.argv", known)
+    label = v.string(sdef.get("label", sname), f"{sname}.label")
+    senv = v.env(sdef.get("env", {}), f"{sname}.env")
+    sflags: dict[str, dict[str, list[str]]] = {}
+    for aname, table in v.table(sdef.get("flags", {}), f"{sname}.flags").items():
+        fkey = _join(f"{sname}.flags", aname)
+        if aname not in axis_by_name:
+            v.fail(fkey, f"no axis named {aname!r} (axes: {', '.join(axis_by_name) or 'none'})")
+        sflags[aname] = _value_map(v, table, fkey, axis_by_name[aname], "flags")
+        for vk, items in sflags[aname].items():
+            v.templates(items, _join(fkey, vk), known)
+    return SideSpec(sname, label, template, senv, sflags, builtin)
 
 
 def _emulate_nccl(v: _V, doc: dict, world: int) -> str | None:

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from parity.artifacts import write_json_atomic
-from parity.errors import EXIT_USAGE, ParityError
+from parity.errors import EXIT_INTERNAL, EXIT_USAGE, ParityError
+from parity.pidlock import PidLock
 # cell statuses: decided in parity.policy, named here for the sweep's own modules
 from parity.policy import CELL_STATUSES as STATUSES
 from parity.policy import (COMPARED, FAILED, HASH_MISMATCH, MATCH, ORDER_MISMATCH,  # noqa: F401
@@ -46,7 +47,7 @@ def cell_dir(sweep_dir: Path, cid: str) -> Path:
     d = (sweep_dir / CELLS_DIR / cid)
     # cell ids are sanitized; this is the last line of defence against escaping the sweep dir
     if d.resolve().parent != (sweep_dir / CELLS_DIR).resolve():
-        raise ParityError(f"cell id {cid!r} would escape {sweep_dir}", exit_code=4)
+        raise ParityError(f"cell id {cid!r} would escape {sweep_dir}", exit_code=EXIT_INTERNAL)
     return d
 
 
@@ -62,46 +63,15 @@ def rel(path, sweep_dir: Path) -> str | None:
 # ------------------------------------------------------------------------------------ the lock
 
 
-class SweepLock:
+class SweepLock(PidLock):
     """An exclusive flock on SWEEP_DIR/.parity-sweep.lock; released when the process dies."""
 
     def __init__(self, sweep_dir: Path):
-        self.path = sweep_dir / LOCK_NAME
-        self._fd: int | None = None
+        super().__init__(sweep_dir / LOCK_NAME)
 
-    def acquire(self) -> "SweepLock":
-        import fcntl
-
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            try:
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-            except OSError:
-                holder = "?"
-            os.close(fd)
-            raise ParityError(f"{self.path.parent}: another sweep (pid {holder}) is running in this "
-                              "directory; wait for it or use another --out", EXIT_USAGE) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            try:
-                os.ftruncate(self._fd, 0)
-            except OSError:
-                pass
-            os.close(self._fd)  # closing drops the flock
-            self._fd = None
-
-    def __enter__(self):
-        return self.acquire()
-
-    def __exit__(self, *exc):
-        self.release()
+    def busy(self, holder: str) -> ParityError:
+        return ParityError(f"{self.path.parent}: another sweep (pid {holder}) is running in this "
+                           "directory; wait for it or use another --out", EXIT_USAGE)
 
 
 # ------------------------------------------------------------------------------ directory checks

@@ -27,38 +27,18 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+from tiny_lm import MLPBlock, TinyLM, gloo_mesh
 
 VOCAB = 13
 DIM = 8
 
 
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 2 * dim)
-        self.fc2 = nn.Linear(2 * dim, dim)
-
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(self.norm(x))))
-
-
-class Model(nn.Module):
+class Model(TinyLM):
     def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList([Block(DIM) for _ in range(2)])
-        self.out = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens):
-        x = self.emb(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
+        super().__init__(VOCAB, DIM, lambda: [MLPBlock(DIM) for _ in range(2)])
 
 
 def _sibling(name):
@@ -72,11 +52,7 @@ sgd_update = _sibling("hand_update").sgd_update
 
 
 def main():
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    rank, _, mesh = gloo_mesh()
     steps = int(os.environ.get("GA_STEPS", "2"))
     micro = int(os.environ.get("GA_MICRO", "2"))
     hand = os.environ.get("GA_UPDATE") in ("hand", "imported")

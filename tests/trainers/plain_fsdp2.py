@@ -21,43 +21,18 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+from tiny_lm import MLPBlock, TinyLM, gloo_mesh
 
 VOCAB = 13
 DIM = 8
 
 
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.fc1 = nn.Linear(dim, 2 * dim)
-        self.fc2 = nn.Linear(2 * dim, dim)
-        self.gate = nn.Parameter(torch.ones(dim))
-        self.use_gate = True
-
-    def forward(self, x):
-        h = self.fc2(torch.relu(self.fc1(self.norm(x))))
-        if self.use_gate:
-            h = h * self.gate
-        return x + h
-
-
-class Model(nn.Module):
+class Model(TinyLM):
     def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList([Block(DIM) for _ in range(2)])
-        self.out = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens):
-        x = self.emb(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
+        super().__init__(VOCAB, DIM, lambda: [MLPBlock(DIM, gate=True) for _ in range(2)])
 
 
 def _pair(name):
@@ -103,11 +78,7 @@ class Dump:
 
 
 def main():
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    rank, _, mesh = gloo_mesh()
     steps = int(os.environ.get("PT_STEPS", "3"))
     accum = int(os.environ.get("PT_ACCUM", "1"))
     perturb = None

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+
+from tiny_lm import TinyLM, gloo_mesh
 
 VOCAB, DIM, HIDDEN = 32, 64, 256
 
@@ -49,26 +50,14 @@ class NormBlock(nn.Module):
         return x + self.second(self.first(x))
 
 
-class Model(nn.Module):
+class Model(TinyLM):
     def __init__(self, reorder: set[int]):
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList([Block(i in reorder) for i in range(3)]
-                                    + [NormBlock(3 in reorder)])
-        self.out = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens):
-        x = self.emb(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)
+        super().__init__(VOCAB, DIM, lambda: [Block(i in reorder) for i in range(3)]
+                         + [NormBlock(3 in reorder)])
 
 
 def main():
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,))
+    rank, _, mesh = gloo_mesh(deterministic=False)
     torch.manual_seed(0)
     model = Model({int(i) for i in os.environ.get("RO_REORDER", "").split(",") if i})
     for block in model.layers:
