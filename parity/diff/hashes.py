@@ -318,97 +318,130 @@ def step_fields(xs: dict, ys: dict, steps: list[int], *names: str):
 def compare_hashes(ranks: list[int], ra: list[RankData], rb: list[RankData],
                    aligns: list[ParamAlignment], steps: list[int],
                    count_budget: int = DEFAULT_COUNT_BUDGET) -> HashComparison:
-    """Compare the hashes of ``ranks`` (parallel lists ``ra``, ``rb``, ``aligns``) over ``steps``."""
+    """Compare the hashes of ``ranks`` (parallel lists ``ra``, ``rb``, ``aligns``) over ``steps``.
+
+    The phases of the module docstring: roll-ups of every (rank, step) as strings
+    (:func:`_rollup_pass`; two identical runs end here, without numpy), then each step with a
+    candidate cell drilled (:func:`_drill_step`), then the steps after the first divergent one
+    that differ nowhere (:func:`_zero_counts`)."""
     both, cand, grads_compared, n_cand = _rollup_pass(ra, rb, aligns, steps)
     col_both = [any(col) for col in zip(*both)] if both else [False] * len(steps)
     steps_compared = [s for s, c in zip(steps, col_both) if c]
-
     unreadable: list[tuple[str, int, int, str]] = []
+    if not n_cand:  # every roll-up both sides recorded is equal: nothing to drill
+        return HashComparison(steps, both, None, None, [], 0, unreadable, grads_compared,
+                              steps_compared)
+
+    budget = _Budget(count_budget)
+    n_glob = 1 + max((max(al.gids) for al in {id(al): al for al in aligns}.values()
+                      if al.gids), default=-1)
     first_step: int | None = None
     detail: StepDetail | None = None
     counts: list[StepCount] = []
-    drilled = 0
-    if not n_cand:  # every roll-up both sides recorded is equal: nothing to drill
-        return HashComparison(steps, both, None, None, counts, drilled, unreadable,
-                              grads_compared, steps_compared)
-
-    import numpy as np
-
-    budget_left = count_budget
-    n_glob = 1 + max((max(al.gids) for al in {id(al): al for al in aligns}.values()
-                      if al.gids), default=-1)
-
     cand_p, cand_g = cand["param"], cand["grad"]
     for j, step in enumerate(steps):
         rows = [i for i in range(len(aligns)) if cand_p[i][j] or cand_g[i][j]]
         if not rows:
             continue
-        after_first = first_step is not None
-        det = StepDetail(step)
-        masks = {k: np.zeros(n_glob, dtype=bool) for k in KINDS}
-        saturated = {k: False for k in KINDS}
-        diff_ranks: set[int] = set()
-        exact = known_ranks = True
-        for i in rows:
-            al = aligns[i]
-            for kind in KINDS:
-                if not cand[kind][i][j]:
-                    continue
-                if after_first and al.identity and saturated[kind]:
-                    # every parameter already differs somewhere; the roll-up says this rank does
-                    diff_ranks.add(ranks[i])
-                    continue
-                if after_first and budget_left <= 0:
-                    exact = False
-                    if al.identity:
-                        diff_ranks.add(ranks[i])
-                    else:
-                        known_ranks = False
-                    continue
-                drilled += 1
-                if after_first:
-                    budget_left -= 1
-                hb = _load(rb[i], step, kind, al.n_b)
-                if hb is not None and al.permutation:
-                    # B's hashes in A's order have A's roll-up iff nothing differs: A unread
-                    if rollup_digest(hb[al.ib].tobytes()) == ra[i].steps[step][_DIGEST_FIELD[kind]]:
-                        continue
-                ha = _load(ra[i], step, kind, al.n_a)
-                if ha is None or hb is None:
-                    if ha is None:
-                        unreadable.append(("a", ranks[i], step, kind))
-                    if hb is None:
-                        unreadable.append(("b", ranks[i], step, kind))
-                    continue
-                bad = (ha[al.ia] != hb[al.ib]).any(axis=1)
-                if bad.any():
-                    g = al.gid[bad]
-                    if not after_first:
-                        det.pairs[kind].append((g, ranks[i]))
-                    masks[kind][g] = True
-                    diff_ranks.add(ranks[i])
-                    if after_first and masks[kind].all():
-                        saturated[kind] = True
-        if not diff_ranks and exact:
+        det, count = _drill_step(ranks, ra, rb, aligns, cand, step, j, rows, n_glob,
+                                 first_step is not None, grads_compared, budget, unreadable)
+        if count is None:
             continue  # roll-ups differed only by storage order
         if first_step is None:
             first_step, detail = step, det
-        n_p = int(masks["param"].sum())
-        n_g = int(masks["grad"].sum()) if grads_compared else None
-        if not exact:  # past the budget: counts are unknown unless saturated
-            n_p = n_p if saturated["param"] else None
-            n_g = n_g if saturated["grad"] else None
-        counts.append(StepCount(step, n_p, n_g, len(diff_ranks) if known_ranks else None,
-                                exact or (saturated["param"] and (saturated["grad"]
-                                                                  or not grads_compared))))
-    if first_step is not None:  # steps after the first with nothing different count as zeros
-        have = {c.step for c in counts}
-        for j, step in enumerate(steps):
-            if step > first_step and step not in have and col_both[j]:
-                counts.append(StepCount(step, 0, 0 if grads_compared else None, 0, True))
-        counts.sort(key=lambda c: c.step)
-    return HashComparison(steps, both, first_step, detail, counts, drilled, unreadable,
+        counts.append(count)
+    if first_step is not None:
+        _zero_counts(counts, steps, col_both, first_step, grads_compared)
+    return HashComparison(steps, both, first_step, detail, counts, budget.drilled, unreadable,
                           grads_compared, steps_compared)
+
+
+class _Budget:
+    """Cells drilled so far, and how many more may be drilled after the first divergent step
+    (``count_budget``): shared by every step of one comparison."""
+
+    def __init__(self, count_budget: int):
+        self.left = count_budget
+        self.drilled = 0
+
+
+def _drill_step(ranks: list[int], ra: list[RankData], rb: list[RankData],
+                aligns: list[ParamAlignment], cand: dict[str, list[list[bool]]], step: int,
+                j: int, rows: list[int], n_glob: int, after_first: bool, grads_compared: bool,
+                budget: _Budget, unreadable: list[tuple[str, int, int, str]]
+                ) -> tuple[StepDetail, StepCount | None]:
+    """Read and compare the per-parameter hashes of step ``step``'s candidate cells (rank
+    positions ``rows``, step column ``j``): (what differs, the step's counts; None when nothing
+    differs after all). Before the first divergent step every cell is drilled for the detail;
+    after it, only until saturated or out of budget."""
+    import numpy as np
+
+    det = StepDetail(step)
+    masks = {k: np.zeros(n_glob, dtype=bool) for k in KINDS}
+    saturated = {k: False for k in KINDS}
+    diff_ranks: set[int] = set()
+    exact = known_ranks = True
+    for i in rows:
+        al = aligns[i]
+        for kind in KINDS:
+            if not cand[kind][i][j]:
+                continue
+            if after_first and al.identity and saturated[kind]:
+                # every parameter already differs somewhere; the roll-up says this rank does
+                diff_ranks.add(ranks[i])
+                continue
+            if after_first and budget.left <= 0:
+                exact = False
+                if al.identity:
+                    diff_ranks.add(ranks[i])
+                else:
+                    known_ranks = False
+                continue
+            budget.drilled += 1
+            if after_first:
+                budget.left -= 1
+            hb = _load(rb[i], step, kind, al.n_b)
+            if hb is not None and al.permutation:
+                # B's hashes in A's order have A's roll-up iff nothing differs: A unread
+                if rollup_digest(hb[al.ib].tobytes()) == ra[i].steps[step][_DIGEST_FIELD[kind]]:
+                    continue
+            ha = _load(ra[i], step, kind, al.n_a)
+            if ha is None or hb is None:
+                if ha is None:
+                    unreadable.append(("a", ranks[i], step, kind))
+                if hb is None:
+                    unreadable.append(("b", ranks[i], step, kind))
+                continue
+            bad = (ha[al.ia] != hb[al.ib]).any(axis=1)
+            if bad.any():
+                g = al.gid[bad]
+                if not after_first:
+                    det.pairs[kind].append((g, ranks[i]))
+                masks[kind][g] = True
+                diff_ranks.add(ranks[i])
+                if after_first and masks[kind].all():
+                    saturated[kind] = True
+    if not diff_ranks and exact:
+        return det, None
+    n_p = int(masks["param"].sum())
+    n_g = int(masks["grad"].sum()) if grads_compared else None
+    if not exact:  # past the budget: counts are unknown unless saturated
+        n_p = n_p if saturated["param"] else None
+        n_g = n_g if saturated["grad"] else None
+    return det, StepCount(step, n_p, n_g, len(diff_ranks) if known_ranks else None,
+                          exact or (saturated["param"] and (saturated["grad"]
+                                                            or not grads_compared)))
+
+
+def _zero_counts(counts: list[StepCount], steps: list[int], col_both: list[bool],
+                 first_step: int, grads_compared: bool) -> None:
+    """Steps after the first with nothing different count as zeros (compared, equal); ``counts``
+    ends sorted by step."""
+    have = {c.step for c in counts}
+    for j, step in enumerate(steps):
+        if step > first_step and step not in have and col_both[j]:
+            counts.append(StepCount(step, 0, 0 if grads_compared else None, 0, True))
+    counts.sort(key=lambda c: c.step)
 
 
 __all__ = ["Aligner", "ParamAlignment", "ParamIndex", "param_keys", "compare_hashes", "HashComparison",
