@@ -1,8 +1,8 @@
 """The bucket record of the artifact schema (one line of buckets.jsonl, docs/artifacts.md), typed.
 
-Every manifest source builds a :class:`BucketRecord` (eager FSDP2: capture/fsdp2.py, compiled
-graphs: capture/graph.py and graph_makefx.py, eager DTensor collectives:
-capture/eager_collectives.py); the session stamps its step and hands ``to_dict()`` to the writer;
+Every manifest source builds a :class:`BucketRecord` (eager FSDP2: capture/sources/fsdp2.py, compiled
+graphs: capture/sources/graph.py and graph_makefx.py, eager DTensor collectives:
+capture/sources/eager_collectives.py); the session stamps its step and hands ``to_dict()`` to the writer;
 the diff reads a line back with :meth:`BucketRecord.from_dict` (tolerant: a field of the wrong
 type reads as None, unknown keys are kept in ``extra``). Also how a dtype and a bucket's group are
 spelled, so that every source writes them alike. Standard library only: capture imports it in
@@ -26,10 +26,10 @@ class _Absent:
 
 
 # The ``source`` of a bucket line: which kind of hook point recorded it. One spelling for capture
-# (capture/sources.py: each manifest source writes one of these), diff and report.
-SOURCE_FSDP2 = "fsdp2"  # eager FSDP2's collectives (capture/fsdp2.py)
-SOURCE_GRAPH = "graph"  # a compiled graph (capture/graph.py, capture/graph_makefx.py)
-SOURCE_DTENSOR = "dtensor"  # DTensor redistributions outside graphs (capture/eager_collectives.py)
+# (capture/sources/registry.py: each manifest source writes one of these), diff and report.
+SOURCE_FSDP2 = "fsdp2"  # eager FSDP2's collectives (capture/sources/fsdp2.py)
+SOURCE_GRAPH = "graph"  # a compiled graph (capture/sources/graph.py, capture/sources/graph_makefx.py)
+SOURCE_DTENSOR = "dtensor"  # DTensor redistributions outside graphs (capture/sources/eager_collectives.py)
 
 ABSENT: Any = _Absent()
 # optional record keys, written after the required ones when present (docs/artifacts.md)

@@ -1,4 +1,4 @@
-"""Eager DTensor collectives (parity/capture/eager_collectives.py) on a real 1-rank gloo job."""
+"""Eager DTensor collectives (parity/capture/sources/eager_collectives.py) on a real 1-rank gloo job."""
 
 import json
 import os

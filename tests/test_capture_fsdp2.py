@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from parity.artifacts import read_run
-from parity.capture import fsdp2
-from parity.capture.manifest_source import SourceHooks
+from parity.capture.sources import fsdp2
+from parity.capture.sources.manifest_source import SourceHooks
 
 
 def _recorder(warnings, emitted=None):

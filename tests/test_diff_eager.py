@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from parity.capture.eager_collectives import kind_of
+from parity.capture.sources.eager_collectives import kind_of
 from parity.diff.buckets import eager_collectives, explain_eager, select_layout
 
 

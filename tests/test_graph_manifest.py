@@ -1,4 +1,4 @@
-"""Compiled-graph bucket manifests (parity.capture.graph) on the built-in workload.
+"""Compiled-graph bucket manifests (parity.capture.sources.graph) on the built-in workload.
 
 The torchrun jobs run the compiled workload with ``graph.install`` and are
 shared with tests/test_workload.py. The expected bucket order is read from a
@@ -148,7 +148,7 @@ def test_install_is_idempotent_and_reversible():
     import torch._functorch.aot_autograd as aot_autograd
     import torch._functorch.config as functorch_config
 
-    from parity.capture import graph
+    from parity.capture.sources import graph
 
     before = (
         dynamo_common.aot_module_simplified,
@@ -177,7 +177,7 @@ def test_callback_failure_does_not_break_training(capsys):
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
-    from parity.capture import graph
+    from parity.capture.sources import graph
 
     seen = []
 
@@ -204,7 +204,7 @@ def test_callback_failure_does_not_break_training(capsys):
 
 
 def test_source_names_to_fqns():
-    from parity.capture.graph import normalize_fqn, source_to_fqn
+    from parity.capture.sources.graph import normalize_fqn, source_to_fqn
 
     assert source_to_fqn("L['self']._modules['layers']._modules['0']._parameters['weight']") == "layers.0.weight"
     assert source_to_fqn("L['self']._modules['_orig_mod']._modules['norm']._parameters['weight']") == "norm.weight"
@@ -223,7 +223,7 @@ def test_a_compile_cache_that_cannot_be_disabled_is_said(monkeypatch):
     capture warning (the session's warn: meta.json), never silent."""
     import torch._inductor.config  # noqa: F401 (the real one, before it is replaced below)
 
-    from parity.capture import graph
+    from parity.capture.sources import graph
 
     class ReadOnly:
         fx_graph_cache = True

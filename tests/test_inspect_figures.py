@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from parity.bisect import analyse_rank, format_report
-from parity.capture import graph_passes, graph_walk
+from parity.capture.sources import graph_passes, graph_walk
 from parity.diff.buckets import select_layout
 from parity.policy import order_phrase
 

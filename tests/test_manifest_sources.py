@@ -1,12 +1,12 @@
-"""The manifest source protocol (parity/capture/manifest_source.py) and its list (sources.py), as
+"""The manifest source protocol (parity/capture/sources/manifest_source.py) and its list (sources.py), as
 pure logic: what the session does with a source it finds there. The real sources are tested end
 to end in test_capture_exec.py, test_graph_manifest.py and test_capture_eager_collectives.py."""
 
 from __future__ import annotations
 
 from parity import records
-from parity.capture import sources
-from parity.capture.manifest_source import ON_COMPILE, ManifestSource
+from parity.capture.sources import registry as sources
+from parity.capture.sources.manifest_source import ON_COMPILE, ManifestSource
 from parity.capture.session import Session
 
 

@@ -8,7 +8,7 @@ As a script, under torchrun:
 it records, from outside the trainer, a digest of every parameter's local
 shard after each optimizer step (a global optimizer step post hook) and, with
 ``--manifests``, the compiled-graph bucket manifests through
-``parity.capture.graph.install``. ``DIR/rank{r}.json`` is rewritten after every
+``parity.capture.sources.graph.install``. ``DIR/rank{r}.json`` is rewritten after every
 step, so results survive a rank that dies at teardown.
 
 As a module, ``run_job(args)`` launches such a job once per pytest session
@@ -133,7 +133,7 @@ def main() -> int:
     register_optimizer_step_post_hook(on_step)
 
     if manifests:
-        from parity.capture import graph
+        from parity.capture.sources import graph
 
         def on_graph(record) -> None:  # a GraphRecord
             result["graphs"].append(record.to_dict())

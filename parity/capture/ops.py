@@ -45,7 +45,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from parity.capture.graph_walk import JointPhase
+from parity.capture.sources.graph_walk import JointPhase
 from parity.capture.hashing import host_digest
 from parity.comm_ops import COMM_NAMESPACES
 from parity.capture.env import one_line as _one_line
@@ -334,7 +334,7 @@ class OpRecorder:
                 self.backends.append(backend)
             if not self._runtime_hooked:  # hooked here, not at start: eager jobs never import dynamo
                 self._runtime_hooked = True
-                from parity.capture import graph
+                from parity.capture.sources import graph
 
                 reason = graph.set_runtime_hook(self._wrap_compiled)
                 if reason:
@@ -346,7 +346,7 @@ class OpRecorder:
             return out
 
         torch.compile = compile
-        from parity.capture import graph_makefx
+        from parity.capture.sources import graph_makefx
 
         graph_makefx.set_runtime_hook(self._makefx_interpreter)
         self._handles.append(register_optimizer_step_pre_hook(self._opt_pre))

@@ -136,7 +136,7 @@ def install(current) -> None:
                     getattr(target, "__self__", None), torch.nn.Module):
                 s._forget_forward_hook()
             if s.manifests:
-                from parity.capture.manifest_source import ON_COMPILE
+                from parity.capture.sources.manifest_source import ON_COMPILE
 
                 s._install_sources(ON_COMPILE)
         return orig_compile(*args, **kwargs)

@@ -40,7 +40,7 @@ from parity.capture import nccl_emulation, patches, post_import, table
 from parity.capture.env import one_line as _one_line
 from parity.capture.env import say as _say
 from parity.capture.hashing import HASHERS
-from parity.capture.manifest_source import ON_COMPILE, GraphRecord, ManifestSource, SourceHooks
+from parity.capture.sources.manifest_source import ON_COMPILE, GraphRecord, ManifestSource, SourceHooks
 from parity.capture.names import normalize_fqn
 from parity.capture.steps import StepClock
 from parity.capture.table import ParamTable
@@ -158,7 +158,7 @@ class Session(RankRecord, StepClock, ParamTable):
             self._fwd_handle = torch.nn.modules.module.register_module_forward_pre_hook(
                 self._forward_pre_hook)
             if self.manifests:
-                from parity.capture import sources
+                from parity.capture.sources import registry as sources
 
                 for cls in sources.SOURCES:  # ON_COMPILE ones: patches.py, at torch.compile
                     if cls.trigger != ON_COMPILE:
@@ -276,7 +276,7 @@ class Session(RankRecord, StepClock, ParamTable):
         installs])."""
         if name in self._sources or self.failed or self.stopped:
             return
-        from parity.capture import sources
+        from parity.capture.sources import registry as sources
 
         cls = sources.BY_NAME[name]
         source = cls(self._source_hooks(cls.source))
@@ -295,7 +295,7 @@ class Session(RankRecord, StepClock, ParamTable):
 
     def _install_sources(self, trigger: str) -> None:
         """Every source ``trigger`` installs (patches.py: ON_COMPILE at torch.compile)."""
-        from parity.capture import sources
+        from parity.capture.sources import registry as sources
 
         for cls in sources.SOURCES:
             if cls.trigger == trigger:
@@ -304,7 +304,7 @@ class Session(RankRecord, StepClock, ParamTable):
     def _install_imported_sources(self) -> None:
         """Ask again the sources whose trigger module is imported by now: one only half-imported
         when its post-import callback ran (FSDP2's) installs at the first forward (table.py)."""
-        from parity.capture import sources
+        from parity.capture.sources import registry as sources
 
         for cls in sources.SOURCES:
             if cls.trigger != ON_COMPILE and cls.trigger in sys.modules:

@@ -144,7 +144,7 @@ def summarize(buckets: list[dict]) -> dict:
         around = next((b["around_bucketing"] for b in after
                        if isinstance(b.get("around_bucketing"), dict)), None)
         # counts right before the first bucketing pass and right after the last one
-        # (GraphTrainer aot_fx_trace: capture/graph_passes.py); None where not recorded
+        # (GraphTrainer aot_fx_trace: capture/sources/graph_passes.py); None where not recorded
         row["around_bucketing"] = around
         if source == SOURCE_GRAPH and collective == "reduce_scatter" and after:
             between = _compute_between(after)

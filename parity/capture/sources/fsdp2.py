@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from parity.capture import post_import
-from parity.capture.manifest_source import ManifestSource, SourceHooks
+from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
 from parity.capture.names import normalize_fqn
 from parity.records import SOURCE_FSDP2, BucketEntry, BucketRecord, common_module, dtype_name
 

@@ -6,7 +6,7 @@ aot_autograd receives its forward/backward compilers, so that after the
 user's compiler has run (bucketing passes mutate the ``GraphModule`` in place,
 both in hand-written ``aot_autograd(...)`` backends and in inductor's
 post-grad passes) we read the final graph and call ``on_graph(record)`` with a
-:class:`~parity.capture.manifest_source.GraphRecord` (graph ``"forward"`` or
+:class:`~parity.capture.sources.manifest_source.GraphRecord` (graph ``"forward"`` or
 ``"backward"``).
 
 ``graph_id`` numbers aot compilations in order (:func:`next_graph_id`, shared
@@ -45,10 +45,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from parity.capture import graph_passes
-from parity.capture.graph_fqns import dynamo_input_fqns, graph_io_fqns, source_to_fqn
-from parity.capture.graph_walk import extract_buckets, rs_payload_map
-from parity.capture.manifest_source import ON_COMPILE, GraphRecord, ManifestSource
+from parity.capture.sources import graph_passes
+from parity.capture.sources.graph_fqns import dynamo_input_fqns, graph_io_fqns, source_to_fqn
+from parity.capture.sources.graph_walk import extract_buckets, rs_payload_map
+from parity.capture.sources.manifest_source import ON_COMPILE, GraphRecord, ManifestSource
 from parity.capture.names import normalize_fqn  # re-exported (__all__)
 from parity.records import SOURCE_GRAPH
 

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from parity.capture.manifest_source import ManifestSource, SourceHooks
+from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
 from parity.capture.names import normalize_fqn
 from parity.capture.patches import _tracing
 from parity.capture.table import _module_roots

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from parity.capture import graph_walk
+from parity.capture.sources import graph_walk
 
 
 def pass_name(fn: Any) -> str:

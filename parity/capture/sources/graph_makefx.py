@@ -28,8 +28,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from parity.capture import graph, graph_passes, graph_walk
-from parity.capture.manifest_source import GraphRecord, ManifestSource
+from parity.capture.sources import graph, graph_passes, graph_walk
+from parity.capture.sources.manifest_source import GraphRecord, ManifestSource
 from parity.capture.names import normalize_fqn
 from parity.records import SOURCE_GRAPH, BucketRecord
 

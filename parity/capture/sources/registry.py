@@ -1,17 +1,17 @@
 """The manifest sources, in one list: the session installs what is here and nothing else.
 
-A new source is one module with one :class:`~parity.capture.manifest_source.ManifestSource`
+A new source is one module with one :class:`~parity.capture.sources.manifest_source.ManifestSource`
 class, and one line below (docs/architecture.md, "Adding a manifest source"). The order is the
 order their triggers are registered at session start and the order they are uninstalled.
 """
 
 from __future__ import annotations
 
-from parity.capture.eager_collectives import EagerCollectives
-from parity.capture.fsdp2 import FSDP2Recorder
-from parity.capture.graph import CompiledGraphs
-from parity.capture.graph_makefx import MakeFxGraphs
-from parity.capture.manifest_source import ManifestSource
+from parity.capture.sources.eager_collectives import EagerCollectives
+from parity.capture.sources.fsdp2 import FSDP2Recorder
+from parity.capture.sources.graph import CompiledGraphs
+from parity.capture.sources.graph_makefx import MakeFxGraphs
+from parity.capture.sources.manifest_source import ManifestSource
 
 __all__ = ["SOURCES", "BY_NAME"]
 

@@ -5,7 +5,7 @@ A manifest source is one place where parity sees collectives being issued and wr
 bucket layouts (buckets.jsonl, docs/artifacts.md): FSDP2's collective functions (fsdp2.py),
 aot_autograd's compilers (graph.py), GraphTrainer's make_fx tracer (graph_makefx.py), DTensor's
 redistribution (eager_collectives.py). Each is one class implementing :class:`ManifestSource`,
-listed once in capture/sources.py; session.py keeps one table of them and knows none by name
+listed once in capture/sources/registry.py; session.py keeps one table of them and knows none by name
 (docs/architecture.md, "Adding a manifest source").
 
 [Note: when a source installs]
@@ -94,7 +94,7 @@ class ManifestSource(ABC):
     """One hook point that records bucket layouts; constructed by the session with its hooks.
 
     Attributes:
-        name: its key in capture/sources.py (unique).
+        name: its key in capture/sources/registry.py (unique).
         source: the ``source`` its bucket lines carry and meta.json's ``capture.manifests`` lists
             (``parity.records.SOURCE_*``); two hook points may write the same one.
         trigger: when it installs: a module name (once imported) or :data:`ON_COMPILE`.
