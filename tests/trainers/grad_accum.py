@@ -30,7 +30,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from tiny_lm import MLPBlock, TinyLM, gloo_mesh
+
+def _sibling(name):
+    """A module next to this file, whether it runs as a script or as ``-m trainers.grad_accum``."""
+    return importlib.import_module(f"{__package__}.{name}" if __package__ else name)
+
+
+_tiny_lm = _sibling("tiny_lm")
+MLPBlock, TinyLM, gloo_mesh = _tiny_lm.MLPBlock, _tiny_lm.TinyLM, _tiny_lm.gloo_mesh
 
 VOCAB = 13
 DIM = 8
@@ -39,11 +46,6 @@ DIM = 8
 class Model(TinyLM):
     def __init__(self):
         super().__init__(VOCAB, DIM, lambda: [MLPBlock(DIM) for _ in range(2)])
-
-
-def _sibling(name):
-    """A module next to this file, whether it runs as a script or as ``-m trainers.grad_accum``."""
-    return importlib.import_module(f"{__package__}.{name}" if __package__ else name)
 
 
 # A hand-written SGD step (no torch.optim): what --step-on names, here (grad_accum:sgd_update)
