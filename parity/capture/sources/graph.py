@@ -15,7 +15,7 @@ same joint graph share it. :class:`CompiledGraphs` is this hook as a manifest
 source (installed at the trainer's first ``torch.compile`` call).
 
 This module is the hook (and its module-global state); graph_walk.py is the
-pure FX walk that turns a graph into :class:`~parity.records.BucketRecord`\ s,
+pure FX walk that turns a graph into :class:`~parity.records.BucketRecord` lines,
 graph_fqns.py names the graph's inputs and outputs. Nothing assumes who built
 the graph (parity's own workload, torchtitan's SimpleFSDP / compiler toolkit,
 inductor's own bucketing): buckets are recovered structurally from the
