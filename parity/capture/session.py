@@ -6,8 +6,8 @@ or by the API (``parity.capture.start``); both take the same path from there. Th
 assembled from one module per concern: patches.py (process-wide torch patches), table.py (the
 parameter table and names), steps.py (the step clock), writing.py (meta.json and step writes);
 this module keeps start/stop/fail, the warnings, and one table of manifest sources (the classes
-listed in sources.py: FSDP2, compiled graphs, make_fx graphs, DTensor collectives; the protocol
-in manifest_source.py) whose bucket records it routes to the writer.
+listed in sources/registry.py: FSDP2, compiled graphs, make_fx graphs, DTensor collectives; the protocol
+in sources/manifest_source.py) whose bucket records it routes to the writer.
 
 What happens when (docs/capture.md has the full story):
 
@@ -94,7 +94,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self._handles: list = []
         self._fwd_handle = None
         self._root_ref = None
-        # manifest sources tried so far, by name (sources.py); None: tried, not installed
+        # manifest sources tried so far, by name (sources/registry.py); None: tried, not installed
         self._sources: dict[str, ManifestSource | None] = {}
         self._triggers: list[tuple[str, object]] = []  # (module, our post-import callback)
         self._manifest_sources: list[str] = []  # the ``source`` of those recording (meta.json)
@@ -271,8 +271,8 @@ class Session(RankRecord, StepClock, ParamTable):
 
     # ------------------------------------------------------------------------- manifests
     def _install_source(self, name: str, _module=None) -> None:
-        """Install the manifest source ``name`` (sources.py): its trigger fired. At most once per
-        session; a reason it cannot is one warning (manifest_source.py, [Note: when a source
+        """Install the manifest source ``name`` (sources/registry.py): its trigger fired. At most once per
+        session; a reason it cannot is one warning (sources/manifest_source.py, [Note: when a source
         installs])."""
         if name in self._sources or self.failed or self.stopped:
             return

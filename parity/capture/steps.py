@@ -180,7 +180,7 @@ class StepClock:
                     self.done = self.k
                     self.open = True
                     self.backwards = 0
-                    for source in self._sources.values():  # manifest sources (sources.py)
+                    for source in self._sources.values():  # manifest sources (sources/registry.py)
                         if source is not None:
                             source.new_step()
                     if self.k == 1:
