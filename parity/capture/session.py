@@ -5,9 +5,10 @@ One :class:`Session` per process (the hooks are global). It is started either by
 or by the API (``parity.capture.start``); both take the same path from there. The session is
 assembled from one module per concern: patches.py (process-wide torch patches), table.py (the
 parameter table and names), steps.py (the step clock), writing.py (meta.json and step writes);
-this module keeps start/stop/fail, the warnings, and one table of manifest sources (the classes
-listed in sources/registry.py: FSDP2, compiled graphs, make_fx graphs, DTensor collectives; the protocol
-in sources/manifest_source.py) whose bucket records it routes to the writer.
+this module keeps start/stop/fail, the warnings, and one table of manifest sources (the
+classes listed in sources/registry.py: FSDP2, compiled graphs, make_fx graphs, DTensor
+collectives; the protocol in sources/manifest_source.py) whose bucket records it routes to the
+writer.
 
 What happens when (docs/capture.md has the full story):
 
@@ -271,9 +272,9 @@ class Session(RankRecord, StepClock, ParamTable):
 
     # ------------------------------------------------------------------------- manifests
     def _install_source(self, name: str, _module=None) -> None:
-        """Install the manifest source ``name`` (sources/registry.py): its trigger fired. At most once per
-        session; a reason it cannot is one warning (sources/manifest_source.py, [Note: when a source
-        installs])."""
+        """Install the manifest source ``name`` (sources/registry.py): its trigger fired. At most
+        once per session; a reason it cannot is one warning (sources/manifest_source.py, [Note:
+        when a source installs])."""
         if name in self._sources or self.failed or self.stopped:
             return
         from parity.capture.sources import registry as sources
