@@ -96,6 +96,50 @@ def rollup_digest(raw_hashes: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(raw_hashes)
 
 
+def _json_line(record: dict) -> bytes:
+    return (json.dumps(record, separators=(",", ":")) + "\n").encode()
+
+
+# --------------------------------------------------------------------------- closed-file records
+# meta.json's ``closed_files``: each file's size and times as its writer closed it (and the
+# xxh3-128 of buckets.jsonl). A reader that finds a file as recorded trusts what the writer
+# knew of it (the digest of buckets.jsonl, the header digest of params.json) instead of reading
+# its bytes again; a file changed, copied or touched since is read and checked as ever. This is
+# rsync's quick check, made stricter by the change time, which no tool can set back.
+CLOSED_FILES = (PARAMS_FILE, BUCKETS_FILE)
+
+
+def _stat_record(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def closed_files(rank_folder: str | os.PathLike, digests: dict[str, str]) -> dict[str, dict]:
+    """``{name: {"stat": [size, mtime_ns, ctime_ns], "xxh3": hex?}}`` of the files in
+    CLOSED_FILES that exist in ``rank_folder`` (``digests``: the xxh3-128 of some of them)."""
+    out: dict[str, dict] = {}
+    for name in CLOSED_FILES:
+        try:
+            st = os.stat(os.path.join(rank_folder, name))
+        except OSError:
+            continue
+        out[name] = {"stat": _stat_record(st)}
+        if name in digests:
+            out[name]["xxh3"] = digests[name]
+    return out
+
+
+def _as_closed(path: str, rec) -> dict | None:
+    """``rec`` (meta.json's record of ``path``) when the file is still as its writer closed
+    it, else None."""
+    if not isinstance(rec, dict):
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return rec if rec.get("stat") == _stat_record(st) else None
+
+
 class _AppendFile:
     """An append-only file: each record is one ``write`` of complete bytes (a JSON line, or a
     hashes.bin record), so a killed writer leaves at most one partial record, at the end."""
@@ -119,7 +163,7 @@ class _AppendFile:
 
     def append(self, record: dict) -> int:
         """Append one JSON line; return the byte offset at which it starts."""
-        return self.append_bytes((json.dumps(record, separators=(",", ":")) + "\n").encode())
+        return self.append_bytes(_json_line(record))
 
     def close(self) -> None:
         self._f.close()
@@ -143,6 +187,9 @@ class RankWriter:
         self._hashes = _AppendFile(self.dir / HASHES_FILE)
         self._steps = _AppendFile(self.dir / STEPS_FILE)
         self._buckets = _AppendFile(self.dir / BUCKETS_FILE)
+        # the digest of buckets.jsonl, kept as it is written (close records it in meta.json):
+        # only for a file this writer wrote from its first byte
+        self._buckets_digest = xxhash.xxh3_128() if self._buckets.offset == 0 else None
 
     def update_meta(self, **updates) -> None:
         self.meta.update(updates)
@@ -172,12 +219,17 @@ class RankWriter:
         )
 
     def write_bucket(self, bucket: dict) -> None:
-        self._buckets.append({"v": SCHEMA_VERSION, **bucket})
+        line = _json_line({"v": SCHEMA_VERSION, **bucket})
+        self._buckets.append_bytes(line)
+        if self._buckets_digest is not None:
+            self._buckets_digest.update(line)
 
     def close(self, status: str = "ok", error: str | None = None) -> None:
         for f in (self._hashes, self._steps, self._buckets):
             f.close()
-        self.update_meta(status=status, error=error, ended=time.time())
+        digest = self._buckets_digest
+        closed = closed_files(self.dir, {BUCKETS_FILE: digest.hexdigest()} if digest else {})
+        self.update_meta(status=status, error=error, ended=time.time(), closed_files=closed)
 
 
 # --------------------------------------------------------------------------------------- reader
@@ -196,20 +248,96 @@ def _parse_line(line: str):
     return json.loads(line)  # leading/trailing blanks, or not JSON: json says which
 
 
-def _read_bytes(path: str | Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def _tail_sharing_parser(tail_key: str):
+    """A JSON-line parser for lines whose last key ``tail_key`` holds a long value that repeats
+    from line to line (a bucket's entries, recorded again every step): each distinct value is
+    parsed once and shared by the records that carry it (read-only, like the bucket lists
+    ``_read_lines`` shares between ranks). A line ``{head...,"K":V}`` whose head (closed with
+    ``}``) is an object and whose V is JSON is that object with K = V, so the two parses read
+    what one would; any other line is parsed whole."""
+    marker = f',"{tail_key}":'
+    memo: dict[str, object] = {}
+
+    def parse(line: str):
+        i = line.find(marker)
+        if i > 0 and line.endswith("}"):
+            tail = line[i + len(marker):-1]
+            val = memo.get(tail)
+            if val is None:
+                try:
+                    val = memo[tail] = _parse_line(tail)
+                except ValueError:
+                    val = None
+            if val is not None:
+                try:
+                    head = _parse_line(line[:i] + "}")
+                except ValueError:
+                    head = None
+                if type(head) is dict:
+                    head[tail_key] = val
+                    return head
+        return _parse_line(line)
+
+    return parse
+
+
+def _parse_all(lines: list[str]) -> list | None:
+    """The values of every complete line (all but the last item of ``lines``) in one JSON
+    parse, or None when any line is not exactly one JSON value (then each line is parsed on
+    its own, and the bad ones are said)."""
+    try:
+        values = _parse_line("[" + ",".join(lines[:-1]) + "]")
+    except ValueError:
+        return None
+    return values if len(values) == len(lines) - 1 else None
+
+
+def _read_bytes(path: str | Path, limit: int | None = None) -> bytes:
+    """The file's bytes (the first ``limit`` of them). os-level calls: ``open()``'s buffered
+    file object costs twice the read of a small file, and a diff reads thousands."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if limit is not None:
+            return os.read(fd, limit)
+        size = os.fstat(fd).st_size
+        data = os.read(fd, size + 1)  # one more byte: a file that grew is read to its end
+        if len(data) == size:
+            return data
+        parts = [data]  # a file that grew or shrank, or a short read (over 2 GiB)
+        while data:
+            data = os.read(fd, 1 << 24)
+            parts.append(data)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def _share_key(digest: bytes, size: int) -> bytes:
+    return digest + size.to_bytes(8, "little")
 
 
 def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...],
-                shared: dict[bytes, list[dict]] | None = None, check=None) -> list[dict]:
+                shared: dict[bytes, list[dict]] | None = None, check=None,
+                closed: dict | None = None, tail: str | None = None) -> list[dict]:
     """Every valid record of a JSON-lines file; what is not valid goes to ``problems``.
 
     With ``shared``, a file whose bytes equal an earlier clean file's returns that file's list
     (the same object: ranks usually write identical bucket manifests). Files are matched by
     length and xxh3-128, the digest every other equality in the schema rests on (Python's own
-    bytes hash is ~5x slower).
+    bytes hash is ~5x slower). ``closed``: meta.json's record of the file, when the file is as
+    its writer closed it (``_as_closed``): its recorded digest finds an earlier equal file
+    without reading this one. ``tail``: the last key of each line, whose values repeat
+    (``_tail_sharing_parser``).
     """
+    known = None
+    if shared is not None and closed is not None and isinstance(closed.get("xxh3"), str):
+        try:
+            known = _share_key(bytes.fromhex(closed["xxh3"]), closed["stat"][0])
+        except (ValueError, TypeError):
+            known = None
+        hit = shared.get(known) if known is not None and len(known) == 24 else None
+        if hit is not None:
+            return hit
     try:
         data = _read_bytes(path)
     except FileNotFoundError:
@@ -220,23 +348,28 @@ def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...]
         return []
     key = None
     if shared is not None:
-        key = xxhash.xxh3_128_digest(data) + len(data).to_bytes(8, "little")
+        key = _share_key(xxhash.xxh3_128_digest(data), len(data))
+        if known is not None and key != known:  # size and times as recorded, bytes not
+            problems.append(f"{path}: its bytes are not those recorded when it was closed; "
+                            "read as found")
         hit = shared.get(key)
         if hit is not None:
             return hit
     n_problems = len(problems)
     records = []
     try:
-        lines, parse = data.decode().split("\n"), _parse_line
+        lines = data.decode().split("\n")
+        parse = _parse_line if tail is None else _tail_sharing_parser(tail)
     except UnicodeDecodeError:
         lines, parse = data.split(b"\n"), json.loads
     if lines and lines[-1]:
-        tail = len(data) - data.rfind(b"\n") - 1
-        problems.append(f"{path}: last line truncated ({tail} bytes), ignored")
+        cut = len(data) - data.rfind(b"\n") - 1
+        problems.append(f"{path}: last line truncated ({cut} bytes), ignored")
+    whole = _parse_all(lines) if parse is _parse_line else None
     need = frozenset(required)
     for lineno, line in enumerate(lines[:-1], 1):
         try:
-            rec = parse(line)
+            rec = parse(line) if whole is None else whole[lineno - 1]
         except (ValueError, UnicodeDecodeError):
             if line.strip():
                 problems.append(f"{path}:{lineno}: not JSON, skipped")
@@ -280,9 +413,19 @@ class Table:
     data: bytes | None = field(default=None, repr=False)  # the checked bytes, until decoded
 
 
-def _read_table(path: str | Path, problems: list[str]) -> Table | None:
+def _read_table(path: str | Path, problems: list[str], closed: dict | None = None) -> Table | None:
     """A rank's params.json: schema 2 is checked by its digest and not parsed; schema 1 is
-    parsed (its digest: of its bytes)."""
+    parsed (its digest: of its bytes). ``closed`` (the file is as its writer closed it,
+    ``_as_closed``): only a schema-2 header is read; the rows' bytes are read, and checked
+    against the header's digest, if they are ever needed (``RankData.params``)."""
+    if closed is not None:
+        try:
+            head = _read_bytes(path, params_codec.HEADER_BYTES)
+            if params_codec.is_v2(head):
+                digest, n, keys = params_codec.read_header(head, verify=False)
+                return Table(digest, keys, n, 2)
+        except (OSError, ValueError):
+            pass  # read and checked whole below, which says what is wrong
     try:
         data = _read_bytes(path)
     except FileNotFoundError:
@@ -359,8 +502,21 @@ class RankData:
 
     def _decode_table(self, t: Table) -> list[dict]:
         """The rows of the bytes whose digest was checked when the rank was read (a live run
-        may have rewritten the file since)."""
-        data, t.data = t.data or b"", None
+        may have rewritten the file since), or, for a table read by its header only, of the
+        file as it is now when its digest is still the header's."""
+        data, t.data = t.data, None
+        if data is None:
+            path = self.path / PARAMS_FILE
+            try:
+                data = _read_bytes(path)
+                digest = params_codec.read_header(data)[0]
+            except (OSError, ValueError) as e:
+                why = e.strerror if isinstance(e, OSError) else e
+                self.problems.append(f"{path}: {why}; not compared")
+                return []
+            if digest != t.digest:
+                self.problems.append(f"{path}: rewritten since it was read; not compared")
+                return []
         try:
             rows = params_codec.decode(data)
             if len(rows) != t.n:
@@ -546,14 +702,18 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
     problems: list[str] = []
     base = os.path.join(path, "")  # plain strings: pathlib's joins cost more than the reads
     meta = _read_json(base + META_FILE, problems) or {}
-    table = _read_table(base + PARAMS_FILE, problems)
+    closed = meta.get("closed_files")
+    closed = closed if isinstance(closed, dict) else {}
+    table = _read_table(base + PARAMS_FILE, problems,
+                        _as_closed(base + PARAMS_FILE, closed.get(PARAMS_FILE)))
     steps: dict[int, dict] = {}
     for rec in _read_lines(base + STEPS_FILE, problems, ("step", "param_digest")):
         if isinstance(rec["step"], int):
             steps[rec["step"]] = rec
     buckets = _read_lines(base + BUCKETS_FILE, problems,
                           ("source", "collective", "index", "entries"), _shared,
-                          check=lambda b: isinstance(b["entries"], list))
+                          check=lambda b: isinstance(b["entries"], list), tail="entries",
+                          closed=_as_closed(base + BUCKETS_FILE, closed.get(BUCKETS_FILE)))
     if problems and problems[-1] == f"{base}{BUCKETS_FILE}: missing":
         problems.pop()  # a run without bucket manifests (--no-manifests, or none issued)
     said = meta.get("rank")

@@ -31,6 +31,7 @@ PREFIX = b'{"v":2,"digest":"'
 _DIGEST_END = len(PREFIX) + 32
 _BODY = _DIGEST_END + 2  # after '",'
 _COLUMNS = b',"columns":'
+HEADER_BYTES = 256  # v, digest, n and keys: ~130 bytes
 
 
 def _dumps(obj) -> str:
@@ -78,12 +79,15 @@ def is_v2(data: bytes) -> bool:
     return data.startswith(PREFIX)
 
 
-def read_header(data: bytes) -> tuple[str, int, str]:
+def read_header(data: bytes, verify: bool = True) -> tuple[str, int, str]:
     """(digest, n, keys) of a schema-2 table after checking its digest; ValueError saying what
-    is wrong otherwise. The columns are not parsed."""
+    is wrong otherwise. The columns are not parsed. ``verify=False``: ``data`` may be the
+    file's first bytes only (HEADER_BYTES hold the header), and the digest is not checked (the
+    caller knows the file is as its writer closed it)."""
     body = data[_BODY:]
     digest = data[len(PREFIX):_DIGEST_END]
-    if data[_DIGEST_END:_BODY] != b'",' or xxhash.xxh3_128_hexdigest(body).encode() != digest:
+    if data[_DIGEST_END:_BODY] != b'",' or (
+            verify and xxhash.xxh3_128_hexdigest(body).encode() != digest):
         raise ValueError("its digest does not match its bytes (truncated or corrupted)")
     k = body.find(_COLUMNS)
     try:

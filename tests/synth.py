@@ -34,8 +34,8 @@ Model of a run
   written, per rank.
 
 Speed: a 256-rank x 25-step x 1,500-parameter run (params and grads, ~830 MB) takes 8-15 s on the
-2-core dev machine (one RankWriter per rank kept open, step-major; identical bucket manifests
-encoded once; the writer's fsyncs skipped unless ``fsync=True``).
+2-core dev machine (one RankWriter per rank at a time; every record written through the writer, so that meta.json
+records each closed file as capture does; the writer's fsyncs skipped unless ``fsync=True``).
 """
 
 from __future__ import annotations
@@ -288,22 +288,14 @@ def make_run(
     else:
         writer = RankWriter
     with (contextlib.nullcontext() if fsync else _no_fsync()):
-        shared_buckets: bytes | None = None
         for r in live:  # rank-major: one writer (three files) open at a time
             w = writer(out, r, {**meta, "local_rank": r, "pid": 1000 + r})
             table = param_table(names, world_size, r)
             w.write_params([table[i] for i in order])
-            if bucket_hook is not None or shared_buckets is None:
-                for bk in buckets:
-                    rec = bucket_hook(copy.deepcopy(bk), r) if bucket_hook else bk
-                    if rec is not None:
-                        w.write_bucket(rec)
-                if bucket_hook is None:
-                    # every rank writes the same lines: encode them once, copy the bytes
-                    shared_buckets = (w.dir / "buckets.jsonl").read_bytes()
-                bucket_bytes = None
-            else:
-                bucket_bytes = shared_buckets
+            for bk in buckets:
+                rec = bucket_hook(copy.deepcopy(bk), r) if bucket_hook else bk
+                if rec is not None:
+                    w.write_bucket(rec)
             last = stop.get(r)
             for s in recorded:
                 if last is not None and s > last:
@@ -336,9 +328,6 @@ def make_run(
                     lh = np.float64(lv).tobytes().hex().ljust(2 * HASH_BYTES, "0")
                 w.write_step(s, ph, gh, loss=lv, loss_hash=lh)
             w.close(status=status)
-            if bucket_bytes is not None:
-                with open(w.dir / "buckets.jsonl", "ab") as f:
-                    f.write(bucket_bytes)
             if r in torn_tail:
                 with open(w.dir / "steps.jsonl", "ab") as f:
                     f.write(b'{"v": 1, "step": 99, "param_dig')

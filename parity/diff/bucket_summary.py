@@ -29,7 +29,6 @@ picks the lowest rank present. Ranks record the same layouts, so one rank speaks
 
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict
 from typing import Any
 
@@ -49,7 +48,9 @@ def _bytes(buckets: list[dict]) -> dict | None:
     sizes = [int(b.get("total_bytes") or 0) for b in buckets]
     if not sizes:
         return None
-    return {"min": min(sizes), "median": statistics.median(sizes), "max": max(sizes)}
+    s, n = sorted(sizes), len(sizes)  # statistics.median's rule (its import costs 10 ms)
+    median = s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+    return {"min": s[0], "median": median, "max": s[-1]}
 
 
 def _fqns(b: dict) -> list[str]:

@@ -24,7 +24,7 @@ from itertools import zip_longest
 
 from parity import consequences
 from parity.artifacts import Run
-from parity.records import SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord, as_str
+from parity.records import SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord, as_int, as_str
 from parity.text import ranges
 
 COLLECTIVES = ("all_gather", "reduce_scatter")
@@ -116,6 +116,14 @@ def _bucket(rec: dict, coll: str, memo: dict | None = None) -> Bucket:
     return Bucket(coll, -1, group, dtype, total, list(entries), step, gid, index, node)
 
 
+def _same_raw(x: dict, y: dict) -> bool:
+    """Two bucket lines with the same fields a Bucket's signature is made of (equal lines give
+    equal Buckets; compared as parsed JSON before either is read into a Bucket)."""
+    ex, ey = x.get("entries"), y.get("entries")  # usually one list (the reader shares them)
+    return ((ex is ey or ex == ey) and x.get("dtype") == y.get("dtype")
+            and x.get("total_bytes") == y.get("total_bytes"))
+
+
 def _describe_change(old: Bucket, new: Bucket) -> str:
     if old.fqns != new.fqns:
         if set(old.fqns) != set(new.fqns):
@@ -131,11 +139,36 @@ def _describe_change(old: Bucket, new: Bucket) -> str:
 def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None,
                   _memo: dict | None = None) -> Layout:
     """The layouts of one rank's bucket records (see the module docstring). ``_memo``: see
-    ``_bucket``."""
+    ``_bucket``; it also keeps each layout selected, so that the very same list of records
+    (the reader shares byte-identical manifests, between sides too) is selected once and
+    copied after."""
     sources = {r.get("source") for r in records}
     source = next((s for s in prefer if s in sources), None)
     if source is None:
         source = next((s for s in sorted(x for x in sources if isinstance(x, str))), None)
+    if _memo is None:
+        return _select(records, source, rank, None)
+    key = ("layout", id(records), source)
+    got = _memo.get(key)
+    if got is None or got[0] is not records:
+        got = _memo[key] = (records, _select(records, source, rank, _memo))
+    return _copy_layout(got[1], rank)
+
+
+def _copy_layout(layout: Layout, rank: int | None) -> Layout:
+    """A copy of ``layout`` as rank ``rank``'s: its lists and Buckets are its own (callers may
+    renumber or annotate them), the frozen Entries shared."""
+    return Layout(layout.source, rank,
+                  {c: [Bucket(b.collective, b.index, b.group, b.dtype, b.total_bytes,
+                              list(b.entries), b.step, b.graph_id, b.record_index, b.node)
+                       for b in bs]
+                   for c, bs in layout.buckets.items()},
+                  list(layout.changes), dict(layout.repeats))
+
+
+def _select(records: list[dict], source: str | None, rank: int | None,
+            _memo: dict | None) -> Layout:
+    """select_layout's work, from the chosen ``source``."""
     layout = Layout(source, rank, {c: [] for c in COLLECTIVES})
     if source is None:
         return layout
@@ -153,11 +186,14 @@ def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None
         seen_params: set[str] = set()
         for gid, grecs in by_graph.items():
             first: dict = {}
+            first_raw: dict = {}
             for r in grecs:
+                key = as_int(r.get("index"))
+                if key in first_raw and _same_raw(first_raw[key], r):
+                    continue  # the same bucket recorded again (every step): same signature
                 b = _bucket(r, coll, _memo)
-                key = b.record_index
                 if key not in first:
-                    first[key] = b
+                    first[key], first_raw[key] = b, r
                 elif first[key].signature() != b.signature() and not any(
                         x.signature() == b.signature() for x in first.values()):
                     # matched by content: a bucket already seen at another index is an index
@@ -263,6 +299,8 @@ def _names(fqns: list[str], n: int = 3) -> str:
 def _classify_pair(coll: str, a: Bucket, b: Bucket) -> BucketPair:
     pair = BucketPair(coll, "identical", [a.index], [b.index], [a.group], [b.group],
                       partner=(a.index, b.index))
+    if a.entries == b.entries and a.dtype == b.dtype and a.total_bytes == b.total_bytes:
+        return pair  # what every branch below concludes for equal entries (the usual case)
     fa, fb = a.fqns, b.fqns
     if len(fa) != len(fb) or set(fa) != set(fb):
         sa, sb = set(fa), set(fb)

@@ -23,7 +23,7 @@ from parity.diff.env import numerics_env_differences
 from parity.diff.reduction import assess
 from parity.diff.one_sided import one_sided, refused_processes, same_run
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, HashComparison, ParamIndex,
-                                compare_hashes, param_keys)
+                                compare_hashes, param_keys, step_fields)
 from parity.diff.result import (CaptureWarning, ComparedRun, DiffResult, Divergence,
                                 FirstDivergence, LossComparison, LossStep, Problem)
 from parity.errors import EXIT_INCOMPLETE, ParityError
@@ -71,32 +71,45 @@ def _loss_sum(vals: list[float | None], world: int | None) -> float | None:
 
 def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
                   steps: list[int], world: int | None = None) -> LossComparison:
-    rows, captured, first = [], False, None
-    for s in steps:
-        n_cmp = n_diff = 0
-        for x, y in zip(ra, rb):
-            bx, by = _loss_bits(x.steps.get(s)), _loss_bits(y.steps.get(s))
+    n = len(steps)
+    n_cmp, n_diff = [0] * n, [0] * n
+    cols_a, cols_b = [], []  # per rank: its loss value at each step, per side
+    for x, y in zip(ra, rb):
+        recs_a = list(map(x.steps.get, steps))
+        va = list(map(_loss_value, recs_a))
+        cols_a.append(va)
+        if step_fields(x.steps, y.steps, steps, "loss_hash", "loss") is not None:
+            # the same hashes and values on both sides (the usual rank): equal where recorded
+            for j, rec in enumerate(recs_a):
+                n_cmp[j] += _loss_bits(rec) is not None
+            cols_b.append(va)
+            continue
+        recs_b = list(map(y.steps.get, steps))
+        cols_b.append(list(map(_loss_value, recs_b)))
+        for j, (p, q) in enumerate(zip(recs_a, recs_b)):
+            bx, by = _loss_bits(p), _loss_bits(q)
             if bx is None or by is None or bx[0] != by[0]:
                 if bx is not None and by is not None:  # hash on one side, float on the other
-                    fx, fy = _loss_value(x.steps.get(s)), _loss_value(y.steps.get(s))
+                    fx, fy = _loss_value(p), _loss_value(q)
                     if fx is not None and fy is not None:
-                        n_cmp += 1
-                        n_diff += struct.pack("<d", fx) != struct.pack("<d", fy)
+                        n_cmp[j] += 1
+                        n_diff[j] += struct.pack("<d", fx) != struct.pack("<d", fy)
                 continue
-            n_cmp += 1
-            n_diff += bx != by
-        ref_a = ra[0].steps.get(s) if ra else None
-        ref_b = rb[0].steps.get(s) if rb else None
-        la, lb = _loss_value(ref_a), _loss_value(ref_b)
-        if n_cmp == 0 and la is None and lb is None:
+            n_cmp[j] += 1
+            n_diff[j] += bx != by
+    rows, captured, first = [], False, None
+    for j, s in enumerate(steps):
+        la = cols_a[0][j] if cols_a else None
+        lb = cols_b[0][j] if cols_b else None
+        if n_cmp[j] == 0 and la is None and lb is None:
             continue
-        captured = captured or n_cmp > 0
-        equal = None if n_cmp == 0 else n_diff == 0
+        captured = captured or n_cmp[j] > 0
+        equal = None if n_cmp[j] == 0 else n_diff[j] == 0
         if equal is False and first is None:
             first = s
-        va = [_loss_value(x.steps.get(s)) for x in ra]  # each value read once (256 ranks)
-        vb = [_loss_value(x.steps.get(s)) for x in rb]
-        rows.append(LossStep(s, la, lb, equal, int(n_diff), _loss_sum(va, world),
+        va = [col[j] for col in cols_a]
+        vb = [col[j] for col in cols_b]
+        rows.append(LossStep(s, la, lb, equal, int(n_diff[j]), _loss_sum(va, world),
                              _loss_sum(vb, world), va, vb))
     return LossComparison(captured, ranks[0] if ranks else None, first, rows)
 
