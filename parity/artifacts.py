@@ -214,9 +214,8 @@ class RankWriter:
             g_off, g_digest = self._hash_record(step, "grad", grad_hashes)
         self._steps.append(
             {"v": SCHEMA_VERSION, "step": step, "param_digest": p_digest, "grad_digest": g_digest,
-             "loss": loss, "loss_hash": loss_hash, "param_offset": p_off, "grad_offset": g_off,
-             "time": time.time()}
-        )
+             "loss": loss, "loss_hash": loss_hash, "param_offset": p_off, "grad_offset": g_off}
+        )  # no wall time: two runs that train alike write the same bytes (the reader shares them)
 
     def write_bucket(self, bucket: dict) -> None:
         line = _json_line({"v": SCHEMA_VERSION, **bucket})
@@ -312,8 +311,9 @@ def _read_bytes(path: str | Path, limit: int | None = None) -> bytes:
         os.close(fd)
 
 
-def _share_key(digest: bytes, size: int) -> bytes:
-    return digest + size.to_bytes(8, "little")
+def _share_key(path: str | Path, digest: bytes, size: int) -> bytes:
+    """Files of one name (kind) with these bytes: equal keys, equal records."""
+    return os.path.basename(path).encode() + b"/" + digest + size.to_bytes(8, "little")
 
 
 def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...],
@@ -332,10 +332,11 @@ def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...]
     known = None
     if shared is not None and closed is not None and isinstance(closed.get("xxh3"), str):
         try:
-            known = _share_key(bytes.fromhex(closed["xxh3"]), closed["stat"][0])
+            digest = bytes.fromhex(closed["xxh3"])
+            known = _share_key(path, digest, closed["stat"][0]) if len(digest) == 16 else None
         except (ValueError, TypeError):
             known = None
-        hit = shared.get(known) if known is not None and len(known) == 24 else None
+        hit = shared.get(known) if known is not None else None
         if hit is not None:
             return hit
     try:
@@ -348,7 +349,7 @@ def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...]
         return []
     key = None
     if shared is not None:
-        key = _share_key(xxhash.xxh3_128_digest(data), len(data))
+        key = _share_key(path, xxhash.xxh3_128_digest(data), len(data))
         if known is not None and key != known:  # size and times as recorded, bytes not
             problems.append(f"{path}: its bytes are not those recorded when it was closed; "
                             "read as found")
@@ -465,9 +466,10 @@ class RankData:
     lazily, only when asked (``params``, ``hashes``): a diff whose roll-ups and table digests
     agree reads neither.
 
-    ``buckets`` may be the very list of another rank of the same run when both ranks'
-    buckets.jsonl are byte-identical (the usual case): treat it as read-only, and ``params``
-    likewise.
+    ``buckets`` may be the very list of another rank (of this run or, in a diff, of the other
+    side) when both ranks' buckets.jsonl are byte-identical (the usual case), and the records
+    in ``steps`` those of the other side's rank when both steps.jsonl are (two runs that train
+    alike): treat them as read-only, and ``params`` likewise.
     """
 
     rank: int
@@ -707,7 +709,7 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
     table = _read_table(base + PARAMS_FILE, problems,
                         _as_closed(base + PARAMS_FILE, closed.get(PARAMS_FILE)))
     steps: dict[int, dict] = {}
-    for rec in _read_lines(base + STEPS_FILE, problems, ("step", "param_digest")):
+    for rec in _read_lines(base + STEPS_FILE, problems, ("step", "param_digest"), _shared):
         if isinstance(rec["step"], int):
             steps[rec["step"]] = rec
     buckets = _read_lines(base + BUCKETS_FILE, problems,
@@ -727,8 +729,9 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
 
 def read_run(path: str | os.PathLike, _shared: dict | None = None) -> Run:
     """Read a run directory. Raises ArtifactError only when it is not a parity run at all.
-    ``_shared``: pass one dict to the reads of two runs to share their identical bucket
-    records too (the diff)."""
+    ``_shared``: pass one dict to the reads of two runs to share the records of their
+    byte-identical files too (the diff: bucket records, and the step records of ranks that
+    trained alike)."""
     path = Path(path)
     if not path.exists():
         raise ArtifactError(f"{path}: no such directory")

@@ -463,10 +463,10 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
 def topology_of(at: str | None, nccl_log: str | None) -> tuple[Topology | None, list[str]]:
     """``--at`` / ``--nccl-log`` -> the topology to predict at (None: neither) and notes on what
     of the log could not be used. Bad input raises a one-line ParityError (exit 2)."""
-    from parity.nccl_log import parse_nccl_log
-
     topo = parse_topology(at) if at else None
     if nccl_log:
+        from parity.nccl_log import parse_nccl_log
+
         return parse_nccl_log(nccl_log, topo)
     return topo, []
 
