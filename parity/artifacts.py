@@ -280,17 +280,6 @@ def _tail_sharing_parser(tail_key: str):
     return parse
 
 
-def _parse_all(lines: list[str]) -> list | None:
-    """The values of every complete line (all but the last item of ``lines``) in one JSON
-    parse, or None when any line is not exactly one JSON value (then each line is parsed on
-    its own, and the bad ones are said)."""
-    try:
-        values = _parse_line("[" + ",".join(lines[:-1]) + "]")
-    except ValueError:
-        return None
-    return values if len(values) == len(lines) - 1 else None
-
-
 def _read_bytes(path: str | Path, limit: int | None = None) -> bytes:
     """The file's bytes (the first ``limit`` of them). os-level calls: ``open()``'s buffered
     file object costs twice the read of a small file, and a diff reads thousands."""
@@ -366,11 +355,10 @@ def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...]
     if lines and lines[-1]:
         cut = len(data) - data.rfind(b"\n") - 1
         problems.append(f"{path}: last line truncated ({cut} bytes), ignored")
-    whole = _parse_all(lines) if parse is _parse_line else None
     need = frozenset(required)
     for lineno, line in enumerate(lines[:-1], 1):
         try:
-            rec = parse(line) if whole is None else whole[lineno - 1]
+            rec = parse(line)
         except (ValueError, UnicodeDecodeError):
             if line.strip():
                 problems.append(f"{path}:{lineno}: not JSON, skipped")
