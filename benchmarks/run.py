@@ -4,7 +4,8 @@
                              [--only hash,capture,diff,sweep,control,early_stop,cuda,reduction,emulation]
 
 Figures (targets from the performance issue; a figure that misses its target is marked MISS,
-the run still exits 0 so CI tracks numbers rather than machine noise):
+the run still exits 0 so CI tracks numbers rather than machine noise; in a --quick run, whose
+sizes the targets were not set for, a figure short of its target is said as such, not MISS):
 
   hash_gbps, read_gbps, sha256_gbps   parity's hasher vs a plain memory read (numpy sum of the
                                       same bytes) vs torchtitan-style SHA-256 over tobytes()
@@ -500,7 +501,10 @@ def _bench_emulation(quick: bool, tmp: Path) -> dict:
     return bench_emulation(quick, tmp)
 
 
-def _fmt(name: str, value) -> str:
+def _fmt(name: str, value, quick: bool = False) -> str:
+    """One figure's line. The targets are set for the full sizes: a quick run (smaller model,
+    fewer steps and repetitions) that falls short says so without calling it a MISS, which
+    only a full run can establish."""
     if isinstance(value, float):
         text = f"{value:.3f}"
     else:
@@ -509,7 +513,8 @@ def _fmt(name: str, value) -> str:
     if name in TARGETS and isinstance(value, (int, float)):
         op, target = TARGETS[name]
         ok = {">=": value >= target, "<=": value <= target, "<": value < target}[op]
-        mark = f"   target {op} {target}: {'ok' if ok else 'MISS'}"
+        short = "below it at quick sizes (judged in full mode)" if quick else "MISS"
+        mark = f"   target {op} {target}: {'ok' if ok else short}"
     return f"{name:28s} {text}{mark}"
 
 
@@ -548,7 +553,7 @@ def main(argv=None) -> int:
                 continue
             figures.update(res)
             for k, v in res.items():
-                print(_fmt(k, v), flush=True)
+                print(_fmt(k, v, args.quick), flush=True)
             print(f"{'(' + name + ' took':28s} {time.perf_counter() - t0:.1f} s)", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
