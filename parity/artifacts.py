@@ -105,7 +105,8 @@ def _json_line(record: dict) -> bytes:
 # xxh3-128 of buckets.jsonl). A reader that finds a file as recorded trusts what the writer
 # knew of it (the digest of buckets.jsonl, the header digest of params.json) instead of reading
 # its bytes again; a file changed, copied or touched since is read and checked as ever. This is
-# rsync's quick check, made stricter by the change time, which no tool can set back.
+# rsync's quick check, made stricter by the change time, which no tool can set back (kernels
+# before Linux 6.13 stamp times from a 1-10 ms tick: docs/artifacts.md says what that leaves).
 CLOSED_FILES = (PARAMS_FILE, BUCKETS_FILE)
 
 

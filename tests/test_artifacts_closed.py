@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,12 @@ from parity.diff import diff_runs  # noqa: E402
 from tests.synth import make_run  # noqa: E402
 
 COMMON = {"world_size": 4, "steps": 3, "n_params": 12}
+
+
+def _next_tick() -> None:
+    """Let the file-time clock move on: Linux stamps files from a coarse clock (one tick, 1-10
+    ms), and a file touched within the tick its writer closed it in keeps the recorded times."""
+    time.sleep(0.1)
 
 
 def _meta(run: Path, rank: int) -> dict:
@@ -79,6 +86,7 @@ def test_a_manifest_edited_after_close_is_read_even_with_its_size_and_mtime_kept
     p = b / "rank-00001" / "buckets.jsonl"
     st = os.stat(p)
     data = p.read_bytes()
+    _next_tick()
     x, y = b"layers.0.attention.wq.weight", b"layers.0.attention.wk.weight"
     assert x in data and y in data and len(x) == len(y)
     swapped = data.replace(x, b"\0").replace(y, x).replace(b"\0", y)
@@ -123,7 +131,9 @@ def test_a_run_copied_elsewhere_reads_as_a_run_without_the_record(tmp_path, monk
     import shutil
 
     a = make_run(tmp_path / "a", **COMMON)
-    b = shutil.copytree(make_run(tmp_path / "b", **COMMON), tmp_path / "b-copy")
+    original = make_run(tmp_path / "b", **COMMON)
+    _next_tick()
+    b = shutil.copytree(original, tmp_path / "b-copy")
     reads = _spy_reads(monkeypatch)
     r = diff_runs(a, b)
     assert r.verdict == "match" and not r.problems
