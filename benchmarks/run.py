@@ -513,7 +513,7 @@ def _fmt(name: str, value, quick: bool = False) -> str:
     if name in TARGETS and isinstance(value, (int, float)):
         op, target = TARGETS[name]
         ok = {">=": value >= target, "<=": value <= target, "<": value < target}[op]
-        short = "below it at quick sizes (judged in full mode)" if quick else "MISS"
+        short = "not met at quick sizes (judged in full mode)" if quick else "MISS"
         mark = f"   target {op} {target}: {'ok' if ok else short}"
     return f"{name:28s} {text}{mark}"
 
