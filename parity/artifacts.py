@@ -96,10 +96,6 @@ def rollup_digest(raw_hashes: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(raw_hashes)
 
 
-def _json_line(record: dict) -> bytes:
-    return (json.dumps(record, separators=(",", ":")) + "\n").encode()
-
-
 # --------------------------------------------------------------------------- closed-file records
 # meta.json's ``closed_files``: each file's size and times as its writer closed it (and the
 # xxh3-128 of buckets.jsonl). A reader that finds a file as recorded trusts what the writer
@@ -114,18 +110,22 @@ def _stat_record(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def closed_files(rank_folder: str | os.PathLike, digests: dict[str, str]) -> dict[str, dict]:
-    """``{name: {"stat": [size, mtime_ns, ctime_ns], "xxh3": hex?}}`` of the files in
-    CLOSED_FILES that exist in ``rank_folder`` (``digests``: the xxh3-128 of some of them)."""
+def closed_files(rank_folder: str | os.PathLike) -> dict[str, dict]:
+    """``{name: {"stat": [size, mtime_ns, ctime_ns]}}`` of the files in CLOSED_FILES that exist
+    in ``rank_folder``, with ``"xxh3"`` for buckets.jsonl: read back once here, at close, not
+    hashed line by line inside the training steps that write it."""
     out: dict[str, dict] = {}
     for name in CLOSED_FILES:
+        path = os.path.join(rank_folder, name)
         try:
-            st = os.stat(os.path.join(rank_folder, name))
+            st = os.stat(path)
+            out[name] = {"stat": _stat_record(st)}
+            if name == BUCKETS_FILE:
+                data = _read_bytes(path)
+                if len(data) == st.st_size:  # nothing appended in between
+                    out[name]["xxh3"] = xxhash.xxh3_128_hexdigest(data)
         except OSError:
             continue
-        out[name] = {"stat": _stat_record(st)}
-        if name in digests:
-            out[name]["xxh3"] = digests[name]
     return out
 
 
@@ -164,7 +164,7 @@ class _AppendFile:
 
     def append(self, record: dict) -> int:
         """Append one JSON line; return the byte offset at which it starts."""
-        return self.append_bytes(_json_line(record))
+        return self.append_bytes((json.dumps(record, separators=(",", ":")) + "\n").encode())
 
     def close(self) -> None:
         self._f.close()
@@ -188,9 +188,6 @@ class RankWriter:
         self._hashes = _AppendFile(self.dir / HASHES_FILE)
         self._steps = _AppendFile(self.dir / STEPS_FILE)
         self._buckets = _AppendFile(self.dir / BUCKETS_FILE)
-        # the digest of buckets.jsonl, kept as it is written (close records it in meta.json):
-        # only for a file this writer wrote from its first byte
-        self._buckets_digest = xxhash.xxh3_128() if self._buckets.offset == 0 else None
 
     def update_meta(self, **updates) -> None:
         self.meta.update(updates)
@@ -219,17 +216,13 @@ class RankWriter:
         )  # no wall time: two runs that train alike write the same bytes (the reader shares them)
 
     def write_bucket(self, bucket: dict) -> None:
-        line = _json_line({"v": SCHEMA_VERSION, **bucket})
-        self._buckets.append_bytes(line)
-        if self._buckets_digest is not None:
-            self._buckets_digest.update(line)
+        self._buckets.append({"v": SCHEMA_VERSION, **bucket})
 
     def close(self, status: str = "ok", error: str | None = None) -> None:
         for f in (self._hashes, self._steps, self._buckets):
             f.close()
-        digest = self._buckets_digest
-        closed = closed_files(self.dir, {BUCKETS_FILE: digest.hexdigest()} if digest else {})
-        self.update_meta(status=status, error=error, ended=time.time(), closed_files=closed)
+        self.update_meta(status=status, error=error, ended=time.time(),
+                         closed_files=closed_files(self.dir))
 
 
 # --------------------------------------------------------------------------------------- reader
