@@ -22,7 +22,6 @@ import weakref
 import torch
 
 from parity.capture import loss
-from parity.capture.hashing import digest_tensors
 from parity.capture.patches import _tracing
 
 
@@ -55,7 +54,8 @@ class StepClock:
                         self._begin_step()
                     self.step_opts.add(id(opt))
                 if not self._table_final:
-                    self._forget_forward_hook()  # still there only if every forward was traced
+                    if self.manifests:  # a source whose module was half-imported (FSDP2)
+                        self._install_imported_sources()
                     self._add_params(opt)
                 else:
                     self._check_params(opt)
@@ -110,7 +110,7 @@ class StepClock:
         rows = list(rows)
         if not rows:
             return
-        d = digest_tensors([self.table[i].grad for i in rows], self.hasher)
+        d = self._digest_rows([self.table[i].grad for i in rows], rows)
         n = len(d) // len(rows)
         for k, i in enumerate(rows):
             self._grad_rows[i] = d[k * n:(k + 1) * n]

@@ -22,7 +22,7 @@ from parity.artifacts import RankWriter
 from parity.capture import env as cenv
 from parity.capture import fingerprint, gpu_facts, nccl_emulation
 from parity.capture.env import env_int as _env_int
-from parity.capture.hashing import device_backend, digest_tensors, host_digest, local_tensor
+from parity.capture.hashing import device_backend, host_digest, local_tensor
 from parity.rundir import RANK_FILES, rank_dir
 from parity.capture.claims import ClaimRefused, claim_rank
 from parity.capture.table import _Buffer
@@ -60,6 +60,10 @@ class RankRecord:
                 "source": self.source, "warnings": list(self.warnings), "disabled": self.failed,
                 "recorded_steps": self.recorded_steps, "steps": self.done,
                 "optimizers": len(self._optimizers),
+                # module trees not hashed (fake / meta / subclass tensors), tensors of the
+                # model that could not be (named on the verdict line): trees.py, table.py
+                "skipped": list(self._skipped),
+                "unhashed": [{"fqn": f, "reason": r} for f, r in self._unhashed.items()],
                 "seconds": round(self.capture_seconds
                                  + sum(s.seconds for s in self._sources.values() if s is not None),
                                  6)}
@@ -187,7 +191,7 @@ class RankRecord:
         self._write(1, self._grad_line() if self.grads else None)
 
     def _write(self, step: int, grads: bytes | None) -> None:
-        params = digest_tensors(self._tensors(), self.hasher)
+        params = self._digest_rows(self._tensors())
         loss, loss_hash = self._loss(self._step_loss)
         self._ensure_writer().write_step(self._step_base + step, params, grads, loss, loss_hash)
         if step > self.written:
