@@ -21,7 +21,7 @@ from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_b
 from parity.diff.emulation import check_same_emulation
 from parity.diff.env import numerics_env_differences
 from parity.diff.reduction import assess
-from parity.diff.one_sided import one_sided, refused_processes, same_run
+from parity.diff.one_sided import one_sided, refused_processes, same_run, unhashed
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, HashComparison, ParamIndex,
                                 compare_hashes, param_keys, step_fields)
 from parity.diff.result import (CaptureWarning, ComparedRun, DiffResult, Divergence,
@@ -248,6 +248,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     # what one side recorded and the other did not is not compared: parity is not proven
     incomplete += one_sided(ra, rb, ranks, steps, _loss_bits)
     incomplete += refused_processes(run_a, run_b)
+    incomplete += unhashed(run_a, run_b)
     same = same_run(run_a, run_b)
     if same:
         incomplete.insert(0, same)
