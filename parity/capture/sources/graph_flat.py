@@ -26,7 +26,7 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-__all__ = ["flatten", "FlatGraph", "flat_nodes", "hop_name", "INLINED"]
+__all__ = ["flatten", "FlatGraph", "flat_nodes", "hop_name", "INLINED", "NESTED"]
 
 # Higher-order ops whose subgraph runs exactly once per call, in place of the call.
 INLINED = frozenset({"control_deps", "invoke_subgraph", "wrap", "tag_activation_checkpoint",

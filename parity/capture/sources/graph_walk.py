@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from parity.capture.names import PROPERTY_MODULE, node_module
-from parity.capture.sources.graph_flat import flatten
+from parity.capture.sources.graph_flat import NESTED, flatten
 from parity.comm_ops import COMM_NAMESPACES
 from parity.records import (ABSENT, SOURCE_GRAPH, BucketEntry, BucketRecord, common_module,
                             common_prefix, dtype_name)
@@ -447,12 +447,15 @@ def _bucket(node: Any, kind: str, coalesced: bool, index: int, graph_kind: str, 
     bucket_dtype, total = _bucket_total(node, kind, coalesced, pieces, entries, offset,
                                         world_size, label, warnings)
     _check_from_node(node, entries, label, warnings)
+    extra = {}
+    if node.meta.get(NESTED):  # inside a control-flow subgraph (cond, while_loop, ...)
+        extra["nested"] = node.meta[NESTED]
     return BucketRecord(
         SOURCE_GRAPH, kind, index, entries, graph=graph_kind, graph_id=graph_id, node=node.name,
         group=common_module([e.fqn for e in entries]),
         dtype=dtype_name(bucket_dtype) if bucket_dtype is not None else "",
         world_size=world_size, total_bytes=total, position=places.position[node],
-        compute_before=places.compute_before[node], module=_bucket_module(
+        compute_before=places.compute_before[node], extra=extra, module=_bucket_module(
             None if kind == "reduce_scatter" and any(e.fqn for e in entries) else own, entries))
 
 
