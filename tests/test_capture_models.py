@@ -101,14 +101,17 @@ def test_frozen_backbone_buffers_are_compared(tmp_path, tree):
 
 
 def test_fake_copy_of_the_model_is_skipped(tmp_path):
-    """A FakeTensorMode copy and a meta copy of the model stay alive while it trains: capture
-    hashes the model that trains, names the two copies as skipped, and records every step."""
+    """A FakeTensorMode copy, a meta copy, and a copy sharing the model's parameters beside a
+    fake buffer (AutoParallel's traced copy after apply_placement) stay alive while the model
+    trains: capture hashes the model that trains, names the three copies as skipped, and records
+    every step."""
     for name in ("a", "b"):
         _exec(tmp_path / name, "held_state.py", {"HS_CASE": "fake_copy"})
     meta = _meta(tmp_path / "a")["capture"]
     assert meta["disabled"] is None and meta["recorded_steps"] == 3
     reasons = sorted(s["reason"] for s in meta["skipped"])
-    assert reasons == ["fake tensors (4)", "meta tensors (4)"], meta["skipped"]
+    assert reasons == ["fake tensors (1), real tensors (4)", "fake tensors (4)",
+                       "meta tensors (4)"], meta["skipped"]
     assert meta["unhashed"] == []
     assert _fqns(tmp_path / "a") == ["l1.weight", "l1.bias", "l2.weight", "l2.bias"]
     code, line = _diff(tmp_path / "a", tmp_path / "b")

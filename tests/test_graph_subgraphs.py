@@ -214,3 +214,16 @@ def test_span_at_bucketing_is_autoparallels(group):
     assert all(b.extra["spans_at_bucketing"]["spans"] == expected for b in ags)
     assert not any("spans_at_bucketing" in b.extra for b in buckets
                    if b.collective == "reduce_scatter")
+
+
+def test_reduce_scatter_attribution_follows_the_parameters(group):
+    """AutoParallel's backward nodes all carry the first module's ``fwd_nn_module_stack`` (seen
+    on its llama3: every reduce-scatter "issued under tok_embeddings"): a reduce-scatter of a
+    parameter's gradient is attributed to the module owning that parameter all the same."""
+    gm = _step_graph(group)
+    for node in gm.graph.nodes:
+        node.meta["fwd_nn_module_stack"] = {"tok": ("L['self'].tok_embeddings", object)}
+    buckets = graph_walk.extract_buckets(gm, INPUT_FQNS, OUTPUT_FQNS, "joint")
+    rs = [b for b in buckets if b.collective == "reduce_scatter" and b.entries[0].fqn]
+    assert rs and all(b.module == b.entries[0].fqn.rsplit(".", 1)[0] for b in rs)
+    assert all(e.module == e.fqn.rsplit(".", 1)[0] for b in rs for e in b.entries)

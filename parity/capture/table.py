@@ -209,6 +209,18 @@ class ParamTable:
             for root in trees.alive(fresh):  # garbage that gc had not collected yet is not one
                 self._add_root(root)
 
+    def _name_stranded(self) -> None:
+        """Real tensors of a skipped tree (one that holds fake tensors) that no hashed tree
+        holds: named (``capture.unhashed``), never silently left out."""
+        held = set(self._table_ids) | {id(r.tensor()) for r in self.table if type(r) is _Buffer}
+        for root in list(self._skipped_trees):
+            params, buffers = trees.tree_tensors(root)
+            for fqn, t in [(f, p) for f, p in params] + [(f, b) for f, _, _, b in buffers]:
+                if id(t) not in held and trees.unhashable(t) is None:
+                    self._note_unhashed(f"{trees.describe(root)}.{fqn}",
+                                        f"in module tree {trees.describe(root)}, which holds "
+                                        "fake tensors")
+
     def _known_modules(self) -> set[int]:
         return {id(m) for root in self._name_roots for m in root.modules()}
 
@@ -339,12 +351,15 @@ class ParamTable:
         the known trees registered a tensor; rescans the known trees only when something was
         registered (or a tree joined). Returns how many rows joined."""
         step = self.k
+        scanned = False
         if (since is None or _REGISTRATION["stranger"] or _rescan_step(step)
                 or not _REGISTRATION["hooked"]) and self._trees_scanned != step:
-            self._trees_scanned = step
+            self._trees_scanned = scanned = step
             _REGISTRATION["stranger"] = False
             self._find_trees()
         if not (self._trees_dirty or _REGISTRATION["dirty"] or not _REGISTRATION["hooked"]):
+            if scanned:
+                self._name_stranded()
             return 0
         self._trees_dirty = False
         _REGISTRATION["dirty"] = False
@@ -385,6 +400,7 @@ class ParamTable:
                 self.entries.append(entry)
                 tensors.append(t)
         _REGISTRATION["known"] = self._known_modules()
+        self._name_stranded()
         if not tensors:
             return 0
         if since is None:

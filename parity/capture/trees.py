@@ -104,19 +104,26 @@ def tree_tensors(root) -> tuple[list[tuple[str, object]], list[tuple[str, object
 
 
 def skip_reason(root) -> str | None:
-    """Why a tree is not a model of this process: its tensors are all fake / meta / subclasses
-    (``"fake tensors (23)"``); None when it holds a hashable tensor, or nothing at all."""
+    """Why a tree is not a model of this process (``"fake tensors (23)"``): it holds a fake
+    tensor (a tracer's copy; AutoParallel's, after ``apply_placement``, shares the parallel
+    module's real parameters and keeps a fake ``freqs_cis``), or only meta / subclass tensors.
+    None when it holds real tensors and no fake one, or nothing at all. A meta or subclass
+    tensor beside real ones is named by the table instead (``capture.unhashed``)."""
     params, buffers = tree_tensors(root)
     kinds: dict[str, int] = {}
     for t in [p for _, p in params] + [b for *_, b in buffers]:
-        why = unhashable(t)
-        if why is None:
-            return None
+        why = unhashable(t) or "real"
         kinds[why] = kinds.get(why, 0) + 1
-    if not kinds:
+    if not kinds or (kinds.get("real") and not kinds.get("fake tensor")):
         return None
-    return ", ".join(f"{k}s ({n})" if not k.startswith("tensor subclass") else f"{k} ({n})"
-                     for k, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    return ", ".join(_kind(k, n) for k, n in
+                     sorted(kinds.items(), key=lambda kv: (kv[0] == "real", -kv[1])))
+
+
+def _kind(kind: str, n: int) -> str:
+    if kind == "real":
+        return f"real tensors ({n})"
+    return f"{kind} ({n})" if kind.startswith("tensor subclass") else f"{kind}s ({n})"
 
 
 def alive(candidates: list) -> list:

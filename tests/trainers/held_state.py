@@ -12,7 +12,9 @@ Cases (environment):
              backbone is its own module tree (HS_TREE=own, default) or the model's child
              (HS_TREE=inside)
   fake_copy  the model trains while a FakeTensorMode copy of it (the way AutoParallel keeps the
-             model it traced) and a meta-device copy stay alive
+             model it traced), a meta-device copy, and a copy that holds the model's own
+             parameters beside a fake buffer (AutoParallel's copy after apply_placement) stay
+             alive
   odd_tensor the model holds a buffer that is a tensor subclass (not a DTensor): capture names
              it instead of hashing it
 HS_STEPS (default 3).
@@ -102,6 +104,11 @@ def main():
         keep.append(fake_copy(model))
         with torch.device("meta"):
             keep.append(Net())
+        shared = fake_copy(model)
+        for name in ("l1", "l2"):
+            setattr(shared, name, getattr(model, name))
+        shared.register_buffer("freqs", keep[0].l1.weight.new_zeros(4))  # a fake buffer
+        keep.append(shared)
         params = model.parameters()
     elif CASE == "odd_tensor":
         model = Net()
