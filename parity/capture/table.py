@@ -145,8 +145,9 @@ class ParamTable:
 
     def _names(self, params: list) -> dict[int, tuple[str, object]]:
         """Raw FQNs of ``params`` and the root module that names each, from the module tree
-        that holds them: the trees already known first, else every live root (a gc scan), each
-        parameter taking its name from the root holding the most of them."""
+        that holds them: the trees already known first, else every live root (a gc scan) but
+        the skipped ones, each parameter taking its name from the root holding the most of
+        them."""
         want = {id(p) for p in params}
 
         def scan(root) -> dict[int, tuple[str, object]]:
@@ -163,7 +164,10 @@ class ParamTable:
         if len(names) == len(want):
             return names
         known = self._name_roots
-        candidates = [r for r in self._gc_roots() if not any(r is k for k in known)]
+        # a tracer's copy that shares the model's parameters (AutoParallel's, holding a fake
+        # buffer) names nothing: it is skipped as a tree (_find_trees)
+        candidates = [r for r in self._gc_roots() if not any(r is k for k in known)
+                      and r not in self._skipped_trees and trees.skip_reason(r) is None]
         scans = [scan(r) for r in candidates]
         # the tree holding most of them names them (a compiler's GraphModule holding the same
         # parameters last); stable: the older root wins ties

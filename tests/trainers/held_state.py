@@ -100,12 +100,12 @@ def main():
         run_bb = (lambda x: x) if tree == "inside" else bb
         params = model.head.parameters()
     elif CASE == "fake_copy":
+        shared = fake_copy(Net())  # older than the model, as AutoParallel's traced copy is
         model = Net()
         keep.append(fake_copy(model))
         with torch.device("meta"):
             keep.append(Net())
-        shared = fake_copy(model)
-        for name in ("l1", "l2"):
+        for name in ("l1", "l2"):  # it ends up holding the model's own parameters
             setattr(shared, name, getattr(model, name))
         shared.register_buffer("freqs", keep[0].l1.weight.new_zeros(4))  # a fake buffer
         keep.append(shared)
