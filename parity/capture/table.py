@@ -413,9 +413,12 @@ class ParamTable:
         else:
             self._ensure_writer().write_params(self.entries)
             shown = ", ".join(e["fqn"] for e in self.entries[start:start + 3])
-            self.warn(f"{len(tensors)} tensor(s) of the module trees joined the table at step "
-                      f"{since} and are hashed from then on ({shown}"
-                      f"{', ...' if len(tensors) > 3 else ''})")
+            n_buf = sum(1 for e in self.entries[start:] if e.get("kind") == "buffer")
+            what = (f"{n_buf} buffer(s)" if n_buf == len(tensors) else
+                    f"{len(tensors) - n_buf} parameter(s) no optimizer holds and {n_buf} "
+                    "buffer(s)")
+            self.warn(f"{what} joined the table at step {since} and are hashed from then on "
+                      f"({shown}{', ...' if len(tensors) > 3 else ''})")
         return len(tensors)
 
     def _check_params(self, opt) -> None:
@@ -456,12 +459,12 @@ class ParamTable:
                      dtype=fresh["dtype"], placement=fresh["placement"],
                      mesh_coord=fresh["mesh_coord"], replaced=step)
             self._grad_rows.pop(row, None)
-        joined = False  # tree rows (``optimizer: false``) that an optimizer now steps
+        joined = []  # tree rows (``optimizer: false``), hashed all along, that an optimizer steps
         for p in (p for g in opt.param_groups for p in g["params"]):
             row = self._table_ids.get(id(p), -1)
             if row >= 0 and self.entries[row].get("optimizer") is False:
                 del self.entries[row]["optimizer"]
-                joined = True
+                joined.append(self.entries[row]["fqn"])
         new = [p for g in opt.param_groups for p in g["params"] if id(p) not in self._table_ids]
         new = [p for p in new if trees.unhashable(p) is None]  # others: named by _sync_trees
         if new:
@@ -481,6 +484,10 @@ class ParamTable:
             self.warn(f"{len(new)} parameter(s) joined the optimizers at step "
                       f"{step} and are hashed from then on ({shown}"
                       f"{', ...' if len(new) > 3 else ''})")
+        if joined:
+            self.warn(f"{len(joined)} parameter(s) of the module trees, hashed from the first "
+                      f"step on, joined the optimizers at step {step} ({', '.join(joined[:3])}"
+                      f"{', ...' if len(joined) > 3 else ''})")
 
     def _all_sigs(self, opt):
         """The other optimizers' signatures (a parameter still stepped by one keeps its row)."""
