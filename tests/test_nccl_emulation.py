@@ -2,7 +2,7 @@
 launcher-side checks, and one real 4-rank gloo job whose every kind of reduction (eager
 reduce-scatter and all-reduce with SUM/AVG in fp32/bf16, a compiled graph's functional
 reduce-scatter, DTensor redistributions) must equal, bitwise, a pure-torch sum in the order the
-model (parity/nccl_model.py) gives, computed here without any collective."""
+model (parity/nccl) gives, computed here without any collective."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 
 from parity.capture.emulation_launch import check_emulation, torchrun_world
 from parity.errors import ParityError
-from parity.nccl_model import (all_reduce_segments, parse_topology, reduce_scatter_segments,
+from parity.nccl import (all_reduce_segments, parse_topology, reduce_scatter_segments,
                                sum_order)
 
 REPO = Path(__file__).resolve().parent.parent

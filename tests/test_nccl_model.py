@@ -4,7 +4,7 @@ from the NCCL sources it cites."""
 import pytest
 
 from parity.errors import ParityError
-from parity.nccl_model import (
+from parity.nccl import (
     Topology, all_reduce_segments, canonical_order, channel_count, channel_split,
     orders_differ, parse_topology, reduce_scatter_segments, rings, same_sum, sum_order,
 )

@@ -1,13 +1,13 @@
 """Reduction-order prediction (parity/diff/reduction.py) and consequence classes
 (parity/consequences.py) on hand-built layouts: pure logic, checked against cases derived by
-hand from the NCCL Ring model (parity/nccl_model.py)."""
+hand from the NCCL Ring model (parity/nccl)."""
 
 import pytest
 
 from parity import consequences as cq
 from parity.diff.buckets import Bucket, Entry, Layout
 from parity.diff.reduction import derive_layout, predict
-from parity.nccl_model import parse_topology, reduce_scatter_segments, same_sum, sum_order
+from parity.nccl import parse_topology, reduce_scatter_segments, same_sum, sum_order
 
 
 def _bucket(index, fqns, shapes, world, dtype="float32", esize=4):
@@ -127,7 +127,7 @@ def _log(tmp_path, rings, cut=False, tuning=()):
 
 
 def test_nccl_log_rings_replace_the_model(tmp_path):
-    from parity.nccl_log import parse_nccl_log
+    from parity.nccl import parse_nccl_log
 
     big = {"p0": [65536, 1], "p1": [65536, 1]}  # 4 channels at 4 ranks (512 KiB)
     lay = _layouts([["p0", "p1"]], [["p1", "p0"]], big)
@@ -149,8 +149,8 @@ def test_nccl_log_rings_replace_the_model(tmp_path):
 
 
 def test_nccl_log_tuning_lines_set_the_channels_of_that_size(tmp_path):
-    from parity.nccl_log import parse_nccl_log
-    from parity.nccl_model import reduce_scatter_segments
+    from parity.nccl import parse_nccl_log
+    from parity.nccl import reduce_scatter_segments
 
     line = ("ReduceScatter: 32768 Bytes -> Algo RING proto SIMPLE channel{Lo..Hi}={0..0}")
     topo, notes = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3), (0, 3, 2, 1)] * 2,
@@ -165,7 +165,7 @@ def test_nccl_log_tuning_lines_set_the_channels_of_that_size(tmp_path):
 
 def test_nccl_log_errors_are_one_line(tmp_path):
     from parity.errors import ParityError
-    from parity.nccl_log import parse_nccl_log
+    from parity.nccl import parse_nccl_log
 
     empty = tmp_path / "empty.log"
     empty.write_text("hello\n")
