@@ -399,11 +399,13 @@ def nccl_probe_cmd(out_dir, emulate_nccl, model, sizes, sizes_from, collectives,
     from parity.probe import cases as pc
 
     if report_dir:
+        from pathlib import Path
+
         from parity.probe.analysis import load, report_lines, verdict_code
         from parity.report.stdout import print_safely
 
         record = load(report_dir)
-        lines = report_lines(record, record["analysis"], os.path.abspath(report_dir))
+        lines = report_lines(record, record["analysis"], Path(report_dir).resolve())
         print_safely(lambda: click.echo("\n".join(lines)))
         sys.exit(verdict_code(record["analysis"]["agreement"]))
     if not out_dir:

@@ -486,8 +486,13 @@ def _run(comm: Comm, ident: Identity, opts: Options, out: Path, emulate, checked
     plan = None
     init_logs = comm.gather(None if comm.emulated else _read_own_log(out, ident.rank))
     if ident.rank == 0:
-        plan = _plan(out, emulate, checked, init_logs, comm.world)
+        try:
+            plan = _plan(out, emulate, checked, init_logs, comm.world)
+        except ParityError as e:  # every rank stops with it (not waiting for rank 0 in vain)
+            plan = {"error": str(e)}
     plan = comm.broadcast(plan)
+    if plan.get("error"):
+        raise ParityError(plan["error"])
     topo = Topology.from_dict(plan["checked"])
     # emulated: exactly what the emulation runs; NCCL: every protocol (its TUNING line says
     # which one ran)
