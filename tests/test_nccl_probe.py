@@ -265,3 +265,29 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     (tmp_path / "probe.json").write_text(json.dumps({"format": "x"}))
     r = _parity("nccl-probe", "--report", str(tmp_path))
     assert r.returncode == 2 and "did not finish" in r.stderr
+
+
+# ------------------------------------------------------------------------- --sizes-from RUN
+
+
+def test_sizes_from_a_recorded_run_are_its_reduce_scatter_buckets(tmp_path):
+    from parity.artifacts import read_run
+    from tests.synth import make_run
+
+    run = make_run(tmp_path / "run", world_size=4, steps=1, n_params=8)
+    rs = [b for b in read_run(run).ranks[0].buckets if b["collective"] == "reduce_scatter"]
+    got, notes = pc.sizes_from_run(str(run), 4)
+    assert notes == []
+    assert sorted(c for _, _, c, _ in got) == sorted(
+        {b["total_bytes"] // 4 for b in rs})  # per-rank output counts, exactly as recorded
+    assert all(coll == "reduce_scatter" and dt == "float32" for coll, dt, _, _ in got)
+    assert all(o.startswith("run: reduce_scatter bucket #") for *_, o in got)
+    # at 8 ranks: re-derived as FSDP2 shards them (dim-0 rows rounded up per rank)
+    at8, notes8 = pc.sizes_from_run(str(run), 8)
+    assert notes8 == [] and len(at8) == len(got)
+    assert all(c8 < c4 for (_, _, c8, _), (_, _, c4, _) in zip(
+        sorted(at8, key=lambda x: x[3]), sorted(got, key=lambda x: x[3])))
+    cases = pc.build_cases([1024], 4, ops=["sum"], recorded=got)
+    assert {c.origin for c in cases} >= {o for *_, o in got}
+    with pytest.raises(ParityError, match="--sizes-from .*not a parity run"):
+        pc.sizes_from_run(str(tmp_path), 4)

@@ -192,7 +192,10 @@ def sizes_from_run(run_dir: str, world: int) -> tuple[list[tuple[str, str, int, 
     from parity.diff.buckets import A_PREFERS, select_layout
     from parity.diff.reduction import derive_layout, shapes_of
 
-    run = read_run(run_dir)
+    try:
+        run = read_run(run_dir)
+    except ParityError as e:
+        raise ParityError(f"--sizes-from {run_dir}: {e}") from None
     if not run.ranks:
         raise ParityError(f"--sizes-from {run_dir}: no rank folders (not a parity run?)")
     rank = min(r for r in run.ranks)

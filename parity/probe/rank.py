@@ -33,8 +33,8 @@ as parity.capture.nccl_emulation computes them; the GPU's additions round the sa
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -97,22 +97,28 @@ def identity(env=os.environ) -> Identity:
                       "give --spec SPEC to start that job with a sweep spec's launcher")
 
 
+def _scontrol(*argv: str) -> str:
+    try:
+        r = subprocess.run(["scontrol", *argv], capture_output=True, text=True, timeout=30,
+                           stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return r.stdout if r.returncode == 0 else ""
+
+
 def srun_rendezvous(env=os.environ) -> dict[str, str]:
-    """``MASTER_ADDR`` (the first node of the allocation) and ``MASTER_PORT`` (from the job id,
-    the same on every task) for a plain ``srun`` job that did not set them."""
+    """``MASTER_ADDR`` (the first node of the step, at its ``NodeAddr`` as the SLURM launcher's
+    batch script finds it) and ``MASTER_PORT`` (from the job id, the same on every task) for a
+    plain ``srun`` job that did not set them."""
     out = {}
     if not env.get("MASTER_ADDR"):
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
-        try:
-            r = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                               text=True, timeout=30)
-            first = r.stdout.split()[0] if r.returncode == 0 and r.stdout.split() else None
-        except (OSError, subprocess.SubprocessError):
-            first = None
-        if first is None:
+        names = _scontrol("show", "hostnames", nodelist).split()
+        if not names:
             raise ParityError("nccl-probe under srun: cannot name the first node (scontrol "
                               "show hostnames failed); set MASTER_ADDR and MASTER_PORT")
-        out["MASTER_ADDR"] = first
+        addr = re.search(r"NodeAddr=(\S+)", _scontrol("show", "node", names[0]))
+        out["MASTER_ADDR"] = addr.group(1) if addr else names[0]
     if not env.get("MASTER_PORT"):
         out["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0") or 0) % 20000)
     return out
