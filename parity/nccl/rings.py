@@ -70,13 +70,13 @@ class RingFamily:
     assumption: str
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def sum_order(ring: tuple[int, ...], owner: int) -> tuple[int, ...]:
     """Ranks in the order their values are added into ``owner``'s segment on this ring:
     next(owner), next(next(owner)), ..., owner (``runRing`` in ``src/device/reduce_scatter.h``:
     step 0 sends ``ringRanks[nranks-1]``'s chunk, every later step adds its own)."""
-    i = ring.index(owner)
-    n = len(ring)
-    return tuple(ring[(i + 1 + k) % n] for k in range(n))
+    i = ring.index(owner) + 1
+    return tuple(ring[i:] + ring[:i])
 
 
 def canonical_order(order: tuple[int, ...]) -> tuple[int, ...]:
