@@ -117,9 +117,11 @@ class CommLog:
     _channel_lines: dict[int, tuple[tuple[int, ...], bool]] = field(default_factory=dict)
     _stated: dict[str, int] = field(default_factory=dict)
     _next: dict[int, dict[int, int]] = field(default_factory=dict)
+    _prev: dict[int, dict[int, int]] = field(default_factory=dict)
     _conn: dict[int, dict[int, int]] = field(default_factory=dict)
     _rank0_procs: set = field(default_factory=set)
     _ranks: dict = field(default_factory=dict)  # rank -> the process that printed it
+    _ring_ranks: set = field(default_factory=set)  # ranks whose "Ring NN" lines were seen
 
 
 @dataclass
@@ -184,9 +186,19 @@ def read_log(paths: str | Path | Sequence[str | Path]) -> NcclLog:
             _read_graph_dump(log, p, text)
             continue
         state.read(str(p), text.splitlines())
+    anon = state.by_key.get("comm#?")
+    named = [c for c in log.communicators if c is not anon]
+    if anon is not None and len(named) == 1:
+        # an excerpt: lines printed before any communicator line of their thread belong to
+        # the only communicator the log shows
+        _merge(anon, named[0])
+        named[0].notes.append("lines without their thread's communicator line are given to "
+                              "the only communicator in the log")
+        log.communicators.remove(anon)
     for c in log.communicators:
         for k, v in state.env.items():
             c.env.setdefault(k, v)
+        _shape_from_hosts(c)
         _finish(c)
     return log
 
@@ -237,6 +249,14 @@ class _State:
                 raise ParityError(f"{path}:{no}: malformed NCCL line ({e}): {msg[:80]}") from None
 
     def _attach(self, c: CommLog, ptr: str, proc, thread, rank: int) -> None:
+        anon = self.current.get(thread)
+        if anon is not None and anon is not c and anon.key == "comm#?":
+            _merge(anon, c)  # an excerpt's lines seen before this thread's comm line
+            self.log.communicators.remove(anon)
+            self.by_key.pop(anon.key, None)
+            for t, x in list(self.current.items()):
+                if x is anon:
+                    self.current[t] = c
         c.pointers.add(ptr)
         self.by_ptr[ptr + "@" + "/".join(proc)] = c
         self.current[thread] = c
@@ -280,8 +300,8 @@ class _State:
                 raise ParityError(f"{where}: malformed communicator line: {msg[:100]}")
             c = self.by_ptr.get(ptr + "@" + "/".join(proc))
             if c is None:
-                n = self.ordinal.get((proc, nranks), 0)
-                self.ordinal[(proc, nranks)] = n + 1
+                n = self.ordinal.get((thread, nranks), 0)
+                self.ordinal[(thread, nranks)] = n + 1
                 k = 0
                 while True:  # an ordinal key another process already holds this rank of
                     c = self.comm(f"comm#{nranks}r{n}" + (f".{k}" if k else ""))
@@ -306,12 +326,16 @@ class _State:
             if c.nranks is not None and not all(0 <= x < c.nranks for x in (prev, rank, nxt)):
                 raise ParityError(f"{where}: ring line names a rank outside the communicator's "
                                   f"{c.nranks}: {msg[:100]}")
+            c._ring_ranks.add(rank)
             nx = c._next.setdefault(ch, {})
+            pv = c._prev.setdefault(ch, {})
             for a, b in ((prev, rank), (rank, nxt)):
-                if nx.get(a, b) != b:
+                if nx.get(a, b) != b or pv.get(b, a) != a:
+                    old = f"{a} -> {nx[a]}" if nx.get(a, b) != b else f"{pv[b]} -> {b}"
                     raise ParityError(f"{where}: ring line contradicts an earlier one (channel "
-                                      f"{ch}: {a} -> {nx[a]} and {a} -> {b})")
+                                      f"{ch}: {old} and {a} -> {b})")
                 nx[a] = b
+                pv[b] = a
             return
         if msg.startswith("Channel "):
             m = _CHANNEL.match(msg)
@@ -370,10 +394,15 @@ class _State:
             row = _tuning_row(msg, where, no)
             owners = [c for c in self.log.communicators if proc in c._rank0_procs]
             if not owners:
-                c = self.current.get(thread)
-                owners = [c] if c else []
+                owners = [self.current.get(thread) or self._current(thread, where)]
             for c in owners:
                 c.tuning.append(row)
+            if len(owners) > 1:
+                for c in owners:
+                    note = ("TUNING lines carry no communicator: those of a process that is rank 0 "
+                            f"of {len(owners)} communicators are given to each")
+                    if note not in c.notes:
+                        c.notes.append(note)
             return
 
     def _current(self, thread, where) -> CommLog:
@@ -390,6 +419,21 @@ class _State:
             raise ParityError(f"{where}: channel {ch} outside 0..{MAX_CHANNELS - 1}")
 
 
+def _shape_from_hosts(c: CommLog) -> None:
+    """nNodes and localRanks from the hosts that printed every rank (Init lines of 2.20-2.22
+    excerpts carry no nNodes): only when every rank was seen and the hosts hold equal
+    shares."""
+    if c.nnodes is not None or c.nranks is None or len(c._ranks) != c.nranks:
+        return
+    hosts: dict[str, int] = {}
+    for proc in c._ranks.values():
+        if not proc[1]:
+            return
+        hosts[proc[1]] = hosts.get(proc[1], 0) + 1
+    if len(set(hosts.values())) == 1:
+        c.nnodes, c.local_ranks = len(hosts), c.nranks // len(hosts)
+
+
 def _merge(src: CommLog, dst: CommLog) -> None:
     """An ordinal-keyed communicator found to be ``dst``: fold what it gathered into it."""
     dst.pointers |= src.pointers
@@ -400,8 +444,16 @@ def _merge(src: CommLog, dst: CommLog) -> None:
     dst._stated = {**src._stated, **dst._stated}
     for ch, nx in src._next.items():
         dst._next.setdefault(ch, {}).update(nx)
+    for ch, nx in src._conn.items():
+        dst._conn.setdefault(ch, {}).update(nx)
+    for k, v in src.env.items():
+        dst.env.setdefault(k, v)
     dst._rank0_procs |= src._rank0_procs
+    for r, proc in src._ranks.items():
+        dst._ranks.setdefault(r, proc)
+    dst._ring_ranks |= src._ring_ranks
     dst.tuning = src.tuning + dst.tuning
+    dst.notes.extend(n for n in src.notes if n not in dst.notes)
 
 
 def _tuning_row(msg: str, where: str, no: int) -> TuningRow:
@@ -462,9 +514,10 @@ def _finish(c: CommLog) -> None:
         c.notes.append(f"the log states {c._stated['channel lines']} ring channels and "
                        f"{c._stated['coll channels']} coll channels; the latter is used")
     n = c.nranks
-    if n is None:
-        lens = [len(r) for r, cut in c._channel_lines.values() if not cut]
-        n = max(lens) if lens else None
+    if n is None:  # no communicator line: the largest rank any line names
+        seen = [x for r, _ in c._channel_lines.values() for x in r]
+        seen += [x for nx in c._next.values() for kv in nx.items() for x in kv]
+        n = max(seen) + 1 if seen else None
     nch = c.channels or (max(c._channel_lines) + 1 if c._channel_lines else
                          max(c._next) + 1 if c._next else 0)
     lines_ok = n is not None and c._channel_lines and all(
@@ -472,20 +525,33 @@ def _finish(c: CommLog) -> None:
         and len(c._channel_lines[ch][0]) == n and sorted(c._channel_lines[ch][0]) == list(range(n))
         for ch in range(nch))
     c.cut = any(cut or (n is not None and len(r) < n) for r, cut in c._channel_lines.values())
+    full = {ch: r for ch, (r, cut) in c._channel_lines.items()
+            if n is not None and not cut and len(r) == n and sorted(r) == list(range(n))}
+    half = nch // 2
     if lines_ok:
         c.rings = {ch: c._channel_lines[ch][0] for ch in range(nch)}
         c.ring_source = "channel lines"
-    elif n is not None and c._next and all(_cycle(c._next.get(ch, {}), n) for ch in range(nch)):
+    elif nch >= 2 and nch % 2 == 0 and all(ch in full for ch in range(half)) and all(
+            full[ch] == full[ch - half] for ch in full if ch >= half):
+        # ncclTopoPostset copies channels 0..S-1 to S..2S-1: the missing lines are copies
+        c.rings = {ch: full[ch % half] for ch in range(nch)}
+        c.ring_source = "channel lines"
+        c.notes.append(f"channels {half}..{nch - 1} taken as copies of 0..{half - 1} "
+                       "(ncclTopoPostset duplicates the search's channels); the log lacks "
+                       + ", ".join(str(ch) for ch in range(nch) if ch not in full))
+    elif n is not None and nch and c._next and all(_cycle(c._next.get(ch, {}), n)
+                                                  for ch in range(nch)):
         c.rings = {ch: _cycle(c._next[ch], n) for ch in range(nch)}
         c.ring_source = "ring lines"
-    elif n is not None and c._conn and all(_cycle(c._conn.get(ch, {}), n) for ch in range(nch)):
+    elif n is not None and nch and c._conn and all(_cycle(c._conn.get(ch, {}), n)
+                                                  for ch in range(nch)):
         c.rings = {ch: _cycle(c._conn[ch], n) for ch in range(nch)}
         c.ring_source = "connection lines"
     else:
         for ch, (nums, cut) in sorted(c._channel_lines.items()):
             c.prefixes[ch] = nums[:-1] if cut and nums else nums
         if c._channel_lines or c._next:
-            have = len(c._next.get(0, {}))
+            have = len(c._ring_ranks)
             c.notes.append(
                 f"the log's rings are incomplete (rank 0's ring lines "
                 f"{'are cut' if c.cut else 'are missing'}; 'Ring NN' lines of "
@@ -581,9 +647,8 @@ def topology_from_log(spec: str | Path | Sequence, at: Topology | None = None
     rings = tuple(c.rings[ch] for ch in sorted(c.rings)) if c.rings else None
     prefixes = None
     if rings is None and c.prefixes:
-        nch = c.channels or len(c.prefixes)
-        if sorted(c.prefixes) == list(range(nch)):
-            prefixes = tuple(c.prefixes[ch] for ch in range(nch))
+        nch = max(c.channels or 0, max(c.prefixes) + 1)
+        prefixes = tuple(c.prefixes.get(ch, ()) for ch in range(nch))
     if rings is None and log.graph_chains is not None:
         rings, more = _rings_from_graph(log, nodes, gpus, c.channels, nccl)
         notes.extend(more)

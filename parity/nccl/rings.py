@@ -70,13 +70,13 @@ class RingFamily:
     assumption: str
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def sum_order(ring: tuple[int, ...], owner: int) -> tuple[int, ...]:
     """Ranks in the order their values are added into ``owner``'s segment on this ring:
     next(owner), next(next(owner)), ..., owner (``runRing`` in ``src/device/reduce_scatter.h``:
     step 0 sends ``ringRanks[nranks-1]``'s chunk, every later step adds its own)."""
-    i = ring.index(owner)
-    n = len(ring)
-    return tuple(ring[(i + 1 + k) % n] for k in range(n))
+    i = ring.index(owner) + 1
+    return tuple(ring[i:] + ring[:i])
 
 
 def canonical_order(order: tuple[int, ...]) -> tuple[int, ...]:
@@ -207,10 +207,12 @@ def _dedupe(families: list[RingFamily]) -> list[RingFamily]:
 def extrapolate(nodes: int, gpus: int, prefixes: tuple[tuple[int, ...], ...],
                 channels: int) -> RingFamily | None:
     """Rings from cut ring lines: per channel, the chain of the first node whose ranks all
-    appear in the printed prefix (contiguously), run on every node. None when a channel shows
-    no whole node."""
-    chains = []
-    for prefix in prefixes[:channels]:
+    appear in the printed prefix (contiguously), run on every node; a channel without a line
+    copies channel ``c - channels/2`` (``ncclTopoPostset``'s duplication). None when a channel
+    shows no whole node."""
+    chains: list[tuple[int, ...] | None] = []
+    for c in range(channels):
+        prefix = prefixes[c] if c < len(prefixes) else ()
         found = None
         for node in range(nodes):
             ranks = set(range(node * gpus, (node + 1) * gpus))
@@ -218,11 +220,15 @@ def extrapolate(nodes: int, gpus: int, prefixes: tuple[tuple[int, ...], ...],
             if len(idx) == gpus and idx[-1] - idx[0] == gpus - 1:
                 found = tuple(prefix[i] - node * gpus for i in idx)
                 break
-        if found is None:
-            return None
         chains.append(found)
-    rings = build_rings(nodes, gpus, tuple(chains), len(chains))
-    rings = tuple(rings[c % len(rings)] for c in range(channels))
+    half = channels // 2
+    for c in range(channels):
+        if chains[c] is None and not (prefixes[c] if c < len(prefixes) else ()) and \
+                channels % 2 == 0 and c >= half:
+            chains[c] = chains[c - half]
+    if any(ch is None for ch in chains):
+        return None
+    rings = build_rings(nodes, gpus, tuple(chains), channels)
     return RingFamily("log-extrapolated", rings,
                       "every node runs the chain of the first node the log's cut ring line "
                       "shows whole")
