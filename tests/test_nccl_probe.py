@@ -291,3 +291,58 @@ def test_sizes_from_a_recorded_run_are_its_reduce_scatter_buckets(tmp_path):
     assert {c.origin for c in cases} >= {o for *_, o in got}
     with pytest.raises(ParityError, match="--sizes-from .*not a parity run"):
         pc.sizes_from_run(str(tmp_path), 4)
+
+
+# ------------------------------------------------ the cluster's topology, rebuilt from logs
+
+
+def test_every_ranks_ring_lines_rebuild_the_rings(tmp_path):
+    """Per-rank logs as NCCL 2.27 prints them at init (``initTransportsRank`` in src/init.cc:
+    the communicator line, ``N coll channels``, and ``Ring %02d : prev -> rank -> next``)."""
+    from parity.probe.rank import _plan
+
+    rings = ((0, 1, 3, 2), (1, 0, 2, 3), (0, 1, 3, 2), (1, 0, 2, 3))
+    texts = []
+    for r in range(4):
+        pre = f"host{r // 2}:{100 + r}:{200 + r} [{r % 2}] NCCL INFO "
+        lines = [pre + "NCCL version 2.27.5+cuda12.9",
+                 pre + f"comm 0x{r + 1:x}000 rank {r} nRanks 4 nNodes 2 localRanks 2 "
+                       f"localRank {r % 2} MNNVL 0"]
+        for c, ring in enumerate(rings):
+            i = ring.index(r)
+            lines.append(pre + f"Ring {c:02d} : {ring[i - 1]} -> {r} -> {ring[(i + 1) % 4]}")
+        lines.append(pre + "4 coll channels, 4 collnet channels, 0 nvls channels, 4 p2p "
+                           "channels, 2 p2p channels per peer")
+        texts.append("\n".join(lines) + "\n")
+    out = tmp_path / "probe"
+    (out / LOGS_DIR).mkdir(parents=True)
+    plan = _plan(out, None, None, texts, 4)
+    cluster = Topology.from_dict(plan["cluster"])
+    from_zero = tuple(r[r.index(0):] + r[:r.index(0)] for r in rings)  # a ring read from rank 0
+    assert cluster.rings == from_zero and (cluster.nodes, cluster.gpus) == (2, 2)
+    assert cluster.nccl == "2.27" and plan["checked"] == plan["cluster"]
+    assert sorted(plan["log_files"]) == [f"{LOGS_DIR}/{log_name(r)}" for r in range(4)]
+    assert (out / LOGS_DIR / log_name(3)).read_text() == texts[3]  # kept when DIR is not shared
+
+
+def test_real_logs_give_the_probe_their_rings_and_channel_counts(tmp_path):
+    """Excerpts of real clusters' logs (tests/data/nccl-logs, sources in its README) as rank 0's
+    log: the probe checks at the rings and channel count they hold, and says where it assumed."""
+    from parity.probe.rank import _plan
+
+    logs = Path(__file__).parent / "data" / "nccl-logs"
+    out = tmp_path / "a"
+    (out / LOGS_DIR).mkdir(parents=True)
+    plan = _plan(out, None, None, [(logs / "nccl-1412-2x8.log").read_text()], 16)
+    checked = Topology.from_dict(plan["checked"])
+    assert (checked.nodes, checked.gpus, checked.channels, len(checked.rings)) == (2, 8, 8, 8)
+    assert checked.rings[0] == (0, 5, 4, 7, 6, 3, 2, 1, 8, 13, 12, 15, 14, 11, 10, 9)
+    out = tmp_path / "b"
+    (out / LOGS_DIR).mkdir(parents=True)
+    plan = _plan(out, None, None, [(logs / "nccl-1453-h100-3x8.log").read_text()], 24)
+    checked = Topology.from_dict(plan["checked"])
+    assert (checked.nodes, checked.gpus, checked.channels, len(checked.rings)) == (3, 8, 16, 16)
+    ring = checked.rings[1]
+    assert (ring[ring.index(0):] + ring[:ring.index(0)])[:10] == (
+        0, 7, 6, 5, 4, 3, 2, 9, 8, 15)  # read from rank 0, the cut line's prefix
+    assert any("an assumption" in n for n in plan["notes"])

@@ -437,8 +437,9 @@ def report_lines(record: dict, result: dict, out: Path) -> list[str]:
     rings = topo.get("rings") or []
     lines.append(f"  checked at: {topo['nodes']}x{topo['gpus']}, {len(rings)} channel(s), "
                  f"model {MODEL}, rules {_rules(Topology.from_dict(topo))}")
-    for c, ring in enumerate(rings[:8]):
-        lines.append(f"    channel {c:>2}: {' '.join(map(str, ring))}")
+    for c, ring in enumerate(rings[:8]):  # read from rank 0, as NCCL prints them
+        z = ring.index(0) if 0 in ring else 0
+        lines.append(f"    channel {c:>2}: {' '.join(map(str, ring[z:] + ring[:z]))}")
     if len(rings) > 8:
         lines.append(f"    ... {len(rings) - 8} more channels (topology.json has every ring)")
     for n in plan.get("notes") or []:

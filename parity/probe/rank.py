@@ -554,6 +554,10 @@ def _plan(out: Path, emulate: Topology | None, checked: Topology | None, init_lo
         cluster, log_notes = topology_from_log(log_files)
         notes.extend(log_notes)
         cluster = replace(cluster, tuning=None, source=None)
+        if cluster.rings is None:  # cut lines, no Ring lines: the family they agree with
+            cluster, family = materialize(cluster)
+            notes.append(f"the logs do not hold every ring: checked at the {family} family "
+                         "(an assumption; NCCL_DEBUG_SUBSYS=GRAPH prints every rank's rings)")
     if checked is not None:
         model, family = materialize(checked)
         if emulate is not None and model.algorithm is None:
