@@ -354,8 +354,11 @@ def first_text(result: dict) -> str | None:
     d = j.get("first") or {}
     found = d.get("reproduced_by") or {}
     named = found.get("named") or []
-    how = ("reproduced by " + "; ".join(named[:3])
-           + (f" (and {len(named) - 3} more)" if len(named) > 3 else "")
+    orders = found.get("orders") or []
+    shown = [f"{n} (order {' '.join(map(str, orders[k]))})" if k < len(orders) else n
+             for k, n in enumerate(named[:2])]
+    how = ("reproduced by " + "; ".join(shown)
+           + (f" (and {len(named) - 2} more)" if len(named) > 2 else "")
            if named else
            f"reproduced by the order {' '.join(map(str, found['orders'][0]))}"
            if found.get("orders") else
@@ -417,6 +420,15 @@ def table_lines(judged: list[dict]) -> list[str]:
     return lines
 
 
+def _shown(path: Path) -> str:
+    """A path as the user would type it: relative to the working directory when inside it."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return str(path)
+    return str(path) if rel.startswith("..") else rel
+
+
 def report_lines(record: dict, result: dict, out: Path) -> list[str]:
     fig = result["agreement"]
     m = result["machines"]
@@ -434,9 +446,13 @@ def report_lines(record: dict, result: dict, out: Path) -> list[str]:
                else "NICs not printed")
         lines.append(f"  cluster: {topo['nodes']} node(s) x {topo['gpus']} GPU(s), {nic}"
                      + (f" ({', '.join(m['networks'])})" if m["networks"] else ""))
+    if emulated:
+        lines.append("  the cluster is parity's own emulation: agreement at the emulated topology "
+                     "checks the probe, not NCCL")
     rings = topo.get("rings") or []
     lines.append(f"  checked at: {topo['nodes']}x{topo['gpus']}, {len(rings)} channel(s), "
-                 f"model {MODEL}, rules {_rules(Topology.from_dict(topo))}")
+                 f"model {MODEL}, rules {_rules(Topology.from_dict(topo))}"
+                 + ("" if topo.get("nccl") else " (no NCCL version: the newest modelled)"))
     for c, ring in enumerate(rings[:8]):  # read from rank 0, as NCCL prints them
         z = ring.index(0) if 0 in ring else 0
         lines.append(f"    channel {c:>2}: {' '.join(map(str, ring[z:] + ring[:z]))}")
@@ -446,9 +462,10 @@ def report_lines(record: dict, result: dict, out: Path) -> list[str]:
         lines.append(f"  note: {n}")
     lines.append("")
     lines.extend(table_lines(result["cases"]))
-    lines.append("  ok: every element has the model's bits; DIFF: some do not; n/m: not modelled"
-                 " (NCCL ran that algorithm); cN: channels the model used (!=M: NCCL used M);"
-                 " S/LL/LL128: the protocol NCCL ran; !rep: a repeat gave other bits")
+    lines.append("  ok: every element has the model's bits; DIFF: some do not; n/m: not modelled "
+                 "(NCCL ran that algorithm)")
+    lines.append("  cN: channels the model used (!=M: NCCL's TUNING line says M); S/LL/LL128: the "
+                 "protocol NCCL ran; !rep: a repeat gave other bits")
     lines.append("")
     for j in result["cases"]:
         if j["status"] == NOT_MODELLED:
@@ -469,7 +486,7 @@ def report_lines(record: dict, result: dict, out: Path) -> list[str]:
                  f"of {fig['cases']} cases"
                  + (f"; channel counts match NCCL's in {fig['channels_agree']} of "
                     f"{fig['channels_checked']}" if fig["channels_checked"] else ""))
-    lines.append(f"topology file: {out / TOPOLOGY_FILE} (parity diff --at FILE, "
+    lines.append(f"topology file: {_shown(out / TOPOLOGY_FILE)} (parity diff --at FILE, "
                  "parity exec --emulate-nccl FILE)")
     verdict = {0: "MODEL HOLDS", 1: "MODEL DOES NOT HOLD", 3: "NOTHING CHECKED"}[
         verdict_code(fig)]
