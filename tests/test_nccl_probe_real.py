@@ -139,16 +139,18 @@ def test_exec_says_the_file_and_its_agreement(agreeing, tmp_path):
     assert f"--emulate-nccl: topology file {out / 'topology.json'}: agreement 100.0%" in r.stderr
 
 
-def test_a_sweep_specs_launcher_starts_the_probe_on_two_nodes(tmp_path):
-    spec = tmp_path / "spec.toml"
-    spec.write_text(textwrap.dedent(f"""\
+def two_node_spec(path: Path, launcher: str, emulate: str | None = None) -> Path:
+    """A sweep spec of 2 nodes x 2 ranks (its sides are never run by the probe)."""
+    path.write_text(textwrap.dedent(f"""\
         name = "probe"
         nproc_per_node = 2
         nnodes = 2
         timeout = 300
-        emulate_nccl = "{CLUSTER}"
+        {f'emulate_nccl = "{emulate}"' if emulate else ''}
         [env]
         OMP_NUM_THREADS = "1"
+        [launcher]
+        type = "{launcher}"
         [reference]
         builtin = true
         args = ["--mode", "eager"]
@@ -156,6 +158,11 @@ def test_a_sweep_specs_launcher_starts_the_probe_on_two_nodes(tmp_path):
         builtin = true
         args = ["--mode", "compiled"]
         """))
+    return path
+
+
+def test_a_sweep_specs_launcher_starts_the_probe_on_two_nodes(tmp_path):
+    spec = two_node_spec(tmp_path / "spec.toml", "local", CLUSTER)
     out = tmp_path / "viaspec"
     r = parity("nccl-probe", "--spec", str(spec), "--out", str(out), *QUICK, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -10,12 +10,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
-import time
 
 import pytest
 
-import slurm_cluster
+from test_nccl_probe_real import two_node_spec
+from test_slurm import cluster  # noqa: F401 - the module-scoped local SLURM cluster fixture
 from tests.real_jobs import exe
 
 pytestmark = pytest.mark.slurm
@@ -24,42 +23,8 @@ QUICK = ["--emulate-nccl", CLUSTER, "--sizes", "1K-256K", "--dtypes", "fp32", "-
          "--repeat", "1"]
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    t0 = time.monotonic()
-    try:
-        c = slurm_cluster.acquire()
-    except slurm_cluster.Unavailable as e:
-        pytest.skip(f"no SLURM cluster: {e}")
-    print(f"\ncluster: {c.note or 'up'} ({time.monotonic() - t0:.1f} s)")
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = str(c.conf)
-    yield c
-    if old is None:
-        os.environ.pop("SLURM_CONF", None)
-    else:
-        os.environ["SLURM_CONF"] = old
-    slurm_cluster.release(c)
-
-
 def test_a_sweep_specs_slurm_launcher_starts_the_probe(cluster, tmp_path):
-    spec = tmp_path / "spec.toml"
-    spec.write_text(textwrap.dedent("""\
-        name = "probe-slurm"
-        nproc_per_node = 2
-        nnodes = 2
-        timeout = 300
-        [env]
-        OMP_NUM_THREADS = "1"
-        [launcher]
-        type = "slurm"
-        [reference]
-        builtin = true
-        args = ["--mode", "eager"]
-        [candidate]
-        builtin = true
-        args = ["--mode", "compiled"]
-        """))
+    spec = two_node_spec(tmp_path / "spec.toml", "slurm")
     out = tmp_path / "probe"
     r = subprocess.run([*exe("parity", "parity"), "nccl-probe", "--spec", str(spec), "--out",
                         str(out), *QUICK], capture_output=True, text=True, timeout=600,
