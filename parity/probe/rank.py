@@ -53,6 +53,8 @@ from parity.probe.files import (GRAPH_DUMP, LOGS_DIR, PROBE_FILE, PROBE_FORMAT, 
 from parity.probe.orders import find_orders, ring_candidates
 
 DEBUG_SUBSYS = ("INIT", "GRAPH", "TUNING", "ENV")
+ONE_RANK = ("one rank: every reduce-scatter and all-reduce is a copy; nothing about summation "
+            "order can show (NCCL refuses two ranks on one GPU)")
 GRAPH_DUMP_SINCE = (2, 6)  # NCCL_GRAPH_DUMP_FILE: src/graph/search.cc from v2.6.4-1
 
 
@@ -164,7 +166,8 @@ class Comm:
         if self.emulated:
             from parity.capture import nccl_emulation
 
-            nccl_emulation.install(emulate.source or emulate.spec())
+            if ident.world > 1:  # one rank: a copy, gloo's own (the emulation needs two)
+                nccl_emulation.install(emulate.source or emulate.spec())
             self.device = torch.device("cpu")
             dist.init_process_group("gloo", rank=ident.rank, world_size=ident.world, **kw)
         else:
@@ -270,7 +273,10 @@ def expected_share(case: pc.Case, topo: Topology, rank: int, world: int, rows, s
     n_el = rows.shape[1]
     out = torch.empty(n_el, dtype=rows.dtype)
     where: list[tuple[int, int, int, tuple[int, ...]]] = []  # (lo, hi, channel, order) in share
-    if case.collective == pc.REDUCE_SCATTER:
+    if world == 1:  # one rank: NCCL copies (the model has no segment to sum)
+        out.copy_(rows[0])
+        where.append((0, n_el, 0, (0,)))
+    elif case.collective == pc.REDUCE_SCATTER:
         for seg in reduce_scatter_segments(topo, case.count, case.elem_size):
             order = sum_order(seg.order, rank)
             out[seg.lo:seg.hi] = ring_sum(rows, order, seg.lo, seg.hi)
@@ -530,6 +536,15 @@ def _run(comm: Comm, ident: Identity, opts: Options, out: Path, emulate, checked
     return analyse_and_report(out, record)
 
 
+def _one_rank_plan(out: Path, text: str, log_files: list[str]) -> dict:
+    """One rank (one GPU): NCCL copies, there is no ring to rebuild; the release from the log."""
+    from parity.nccl.versions import minor_of
+
+    m = re.search(r"NCCL version (\d+\.\d+\.\d+)", text)
+    topo = Topology(1, 1, channels=1, rings=((0,),), nccl=minor_of(m.group(1)) if m else None)
+    return _plan_dict(out, topo, topo, [ONE_RANK], log_files)
+
+
 def _plan(out: Path, emulate: Topology | None, checked: Topology | None, init_logs,
           world: int) -> dict:
     """Rank 0: the topology the cluster showed (the log's, or the emulated one) and the one the
@@ -551,6 +566,8 @@ def _plan(out: Path, emulate: Topology | None, checked: Topology | None, init_lo
         if not log_files:
             raise ParityError(f"nccl-probe: no NCCL log was written in {out / LOGS_DIR} "
                               "(NCCL_DEBUG_FILE not honoured?)")
+        if world == 1:
+            return _one_rank_plan(out, init_logs[0] if init_logs else "", log_files)
         cluster, log_notes = topology_from_log(log_files)
         notes.extend(log_notes)
         cluster = replace(cluster, tuning=None, source=None)
@@ -566,6 +583,13 @@ def _plan(out: Path, emulate: Topology | None, checked: Topology | None, init_lo
                      f"{family} family")
     else:
         model = cluster
+    if world == 1:
+        notes.append(ONE_RANK)
+    return _plan_dict(out, cluster, model, notes, log_files)
+
+
+def _plan_dict(out: Path, cluster: Topology, model: Topology, notes: list[str],
+               log_files: list[str]) -> dict:
     return {"cluster": cluster.to_dict(), "checked": replace(model, source=None).to_dict(),
             "cluster_rings": [list(r) for r in cluster.rings] if cluster.rings else None,
             "notes": notes, "log_files": [os.path.relpath(f, out) for f in log_files]}
