@@ -563,6 +563,12 @@ def communicator_channels(topo: Topology | str, env: Mapping[str, str] | None = 
                                              dict(env or {}))]
 
 
+def default_channels(topo: Topology | str) -> int:
+    """The primary communicator channel count (the first of ``communicator_channels``); kept
+    for callers of the old model."""
+    return communicator_channels(topo)[0]
+
+
 def ring_families(topo: Topology | str, env: Mapping[str, str] | None = None) -> list[RingFamily]:
     """Every ring family a prediction tries (over every channel count), first = primary."""
     t = parse_topology(topo) if isinstance(topo, str) else topo
@@ -593,5 +599,5 @@ def orders_differ(topo: Topology | str) -> bool:
 
 __all__ = ["MODEL", "MODEL_LIMITS", "Prediction", "Scenario", "Segment", "Unknown", "predict",
            "primary_scenario", "reduce_scatter_segments", "all_reduce_segments",
-           "channel_count", "communicator_channels", "ring_families", "rings", "orders_differ",
+           "channel_count", "communicator_channels", "default_channels", "ring_families", "rings", "orders_differ",
            "sum_order", "same_sum", "canonical_order", "parse_list", "apply_channel_env"]
