@@ -26,8 +26,8 @@ from parity.nccl.channels import (ALL_REDUCE, LL, LL128, PROTOCOLS, REDUCE_SCATT
                                   thread_count, traffic_per_byte)
 from parity.nccl.chunking import all_reduce_chunks
 from parity.nccl.rings import (RingFamily, agrees, apply_channel_env, canonical_order,
-                               channel_options, extrapolate, plausible_families, same_sum,
-                               search_channels, sum_order)
+                               channel_options, dedupe_families, extrapolate,
+                               plausible_families, same_sum, search_channels, sum_order)
 from parity.nccl.topology import Topology, TuningRow, parse_topology
 from parity.nccl.versions import NEWEST, OLDEST, SPLIT_EVEN, Rules, rules_for
 
@@ -300,7 +300,7 @@ def _channel_plans(topo: Topology, rules: Rules, env: dict) -> list[tuple[int, l
         fams: list[RingFamily] = []
         for s in s_counts:
             fams.extend(plausible_families(topo.nodes, topo.gpus, topo.nics, c, s, odd_ok))
-        plans.append((c, _dedupe_fams(fams), f"{c} channels (channels=)"))
+        plans.append((c, dedupe_families(fams), f"{c} channels (channels=)"))
     else:
         for c, s, what in channel_options(topo.nodes, topo.gpus, topo.nics, rules.max_channels,
                                           env):
@@ -322,15 +322,6 @@ def _channel_plans(topo: Topology, rules: Rules, env: dict) -> list[tuple[int, l
                            "or an NCCL_GRAPH_DUMP_FILE", "log")
         plans = kept
     return plans
-
-
-def _dedupe_fams(fams: list[RingFamily]) -> list[RingFamily]:
-    seen, out = set(), []
-    for f in fams:
-        if f.rings not in seen:
-            seen.add(f.rings)
-            out.append(f)
-    return out
 
 
 def _sorter_bin(traffic: int) -> int:
