@@ -405,6 +405,7 @@ def _predict(topo: Topology, kind: str, count: int, elem_size: int, op: str,
                      + (f" channel{{{row.channel_lo}..{row.channel_hi}}}"
                         if row.channel_lo is not None else ""))
     scenarios: dict[tuple, Scenario] = {}
+    ring_hash: dict[int, int] = {}
     for proto in protocols:
         for comm, families, what in plans:
             for fam in families:
@@ -418,7 +419,10 @@ def _predict(topo: Topology, kind: str, count: int, elem_size: int, op: str,
                 if group:
                     assumptions += (f"one kernel plan with {len(group)} grouped partner(s), "
                                     f"all {proto}",)
-                key = (proto, comm, segs)
+                used = sorted({c for c, _, _ in ranges})
+                key = (proto, comm, tuple(ranges),  # rings by content hash (hashed once each)
+                       tuple(ring_hash.setdefault(id(fam.rings[c]), hash(fam.rings[c]))
+                             for c in used))
                 old = scenarios.get(key)
                 if old is not None:
                     scenarios[key] = replace(old, family=old.family + "+" + fam.name)
@@ -446,13 +450,18 @@ def _span(s: Scenario) -> tuple[int, int]:
 
 def _segments(kind: str, ranges, rings, task: Task, rules: Rules, env: dict) -> tuple[Segment, ...]:
     out = []
+    orders: dict[int, dict[int, tuple[int, ...]]] = {}  # id(ring) -> owner -> order
     for c, lo, hi in ranges:
         ring = rings[c % len(rings)]
         if kind == REDUCE_SCATTER:
             out.append(Segment(lo, hi, c, None, ring))
         else:
+            of = orders.setdefault(id(ring), {})
             for a, b, owner in all_reduce_chunks(lo, hi, ring, task, rules, env):
-                out.append(Segment(a, b, c, owner, sum_order(ring, owner)))
+                order = of.get(owner)
+                if order is None:
+                    order = of[owner] = sum_order(ring, owner)
+                out.append(Segment(a, b, c, owner, order))
     return tuple(out)
 
 
