@@ -426,12 +426,15 @@ def nccl_probe_cmd(out_dir, emulate_nccl, model, sizes, sizes_from, collectives,
         passed = ["--sizes", sizes, "--collectives", collectives, "--ops", ops, "--dtypes",
                   dtypes, "--repeat", str(repeat), "--seed", str(seed), "--timeout",
                   str(timeout)]
-        for flag, value in (("--model", model), ("--sizes-from", sizes_from)):
+        def where(text):  # the job may run elsewhere (the spec's workdir): absolute paths
+            return os.path.abspath(text) if text and os.path.exists(text) else text
+
+        for flag, value in (("--model", where(model)), ("--sizes-from", where(sizes_from))):
             if value:
-                passed += [flag, os.path.abspath(value) if flag == "--sizes-from" else value]
+                passed += [flag, value]
         if force:
             passed.append("--force")
-        sys.exit(launch(spec, out_dir, passed, emulate_nccl))
+        sys.exit(launch(spec, out_dir, passed, where(emulate_nccl)))
     from parity.probe.rank import Options, run
 
     opts = Options(out=out_dir, emulate=emulate_nccl, model=model, sizes_from=sizes_from,

@@ -52,7 +52,7 @@ def tuning_rows(out: Path, record: dict) -> tuple[list[TuningRow], list[str]]:
     """Rank 0's TUNING rows of the world communicator, in log order (NCCL runs only)."""
     if record.get("emulate"):
         return [], []
-    path = out / rank0_log(record)
+    path = out / LOGS_DIR / log_name(0)
     if not path.exists():
         return [], [f"rank 0's NCCL log {path} is missing: what NCCL ran is not known"]
     try:
@@ -64,10 +64,6 @@ def tuning_rows(out: Path, record: dict) -> tuple[list[TuningRow], list[str]]:
         return [], ["rank 0's NCCL log has no TUNING line (NCCL before 2.20, or "
                     "NCCL_DEBUG_SUBSYS without TUNING): what NCCL ran is inferred"]
     return rows, []
-
-
-def rank0_log(record: dict) -> str:
-    return os.path.join(LOGS_DIR, log_name(0))
 
 
 def match_calls(calls: list[dict], rows: list[TuningRow], world: int) -> list[TuningRow | None]:
