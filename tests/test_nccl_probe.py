@@ -236,6 +236,7 @@ def test_reports_name_a_topology_file_and_its_agreement(tmp_path):
     assert "not measured" in topology_label(str(bare), describe_file(parse_topology(str(bare))))
     assert describe_file(parse_topology("2x2")) is None
     assert topology_label("2x2", None) == "2x2"
+    assert topology_label(str(path), None) == f"{path} [nccl-probe agreement 100.0%]"
 
 
 # ----------------------------------------------------------------------------- the command

@@ -73,9 +73,13 @@ def describe_file(topo) -> dict | None:
     given as text): what JSON reports carry as ``topology_file``."""
     if not is_file_topology(topo):
         return None
-    probe = probe_section(topo.source)
-    return {"path": str(topo.source),
-            "agreement": (probe or {}).get("agreement"),
+    return describe_path(topo.source)
+
+
+def describe_path(path: str | os.PathLike) -> dict:
+    """``describe_file`` for a topology file's path."""
+    probe = probe_section(path)
+    return {"path": str(path), "agreement": (probe or {}).get("agreement"),
             "summary": agreement_text(probe)}
 
 
@@ -97,7 +101,11 @@ def short_figure(info: dict | None) -> str:
 
 def topology_label(spec: str | None, info: dict | None) -> str:
     """How a report names the topology it predicted or emulated at: the spec, and for a
-    topology file its agreement figure ('probe/topology.json [nccl-probe agreement 100.0%]')."""
+    topology file its agreement figure ('probe/topology.json [nccl-probe agreement 100.0%]').
+    ``info``: what the JSON recorded (``describe_file``); without it a spec that is a .json
+    path is read now."""
     if not isinstance(info, dict):
-        return spec or "?"
+        if not (spec and str(spec).endswith(".json")):
+            return spec or "?"
+        info = describe_path(spec)
     return f"{info.get('path') or spec} [{short_figure(info)}]"
