@@ -44,7 +44,7 @@ from pathlib import Path
 
 from parity import __version__
 from parity.artifacts import write_json_atomic
-from parity.errors import ParityError
+from parity.errors import EXIT_INCOMPLETE, ParityError
 from parity.nccl import (PROTOCOLS, SIMPLE, Topology, all_reduce_segments, parse_topology,
                          reduce_scatter_segments, ring_families, sum_order, topology_from_log)
 from parity.probe import cases as pc
@@ -470,12 +470,26 @@ def run(opts: Options) -> int:
     cases = pc.build_cases(opts.sizes, ident.world, opts.collectives, opts.ops, opts.dtypes,
                            recorded)
     started = time.time()
-    comm = Comm(ident, emulate, opts.timeout)
+    try:
+        comm = Comm(ident, emulate, opts.timeout)
+    except (RuntimeError, ValueError) as e:  # NCCL / the rendezvous: the job failed, not parity
+        raise ParityError(f"nccl-probe: rank {ident.rank}: the process group could not start: "
+                          f"{_first_line(e)}", EXIT_INCOMPLETE) from None
     try:
         return _run(comm, ident, opts, out, emulate, checked, cases, set_env, env_notes,
                     size_notes, started)
+    except ParityError:
+        raise
+    except RuntimeError as e:  # a collective failed (NCCL error, a peer gone, a timeout)
+        raise ParityError(f"nccl-probe: rank {ident.rank}: {_first_line(e)}",
+                          EXIT_INCOMPLETE) from None
     finally:
         comm.close()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
 def _run(comm: Comm, ident: Identity, opts: Options, out: Path, emulate, checked, cases,
