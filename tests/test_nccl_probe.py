@@ -347,3 +347,31 @@ def test_real_logs_give_the_probe_their_rings_and_channel_counts(tmp_path):
     assert (ring[ring.index(0):] + ring[:ring.index(0)])[:10] == (
         0, 7, 6, 5, 4, 3, 2, 9, 8, 15)  # read from rank 0, the cut line's prefix
     assert any("an assumption" in n for n in plan["notes"])
+
+
+# ------------------------------------------------------- a rank's identity and NCCL settings
+
+
+def test_identity_from_torchrun_or_srun():
+    from parity.probe.rank import identity
+
+    assert identity({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}).how == "torchrun"
+    i = identity({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5"})
+    assert (i.rank, i.world, i.local_rank, i.how) == (5, 16, 5, "srun")
+    with pytest.raises(ParityError, match="every rank of a job"):
+        identity({})
+
+
+def test_nccl_logging_is_set_per_rank_and_keeps_the_users_subsystems(tmp_path):
+    from parity.probe.rank import nccl_environment
+
+    env, notes = nccl_environment(tmp_path, 7, (2, 27, 5),
+                                  {"NCCL_DEBUG_SUBSYS": "NET", "NCCL_DEBUG_FILE": "/x/%h.log"})
+    assert env["NCCL_DEBUG"] == "INFO"
+    assert env["NCCL_DEBUG_SUBSYS"] == "NET,INIT,GRAPH,TUNING,ENV"
+    assert env["NCCL_DEBUG_FILE"] == str(tmp_path / LOGS_DIR / "nccl.rank-00007.log")
+    assert env["NCCL_GRAPH_DUMP_FILE"] == str(tmp_path / LOGS_DIR / "nccl-graph.xml")
+    assert any("NCCL_DEBUG_FILE=/x/%h.log replaced" in n for n in notes)
+    old, _ = nccl_environment(tmp_path, 0, (2, 5, 6), {"NCCL_DEBUG_SUBSYS": "^COLL"})
+    assert "NCCL_GRAPH_DUMP_FILE" not in old  # NCCL 2.6 added it
+    assert old["NCCL_DEBUG_SUBSYS"] == "INIT,GRAPH,TUNING,ENV"
