@@ -286,7 +286,7 @@ class Session(RankRecord, StepClock, ParamTable):
         cls = sources.BY_NAME[name]
         source = cls(self._source_hooks(cls.source))
         if not source.ready():
-            return  # half-imported: the first forward asks again
+            return  # half-imported: torch.compile or the first optimizer step asks again
         self._sources[name] = None
         try:
             reason, echo = source.install(), cls.echo

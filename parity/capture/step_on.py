@@ -18,7 +18,8 @@ m import f`` executed earlier) is not seen: name the module where the trainer lo
 The parameters of the step, in this order: the ``param_groups`` of an argument that has them (a
 foreign optimizer, ``self`` of ``Optimizer.step``); the parameters of ``nn.Module`` arguments
 and the parameters (tensors that require grad) among the arguments, one level into lists,
-tuples and dicts; else the parameters of the model (the live module tree holding the most trainable parameters).
+tuples and dicts; else the parameters of the model (the live module tree holding the most
+trainable parameters).
 """
 
 from __future__ import annotations

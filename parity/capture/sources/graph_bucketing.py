@@ -14,10 +14,11 @@ recorded (graph.py), and measures the same thing on the same graph: the node pos
 before the pass runs, and, right after, each merged collective's members as the pass lists
 them (``node.meta["from_node"]`` entries of pass ``bucketing_pass``, in bucket order: torch
 2.13 ``torch/_inductor/fx_passes/bucketing.py`` ``_populate_node_meta``). Wrapped, when
-present: ``torch._inductor.fx_passes.fsdp.bucket_fsdp_all_gather`` / ``bucket_fsdp_reduce_scatter``
-(inductor's ``bucket_*_fx = "only_fsdp"`` and the FSDP pre-bucketing of overlap scheduling, both
-of which look the name up at call time) and ``torch._inductor.fx_passes.bucketing.bucket_all_gather``
-/ ``bucket_reduce_scatter`` (``bucket_*_fx = "all"``). The pass and its result are untouched;
+present: ``torch._inductor.fx_passes.fsdp.bucket_fsdp_all_gather`` /
+``bucket_fsdp_reduce_scatter`` (inductor's ``bucket_*_fx = "only_fsdp"`` and the FSDP
+pre-bucketing of overlap scheduling, both of which look the name up at call time) and
+``torch._inductor.fx_passes.bucketing.bucket_all_gather`` / ``bucket_reduce_scatter``
+(``bucket_*_fx = "all"``). The pass and its result are untouched;
 a pass bound elsewhere by name (a trainer's own import) is not seen, and its graph has no such
 figure.
 """
