@@ -25,7 +25,6 @@ is initialised in ``Session.__init__``), split out so that each concern reads on
 
 from __future__ import annotations
 
-
 import torch
 
 from parity.artifacts import NO_HASH
