@@ -307,3 +307,48 @@ def test_cli_spec_errors_exit_2_with_one_line_naming_file_and_key(tmp_path, text
     assert len(lines) == 1 and lines[0].startswith("parity: error: bad.toml: "), r.stderr
     assert key in lines[0]
     assert not out.exists()  # nothing launched, nothing created
+
+
+# ------------------------------------------------------------------ per-value world overrides
+
+
+def test_an_axis_value_sets_its_cells_world_and_emulation():
+    """cuda-default.toml: the CUDA-graph cells run one rank on NCCL without the spec's emulation
+    or prediction; the others run the spec's 4 emulated ranks."""
+    from parity.sweep.spec import default_spec_path, load_spec
+
+    sp = load_spec(default_spec_path(cuda=True))
+    cells = {c.id: c for c in sp.cells()}
+    assert len(cells) == 8
+    for cid, c in cells.items():
+        if "cudagraphs=true" in cid:
+            assert (c.nproc_per_node, c.emulate_nccl, c.at) == (1, None, None)
+            assert "--cudagraphs" in c.sides["candidate"].entry_argv
+        else:
+            assert (c.nproc_per_node, c.emulate_nccl, c.at) == (4, "2x2:channels=4",
+                                                                 "2x2:channels=4")
+    # the reference of the two bucket orders is one job (same fingerprint), per world
+    fps = {c.sides["reference"].fingerprint(sp, c) for c in cells.values()}
+    assert len(fps) == 4
+
+
+def test_axis_set_is_validated():
+    base = """
+name = "t"
+[axes.flash]
+values = [true, false]
+[reference]
+argv = ["-m", "mod"]
+[candidate]
+argv = ["-m", "mod", "--compiled"]
+"""
+    sp = spec(base + '[axes.flash.set.true]\nnproc_per_node = 4\nemulate_nccl = "2x2"\n')
+    c = {c.id: c for c in sp.cells()}
+    assert c["flash=true"].nproc_per_node == 4 and c["flash=true"].emulate_nccl == "2x2"
+    assert c["flash=false"].emulate_nccl is None and c["flash=false"].nproc_per_node == 2
+    for bad, why in (
+            ('[axes.flash.set.true]\nnproc_per_node = 2\nemulate_nccl = "2x2"\n', "needs 4 ranks"),
+            ('[axes.flash.set.maybe]\nnproc_per_node = 1\n', "not a value of axis flash"),
+            ('[axes.flash.set.true]\nthreads = 1\n', "unknown key"),
+            ('[axes.flash.set.true]\nat = "2y2"\n', "at")):
+        assert why in error(base + bad), bad

@@ -196,9 +196,7 @@ def _payload_pieces(buffer: Any, warnings: list[str] | None = None
         if name in _PRE_AG_OPS and isinstance(cur.args[0], (list, tuple)):
             dtypes = None
             try:
-                from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
-
-                dtypes = [_ALL_DTYPES[i] for i in cur.args[3]]
+                dtypes = _pre_bucket_dtypes(cur, len(cur.args[0]))
             except Exception as e:  # said: the sizes then come from the traced values' dtypes
                 if warnings is not None:
                     warnings.append(f"{cur.name}: payload dtypes not read from torch's bucketing "
@@ -216,6 +214,31 @@ def _payload_pieces(buffer: Any, warnings: list[str] | None = None
             break
         cur = nxt
     return [buffer], None, "single"
+
+
+def _pre_bucket_dtypes(node: Any, n: int) -> list[Any]:
+    """The dtype each payload of a ``bucketing::_pre_bucket_all_gather`` node is copied in,
+    read by the op's own argument names (its schema), which moved between torch versions
+    (``torch/_inductor/fx_passes/bucketing.py``, ``_pre_bucket_all_gather``):
+
+    * 2.11: ``(ag_ins, group_size, group_name, dtype, rank)``: every payload is cast to the
+      one bucket ``dtype``;
+    * later: ``(ag_ins, group_size, [group_name,] dtype, out_dtype_ints, rank, ...)``: payload
+      i in ``_ALL_DTYPES[out_dtype_ints[i]]`` (indices into that torch's own dtype tuple).
+    """
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs or {})
+    ints = bound.get("out_dtype_ints")
+    if ints is not None:
+        from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
+
+        return [_ALL_DTYPES[i] for i in ints]
+    dtype = bound.get("dtype")
+    if dtype is None or not hasattr(dtype, "itemsize"):
+        raise TypeError(f"no out_dtype_ints or dtype argument in {names or 'its arguments'}")
+    return [dtype] * n
 
 
 def _group_size(arg: Any) -> int:
