@@ -7,7 +7,8 @@ one pinned torch. Each fixture is what one torch version's passes produced for t
 workload (1 layer, dim 16, 2 ranks on gloo, rank 0's graphs), written by running this file on
 that torch:
 
-    torchrun --standalone --nproc_per_node 2 tests/bucketing_graphs.py OUT.json
+    for c in manual-bf16 auto-fp32; do
+        torchrun --standalone --nproc_per_node 2 tests/bucketing_graphs.py OUT.json $c; done
 
 and ``tests/test_bucketing_graphs.py`` runs parity's walker (graph_walk.extract_buckets) over
 every fixture on the pinned torch, through :func:`load`. A node keeps what the walker reads: op,
@@ -91,14 +92,14 @@ def dump_graph(gm, input_fqns, output_fqns, graph_kind, rs_payload_fqns) -> dict
             "rs_payload_fqns": rs, "nodes": nodes}
 
 
-def record(out_path: str) -> int:
-    """In every rank of a 2-rank torchrun: run the workload once per config with capture on,
-    keeping rank 0's post-pass graphs; rank 0 writes ``out_path``."""
+def record(out_path: str, config: str) -> int:
+    """In every rank of a 2-rank torchrun: run the workload of ``config`` with capture on,
+    keeping rank 0's post-pass graphs; rank 0 adds them to ``out_path`` (one process per
+    config: a second process group in one process hung on torch 2.11)."""
     import torch
 
     import parity.capture
     from parity.capture.sources import graph as graph_source
-    from parity.capture.sources import graph_walk
     from parity.workloads import train
 
     rank = int(os.environ.get("RANK", "0"))
@@ -121,7 +122,7 @@ def record(out_path: str) -> int:
         all_dtypes = [str(d) for d in _ALL_DTYPES]
     except Exception:  # noqa: BLE001
         all_dtypes = None
-    for name, args in CONFIGS.items():
+    for name, args in ((config, CONFIGS[config]),):
         current.clear()
         torch._dynamo.reset()
         out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"bucketing-graphs-{name}")
@@ -134,8 +135,12 @@ def record(out_path: str) -> int:
             return rc
         graphs[name] = list(current)
     if rank == 0:
-        doc = {"torch": torch.__version__, "all_dtypes": all_dtypes, "graphs": graphs,
-               "walker": graph_walk.__name__}
+        doc = {"torch": torch.__version__, "all_dtypes": all_dtypes, "graphs": {}}
+        if os.path.exists(out_path):
+            with open(out_path) as f:
+                doc["graphs"] = json.load(f).get("graphs", {})
+        doc["graphs"].update(graphs)
+        doc["graphs"] = {k: doc["graphs"][k] for k in CONFIGS if k in doc["graphs"]}
         with open(out_path, "w") as f:  # one node per line: readable, and diffs stay small
             f.write(_lines(doc))
     return 0
@@ -246,4 +251,4 @@ def load(graph: dict):
 
 
 if __name__ == "__main__":
-    sys.exit(record(sys.argv[1]))
+    sys.exit(record(sys.argv[1], sys.argv[2]))

@@ -129,3 +129,61 @@ def test_kernel_compiles_for_sm90_with_vector_loads():
     assert "ld.global.v4.b32" in lanes["loads"], lanes
     assert lanes["mul_wide"] > 0 and lanes["atomics"] == 4
     assert ptx["digest_finish"]["atomics"] == 0
+
+
+@need_cuda
+def test_the_digest_path_queues_without_a_host_sync():
+    """What capture does inside a step (parameters as a stable list, gradients as new tensors
+    of the same parameters) raises under torch's sync debug mode if anything in it waits for
+    the GPU; the bytes, read afterwards, are the reference's."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.randn(n, device="cuda", generator=g) for n in (5, 1000, 70000)]
+    params.append(torch.randn(33, device="cuda", generator=g).bfloat16())
+    params.append(torch.randn(41, device="cuda", generator=g).bfloat16()[1:])  # unaligned view
+    grads = [p * 2 for p in params]
+    want_p = b"".join(hashing._digests_torch(params))
+    want_g = b"".join(hashing._digests_torch(grads))
+    for _ in range(2):  # the first call compiles the kernels and builds the tables
+        hashing.digest_tensors_async(params, "auto", stable=True).result()
+        hashing.digest_tensors_async(grads, "auto", owners=params).result()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dp = hashing.digest_tensors_async(params, "auto", stable=True)
+        dg = hashing.digest_tensors_async(grads, "auto", owners=params)
+        fresh = [p + 1 for p in params]  # new addresses: a new table, still no sync
+        df = hashing.digest_tensors_async(fresh, "auto")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert dp.result() == want_p and dg.result() == want_g
+    assert df.result() == b"".join(hashing._digests_torch(fresh))
+
+
+@need_cuda
+def test_capture_on_one_gpu_writes_every_step_in_order(tmp_path):
+    """parity exec of the workload at one rank on NCCL: device digests, every step recorded
+    (step k written at step k+1's end or at close), in order, the loss of each step."""
+    import subprocess
+    import sys
+
+    from parity.artifacts import read_run
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "parity", "exec", "--out", str(out), "--", sys.executable, "-m",
+         "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m",
+         "parity.workloads.train", "--device", "cuda", "--backend", "nccl", "--steps", "4"],
+        cwd=root, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rd = read_run(out).ranks[0]
+    assert sorted(rd.steps) == [0, 1, 2, 3, 4]
+    assert all(rd.steps[k]["loss"] is not None and rd.steps[k]["grad_digest"]
+               for k in (1, 2, 3, 4))
+    cap = rd.meta["capture"]
+    assert cap["hasher"] == "device" and cap["device_digest"] == "triton"
+    assert cap["device_digest_version"] == hashing.DEVICE_DIGEST_VERSION
+    lines = (out / "rank-00000" / "steps.jsonl").read_text().splitlines()
+    import json
+
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3, 4]

@@ -299,12 +299,14 @@ class Digests:
         return out.tobytes()
 
 
-def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = False) -> Digests:
+def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = False,
+                         owners: list | None = None) -> Digests:
     """``digest_tensors`` without waiting for a device: CUDA tensors (``device``/``auto``) go to
     the Triton kernels where they are usable and come back as a pending part; everything else
     (xxh3, the torch-ops fallback) is computed now. ``stable`` says the list holds the same
-    tensor objects from call to call (the parameter table): hashing_triton then reuses its
-    device table after checking only their addresses."""
+    tensor objects from call to call (the parameter table), ``owners`` that ``tensors[i]`` is
+    ``owners[i].grad`` for parameters that stay the same: hashing_triton then reuses its device
+    table after checking little more than the addresses."""
     n = len(tensors)
     if hasher == "xxh3":
         return Digests(n, [(None, b"".join(NO_HASH if t is None else _xxh3(_local(t))
@@ -312,7 +314,7 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
     if n and hasher in ("auto", "device"):
         from parity.capture import hashing_triton
 
-        fast = hashing_triton.digest_all_cuda(tensors, stable)  # the common case: every one CUDA
+        fast = hashing_triton.digest_all_cuda(tensors, stable, owners)  # the common case
         if fast is not None:
             return Digests(n, [], [(None, fast)])
     known: list[tuple[list[int] | None, bytes]] = []

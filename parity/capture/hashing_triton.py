@@ -245,10 +245,17 @@ def _plain(locs: list[torch.Tensor]) -> bool:
     return True
 
 
-def digest_all_cuda(tensors: list, stable: bool = False) -> Pending | None:
+def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = None
+                    ) -> Pending | None:
     """The fast path of ``hashing.digest_tensors_async``: every tensor present, strided, CUDA,
     on one device, contiguous. None when any is not (the caller takes the general path) or
-    when the kernels are not usable."""
+    when the kernels are not usable.
+
+    The table of an earlier call is reused without looking at more than the addresses when the
+    list is ``stable`` (the same tensor objects: the parameter table) or when ``owners`` says
+    whose ``.grad`` each tensor is (the same parameters as then): autograd gives a parameter's
+    gradient the parameter's shape and dtype, and with unified addressing an address names one
+    device, so only contiguity is checked again."""
     if not usable():
         return None
     try:
@@ -256,19 +263,24 @@ def digest_all_cuda(tensors: list, stable: bool = False) -> Pending | None:
         ptrs = list(map(_DATA_PTR, locs))  # TypeError for None, RuntimeError for sparse
     except (TypeError, RuntimeError):
         return None
+    key = None
     if stable:
-        ids = tuple(map(id, locs))
-        hit = _stable.get(ids)
-        if hit is not None and hit[0] == ptrs:  # same objects (held by hit[2]), same storage
-            _stable.move_to_end(ids)
+        key = ("same", tuple(map(id, locs)))
+    elif owners is not None and len(owners) == len(locs):
+        key = ("grads of", tuple(map(id, owners)))
+    if key is not None:
+        hit = _stable.get(key)
+        # same objects or owners (held by hit[2]), same storage
+        if hit is not None and hit[0] == ptrs and (stable or all(map(_IS_CONTIGUOUS, locs))):
+            _stable.move_to_end(key)
             return _launch_plan(hit[1])
     devs = set(map(_GET_DEVICE, locs))
     if len(devs) != 1 or min(devs) < 0 or not _plain(locs):
         return None
     pending = _run(locs, ptrs)
-    if pending is not None and stable:
-        _stable[ids] = (ptrs, pending.keep[2] if pending.keep else None, locs)
-        if len(_stable) > 4:
+    if pending is not None and key is not None and pending.keep:
+        _stable[key] = (ptrs, pending.keep[2], locs if stable else list(owners))
+        if len(_stable) > 8:
             _stable.popitem(last=False)
     return pending
 

@@ -124,11 +124,12 @@ class StepClock:
             return
         table = self.table
         if rows == list(range(len(table))):  # every row, in order: rows 0..n-1 (an int)
-            grads, key = list(map(_GRAD, table)), len(table)
+            owners, key = table, len(table)
         else:
-            grads, key = list(map(_GRAD, map(table.__getitem__, rows))), rows
+            owners, key = list(map(table.__getitem__, rows)), rows
+        grads = list(map(_GRAD, owners))
         self._grad_rows.update(dict.fromkeys(rows, len(self._grad_parts)))
-        self._grad_parts.append((key, digest_tensors_async(grads, self.hasher)))
+        self._grad_parts.append((key, digest_tensors_async(grads, self.hasher, owners=owners)))
 
     def _grad_line(self) -> list:
         """This step's gradient digests in table order, as parts still perhaps on the device
