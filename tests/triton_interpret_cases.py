@@ -71,7 +71,7 @@ def main():
            for i, n in enumerate(names)}
     out["lanes"] = [hashing.device_lanes_torch(tensors),
                     hashing_triton.device_lanes(tensors, BLOCK, ITERS)]
-    flat = [hashing._materialized(t) for t in tensors]
+    flat = [hashing_triton.materialized(t) for t in tensors]
     plan = hashing_triton._build([t.data_ptr() for t in flat], [t.nbytes for t in flat],
                                  [t.dtype for t in flat], torch.device("cpu"), BLOCK * ITERS)
     out["modes"] = sorted({int(m) for m in (plan.table[:plan.rows, 3] & 7).tolist()})

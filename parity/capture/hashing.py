@@ -31,6 +31,9 @@ import torch
 import xxhash
 
 from parity.artifacts import HASH_BYTES, NO_HASH
+from parity.capture import hashing_triton
+from parity.capture.hashing_triton import dtype_key
+from parity.capture.hashing_triton import materialized as _materialized
 
 __all__ = ["local_tensor", "host_digest", "device_digest", "device_digests", "device_lanes_torch",
            "digest_tensors", "digest_tensors_async", "Digests", "finish", "HASHERS",
@@ -58,15 +61,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return _local(t).detach()
 
 
-def _materialized(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its lazy conjugate/negation applied and contiguous (a copy only if needed)."""
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -185,17 +179,6 @@ def _combine(halves: list[list[int]]) -> list[int]:
     return [(lo + (hi << 32)) & _M64 for lo, hi in zip(halves[0], halves[1])]
 
 
-_DTYPE_KEYS: dict[torch.dtype, int] = {}
-
-
-def dtype_key(dtype: torch.dtype) -> int:
-    """The 64-bit key of a dtype in the finish: xxh3-64 of its name (``torch.bfloat16``)."""
-    k = _DTYPE_KEYS.get(dtype)
-    if k is None:
-        k = _DTYPE_KEYS[dtype] = xxhash.xxh3_64_intdigest(str(dtype).encode())
-    return k
-
-
 def _fmix(x: int) -> int:
     """murmur3's fmix64: a bijection of 64-bit words (digest_kernels._fmix does the same)."""
     x ^= x >> 33
@@ -242,8 +225,6 @@ def device_backend() -> str:
     (recorded in meta.json; the values are the same either way)."""
     if not torch.cuda.is_available():
         return "torch"
-    from parity.capture import hashing_triton
-
     return "triton" if hashing_triton.usable() else "torch"
 
 
@@ -312,8 +293,6 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
         return Digests(n, [(None, b"".join(NO_HASH if t is None else _xxh3(_local(t))
                                            for t in tensors))], [])
     if n and hasher in ("auto", "device"):
-        from parity.capture import hashing_triton
-
         fast = hashing_triton.digest_all_cuda(tensors, stable, owners)  # the common case
         if fast is not None:
             return Digests(n, [], [(None, fast)])
@@ -335,8 +314,6 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
     if dev_pos:
         cuda = [k for k, t in enumerate(dev_t) if t.is_cuda]
         if cuda:
-            from parity.capture import hashing_triton
-
             p = hashing_triton.digest_cuda([dev_t[k] for k in cuda]) if hashing_triton.usable() \
                 else None
             if p is not None:

@@ -36,8 +36,9 @@ from collections import OrderedDict
 from operator import attrgetter
 
 import torch
+import xxhash
 
-__all__ = ["usable", "device_lanes", "digest_cuda", "digest_all_cuda", "Pending", "BLOCK", "ITERS"]
+__all__ = ["usable", "materialized", "dtype_key", "device_lanes", "digest_cuda", "digest_all_cuda", "Pending", "BLOCK", "ITERS"]
 
 BLOCK = 1024  # units per vector step of a program
 ITERS = 16    # vector steps per program: 16 Ki units (64 KiB of words) per full row
@@ -55,6 +56,29 @@ _NBYTES = attrgetter("nbytes")
 _DTYPE = attrgetter("dtype")
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _GET_DEVICE = torch.Tensor.get_device
+
+
+def materialized(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its lazy conjugate/negation applied and contiguous (a copy only if needed)."""
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t
+
+
+_DTYPE_KEYS: dict[torch.dtype, int] = {}
+
+
+def dtype_key(dtype: torch.dtype) -> int:
+    """The 64-bit key of a dtype in the device digest's finish (both implementations): xxh3-64
+    of its name (``torch.bfloat16``)."""
+    k = _DTYPE_KEYS.get(dtype)
+    if k is None:
+        k = _DTYPE_KEYS[dtype] = xxhash.xxh3_64_intdigest(str(dtype).encode())
+    return k
 
 
 def _triton():
@@ -102,8 +126,6 @@ def _build(ptrs: list[int], nbytes: list[int], dtypes: list, device, chunk: int)
     for all of it."""
     import numpy as np
 
-    from parity.capture import hashing
-
     k = _kernels()
     n = len(ptrs)
     addr = np.array(ptrs, dtype=np.int64)
@@ -141,7 +163,7 @@ def _build(ptrs: list[int], nbytes: list[int], dtypes: list, device, chunk: int)
     table = np.concatenate(parts) if parts else np.zeros((0, 4), np.int64)
     if len(table):
         table = table[np.lexsort((table[:, 2], table[:, 3] >> k.MODE_BITS))]  # by tensor, start
-    keys = np.stack([nb, np.array([hashing.dtype_key(d) for d in dtypes],
+    keys = np.stack([nb, np.array([dtype_key(d) for d in dtypes],
                                   dtype=np.uint64).view(np.int64)], 1) if n else \
         np.zeros((0, 2), np.int64)
     rows = len(table)
@@ -297,9 +319,7 @@ def _launch_plan(plan: _Plan) -> Pending | None:
 def digest_cuda(locs: list[torch.Tensor]) -> Pending | None:
     """Digests of local CUDA tensors (any layout: copied contiguous where needed), grouped by
     device; None if the kernels failed (the caller falls back to torch ops)."""
-    from parity.capture.hashing import _materialized
-
-    flat = [_materialized(t) for t in locs]
+    flat = [materialized(t) for t in locs]
     devs = {t.device for t in flat}
     if len(devs) == 1:
         return _run(flat, list(map(_DATA_PTR, flat)))
@@ -337,9 +357,7 @@ class _Grouped:
 def digest_interpreted(locs: list[torch.Tensor], block: int, iters: int) -> bytes:
     """The digests the kernels compute for CPU tensors under ``TRITON_INTERPRET=1`` (tests:
     ``block``/``iters`` tiny so that the interpreter is fast and tensors span many rows)."""
-    from parity.capture.hashing import _materialized
-
-    flat = [_materialized(t) for t in locs]
+    flat = [materialized(t) for t in locs]
     plan = _build(list(map(_DATA_PTR, flat)), list(map(_NBYTES, flat)),
                   list(map(_DTYPE, flat)), flat[0].device, block * iters)
     return _launch(plan, block, iters).result()
@@ -349,9 +367,7 @@ def device_lanes(locs: list[torch.Tensor], block: int = BLOCK,
                  iters: int = ITERS) -> list[list[int]]:
     """The four lanes of each tensor from the lanes kernel alone (waits; for tests and the
     reference comparison on CUDA or under the interpreter)."""
-    from parity.capture.hashing import _materialized
-
-    flat = [_materialized(t) for t in locs]
+    flat = [materialized(t) for t in locs]
     plan = _build(list(map(_DATA_PTR, flat)), list(map(_NBYTES, flat)),
                   list(map(_DTYPE, flat)), flat[0].device, block * iters)
     lanes = torch.zeros(max(plan.n, 1), 4, dtype=torch.int64, device=plan.device)
