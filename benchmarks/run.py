@@ -524,6 +524,13 @@ def _cuda_capture(quick: bool, tmp: Path, emit) -> None:
         capt.append(_wall_step_ms([sys.executable, "-m", "parity", "exec", "--out", str(out),
                                    "--"] + train, ROOT))
         emit(f"cuda_step_ms_capture_{i}", capt[-1])
+        try:  # where the time goes: capture's own host time per step (meta.json capture.seconds)
+            cap = json.loads((out / "rank-00000" / "meta.json").read_text())["capture"]
+            emit(f"cuda_capture_host_ms_per_step_{i}", cap["seconds"] / max(cap["steps"], 1) * 1e3)
+            if cap.get("warnings"):
+                emit(f"cuda_capture_warnings_{i}", "; ".join(cap["warnings"])[:300])
+        except (OSError, ValueError, KeyError) as e:
+            emit(f"cuda_capture_meta_{i}", f"unreadable: {e}")
         shutil.rmtree(out, ignore_errors=True)
     emit("cuda_capture_overhead", statistics.median(capt) / statistics.median(base))
 
