@@ -220,10 +220,12 @@ def _train_cmd(steps: int) -> list[str]:
             "-m", "parity.workloads.train", "--mode", "eager", "--steps", str(steps)]
 
 
-def _mean_step_ms(cmd: list[str], cwd: Path) -> float:
+def _mean_step_ms(cmd: list[str], cwd: Path, figure: str = "mean_step_ms") -> float:
+    """A figure of the workload's done line (``mean_step_ms``: the host's time per step;
+    ``wall_step_ms``: steps 2..N to the GPU's end)."""
     proc = subprocess.run(cmd, cwd=cwd, env=_env_one_thread(), capture_output=True, text=True,
                           timeout=600)
-    m = re.search(r"mean_step_ms=([0-9.]+)", proc.stdout)
+    m = re.search(rf"{figure}=([0-9.]+)", proc.stdout)
     if proc.returncode != 0 or not m:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"workload failed (exit {proc.returncode}): {' | '.join(tail)}")
@@ -492,14 +494,7 @@ def _cuda_host_time(quick: bool, emit) -> None:
 
 
 def _wall_step_ms(cmd: list[str], cwd: Path) -> float:
-    """The workload's wall time per step (steps 2..N, the GPU's end included)."""
-    proc = subprocess.run(cmd, cwd=cwd, env=_env_one_thread(), capture_output=True, text=True,
-                          timeout=600)
-    m = re.search(r"wall_step_ms=([0-9.]+)", proc.stdout)
-    if proc.returncode != 0 or not m:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"workload failed (exit {proc.returncode}): {' | '.join(tail)}")
-    return float(m.group(1))
+    return _mean_step_ms(cmd, cwd, "wall_step_ms")
 
 
 def _cuda_capture(quick: bool, tmp: Path, emit) -> None:
