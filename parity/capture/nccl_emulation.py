@@ -409,6 +409,9 @@ def _create(store, rank, size, timeout):
     # methods that have no Python trampoline; they reach this gloo backend directly. That is
     # right for copies; that no reduction takes this way is checked once (_probe).
     outer._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+    # torch 2.15's init_process_group asks the new group's default backend at once (its flight
+    # recorder hook, distributed_c10d._maybe_attach_flight_recorder): gloo's, as for inner
+    outer._set_default_backend(ProcessGroup.BackendType.GLOO)
     return outer
 
 
