@@ -46,6 +46,7 @@ import torch
 
 from parity.capture.env import say
 from parity.errors import EXIT_USAGE, ParityError
+from parity.nccl.probe_file import describe_file
 from parity.nccl import (MODEL, MODEL_LIMITS, Topology, all_reduce_segments,
                                parse_topology, reduce_scatter_segments, sum_order)
 
@@ -544,6 +545,7 @@ def describe() -> dict | None:
         counts = {k: v for k, v in _counts.items() if k != "groups"}
         passed = dict(_passed)
     return {"topology": _topology.spec(), "detail": _topology.to_dict(), "model": MODEL,
+            "topology_file": describe_file(_topology),  # a probe's file: its agreement
             "limits": MODEL_LIMITS, "backend": BACKEND_NAME, "emulated": counts,
             "passed_to_gloo": passed}
 

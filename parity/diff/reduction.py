@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from parity.diff.buckets import Bucket, Layout, eager_for
+from parity.nccl.probe_file import describe_file
 from parity.nccl import MODEL, MODEL_LIMITS, Topology, parse_topology, reduce_scatter_segments
 
 if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
@@ -88,6 +89,7 @@ class ReductionPrediction:
 
     def to_dict(self) -> dict:
         return {"topology": self.topology.to_dict(), "model": self.model,
+                "topology_file": describe_file(self.topology),  # nccl-probe's agreement
                 "limits": MODEL_LIMITS, "verdict": self.verdict,
                 "at_risk": [x.to_dict() for x in self.at_risk],
                 "elements_at_risk": sum(x.elements for x in self.at_risk),
