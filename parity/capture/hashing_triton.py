@@ -267,6 +267,21 @@ def _plain(locs: list[torch.Tensor]) -> bool:
     return True
 
 
+_PLAIN_TYPES = {torch.Tensor, torch.nn.Parameter}
+_LOCAL = attrgetter("_local_tensor")
+
+
+def _locals(tensors: list) -> list:
+    """The local tensors (a DTensor's ``_local_tensor``), with as few Python steps per tensor as
+    the list allows: plain tensors as they are, a list of DTensors through one attrgetter."""
+    types = set(map(type, tensors))
+    if types <= _PLAIN_TYPES:
+        return tensors
+    if not types & _PLAIN_TYPES and all(hasattr(t, "_local_tensor") for t in types):
+        return list(map(_LOCAL, tensors))
+    return [getattr(t, "_local_tensor", t) for t in tensors]
+
+
 def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = None
                     ) -> Pending | None:
     """The fast path of ``hashing.digest_tensors_async``: every tensor present, strided, CUDA,
@@ -281,7 +296,7 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
     if not usable():
         return None
     try:
-        locs = [getattr(t, "_local_tensor", t) for t in tensors]
+        locs = _locals(tensors)
         ptrs = list(map(_DATA_PTR, locs))  # TypeError for None, RuntimeError for sparse
     except (TypeError, RuntimeError):
         return None
