@@ -316,7 +316,7 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
         return None
     pending = _run(locs, ptrs)
     if pending is not None and key is not None and pending.keep:
-        _stable[key] = (ptrs, pending.keep[2], list(locs if stable else owners))  # held: ids stay theirs
+        _stable[key] = (ptrs, pending.keep[2], list(locs if stable else owners))  # ids stay valid
         if len(_stable) > 8:
             _stable.popitem(last=False)
     return pending
