@@ -38,7 +38,8 @@ from operator import attrgetter
 import torch
 import xxhash
 
-__all__ = ["usable", "materialized", "dtype_key", "device_lanes", "digest_cuda", "digest_all_cuda", "Pending", "BLOCK", "ITERS"]
+__all__ = ["usable", "materialized", "dtype_key", "device_lanes", "digest_cuda", "digest_all_cuda",
+           "Pending", "BLOCK", "ITERS"]
 
 BLOCK = 1024  # units per vector step of a program
 ITERS = 16    # vector steps per program: 16 Ki units (64 KiB of words) per full row

@@ -46,7 +46,8 @@ def _order_text(r) -> tuple[str, str]:
     instead of blaming missing manifests."""
     o = r.order
     if o.verdict == "unavailable" and not o.compared:
-        only = [n.split(": only ", 1) for n in o.notes if ": only " in n and "recorded buckets" in n]
+        only = [n.split(": only ", 1) for n in o.notes
+                if ": only " in n and "recorded buckets" in n]
         if only:
             said = "; ".join(f"{side[0]} recorded {coll} buckets, {'B' if side[0] == 'A' else 'A'} "
                              "none" for coll, side in only)
