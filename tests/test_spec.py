@@ -352,3 +352,25 @@ argv = ["-m", "mod", "--compiled"]
             ('[axes.flash.set.true]\nthreads = 1\n', "unknown key"),
             ('[axes.flash.set.true]\nat = "2y2"\n', "at")):
         assert why in error(base + bad), bad
+
+
+def test_cuda_default_dry_run_runs_each_cell_at_its_own_world(tmp_path):
+    """The per-value world reaches the jobs: emulated cells at 4 ranks under the 2x2 emulation,
+    CUDA-graph cells at one rank on NCCL without it (the commands a --dry-run prints)."""
+    proc = subprocess.run([*PARITY, "sweep", str(default_spec_path(cuda=True)), "--dry-run",
+                           "--out", str(tmp_path / "s")], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cell, seen = None, 0
+    for line in proc.stdout.splitlines():
+        if line.startswith("bucket_order="):
+            cell = line.split()[0]
+        elif line.strip().startswith(("reference:", "candidate:")) and "torch.distributed.run" in line:
+            seen += 1
+            if "cudagraphs=true" in cell:
+                assert "--nproc_per_node 1 " in line and "--emulate-nccl" not in line
+                assert "--backend nccl" in line
+            else:
+                assert "--nproc_per_node 4 " in line and "--emulate-nccl 2x2:channels=4" in line
+                assert "--backend gloo" in line
+    assert seen >= 12  # 16 on CPU (all skipped); on a GPU the two orders share their reference
