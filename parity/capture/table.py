@@ -30,7 +30,7 @@ import torch
 from parity.artifacts import NO_HASH
 from parity.capture import trees
 from parity.capture.env import one_line
-from parity.capture.hashing import digest_tensors, local_tensor
+from parity.capture.hashing import Digests, digest_tensors, digest_tensors_async, local_tensor
 from parity.capture.names import normalize_fqn
 from parity.records import dtype_name
 
@@ -258,14 +258,17 @@ class ParamTable:
     # ------------------------------------------------------------------------ hashing
     def _tensors(self) -> list:
         """What the table's rows hold now (parameters, and buffers looked up on their module)."""
+        if not self._buffer_keys:  # no buffer rows: the table itself (a copy)
+            return list(self.table)
         return [p.tensor() if type(p) is _Buffer else p for p in self.table]
 
-    def _digest_rows(self, tensors: list, rows=None) -> bytes:
-        """``digest_tensors`` of ``tensors`` (table rows ``rows``, default 0..n-1); a tensor that
-        cannot be hashed (a buffer replaced by a meta tensor, a subclass) gets NO_HASH and is
-        named (``capture.unhashed``) instead of turning capture off."""
+    def _digest_rows(self, tensors: list, rows=None, **options) -> Digests:
+        """``digest_tensors_async`` of ``tensors`` (table rows ``rows``, default 0..n-1;
+        ``options`` passed on); a tensor that cannot be hashed (a buffer replaced by a meta
+        tensor, a subclass) gets NO_HASH and is named (``capture.unhashed``) instead of turning
+        capture off."""
         try:
-            return digest_tensors(tensors, self.hasher)
+            return digest_tensors_async(tensors, self.hasher, **options)
         except Exception:  # noqa: BLE001 - find the tensor, say it, hash the rest
             pass
         rows = list(range(len(tensors))) if rows is None else list(rows)
@@ -279,7 +282,7 @@ class ParamTable:
                 out.append(NO_HASH)
                 fqn = self.entries[row]["fqn"] if 0 <= row < len(self.entries) else f"<row {row}>"
                 self._note_unhashed(fqn, one_line(e))
-        return b"".join(out)
+        return Digests(len(tensors), [(None, b"".join(out))], [])
 
     def _note_unhashed(self, fqn: str, reason: str) -> None:
         """A tensor of a model that is not hashed: said on the verdict line (meta.json)."""
@@ -321,8 +324,8 @@ class ParamTable:
                 self._append_param(p, raw, root)
                 good.append(p)
             if good:
-                self._p0.append(self._digest_rows(good, range(len(self.table) - len(good),
-                                                              len(self.table))))
+                self._p0.append(self._digest_rows(
+                    good, range(len(self.table) - len(good), len(self.table))).result())
                 self._table_dirty = True
         self._sync_trees(None)
 
@@ -406,7 +409,7 @@ class ParamTable:
         if not tensors:
             return 0
         if since is None:
-            self._p0.append(self._digest_rows(tensors, range(start, len(self.table))))
+            self._p0.append(self._digest_rows(tensors, range(start, len(self.table))).result())
             self._table_dirty = True
         else:
             self._ensure_writer().write_params(self.entries)
