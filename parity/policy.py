@@ -195,8 +195,8 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         ranks = fd.get("ranks") or []
         if ranks:
             what += f" on rank {', '.join(str(r) for r in ranks[:8])}"
-        if fd.get("origin"):
-            what += f" ({fd['origin']})"
+        if fd.get("label") or fd.get("origin"):  # what was compared and found, not a pass
+            what += f" ({fd.get('label') or fd['origin']})"
         (v.failed if fails_on_hash(policy) else v.tolerated).append(what)
     elif hv == "match":
         v.held.append(f"hashes bitwise identical over {scope} ({', '.join(kinds)})")

@@ -112,7 +112,8 @@ class Session(RankRecord, StepClock, ParamTable):
         self.loss_ref = None
         self._step_loss = None
         self._step_sampled = True
-        self._grad_rows: dict[int, bytes] = {}  # table row -> digest of the gradient consumed
+        # table row -> (digest, figures) of the gradient consumed
+        self._grad_rows: dict[int, tuple[bytes, bytes]] = {}
         self._consumed_handles: dict[int, object] = {}  # id(optimizer) -> our last pre-hook
         self.written = -1  # last step written
         # parameter table
@@ -121,7 +122,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self.entries: list[dict] = []
         self._table_final = False
         self._table_dirty = False
-        self._p0: list[bytes] = []
+        self._p0: list[tuple[bytes, bytes]] = []  # step 0: (digests, figures) per group
         self._buffer_keys: set[tuple[int, str]] = set()  # (id(module), name) of buffer rows
         self._buffers_dirty = True
         self._registration_handles: list = []

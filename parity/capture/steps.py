@@ -110,17 +110,18 @@ class StepClock:
         rows = list(rows)
         if not rows:
             return
-        d = digest_tensors([self.table[i].grad for i in rows], self.hasher)
-        n = len(d) // len(rows)
+        d, f = digest_tensors([self.table[i].grad for i in rows], self.hasher, figures=True)
+        n, m = len(d) // len(rows), len(f) // len(rows)
         for k, i in enumerate(rows):
-            self._grad_rows[i] = d[k * n:(k + 1) * n]
+            self._grad_rows[i] = (d[k * n:(k + 1) * n], f[k * m:(k + 1) * m])
 
-    def _grad_line(self) -> bytes:
-        """This step's gradient digests in table order: as consumed (see _note_consumed), else
-        (a row no optimizer stepped) as they are now."""
+    def _grad_line(self) -> tuple[bytes, bytes]:
+        """This step's gradient (digests, figures) in table order: as consumed (see
+        _note_consumed), else (a row no optimizer stepped) as they are now."""
         missing = [i for i in range(len(self.table)) if i not in self._grad_rows]
         self._note_rows(missing)
-        return b"".join(self._grad_rows[i] for i in range(len(self.table)))
+        rows = [self._grad_rows[i] for i in range(len(self.table))]
+        return b"".join(r[0] for r in rows), b"".join(r[1] for r in rows)
 
     def _wrap_closure(self, args, kwargs):
         """``opt.step(closure)`` (LBFGS and the like) computes the step's loss and gradients

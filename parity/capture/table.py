@@ -247,7 +247,7 @@ class ParamTable:
             names = self._names(new)
             for p in new:
                 self._append_param(p, *names.get(id(p), (None, None)))
-            self._p0.append(digest_tensors(new, self.hasher))
+            self._p0.append(digest_tensors(new, self.hasher, figures=True))
             self._table_dirty = True
         self._sync_buffers(None)
 
@@ -300,7 +300,7 @@ class ParamTable:
         if not bufs:
             return 0
         if since is None:
-            self._p0.append(digest_tensors(bufs, self.hasher))
+            self._p0.append(digest_tensors(bufs, self.hasher, figures=True))
             self._table_dirty = True
         else:
             self._ensure_writer().write_params(self.entries)

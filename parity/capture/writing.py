@@ -182,14 +182,19 @@ class RankRecord:
             w.update_meta()
             w.write_params(self.entries)
             if not self._step_base:  # a restarted attempt continues its rank's steps
-                w.write_step(0, b"".join(self._p0))
+                w.write_step(0, b"".join(d for d, _ in self._p0),
+                             param_figures=b"".join(f for _, f in self._p0))
             self._table_dirty = False
         self._write(1, self._grad_line() if self.grads else None)
 
-    def _write(self, step: int, grads: bytes | None) -> None:
-        params = digest_tensors(self._tensors(), self.hasher)
+    def _write(self, step: int, grads: tuple[bytes, bytes] | None) -> None:
+        """Step ``step``'s record: the parameters' digests and figures now, ``grads`` (digests,
+        figures) as consumed, the loss."""
+        params, p_figs = digest_tensors(self._tensors(), self.hasher, figures=True)
         loss, loss_hash = self._loss(self._step_loss)
-        self._ensure_writer().write_step(self._step_base + step, params, grads, loss, loss_hash)
+        self._ensure_writer().write_step(
+            self._step_base + step, params, None if grads is None else grads[0], loss, loss_hash,
+            param_figures=p_figs, grad_figures=None if grads is None else grads[1])
         if step > self.written:
             self.recorded_steps += 1
         self.written = step
