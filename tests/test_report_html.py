@@ -164,9 +164,12 @@ def test_diff_page_has_its_own_wording_and_the_consoles_content(mismatch_diff):
         assert sweep_word not in page
     assert "<h1>parity diff</h1>" in page
     assert "PARITY FAILS under --fail-on hash (exit 1)" in page
-    assert "Loss of rank" in page and "Divergent per step" in page
+    assert "Loss, side by side" in page and "Divergent per step" in page
     assert "step 0: initial parameters" in page
-    assert "First divergence" in page and ("[backward]" in page or "[forward]" in page)
+    # the label names what was compared and found, never a pass (issue 34)
+    fd = result.first_divergence
+    assert "First divergence" in page and f"<b>{fd.label}</b>" in page
+    assert "Diverged first in" not in page and "[backward]" not in page
 
 
 def test_diff_page_charts_loss_divergence_and_bucketing(mismatch_diff):
