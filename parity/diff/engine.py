@@ -695,9 +695,12 @@ def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
     if neither.any():
         cols = np.flatnonzero(neither.any(axis=0))
         rws = np.flatnonzero(neither.any(axis=1))
-        incomplete.append(f"{int(neither.sum())} (rank, step) record(s) missing on both sides: "
-                          f"step(s) {ranges([steps[j] for j in cols])} on {len(rws)} rank(s) "
-                          f"(first: rank {ranks[rws[0]]})")
+        # a step some rank recorded and this (rank, step) on neither side: the ranks of a run
+        # stopped at different steps (a job interrupted mid-step), not data lost on both sides
+        incomplete.append(f"step(s) {ranges([steps[j] for j in cols])} recorded by some ranks "
+                          f"only: {int(neither.sum())} (rank, step) record(s) neither side has, "
+                          f"on {len(rws)} rank(s) (first: rank {ranks[rws[0]]}; its run stopped "
+                          "earlier there)")
 
 
 def _unaligned(ranks, aligns, glob_only: set, incomplete: list[str]) -> None:

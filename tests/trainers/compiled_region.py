@@ -12,6 +12,9 @@ Options (on the command line, so that `parity bisect` reruns them from run.json'
                       and rounds once: other values than eager's op-by-op rounding.
   --alt-norm          the norm computes ``x / sqrt(ms + eps)`` instead of ``x * rsqrt(ms + eps)``
                       (a deliberate formula change, found op by op under eager and aot_eager)
+  --compile-blocks I  compile only these blocks (comma-separated indexes, default all): a
+                      process that compiles some blocks and runs the rest eagerly
+  --eps E             the norm's epsilon (default 1e-6): a planted forward change
 """
 
 import argparse
@@ -26,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 VOCAB = 64
 DIM = 48
 ALT_NORM = False
+EPS = 1e-6
 
 
 class RMSNorm(nn.Module):
@@ -37,7 +41,7 @@ class RMSNorm(nn.Module):
         # in bfloat16, as mixed-precision trainers run norms: eager rounds every op's output to
         # bfloat16, inductor's fused kernel keeps float32 inside and rounds once
         x = x.to(torch.bfloat16)
-        ms = x.pow(2).mean(-1, keepdim=True) + 1e-6
+        ms = x.pow(2).mean(-1, keepdim=True) + EPS
         h = x / torch.sqrt(ms) if ALT_NORM else x * torch.rsqrt(ms)
         return (h * self.weight.to(torch.bfloat16)).float()
 
@@ -70,13 +74,17 @@ class Model(nn.Module):
 
 
 def main():
-    global ALT_NORM
+    global ALT_NORM, EPS
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--backend", default="eager")
     ap.add_argument("--alt-norm", action="store_true")
+    ap.add_argument("--compile-blocks", default=None)
+    ap.add_argument("--eps", type=float, default=1e-6)
     args = ap.parse_args()
     ALT_NORM = args.alt_norm
+    EPS = args.eps
+    only = None if args.compile_blocks is None else {int(i) for i in args.compile_blocks.split(",")}
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -84,8 +92,8 @@ def main():
     torch.manual_seed(0)
     model = Model()
     backend = args.backend
-    for block in model.layers:
-        if backend != "eager":
+    for i, block in enumerate(model.layers):
+        if backend != "eager" and (only is None or i in only):
             block.compile(backend=backend, fullgraph=True)
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
