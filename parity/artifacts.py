@@ -43,11 +43,13 @@ HASH_MAGIC = b"PRH2"
 KIND_CODES = {"param": 0, "grad": 1}
 # a figures record (issue 34): the same header with its own magic, then n x 24 bytes: per row
 # three little-endian float64, the fp64 sum, the sum of squares and max |x| of the tensor
-# (NaN: not recorded). Summaries for the size of a difference, never part of a verdict.
+# Summaries for the size of a difference, never part of a verdict. A row (NaN, -1, NaN) is a
+# tensor that was not there (a parameter without a gradient): a sum of squares is never
+# negative, so it cannot be a tensor's, not even one holding NaN (whose figures are NaN).
 FIGURES_MAGIC = b"PRF2"
 FIGURE_FIELDS = ("sum", "sumsq", "max_abs")
 FIGURE_BYTES = 8 * len(FIGURE_FIELDS)
-NO_FIGURES = struct.pack("<3d", *(float("nan"),) * 3)
+NO_FIGURES = struct.pack("<3d", float("nan"), -1.0, float("nan"))
 
 
 def write_text_atomic(path: str | os.PathLike, data: str) -> None:
@@ -583,7 +585,8 @@ class RankData:
 
     def figures(self, step: int, kind: str = "param") -> np.ndarray | None:
         """Per-parameter figures of one step (``FIGURE_FIELDS``: fp64 sum, sum of squares,
-        max |x|) as an (n, 3) float64 array, NaN where not recorded; None when the step has
+        max |x|) as an (n, 3) float64 array, rows of ``NO_FIGURES`` where there was no tensor
+        (padded likewise for rows that joined later); None when the step has
         none (a run captured before figures existed) or they are damaged (reported: the bytes
         must have the line's ``figures_digest``). Summaries for the size of a difference: the
         verdict never reads them."""
@@ -598,8 +601,8 @@ class RankData:
                 isinstance(p.get("since"), int) and p["since"] > step for p in self.params[n:]):
             import numpy as np
 
-            pad = np.full((self.n_params - n, len(FIGURE_FIELDS)), np.nan)
-            arr = np.concatenate([arr, pad])
+            pad = np.frombuffer(NO_FIGURES * (self.n_params - n), dtype="<f8")
+            arr = np.concatenate([arr, pad.reshape(-1, len(FIGURE_FIELDS))])
         return arr
 
     def _read_figures(self, step: int) -> dict:

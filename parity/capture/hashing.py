@@ -18,8 +18,8 @@ Two digests, both 16 raw bytes:
 ``artifacts.NO_HASH`` standing for a missing tensor (a parameter without a gradient). With
 ``figures=True`` it also returns, per tensor, three cheap figures of its values computed in the
 same call and, on the host, the same read of the bytes: the fp64 sum, the fp64 sum of squares
-and max |x| (``artifacts.FIGURE_FIELDS``, 24 bytes each, ``artifacts.NO_FIGURES`` (NaN) for a
-missing tensor). They size a difference the hashes found (docs/diff.md "Size of a
+and max |x| (``artifacts.FIGURE_FIELDS``, 24 bytes each, ``artifacts.NO_FIGURES`` (NaN, -1,
+NaN) for a missing tensor). They size a difference the hashes found (docs/diff.md "Size of a
 difference"); they are summaries, never part of a verdict.
 
 Where the figures are computed (what a new device path must produce: the same three float64 per

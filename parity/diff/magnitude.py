@@ -54,12 +54,13 @@ def ulp(x: float, dtype: str | None) -> float:
 
 def compare(fa, fb, numel: int | None, dtype: str | None) -> dict | None:
     """The size of one difference from the two sides' figures ((sum, sumsq, max|x|) each);
-    None when either side has no figures (not recorded, NaN: no gradient at that step)."""
+    None when either side has none (not recorded, or ``NO_FIGURES``: no tensor, e.g. no
+    gradient at that step). A side with NaN or infinite values: ``nonfinite``, no size."""
     if fa is None or fb is None:
         return None
     sa, qa, ma = (float(x) for x in fa)
     sb, qb, mb = (float(x) for x in fb)
-    if any(math.isnan(x) for x in (sa, qa, ma, sb, qb, mb)):
+    if qa < 0 or qb < 0:  # NO_FIGURES
         return None
     out = {"a": [sa, qa, ma], "b": [sb, qb, mb]}
     if not all(math.isfinite(x) for x in (sa, qa, ma, sb, qb, mb)):
@@ -164,22 +165,35 @@ def size_of_difference(ra: list[RankData], rb: list[RankData], ranks: list[int],
         return out
     i0 = pos.get(divergent[0].ranks[0]) if divergent[0].ranks else None
     if i0 is not None:
-        out["per_step"] = [_step_max(figs, locate(i0), i0, s, ranks[i0]) for s in later]
+        table = _Table(locate(i0))
+        out["per_step"] = [_step_max(figs, table, i0, s, ranks[i0]) for s in later]
     return out
 
 
-def _step_max(figs: _Figures, located: dict, i: int, step: int, rank: int) -> dict:
+class _Table:
+    """One rank's aligned rows as arrays, built once for every step's maximum."""
+
+    def __init__(self, located: dict):
+        import numpy as np
+
+        self.located = located
+        self.keys = list(located)
+        rows = [located[k] for k in self.keys]
+        self.xs = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+        self.ys = np.fromiter((r[1] for r in rows), dtype=np.int64, count=len(rows))
+        self.numel = np.array([max(_numel(r[2]) or 1, 1) for r in rows], dtype=np.float64)
+        self.bits = np.array([MANTISSA.get(str((r[2] or {}).get("dtype")), -1) for r in rows])
+
+
+def _step_max(figs: _Figures, table: _Table, i: int, step: int, rank: int) -> dict:
     """The largest relative difference of one step over every parameter of rank position ``i``,
     per kind: ``{"step", "rank", "param": {"fqn", "rel", "ulps", "differ"} | None, "grad": ...}``;
     ``differ`` counts the parameters whose figures differ at all. Vectorized: the same bound
     as :func:`compare`, for a whole table at once."""
     import numpy as np
 
-    keys = list(located)
-    xs = np.array([located[k][0] for k in keys], dtype=np.int64)
-    ys = np.array([located[k][1] for k in keys], dtype=np.int64)
-    numel = np.array([max(_numel(located[k][2]) or 1, 1) for k in keys], dtype=np.float64)
-    bits = np.array([MANTISSA.get(str((located[k][2] or {}).get("dtype")), -1) for k in keys])
+    located, keys, xs, ys = table.located, table.keys, table.xs, table.ys
+    numel, bits = table.numel, table.bits
     out: dict = {"step": step, "rank": rank}
     for kind in ("param", "grad"):
         fa, fb = figs.get(i, step, kind)
@@ -188,7 +202,11 @@ def _step_max(figs: _Figures, located: dict, i: int, step: int, rank: int) -> di
             continue
         a, b = fa[xs], fb[ys]
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            ok = np.isfinite(a).all(axis=1) & np.isfinite(b).all(axis=1)
+            there = ~(a[:, 1] < 0) & ~(b[:, 1] < 0)  # both sides had the tensor (not NO_FIGURES)
+            fin_a, fin_b = np.isfinite(a).all(axis=1), np.isfinite(b).all(axis=1)
+            # a side gone non-finite (NaN, inf) where the other is not: differs, no size
+            nonfinite = there & (fin_a != fin_b)
+            ok = there & fin_a & fin_b
             differ = ok & (a != b).any(axis=1)
             na, nb = np.sqrt(np.maximum(a[:, 1], 0)), np.sqrt(np.maximum(b[:, 1], 0))
             lower = np.maximum.reduce([np.abs(nb - na), np.abs(b[:, 0] - a[:, 0]) / np.sqrt(numel),
@@ -203,7 +221,9 @@ def _step_max(figs: _Figures, located: dict, i: int, step: int, rank: int) -> di
                 if bits[j] >= 0 and na[j] else (1.0 if bits[j] < 0 else 0.0)
             best = {"fqn": keys[j], "rel": float(rel[j]),
                     "ulps": float(lower[j]) / u if u else None}
-        out[kind] = {**(best or {}), "differ": int(differ.sum())}
+        out[kind] = {**(best or {}), "differ": int(differ.sum() + nonfinite.sum())}
+        if nonfinite.any():
+            out[kind]["nonfinite"] = int(nonfinite.sum())
     return out
 
 
@@ -224,6 +244,14 @@ def ulps_text(ulps) -> str:
     if ulps < 1:
         return "<1"
     return f"{ulps:.3g}" if ulps < 1e4 else f"{ulps:.2g}"
+
+
+def size_texts(size: dict | None) -> tuple[str, str]:
+    """(relative difference, ulps) of one size as reports print them."""
+    size = size or {}
+    if size.get("nonfinite"):
+        return "NaN/inf", "-"
+    return rel_text(size.get("rel")), ulps_text(size.get("ulps"))
 
 
 def first_sizes(magnitude: dict) -> dict[tuple, dict]:

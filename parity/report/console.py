@@ -19,7 +19,7 @@ from rich.text import Text
 
 from parity import consequences, policy
 from parity.diff import DiffResult
-from parity.diff.magnitude import first_sizes, rel_text, ulps_text
+from parity.diff.magnitude import first_sizes, rel_text, size_texts, ulps_text
 from parity.text import ranges
 from parity.report.reduction import reduction_section
 from parity.report.stdout import make_rich_console
@@ -228,8 +228,8 @@ def _divergent_table(r: DiffResult) -> Table:
         links = d.buckets.get(coll, {})
         extra = []
         if sizes:
-            got = sizes.get((d.fqn, d.kind, d.ranks[0] if d.ranks else None)) or {}
-            extra = [T(rel_text(got.get("rel"))), T(ulps_text(got.get("ulps")))]
+            extra = list(map(T, size_texts(sizes.get((d.fqn, d.kind,
+                                                      d.ranks[0] if d.ranks else None)))))
         t.add_row(T(d.kind, "red" if d.kind == "grad" else "magenta"), T(d.fqn),
                   T(_ranks(d.ranks)), _bucket_cell(links.get("a"), coll),
                   _bucket_cell(links.get("b"), coll), *extra)
@@ -277,7 +277,9 @@ def _size_section(r: DiffResult) -> list:
             if not isinstance(k, dict):
                 cells += [T("-", "dim")] * 3
                 continue
-            cells += [T(k.get("differ")), T(rel_text(k.get("rel"))), T(ulps_text(k.get("ulps")))]
+            cells += [T(f"{k.get('differ')}" + (f" ({k['nonfinite']} NaN/inf)"
+                                                if k.get("nonfinite") else "")),
+                      T(rel_text(k.get("rel"))), T(ulps_text(k.get("ulps")))]
             if isinstance(k.get("rel"), (int, float)) and (top is None or k["rel"] > top[1]):
                 top = (kind, k["rel"], k.get("fqn"))
         cells.append(T(f"{top[2]} ({top[0]})" if top else "", "dim"))

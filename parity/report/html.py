@@ -25,7 +25,7 @@ import shlex
 import time
 
 from parity.consequences import WORDS
-from parity.diff.magnitude import first_sizes, rel_text, ulps_text
+from parity.diff.magnitude import first_sizes, size_texts
 from parity.report.html_reduction import (SWEEP_EXTRA_BUCKETS, buckets_html, pair_views,
                                          prediction_html)
 from parity import policy
@@ -321,9 +321,9 @@ def _divergent_table(cells: list[tuple[CellResult, DiffResult | None, str]],
             first = f"<td>{_e(got(cell.id))}</td>" if show_cell else ""
             size = ""
             if sized:
-                s = sizes.get((div.fqn, div.kind, div.ranks[0] if div.ranks else None)) or {}
-                size = (f"<td>{_e(rel_text(s.get('rel')))}</td>"
-                        f"<td>{_e(ulps_text(s.get('ulps')))}</td>")
+                rel, ulps = size_texts(sizes.get((div.fqn, div.kind,
+                                                  div.ranks[0] if div.ranks else None)))
+                size = f"<td>{_e(rel)}</td><td>{_e(ulps)}</td>"
             rows.append(f"<tr>{first}<td>{_e(div.step)}</td>"
                         f"<td>{_e(div.kind)}</td><td class=mono>{_e(div.fqn)}</td>"
                         f"<td>{_e(','.join(map(str, div.ranks)))}</td>"

@@ -358,7 +358,9 @@ def size_section(d: dict) -> str:
             if not isinstance(k, dict):
                 cells.append("<td colspan=4 class=muted>not recorded</td>")
                 continue
-            cells.append(f"<td>{_e(k.get('differ'))}</td><td>{_e(rel_text(k.get('rel')))}</td>"
+            nonfinite = f" ({k['nonfinite']} NaN/inf)" if k.get("nonfinite") else ""
+            cells.append(f"<td>{_e(k.get('differ'))}{_e(nonfinite)}</td>"
+                         f"<td>{_e(rel_text(k.get('rel')))}</td>"
                          f"<td>{_e(ulps_text(k.get('ulps')))}</td>"
                          f"<td class=mono>{_e(k.get('fqn') or '')}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")

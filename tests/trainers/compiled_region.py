@@ -15,6 +15,8 @@ Options (on the command line, so that `parity bisect` reruns them from run.json'
   --compile-blocks I  compile only these blocks (comma-separated indexes, default all): a
                       process that compiles some blocks and runs the rest eagerly
   --eps E             the norm's epsilon (default 1e-6): a planted forward change
+  --wrap              compile a block as ``model.layers[i] = torch.compile(block)`` (an
+                      OptimizedModule in the model) instead of ``block.compile()``
 """
 
 import argparse
@@ -81,6 +83,7 @@ def main():
     ap.add_argument("--alt-norm", action="store_true")
     ap.add_argument("--compile-blocks", default=None)
     ap.add_argument("--eps", type=float, default=1e-6)
+    ap.add_argument("--wrap", action="store_true")
     args = ap.parse_args()
     ALT_NORM = args.alt_norm
     EPS = args.eps
@@ -93,9 +96,12 @@ def main():
     model = Model()
     backend = args.backend
     for i, block in enumerate(model.layers):
-        if backend != "eager" and (only is None or i in only):
+        compiled = backend != "eager" and (only is None or i in only)
+        if compiled and not args.wrap:
             block.compile(backend=backend, fullgraph=True)
         fully_shard(block, mesh=mesh)
+        if compiled and args.wrap:
+            model.layers[i] = torch.compile(block, backend=backend, fullgraph=True)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(100 + rank)
