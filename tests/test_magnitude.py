@@ -180,7 +180,7 @@ def test_the_diff_shows_the_size_per_parameter_and_how_it_grows(tmp_path):
     buf = io.StringIO()
     print_diff(r, make_console(file=buf, width=140))
     text = buf.getvalue()
-    assert "rel. diff >=" in text and "Size of the difference per step" in text
+    assert "rel >=" in text and "Size of the difference per step" in text
     assert "not proofs" in text
     d = json.loads(json.dumps(r.to_dict()))
     jsonschema = pytest.importorskip("jsonschema")

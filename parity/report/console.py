@@ -204,7 +204,7 @@ def _summary(r: DiffResult) -> Panel:
 def _bucket_cell(ref: dict | None, coll: str) -> Text:
     if not ref:
         return T("-", "dim")
-    return T(f"{_ABBR[coll]}#{ref['index']} @ {ref.get('offset')}")
+    return T(f"{_ABBR[coll]}#{ref['index']}@{ref.get('offset')}")
 
 
 def _title(s: str) -> Text:
@@ -214,28 +214,31 @@ def _title(s: str) -> Text:
 def _divergent_table(r: DiffResult) -> Table:
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     t.add_column("kind", no_wrap=True)
-    t.add_column("parameter", overflow="fold")
-    t.add_column("ranks", overflow="fold", max_width=24)
-    t.add_column("A bucket @ offset", no_wrap=True)
-    t.add_column("B bucket @ offset", no_wrap=True)
+    t.add_column("parameter", overflow="fold", ratio=1)
+    t.add_column("ranks", overflow="fold", max_width=16)
     sizes = first_sizes(r.magnitude) if (r.magnitude or {}).get("recorded") else {}
-    if sizes:  # the size of each difference (summaries: docs/diff.md)
-        t.add_column("rel. diff >=", justify="right", no_wrap=True)
+    if sizes:  # the size of each difference (summaries: docs/diff.md); buckets in one column
+        t.add_column("bucket @ offset A / B", no_wrap=True)
+        t.add_column("rel >=", justify="right", no_wrap=True)
         t.add_column("ulps", justify="right", no_wrap=True)
+    else:
+        t.add_column("A bucket @ offset", no_wrap=True)
+        t.add_column("B bucket @ offset", no_wrap=True)
     shown = r.divergent[:MAX_DIVERGENT_ROWS]
     for d in shown:
         coll = _KIND_COLL[d.kind]
         links = d.buckets.get(coll, {})
-        extra = []
+        a, b = _bucket_cell(links.get("a"), coll), _bucket_cell(links.get("b"), coll)
         if sizes:
-            extra = list(map(T, size_texts(sizes.get((d.fqn, d.kind,
-                                                      d.ranks[0] if d.ranks else None)))))
+            cells = [a + T(" / ") + b, *map(T, size_texts(sizes.get(
+                (d.fqn, d.kind, d.ranks[0] if d.ranks else None))))]
+        else:
+            cells = [a, b]
         t.add_row(T(d.kind, "red" if d.kind == "grad" else "magenta"), T(d.fqn),
-                  T(_ranks(d.ranks)), _bucket_cell(links.get("a"), coll),
-                  _bucket_cell(links.get("b"), coll), *extra)
+                  T(_ranks(d.ranks, 16)), *cells)
     if len(r.divergent) > len(shown):
         t.add_row("", T(f"... and {len(r.divergent) - len(shown)} more (--json has all)", "dim"),
-                  "", "", "", *(["", ""] if sizes else []))
+                  "", "", "", *([""] if sizes else []))
     if sizes:
         t.caption = ("sizes on the first rank listed: a lower bound from per-tensor figures, "
                      "not a proof (docs/diff.md)")
