@@ -247,6 +247,11 @@ def test_figures_come_with_the_same_digests_and_the_obvious_values():
         for t, fig in zip(FIG_CASES, got):
             want = _reference_figures(t)
             assert np.allclose(fig, want, rtol=1e-12, atol=1e-12), (hasher, t.dtype, fig, want)
+    from parity.capture.hashing import tensor_figures  # one tensor, as the host path records it
+
+    host = _figures(digest_tensors(FIG_CASES, "xxh3", figures=True)[1])
+    for t, fig in zip(FIG_CASES, host):
+        assert np.allclose(tensor_figures(t), fig, rtol=1e-12, atol=1e-12)
 
 
 def test_large_tensors_hash_in_chunks_to_the_one_shot_digest():

@@ -109,8 +109,6 @@ def host_digest(t: torch.Tensor) -> bytes:
 # the same tensor always gives the same figures here, so equal hashes never come with other
 # figures from one code path.
 FIG_CHUNK = 1 << 16  # elements: larger tensors are summed chunk by chunk, each while in cache
-_FIG = struct.Struct("<3d")
-_NAN = float("nan")
 # dtypes whose elements numpy reads as they are (a zero-copy view of the hashed bytes)
 _NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
                  torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
@@ -152,7 +150,7 @@ def _digest_and_figures(t: torch.Tensor) -> tuple[bytes, tuple[float, float, flo
     streaming xxh3, whose digest equals the one-shot digest, and summed while in cache), else
     (digest, None, its values as numpy) for ``batch_figures``."""
     if t.numel() == 0:
-        return _EMPTY, (0.0, 0.0, 0.0), None
+        return _EMPTY, (0.0, 0.0, 0.0), None  # (reduceat needs at least one element)
     if not t.is_cpu:
         t = t.cpu()
     t = _materialized(t.detach())
@@ -175,24 +173,19 @@ def _digest_and_figures(t: torch.Tensor) -> tuple[bytes, tuple[float, float, flo
     return h.digest(), (acc[0], acc[1], acc[2]), None
 
 
-def batch_figures(arrays: list[np.ndarray]) -> list[tuple[float, float, float]]:
-    """Figures of many small arrays in a few numpy calls: one float64 concatenation, then
-    ``reduceat`` per figure (sequential float64 sums: exact enough for up to ``FIG_CHUNK``
-    elements, and the same for the same values)."""
-    out: list[tuple[float, float, float]] = [(0.0, 0.0, 0.0)] * len(arrays)
-    live = [i for i, a in enumerate(arrays) if a.size]
-    if not live:
-        return out
-    parts = [arrays[i].reshape(-1) for i in live]
-    offsets = np.zeros(len(parts), dtype=np.int64)
-    np.cumsum([p.size for p in parts[:-1]], out=offsets[1:])
-    d = np.concatenate(parts, dtype=np.float64, casting="unsafe")
-    sums = np.add.reduceat(d, offsets)
-    sq = np.add.reduceat(d * d, offsets)
+def batch_figures(arrays: list[np.ndarray]) -> np.ndarray:
+    """Figures of many small non-empty arrays in a few numpy calls, as a (len, 3) float64
+    array: one float64 concatenation, then ``reduceat`` per figure (sequential float64 sums:
+    exact enough for up to ``FIG_CHUNK`` elements, and the same for the same values)."""
+    sizes = [a.size for a in arrays]
+    offsets = np.zeros(len(arrays), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    d = np.concatenate([a.reshape(-1) for a in arrays], dtype=np.float64, casting="unsafe")
+    out = np.empty((len(arrays), 3), dtype="<f8")
+    np.add.reduceat(d, offsets, out=out[:, 0])
+    np.add.reduceat(d * d, offsets, out=out[:, 1])
     np.abs(d, out=d)
-    mx = np.maximum.reduceat(d, offsets)
-    for k, (a, b, c) in zip(live, zip(sums.tolist(), sq.tolist(), mx.tolist())):
-        out[k] = (a, b, c)
+    np.maximum.reduceat(d, offsets, out=out[:, 2])
     return out
 
 
@@ -200,7 +193,7 @@ def tensor_figures(t: torch.Tensor) -> tuple[float, float, float]:
     """(sum, sum of squares, max |x|) of ``t``'s local data, in float64, as capture records
     them (host path)."""
     _, fig, vals = _digest_and_figures(_local(t))
-    return fig if fig is not None else batch_figures([vals])[0]
+    return fig if fig is not None else tuple(batch_figures([vals])[0].tolist())
 
 
 # ------------------------------------------------------------------------------ device digest
@@ -446,8 +439,10 @@ def digest_tensors(tensors: list[torch.Tensor | None], hasher: str = "auto",
     if hasher == "xxh3" and not figures:
         return b"".join(NO_HASH if t is None else _xxh3(_local(t)) for t in tensors)
     out: list[bytes | None] = [None] * len(tensors)
-    figs: list[tuple | None] = [None] * len(tensors)
-    small: list[tuple[int, np.ndarray]] = []
+    figs = np.frombuffer(NO_FIGURES * len(tensors), dtype="<f8").reshape(-1, 3).copy() \
+        if figures else None
+    small_rows: list[int] = []
+    small: list[np.ndarray] = []
     dev_idx = []
     for i, t in enumerate(tensors):
         if t is None:
@@ -459,12 +454,14 @@ def digest_tensors(tensors: list[torch.Tensor | None], hasher: str = "auto",
         elif not figures:
             out[i] = _xxh3(lt)
         else:
-            out[i], figs[i], vals = _digest_and_figures(lt)
+            out[i], fig, vals = _digest_and_figures(lt)
             if vals is not None:
-                small.append((i, vals))
-    if small:
-        for (i, _), fig in zip(small, batch_figures([v for _, v in small])):
-            figs[i] = fig
+                small_rows.append(i)
+                small.append(vals)
+            else:
+                figs[i] = fig
+    if small:  # the small tensors' figures together: a few numpy calls for the whole table
+        figs[small_rows] = batch_figures(small)
     if dev_idx:
         got = device_digests([tensors[i] for i in dev_idx], figures=figures)
         for k, i in enumerate(dev_idx):
@@ -473,4 +470,4 @@ def digest_tensors(tensors: list[torch.Tensor | None], hasher: str = "auto",
                 figs[i] = got[1][k]
     if not figures:
         return b"".join(out)
-    return b"".join(out), b"".join(NO_FIGURES if f is None else _FIG.pack(*f) for f in figs)
+    return b"".join(out), figs.tobytes()
