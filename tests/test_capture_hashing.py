@@ -226,7 +226,8 @@ def _figures(raw: bytes):
     return [tuple(row) for row in np.frombuffer(raw, "<f8").reshape(-1, 3).tolist()]
 
 
-FIG_CASES = [torch.randn(100), torch.randn(70_000), torch.randn(300, 3).t(),
+FIG_CASES = [torch.randn(100), torch.randn(70_000), torch.randn(300, 3).t(), torch.randn(300, 301),
+             torch.randn(40, 2000).to(torch.bfloat16).t(),
              torch.randn(50).to(torch.bfloat16), torch.randn(66_001).to(torch.bfloat16),
              torch.randint(-50, 50, (33,)), torch.rand(20) > 0.5, torch.zeros(0),
              torch.randn(7, dtype=torch.complex64), torch.tensor(3.5), torch.randn(9).half()]
@@ -259,8 +260,9 @@ def test_large_tensors_hash_in_chunks_to_the_one_shot_digest():
     summed while in cache): the digest is still xxh3-128 of the whole bytes."""
     from parity.capture import hashing
 
-    for n in (hashing.FIG_CHUNK + 1, 3 * hashing.FIG_CHUNK, 5 * hashing.FIG_CHUNK + 17):
-        t = torch.randn(n)
+    for shape in ((hashing.FIG_CHUNK + 1,), (3, hashing.FIG_CHUNK), (517, 640),
+                  (5, 3, hashing.FIG_CHUNK // 8 + 7)):
+        t = torch.randn(shape)
         d, raw = digest_tensors([t], "xxh3", figures=True)
         assert d == xxhash.xxh3_128_digest(t.numpy().tobytes()) == host_digest(t)
         assert np.allclose(_figures(raw)[0], _reference_figures(t), rtol=1e-12)

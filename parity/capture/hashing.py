@@ -154,7 +154,7 @@ def _digest_and_figures(t: torch.Tensor) -> tuple[bytes, tuple[float, float, flo
     if not t.is_cpu:
         t = t.cpu()
     t = _materialized(t.detach())
-    raw = _byte_view(t).numpy()
+    raw = _byte_view(t).numpy().reshape(-1)  # flat bytes (the view keeps the tensor's dims)
     flat = t.reshape(-1)
     n = flat.numel()
     if n <= FIG_CHUNK:
