@@ -2,7 +2,7 @@
 
 Why: a consistent payload reorder inside a reduce-scatter bucket changes no hash on gloo, but on
 a multi-node NCCL job it can change the sums, because each channel adds the ranks' values in its
-own ring order (parity/nccl_model.py). This module makes a CPU job compute every reduce-scatter
+own ring order (parity/nccl). This module makes a CPU job compute every reduce-scatter
 and all-reduce exactly as that model says, so the numbers of a 2x2 (or 8x8) cluster show up on a
 laptop. It is the one capture mode that changes the job's numbers, on purpose; meta.json says so
 (``nccl_emulation``) and ``parity diff`` refuses to compare an emulated run with a plain one.
@@ -46,7 +46,8 @@ import torch
 
 from parity.capture.env import say
 from parity.errors import EXIT_USAGE, ParityError
-from parity.nccl_model import (MODEL, MODEL_LIMITS, Topology, all_reduce_segments,
+from parity.nccl.probe_file import describe_file
+from parity.nccl import (MODEL, MODEL_LIMITS, Topology, all_reduce_segments,
                                parse_topology, reduce_scatter_segments, sum_order)
 
 BACKEND_NAME = "parity_nccl_emu"
@@ -79,7 +80,7 @@ def ring_sum(rows: torch.Tensor, order, lo: int, hi: int) -> torch.Tensor:
 def reduce_scatter_rows(rows: torch.Tensor, owner: int, topo: Topology) -> torch.Tensor:
     """Rank ``owner``'s reduce-scatter output from ``rows`` ([nranks, count]: row s is rank s's
     contribution to ``owner``'s segment, pre-multiplied already for AVG), per channel range of
-    :func:`~parity.nccl_model.reduce_scatter_segments` in ``sum_order(ring, owner)``."""
+    :func:`~parity.nccl.reduce_scatter_segments` in ``sum_order(ring, owner)``."""
     count = rows.shape[1]
     out = torch.empty(count, dtype=rows.dtype)
     for seg in reduce_scatter_segments(topo, count, rows.element_size()):
@@ -89,7 +90,7 @@ def reduce_scatter_rows(rows: torch.Tensor, owner: int, topo: Topology) -> torch
 
 def all_reduce_rows(rows: torch.Tensor, topo: Topology) -> torch.Tensor:
     """The all-reduce of ``rows`` ([nranks, count]) chunk by chunk of
-    :func:`~parity.nccl_model.all_reduce_segments`, each in its owner's sum order."""
+    :func:`~parity.nccl.all_reduce_segments`, each in its owner's sum order."""
     count = rows.shape[1]
     out = torch.empty(count, dtype=rows.dtype)
     for seg in all_reduce_segments(topo, count, rows.element_size()):
@@ -368,6 +369,25 @@ def _refuse(msg: str) -> None:
         os._exit(EXIT_USAGE)
 
 
+class _OldNames:
+    """The gloo group as the emulating group calls it, on a torch that names its single-tensor
+    collectives the old way (2.11: ``alltoall_base``, ``_allgather_base``,
+    ``_reduce_scatter_base``, ``reduce_scatter_tensor_coalesced``,
+    ``allgather_into_tensor_coalesced``; the new names came with 2.12). Everything else is the
+    group's own (feature-detected in ``_create``: ``ProcessGroup.all_to_all_single``)."""
+
+    _NEW = {"all_to_all_single": "alltoall_base", "all_gather_single": "_allgather_base",
+            "reduce_scatter_single": "_reduce_scatter_base",
+            "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+            "all_gather_single_coalesced": "allgather_into_tensor_coalesced"}
+
+    def __init__(self, group):
+        self.__dict__["group"] = group
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["group"], self._NEW.get(name, name))
+
+
 def _create(store, rank, size, timeout):
     """Backend creator (``Backend.register_backend``): a gloo group wrapped in the emulation."""
     global _GROUP_CLASS
@@ -384,11 +404,15 @@ def _create(store, rank, size, timeout):
     inner._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
     if _GROUP_CLASS is None:
         _GROUP_CLASS = _make_group_class()
-    outer = _GROUP_CLASS(inner, rank, size, topo)
+    outer = _GROUP_CLASS(inner if hasattr(inner, "all_to_all_single") else _OldNames(inner),
+                         rank, size, topo)
     # The C++ functional all-gather with an out= buffer (bucketed graphs) calls ProcessGroup
     # methods that have no Python trampoline; they reach this gloo backend directly. That is
     # right for copies; that no reduction takes this way is checked once (_probe).
     outer._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+    # torch 2.15's init_process_group asks the new group's default backend at once (its flight
+    # recorder hook, distributed_c10d._maybe_attach_flight_recorder): gloo's, as for inner
+    outer._set_default_backend(ProcessGroup.BackendType.GLOO)
     return outer
 
 
@@ -521,6 +545,7 @@ def describe() -> dict | None:
         counts = {k: v for k, v in _counts.items() if k != "groups"}
         passed = dict(_passed)
     return {"topology": _topology.spec(), "detail": _topology.to_dict(), "model": MODEL,
+            "topology_file": describe_file(_topology),  # a probe's file: its agreement
             "limits": MODEL_LIMITS, "backend": BACKEND_NAME, "emulated": counts,
             "passed_to_gloo": passed}
 
