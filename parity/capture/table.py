@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from parity.artifacts import NO_HASH
+from parity.artifacts import NO_FIGURES, NO_HASH
 from parity.capture import trees
 from parity.capture.env import one_line
-from parity.capture.hashing import Digests, digest_tensors, digest_tensors_async, local_tensor
+from parity.capture.hashing import Digests, digest_tensors_async, local_tensor
 from parity.capture.names import normalize_fqn
 from parity.records import dtype_name
 
@@ -271,18 +271,27 @@ class ParamTable:
             return digest_tensors_async(tensors, self.hasher, **options)
         except Exception:  # noqa: BLE001 - find the tensor, say it, hash the rest
             pass
+        figures = bool(options.get("figures"))
         rows = list(range(len(tensors))) if rows is None else list(rows)
-        out = []
+        out, figs = [], []
         for t, row in zip(tensors, rows):
             try:
                 if trees.unhashable(t) is not None:
                     raise TypeError(trees.unhashable(t))
-                out.append(digest_tensors([t], self.hasher))
+                d = digest_tensors_async([t], self.hasher, figures=figures)
+                out.append(d.result())
+                figs.append(d.figures() if figures else b"")
             except Exception as e:  # noqa: BLE001
                 out.append(NO_HASH)
+                figs.append(NO_FIGURES)
                 fqn = self.entries[row]["fqn"] if 0 <= row < len(self.entries) else f"<row {row}>"
                 self._note_unhashed(fqn, one_line(e))
-        return Digests(len(tensors), [(None, b"".join(out))], [])
+        known_figs = None
+        if figures:
+            import numpy as np
+
+            known_figs = [(None, np.frombuffer(b"".join(figs), dtype="<f8").reshape(-1, 3))]
+        return Digests(len(tensors), [(None, b"".join(out))], [], known_figs)
 
     def _note_unhashed(self, fqn: str, reason: str) -> None:
         """A tensor of a model that is not hashed: said on the verdict line (meta.json)."""
@@ -324,8 +333,9 @@ class ParamTable:
                 self._append_param(p, raw, root)
                 good.append(p)
             if good:
-                self._p0.append(self._digest_rows(
-                    good, range(len(self.table) - len(good), len(self.table))).result())
+                d = self._digest_rows(good, range(len(self.table) - len(good), len(self.table)),
+                                      figures=True)
+                self._p0.append((d.result(), d.figures()))
                 self._table_dirty = True
         self._sync_trees(None)
 
@@ -409,7 +419,8 @@ class ParamTable:
         if not tensors:
             return 0
         if since is None:
-            self._p0.append(self._digest_rows(tensors, range(start, len(self.table))).result())
+            d = self._digest_rows(tensors, range(start, len(self.table)), figures=True)
+            self._p0.append((d.result(), d.figures()))
             self._table_dirty = True
         else:
             self._ensure_writer().write_params(self.entries)
