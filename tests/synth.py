@@ -190,6 +190,19 @@ def _no_fsync():
         os.fsync = real
 
 
+def unclose(run: str | os.PathLike, rank: int) -> None:
+    """Drop ``closed_files`` from a rank's meta.json: its files then read as those of a writer
+    that was killed (or of a parity before the record), checked by their contents alone. A test
+    that edits a closed rank's files to build a case (a table rewritten with a consistent
+    digest, a torn tail) calls it first; otherwise the edit is damage (docs/artifacts.md)."""
+    import json
+
+    path = Path(run) / f"rank-{rank:05d}" / "meta.json"
+    meta = json.loads(path.read_text())
+    meta.pop("closed_files", None)
+    path.write_text(json.dumps(meta))
+
+
 def make_run(
     out_dir: str | os.PathLike,
     world_size: int = 2,
@@ -227,7 +240,8 @@ def make_run(
     ``param_order``: storage order of params.json/hashes (``"reversed"``, ``"shuffled"`` or a
     permutation of registration indices). ``missing_ranks``: ranks with no directory.
     ``stop_after``: last step recorded (an int for every rank or ``{rank: step}``), as if killed.
-    ``torn_tail``: ranks whose steps.jsonl and hashes file end with half a line (record).
+    ``torn_tail``: ranks whose steps.jsonl and hashes file end with half a line (record), as a
+    killed writer leaves them (no closed-file record: :func:`unclose`).
     ``extra_buckets``: more bucket records appended on every rank (e.g. a later layout change).
     ``schema=1``: written by the schema-1 writer (tests/schema_v1.py), as parity wrote runs
     before schema 2.
@@ -328,7 +342,8 @@ def make_run(
                     lh = np.float64(lv).tobytes().hex().ljust(2 * HASH_BYTES, "0")
                 w.write_step(s, ph, gh, loss=lv, loss_hash=lh)
             w.close(status=status)
-            if r in torn_tail:
+            if r in torn_tail:  # as a killed writer leaves its files: no closed-file record
+                unclose(out, r)
                 with open(w.dir / "steps.jsonl", "ab") as f:
                     f.write(b'{"v": 1, "step": 99, "param_dig')
                 if schema == 1:

@@ -21,7 +21,7 @@ from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_b
 from parity.diff.emulation import check_same_emulation
 from parity.diff.env import numerics_env_differences
 from parity.diff.reduction import assess
-from parity.diff.one_sided import one_sided, refused_processes, same_run
+from parity.diff.one_sided import damaged, one_sided, refused_processes, same_run
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, HashComparison, ParamIndex,
                                 compare_hashes, param_keys, step_fields)
 from parity.diff.result import (CaptureWarning, ComparedRun, DiffResult, Divergence,
@@ -218,6 +218,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     order the report prints them."""
     problems = _run_problems(run_a, run_b)
     incomplete = _failed_jobs(run_a, run_b, tolerate_exit, problems)
+    incomplete += damaged(run_a, run_b)
     ws = _comparable_world_size(run_a, run_b)
     problems += [Problem(None, m) for m in numerics_env_differences(
         run_a.ranks[min(run_a.ranks)].meta if run_a.ranks else None,
