@@ -21,9 +21,11 @@ import weakref
 
 import torch
 
+from parity.artifacts import HASH_BYTES, NO_HASH
 from parity.capture import loss
 from parity.capture.hashing import digest_tensors
 from parity.capture.patches import _tracing
+from parity.capture.table import _Buffer
 
 
 def sampled(step: int, every: int) -> bool:
@@ -37,6 +39,7 @@ class StepClock:
 
     # -------------------------------------------------------------------------- step hooks
     def _pre_hook(self, opt, args, kwargs):
+        self._opt_pre_calls += 1  # a GradScaler.step that ran no optimizer step: loss.py
         if self.failed or self.stopped or os.getpid() != self.pid:
             return None
         t0 = time.perf_counter()
@@ -199,4 +202,35 @@ class StepClock:
         self.step_opts = set()
         self._step_sampled = sampled(self.k, self.every)
         self._step_loss = loss.step_loss(self)  # the sum over this step's backward calls
+        self._loss_scale = loss.step_scale(self)
         self._grad_rows = {}
+        self._skipped = None
+        self._entry = self._entry_hashes()
+
+    def _skipped_step(self, opt, why: str) -> None:
+        """A step whose optimizer step did not run (``GradScaler.step`` found inf/NaN gradients
+        and skipped ``opt.step()``: loss.py): recorded as a step all the same, marked
+        ``skipped``, so that both runs number their iterations alike and the diff can say which
+        side skipped. Parity's own optimizer hooks run around it, as for ``--step-on``."""
+        if self.failed or self.stopped or os.getpid() != self.pid:
+            return
+        self._pre_hook(opt, (opt,), {})
+        self._skipped = why
+        self._post_hook(opt, (opt,), {})
+
+    def _entry_hashes(self) -> bytes | None:
+        """The parameters as this step's optimizer step finds them, when they differ from the
+        last step's record (the trainer edited the model between ``step()`` calls: a clamp, an
+        EMA update, weights loaded), else None. Buffer rows are left out (NO_HASH): the
+        forward pass changes them by design. Taken when the previous step was recorded (its
+        hashes are the reference) and this one is; step 1's is step 0."""
+        last = self._last_params
+        if (last is None or not self._step_sampled or self._last_param_step != self.k - 1
+                or self.written != self.k - 1):
+            return None
+        rows = [None if type(p) is _Buffer else t for p, t in zip(self.table, self._tensors())]
+        now = digest_tensors(rows, self.hasher)
+        n = min(len(now), len(last))
+        masked = b"".join(NO_HASH if rows[i] is None else last[i * HASH_BYTES:(i + 1) * HASH_BYTES]
+                          for i in range(n // HASH_BYTES))
+        return None if now[:n] == masked else now

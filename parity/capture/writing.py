@@ -189,10 +189,40 @@ class RankRecord:
     def _write(self, step: int, grads: bytes | None) -> None:
         params = digest_tensors(self._tensors(), self.hasher)
         loss, loss_hash = self._loss(self._step_loss)
-        self._ensure_writer().write_step(self._step_base + step, params, grads, loss, loss_hash)
+        current = step == self.k
+        scale = self._loss_scale if current else None
+        ref = self._ensure_writer().write_step(
+            self._step_base + step, params, grads, loss, loss_hash,
+            entry_hashes=self._entry if current else None,
+            loss_scale=None if scale is None else float(local_tensor(scale).item()),
+            skipped=self._skipped if current else None)
+        self._last_params, self._last_param_ref, self._last_param_step = params, ref, step
         if step > self.written:
             self.recorded_steps += 1
         self.written = step
+
+    def write_final_state(self) -> None:
+        """Hash every row once more when capture stops (the process ends, or ``stop()``),
+        after the trainer's last edit, and write it as the final state: a new record when it
+        differs from the last step's, else a line that refers to that step's record. A
+        failure is a warning (the diff then says the final state was recorded by one side
+        only); capture is stopping anyway."""
+        if (self.failed or self.stopped or os.getpid() != self.pid or self.writer is None
+                or self.done < 1):
+            return
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                now = digest_tensors(self._tensors(), self.hasher)
+                after = self._step_base + self.done
+                if self._last_param_step == self.done and self._last_params == now:
+                    self.writer.write_final(after, same_as=self._last_param_ref)
+                else:
+                    self.writer.write_final(after, hashes=now)
+        except Exception as e:  # noqa: BLE001
+            self.warn(f"the final state (after step {self.done}) was not recorded: "
+                      f"{cenv.one_line(e)}")
+        self.capture_seconds += time.perf_counter() - t0
 
     def flush_final(self) -> None:
         """Write the last finished step if sampling skipped it (params and loss; no grads)."""

@@ -57,7 +57,7 @@ class Divergence:
 @dataclass
 class FirstDivergence:
     step: int
-    origin: str  # init | forward | backward | optimizer | param | loss
+    origin: str  # init | forward | backward | optimizer | param | loss | buffer | between | final
     grad_before_param: bool
     previous_step: int | None  # the step before, compared and matching (None: none captured)
     params: int
@@ -65,6 +65,9 @@ class FirstDivergence:
     ranks: list[int]
     loss_differs: bool | None
     explanation: str
+    # where in the step it happened, when that is not the step's own passes: between step()
+    # calls ("after step 1's optimizer step, before step 2's forward"), or the final state
+    phase: str | None = None
 
 
 @dataclass
@@ -128,6 +131,8 @@ class DiffResult:
     bucketing: dict = field(default_factory=dict)  # parity.diff.bucket_summary.summarize_pair
     # ``--at``: parity.diff.reduction.ReductionPrediction (None: no topology asked)
     reduction_order: object | None = None
+    # the state the runs ended with (parity.diff.final_state.FinalComparison.to_dict)
+    final_state: dict = field(default_factory=dict)
 
     # -- policy (parity.policy owns the rule and the words)
     def exit_code(self, fail_on: str = "hash") -> int:
@@ -152,7 +157,8 @@ class DiffResult:
             "steps_compared": self.steps_compared, "ranks_compared": self.ranks_compared,
             "params_compared": self.params_compared, "first_divergent_step":
             self.first_divergent_step, "first_divergence": None if fd is None else
-            {"ranks": list(fd.ranks), "origin": fd.origin},
+            {"ranks": list(fd.ranks), "origin": fd.origin, "phase": fd.phase},
+            "final_state": self.final_state,
             "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket,
                       "consequences": self.order.consequences},
             "reduction_order": self._reduction_dict(),
@@ -187,6 +193,7 @@ class DiffResult:
                 "ranks": list(self.first_divergence.ranks),
                 "loss_differs": self.first_divergence.loss_differs,
                 "explanation": self.first_divergence.explanation,
+                "phase": self.first_divergence.phase,
             },
             "divergent": [{"step": d.step, "fqn": d.fqn, "kind": d.kind, "ranks": list(d.ranks),
                            "buckets": d.buckets} for d in self.divergent],
@@ -217,6 +224,7 @@ class DiffResult:
                          for w in self.warnings],
             "stats": dict(self.stats),
             "bucketing": dict(self.bucketing),
+            "final_state": dict(self.final_state),
         }
 
     def write_json(self, path: str | Path) -> None:
@@ -295,7 +303,7 @@ def from_dict(d: dict) -> DiffResult:
         first_divergence=None if fd is None else FirstDivergence(
             fd.get("step"), fd.get("origin"), fd.get("grad_before_param"),
             fd.get("previous_step"), fd.get("params"), fd.get("grads"), fd.get("ranks") or [],
-            fd.get("loss_differs"), fd.get("explanation")),
+            fd.get("loss_differs"), fd.get("explanation"), fd.get("phase")),
         divergent=[Divergence(x.get("step"), x.get("fqn"), x.get("kind"), x.get("ranks") or [],
                               {coll: sides for coll, sides in obj(x.get("buckets")).items()
                                if isinstance(sides, dict)})
@@ -320,7 +328,8 @@ def from_dict(d: dict) -> DiffResult:
         warnings=[CaptureWarning(x.get("side"), x.get("ranks"), x.get("message"))
                   for x in objs(d.get("warnings"))],
         schema_version=d.get("schema_version", SCHEMA_VERSION), bucketing=d.get("bucketing") or {},
-        reduction_order=RecordedPrediction(reduction) if isinstance(reduction, dict) else None)
+        reduction_order=RecordedPrediction(reduction) if isinstance(reduction, dict) else None,
+        final_state=obj(d.get("final_state")))
 
 
 def _pair_from_dict(p: dict) -> BucketPair:
