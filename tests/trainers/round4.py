@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node 2 tests/trainers/round4.py   (R4_CASE=reduce|mixed)
 
 Knobs (environment):
-  R4_CASE=plain|scaler|compile|twoopt|reduce|mixed|fail   (default plain)
+  R4_CASE=plain|scaler|compile|twoopt|reduce|mixed   (default plain)
       plain    two Linear layers (four parameters), SGD, R4_STEPS steps
       scaler   the same with torch.amp.GradScaler("cpu", init_scale=R4_SCALE): the trainer calls
                backward() on scaler.scale(loss) and steps through scaler.step(opt)
@@ -12,7 +12,7 @@ Knobs (environment):
       twoopt   one optimizer per layer, stepped back to back after one backward (one step)
       reduce   torchrun: dist.reduce of a float tensor before training (--emulate-nccl refuses it)
       mixed    torchrun: init_process_group("cpu:gloo,cuda:nccl") (--emulate-nccl refuses it)
-      fail     exits 3 before training while the file R4_FAIL_IF exists (a sweep's failing side)
+  --fail-if PATH      (argument) exit 3 before training while PATH exists (a sweep's failing side)
   R4_STEPS=N          optimizer steps (default 3)
   R4_CLAMP=C          after step R4_CLAMP_AFTER's step() (default: the last), clamp every
                       parameter to [-C, C] in place (C=10 leaves this model unchanged)
@@ -104,12 +104,10 @@ def collective(case):
 
 def main():
     case = os.environ.get("R4_CASE", "plain")
-    if case == "fail":
-        if os.path.exists(os.environ["R4_FAIL_IF"]):
-            print("failing on purpose (R4_FAIL_IF exists)", file=sys.stderr)
+    if "--fail-if" in sys.argv:  # a sweep's side that fails until the file is gone
+        if os.path.exists(sys.argv[sys.argv.index("--fail-if") + 1]):
+            print("failing on purpose (--fail-if: the file exists)", file=sys.stderr)
             sys.exit(3)
-        os.environ["R4_CASE"] = "plain"
-        case = "plain"
     if case in ("reduce", "mixed"):
         collective(case)
     else:
