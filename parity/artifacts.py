@@ -838,7 +838,8 @@ def _check_records(base: str, steps: dict[int, dict], final: dict | None, record
             off = rec.get(_OFFSET_FIELD[kind])
             if isinstance(off, int) and not isinstance(off, bool):
                 refs.append((s, kind, rec))
-    if final is not None:
+    off = final.get("param_offset") if final is not None else None
+    if isinstance(off, int) and not isinstance(off, bool):
         refs.append((FINAL, "final", final))
     if not refs and want is None:
         return set()
@@ -884,11 +885,19 @@ def _check_records(base: str, steps: dict[int, dict], final: dict | None, record
             bad[(s, kind)] = "record unreadable (cut short)"
         elif rollup_digest(raw) != rec.get(_DIGEST_FIELD[kind]):
             bad[(s, kind)] = _ROLLUP_FAILS
-    for s, kind, rec in v1:  # schema 1: hex lines in hashes.jsonl
+    data1 = None
+    if v1:  # schema 1: hex lines in hashes.jsonl, read once
         try:
-            with open(base + HASHES_V1_FILE, "rb") as f:
-                f.seek(rec[_OFFSET_FIELD[kind]])
-                hrec, raw = _parse_hash_line(f.readline().rstrip(b"\n"))
+            data1 = _read_bytes(base + HASHES_V1_FILE)
+        except OSError:
+            data1 = b""
+    for s, kind, rec in v1:
+        try:
+            off = rec[_OFFSET_FIELD[kind]]
+            end = data1.find(b"\n", off)
+            if off < 0 or end < 0:
+                raise ValueError("line without end")
+            hrec, raw = _parse_hash_line(data1[off:end])
             if hrec.get("step") != s or hrec.get("kind") != kind:
                 bad[(s, kind)] = "record mismatched"
             elif rollup_digest(raw) != rec.get(_DIGEST_FIELD[kind]):
@@ -951,6 +960,8 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
             steps[s] = rec
         elif s == FINAL and isinstance(rec.get("after_step"), int):
             final = rec
+    if final is not None and steps and max(steps) > final["after_step"]:
+        final = None  # an earlier torchelastic attempt's: this attempt went on past it
     hashes_closed = _as_closed(base + HASHES_FILE, closed.get(HASHES_FILE))
     if steps_closed is None or hashes_closed is None:
         bad = _check_records(base, steps, final, closed.get(HASHES_FILE), problems, damage)

@@ -167,6 +167,34 @@ def test_a_step_the_scaler_skipped_is_recorded_and_named(runs):
                for p in d["problems"])
 
 
+# ------------------------------------------------------- the fingerprint of the compiled regions
+
+
+def test_a_compile_mode_is_named_from_the_compiled_regions(tmp_path):
+    """torch.compile(mode="max-autotune-no-cudagraphs") against no mode: the global inductor
+    config says max_autotune False in both; the regions' own options tell them apart."""
+    jobs = {name: _start(tmp_path / name, R4_CASE="compile", R4_STEPS=2, **extra)
+            for name, extra in (("default", {}),
+                                ("autotune", {"R4_MODE": "max-autotune-no-cudagraphs"}))}
+    for name, p in jobs.items():
+        _, err = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == EXIT_OK, err[-2000:]
+    meta = json.loads((tmp_path / "autotune" / "rank-00000" / "meta.json").read_text())
+    num = meta["numerics"]
+    assert num["inductor"]["max_autotune"] is True
+    assert num["inductor_regions"][0]["patch"] == {"coordinate_descent_tuning": True,
+                                                   "max_autotune": True}
+    assert num["inductor_regions"][0]["compile_ids"] == ["0/0"]
+    plain = json.loads((tmp_path / "default" / "rank-00000" / "meta.json").read_text())
+    assert plain["numerics"]["inductor"]["max_autotune"] is False
+    assert plain["numerics"]["inductor_regions"][0]["patch"] == {}
+    _, _, d = _diff(tmp_path / "default", tmp_path / "autotune")
+    msgs = [p["message"] for p in d["problems"]]
+    assert any(m.startswith("inductor config max_autotune differs (A False, B True)")
+               for m in msgs), msgs
+    assert any(m.startswith("inductor config coordinate_descent_tuning differs") for m in msgs)
+
+
 # -------------------------------------------------------------------------- damage always said
 
 

@@ -540,13 +540,14 @@ def _between(step: int, prev: int | None, loss_div: bool | None,
     """(origin, explanation, phase) of parameters that changed between ``step()`` calls: the
     ones step ``step``'s optimizer step found differ while step ``step - 1``'s records match.
     Where in the interval it happened is read from what the step itself recorded: a loss that
-    differs too says the forward already used the edited parameters."""
+    differs too says the forward already used the edited parameters; a matching loss cannot
+    place it closer than before the optimizer step (an EMA copy is not in the forward)."""
     after = f"after step {step - 1}'s optimizer step" if step > 1 else "after step 0"
     if loss_div:
         where = f"before step {step}'s forward (its loss differs too)"
     elif loss_div is False and not grad_div:
-        where = (f"after step {step}'s backward, before its optimizer step (its loss and "
-                 "gradients match)")
+        where = (f"before step {step}'s optimizer step (its loss and gradients match: after its "
+                 "backward, or in parameters its forward does not use, such as an EMA copy)")
     elif loss_div is False:
         where = (f"before step {step}'s optimizer step (its loss matches, its gradients "
                  "differ)")
