@@ -91,6 +91,19 @@ def _remember(out, loss, scaler) -> None:
         _SCALED[id(out)] = (ref, loss.detach(), sc.detach().clone(), out.grad_fn)
 
 
+def _found_inf(scaler, optimizer) -> bool:
+    """Whether ``scaler.step(optimizer)`` found inf/NaN gradients (its per-optimizer state,
+    read before ``update()`` clears it; the values were already read by the scaler, so no
+    new synchronization). A torch.optim optimizer whose state cannot be read: its hooks did
+    not fire, which only a skip explains; anything else (a foreign optimizer fires no hooks
+    at all): not a skip."""
+    try:
+        state = scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return any(float(v.item()) != 0.0 for v in state.values())
+    except Exception:  # noqa: BLE001
+        return isinstance(optimizer, torch.optim.Optimizer)
+
+
 def _wrap(cls: type) -> None:
     scale_fn = cls.__dict__.get("scale")
     step_fn = cls.__dict__.get("step")
@@ -116,8 +129,8 @@ def _wrap(cls: type) -> None:
                 return step_fn(self, optimizer, *args, **kwargs)
             before = s._opt_pre_calls
             out = step_fn(self, optimizer, *args, **kwargs)
-            if s._opt_pre_calls == before:  # no optimizer step ran: skipped (inf/NaN)
-                s._skipped_step(optimizer, "inf")
+            if s._opt_pre_calls == before and _found_inf(self, optimizer):
+                s._skipped_step(optimizer, "inf")  # no optimizer step ran: skipped
             return out
 
         functools.update_wrapper(step, step_fn)
