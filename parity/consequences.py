@@ -75,7 +75,10 @@ def reduction_phrase(ro: dict | None) -> str | None:
     if not isinstance(ro, dict):
         return None
     topo = (ro.get("topology") or {}).get("spec") if isinstance(ro.get("topology"), dict) else None
-    head = f"reduction order at {topo or '?'} ({ro.get('model')})"
+    from parity.nccl.probe_file import topology_label  # a probe's file: name + agreement
+
+    head = (f"reduction order at {topology_label(topo, ro.get('topology_file'))} "
+            f"({ro.get('model')})")
     risk = [x for x in ro.get("at_risk") or [] if isinstance(x, dict)]
     if ro.get("verdict") == "same":
         return head + ": same sums predicted"

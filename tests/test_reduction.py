@@ -1,13 +1,13 @@
 """Reduction-order prediction (parity/diff/reduction.py) and consequence classes
 (parity/consequences.py) on hand-built layouts: pure logic, checked against cases derived by
-hand from the NCCL Ring model (parity/nccl_model.py)."""
+hand from the NCCL Ring model (parity/nccl)."""
 
 import pytest
 
 from parity import consequences as cq
 from parity.diff.buckets import Bucket, Entry, Layout
 from parity.diff.reduction import derive_layout, predict
-from parity.nccl_model import parse_topology, reduce_scatter_segments, same_sum, sum_order
+from parity.nccl import parse_topology, reduce_scatter_segments, same_sum, sum_order
 
 
 def _bucket(index, fqns, shapes, world, dtype="float32", esize=4):
@@ -28,7 +28,7 @@ def _layouts(a_order, b_order, shapes, world=4):
     return {"a": la, "b": lb}
 
 
-SHAPES = {"p0": [4096, 1], "p1": [4096, 1], "s0": [8, 4], "s1": [8, 4]}
+SHAPES = {"p0": [98304, 1], "p1": [32768, 1], "s0": [8, 4], "s1": [8, 4]}  # 512 KiB: 4 channels
 
 
 def _brute(layouts, shapes, topo):
@@ -108,72 +108,7 @@ def test_consequence_classes_and_lead():
     assert "values unchanged" in cq.counts_phrase({cq.COPY_ONLY: 1})
 
 
-# ------------------------------------------------------------------------------ NCCL logs
-
-LOG_HEAD = "node1:100:100 [0] NCCL INFO comm 0x55 rank 0 nRanks 4 nNodes 2 localRanks 2 localRank 0 MNNVL 0\n"
-
-
-def _log(tmp_path, rings, cut=False, tuning=()):
-    lines = [LOG_HEAD]
-    for c, r in enumerate(rings):
-        tail = " ..." if cut else ""
-        lines.append(f"node1:100:100 [0] NCCL INFO Channel {c:02d}/{len(rings):02d} :"
-                     + "".join(f" {x:3d}" for x in r) + tail + "\n")
-    lines.append("node1:100:100 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC\n")
-    lines += [f"node1:100:100 [0] NCCL INFO {t}\n" for t in tuning]
-    p = tmp_path / "nccl.log"
-    p.write_text("".join(lines))
-    return p
-
-
-def test_nccl_log_rings_replace_the_model(tmp_path):
-    from parity.nccl_log import parse_nccl_log
-
-    big = {"p0": [65536, 1], "p1": [65536, 1]}  # 4 channels at 4 ranks (512 KiB)
-    lay = _layouts([["p0", "p1"]], [["p1", "p0"]], big)
-    # the model's 2x2 rings alternate per channel: moving by two channels keeps each ring
-    assert predict(lay, big, "2x2", 4).verdict == "same"
-    # every channel on one ring: nothing can differ, whatever the model would say for 2x2
-    topo, notes = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3)] * 4))
-    assert (topo.nodes, topo.gpus, len(topo.rings)) == (2, 2, 4) and not notes
-    assert predict(lay, big, topo, 4).verdict == "same"
-    # p0 moves from channels 0-1 to 2-3: other rings
-    topo, _ = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3)] * 2 + [(0, 3, 2, 1)] * 2))
-    assert predict(lay, big, topo, 4).verdict == "differs"
-    # the same ring pairs on both sides: same sums
-    topo, _ = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3), (0, 3, 2, 1)] * 2))
-    assert predict(lay, big, topo, 4).verdict == "same"
-    # a cut line cannot be used: the model's rings, said
-    topo, notes = parse_nccl_log(_log(tmp_path, [(0, 1)] * 4, cut=True))
-    assert topo.rings is None and "cannot be used" in notes[0] and "cut" in notes[0]
-
-
-def test_nccl_log_tuning_lines_set_the_channels_of_that_size(tmp_path):
-    from parity.nccl_log import parse_nccl_log
-    from parity.nccl_model import reduce_scatter_segments
-
-    line = ("ReduceScatter: 32768 Bytes -> Algo RING proto SIMPLE channel{Lo..Hi}={0..0}")
-    topo, notes = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3), (0, 3, 2, 1)] * 2,
-                                      tuning=[line]))
-    assert len(reduce_scatter_segments(topo, 2048, 4)) == 1  # 2048 x 4 B x 4 ranks: 1 channel
-    lay = _layouts([["p0", "p1"]], [["p1", "p0"]], SHAPES)
-    assert predict(lay, SHAPES, topo, 4).verdict == "same"
-    pat = "ReduceScatter: 99 Bytes -> Algo PAT proto SIMPLE channel{Lo..Hi}={0..1}"
-    _, notes = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3)] * 2, tuning=[pat]))
-    assert "PAT" in notes[0]
-
-
-def test_nccl_log_errors_are_one_line(tmp_path):
-    from parity.errors import ParityError
-    from parity.nccl_log import parse_nccl_log
-
-    empty = tmp_path / "empty.log"
-    empty.write_text("hello\n")
-    for path in (empty, tmp_path / "missing.log"):
-        with pytest.raises(ParityError) as e:
-            parse_nccl_log(path)
-        assert "\n" not in str(e.value) and e.value.exit_code == 2
-
+# NCCL log reading: tests/test_nccl_log.py
 
 # ------------------------------------------------------------------------- the policy
 

@@ -2,7 +2,7 @@
 
 Why: a consistent payload reorder inside a reduce-scatter bucket changes no hash on gloo, but on
 a multi-node NCCL job it can change the sums, because each channel adds the ranks' values in its
-own ring order (parity/nccl_model.py). This module makes a CPU job compute every reduce-scatter
+own ring order (parity/nccl). This module makes a CPU job compute every reduce-scatter
 and all-reduce exactly as that model says, so the numbers of a 2x2 (or 8x8) cluster show up on a
 laptop. It is the one capture mode that changes the job's numbers, on purpose; meta.json says so
 (``nccl_emulation``) and ``parity diff`` refuses to compare an emulated run with a plain one.
@@ -46,7 +46,8 @@ import torch
 
 from parity.capture.env import say
 from parity.errors import EXIT_USAGE, ParityError
-from parity.nccl_model import (MODEL, MODEL_LIMITS, Topology, all_reduce_segments,
+from parity.nccl.probe_file import describe_file
+from parity.nccl import (MODEL, MODEL_LIMITS, Topology, all_reduce_segments,
                                parse_topology, reduce_scatter_segments, sum_order)
 
 BACKEND_NAME = "parity_nccl_emu"
@@ -79,7 +80,7 @@ def ring_sum(rows: torch.Tensor, order, lo: int, hi: int) -> torch.Tensor:
 def reduce_scatter_rows(rows: torch.Tensor, owner: int, topo: Topology) -> torch.Tensor:
     """Rank ``owner``'s reduce-scatter output from ``rows`` ([nranks, count]: row s is rank s's
     contribution to ``owner``'s segment, pre-multiplied already for AVG), per channel range of
-    :func:`~parity.nccl_model.reduce_scatter_segments` in ``sum_order(ring, owner)``."""
+    :func:`~parity.nccl.reduce_scatter_segments` in ``sum_order(ring, owner)``."""
     count = rows.shape[1]
     out = torch.empty(count, dtype=rows.dtype)
     for seg in reduce_scatter_segments(topo, count, rows.element_size()):
@@ -89,7 +90,7 @@ def reduce_scatter_rows(rows: torch.Tensor, owner: int, topo: Topology) -> torch
 
 def all_reduce_rows(rows: torch.Tensor, topo: Topology) -> torch.Tensor:
     """The all-reduce of ``rows`` ([nranks, count]) chunk by chunk of
-    :func:`~parity.nccl_model.all_reduce_segments`, each in its owner's sum order."""
+    :func:`~parity.nccl.all_reduce_segments`, each in its owner's sum order."""
     count = rows.shape[1]
     out = torch.empty(count, dtype=rows.dtype)
     for seg in all_reduce_segments(topo, count, rows.element_size()):
@@ -524,6 +525,7 @@ def describe() -> dict | None:
         counts = {k: v for k, v in _counts.items() if k != "groups"}
         passed = dict(_passed)
     return {"topology": _topology.spec(), "detail": _topology.to_dict(), "model": MODEL,
+            "topology_file": describe_file(_topology),  # a probe's file: its agreement
             "limits": MODEL_LIMITS, "backend": BACKEND_NAME, "emulated": counts,
             "passed_to_gloo": passed}
 

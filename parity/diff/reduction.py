@@ -13,7 +13,7 @@ answers the question a 256-GPU weight-hash run answers, without a rerun:
    payload order (``chunk_cat`` in FSDP2, ``reduce_scatter_merge_fn_to_trace`` in the bucketing
    pass). The derivation is first checked against what was recorded at the capture's own world
    size; a bucket it does not reproduce is *not predicted* (said, never guessed).
-2. ``parity.nccl_model`` splits each bucket's per-rank count into channel ranges and gives each
+2. ``parity.nccl`` splits each bucket's per-rank count into channel ranges and gives each
    channel's ring; rank d's element at per-rank offset o is summed in ``sum_order(ring of the
    channel holding o, d)``.
 3. An element is *at risk* when that order differs between A and B (``same_sum``: the first
@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from parity.diff.buckets import Bucket, Layout, eager_for
-from parity.nccl_model import MODEL, MODEL_LIMITS, Topology, parse_topology, reduce_scatter_segments
+from parity.nccl.probe_file import describe_file
+from parity.nccl import MODEL, MODEL_LIMITS, Topology, parse_topology, reduce_scatter_segments
 
 if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
     import numpy as np
@@ -88,6 +89,7 @@ class ReductionPrediction:
 
     def to_dict(self) -> dict:
         return {"topology": self.topology.to_dict(), "model": self.model,
+                "topology_file": describe_file(self.topology),  # nccl-probe's agreement
                 "limits": MODEL_LIMITS, "verdict": self.verdict,
                 "at_risk": [x.to_dict() for x in self.at_risk],
                 "elements_at_risk": sum(x.elements for x in self.at_risk),
@@ -192,7 +194,7 @@ class _Orders:
 
     def differ(self, ra: tuple[int, ...], rb: tuple[int, ...]) -> tuple[list, list]:
         """(whether owner d's orders differ, per d; how many owners below d differ, d = 0..W)."""
-        key = (id(ra), id(rb))  # rings are shared tuple objects (nccl_model caches them)
+        key = (id(ra), id(rb))  # rings are shared tuple objects (parity.nccl caches them)
         v = self._differ.get(key)
         if v is None:
             import numpy as np
@@ -465,7 +467,7 @@ def topology_of(at: str | None, nccl_log: str | None) -> tuple[Topology | None, 
     of the log could not be used. Bad input raises a one-line ParityError (exit 2)."""
     topo = parse_topology(at) if at else None
     if nccl_log:
-        from parity.nccl_log import parse_nccl_log
+        from parity.nccl import parse_nccl_log
 
         return parse_nccl_log(nccl_log, topo)
     return topo, []
