@@ -28,6 +28,7 @@ once, removes the hooks and lets training go on.
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import os
 import sys
@@ -112,13 +113,17 @@ class Session(RankRecord, StepClock, ParamTable):
         self.loss_ref = None
         self._step_loss = None
         self._step_sampled = True
-        self._grad_rows: dict[int, bytes] = {}  # table row -> digest of the gradient consumed
+        self._grad_rows: dict[int, int] = {}  # table row -> its part in _grad_parts
+        self._grad_parts: list = []  # (rows or None: all, hashing.Digests) of this step's grads
+        self._opt_rows: dict[int, tuple] = {}  # id(optimizer) -> (its _opt_sigs entry, rows)
+        self._inflight: collections.deque = collections.deque()  # written steps not yet resolved
         # the last parameter record written (its hashes, (offset, roll-up), step): what the
         # next step's entry (steps.py) and the final state (writing.py) are compared with
         self._last_params: bytes | None = None
         self._last_param_ref: tuple[int, str] | None = None
         self._last_param_step = -1
-        self._entry: bytes | None = None  # this step's entry hashes, when they changed
+        self._prev_params: tuple = (None, -1)  # the record of the step before that one
+        self._entry = None  # this step's entry digests (hashing.Digests), compared when written
         self._loss_scale = None  # the scale of this step's loss (GradScaler), a tensor
         self._skipped: str | None = None  # why this step's optimizer step did not run
         self._opt_pre_calls = 0  # optimizer pre-hooks seen (a GradScaler.step that ran none)

@@ -15,17 +15,19 @@ initialised in ``Session.__init__``).
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import time
 import weakref
 
 import torch
 
-from parity.artifacts import HASH_BYTES, NO_HASH
 from parity.capture import loss
-from parity.capture.hashing import digest_tensors
+from parity.capture.hashing import digest_tensors_async
 from parity.capture.patches import _tracing
 from parity.capture.table import _Buffer
+
+_GRAD = operator.attrgetter("grad")
 
 
 def sampled(step: int, every: int) -> bool:
@@ -104,26 +106,41 @@ class StepClock:
         return None
 
     def _note_consumed(self, opt) -> None:
-        """Hash the gradients of ``opt``'s parameters as its step is about to consume them."""
-        rows = [self._table_ids.get(id(p), -1) for g in opt.param_groups for p in g["params"]]
-        rows = [i for i in rows if i >= 0]
+        """Hash the gradients of ``opt``'s parameters as its step is about to consume them.
+        Its rows are looked up again only when its parameter groups changed (``_opt_sigs``)."""
+        sig = self._opt_sigs.get(id(opt))
+        cached = self._opt_rows.get(id(opt))
+        if cached is not None and sig is not None and cached[0] is sig:
+            rows = cached[1]
+        else:
+            rows = [self._table_ids.get(id(p), -1) for g in opt.param_groups for p in g["params"]]
+            rows = [i for i in rows if i >= 0]
+            self._opt_rows[id(opt)] = (sig, rows)
         self._note_rows(rows)
 
     def _note_rows(self, rows) -> None:
+        """Queue the digests of the gradients of table ``rows`` (one part of this step's line;
+        a later part wins for a row noted twice)."""
         rows = list(rows)
         if not rows:
             return
-        d = digest_tensors([self.table[i].grad for i in rows], self.hasher)
-        n = len(d) // len(rows)
-        for k, i in enumerate(rows):
-            self._grad_rows[i] = d[k * n:(k + 1) * n]
+        table = self.table
+        if rows == list(range(len(table))):  # every row, in order: rows 0..n-1 (an int)
+            owners, key = table, len(table)
+        else:
+            owners, key = list(map(table.__getitem__, rows)), rows
+        grads = list(map(_GRAD, owners))
+        self._grad_rows.update(dict.fromkeys(rows, len(self._grad_parts)))
+        self._grad_parts.append((key, digest_tensors_async(grads, self.hasher, owners=owners)))
 
-    def _grad_line(self) -> bytes:
-        """This step's gradient digests in table order: as consumed (see _note_consumed), else
-        (a row no optimizer stepped) as they are now."""
-        missing = [i for i in range(len(self.table)) if i not in self._grad_rows]
-        self._note_rows(missing)
-        return b"".join(self._grad_rows[i] for i in range(len(self.table)))
+    def _grad_line(self) -> list:
+        """This step's gradient digests in table order, as parts still perhaps on the device
+        (writing.py resolves them): as consumed (see _note_consumed), else (a row no optimizer
+        stepped) as they are now."""
+        if len(self._grad_rows) < len(self.table):
+            missing = [i for i in range(len(self.table)) if i not in self._grad_rows]
+            self._note_rows(missing)
+        return list(self._grad_parts)
 
     def _wrap_closure(self, args, kwargs):
         """``opt.step(closure)`` (LBFGS and the like) computes the step's loss and gradients
@@ -190,6 +207,7 @@ class StepClock:
                         self._write_first()
                     elif self._step_sampled:
                         self._write(self.k, self._grad_line() if self.grads else None)
+                    self._resolve(before=self._step_base + self.k)  # earlier steps' digests
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         self.capture_seconds += time.perf_counter() - t0
@@ -204,6 +222,7 @@ class StepClock:
         self._step_loss = loss.step_loss(self)  # the sum over this step's backward calls
         self._loss_scale = loss.step_scale(self)
         self._grad_rows = {}
+        self._grad_parts = []
         self._skipped = None
         self._entry = self._entry_hashes()
 
@@ -218,19 +237,17 @@ class StepClock:
         self._skipped = why
         self._post_hook(opt, (opt,), {})
 
-    def _entry_hashes(self) -> bytes | None:
-        """The parameters as this step's optimizer step finds them, when they differ from the
-        last step's record (the trainer edited the model between ``step()`` calls: a clamp, an
-        EMA update, weights loaded), else None. Buffer rows are left out (NO_HASH): the
-        forward pass changes them by design. Taken when the previous step was recorded (its
-        hashes are the reference) and this one is; step 1's is step 0."""
-        last = self._last_params
-        if (last is None or not self._step_sampled or self._last_param_step != self.k - 1
-                or self.written != self.k - 1):
+    def _entry_hashes(self):
+        """The digests of the parameters as this step's optimizer step finds them (queued like
+        every digest: hashing.Digests), and the buffer rows left out (NO_HASH: the forward pass
+        changes buffers by design); None when the previous step was not recorded or this one is
+        not. Compared with the previous step's record when this step is written (writing.py):
+        an entry record is written only when the trainer changed the parameters in between (a
+        clamp, an EMA update, weights loaded)."""
+        if not self._step_sampled or self.written != self.k - 1 or self.k < 2:
             return None
-        rows = [None if type(p) is _Buffer else t for p, t in zip(self.table, self._tensors())]
-        now = digest_tensors(rows, self.hasher)
-        n = min(len(now), len(last))
-        masked = b"".join(NO_HASH if rows[i] is None else last[i * HASH_BYTES:(i + 1) * HASH_BYTES]
-                          for i in range(n // HASH_BYTES))
-        return None if now[:n] == masked else now
+        buffers = [i for i, p in enumerate(self.table) if type(p) is _Buffer]
+        rows = self._tensors()
+        for i in buffers:
+            rows[i] = None
+        return digest_tensors_async(rows, self.hasher), buffers
