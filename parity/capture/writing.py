@@ -32,6 +32,12 @@ from parity.capture.table import _Buffer
 class RankRecord:
     """Rank identity, meta.json and step writes (state in ``Session.__init__``)."""
 
+    # the last parameter record written, and the one of the step before it (_resolve)
+    _last_params: bytes | None = None
+    _last_param_ref: tuple[int, str] | None = None
+    _last_param_step = -1
+    _prev_params: tuple = (None, -1)
+
     # ----------------------------------------------------------------------------- metadata
     @property
     def rank(self) -> int:
