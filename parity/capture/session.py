@@ -142,7 +142,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self._roots_scan = None  # (step, live root modules): one gc scan per step at most
         self._trees_scanned: int | None = None  # the step of the last search for new trees
         self._skipped_trees = weakref.WeakSet()  # trees of fake / meta / subclass tensors
-        self._skipped: list[dict] = []  # their meta.json ``capture.skipped`` entries
+        self._trees_skipped: list[dict] = []  # their meta.json ``capture.skipped`` entries
         self._unhashed: dict[str, str] = {}  # fqn -> why it is not hashed (capture.unhashed)
         self._fqn_roots: dict[str, object] = {}  # name -> the root module that holds it
         self._root_labels: dict[int, str] = {}  # id(root) -> prefix for its colliding names

@@ -198,7 +198,7 @@ class ParamTable:
             why = trees.skip_reason(root)
             if why is not None:
                 self._skipped_trees.add(root)
-                self._skipped.append({"tree": trees.describe(root), "reason": why})
+                self._trees_skipped.append({"tree": trees.describe(root), "reason": why})
                 from parity.capture.env import say
 
                 say(f"module tree {trees.describe(root)} skipped: {why} (not hashed; "

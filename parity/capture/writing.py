@@ -70,7 +70,7 @@ class RankRecord:
                 "optimizers": len(self._optimizers),
                 # module trees not hashed (fake / meta / subclass tensors), tensors of the
                 # model that could not be (named on the verdict line): trees.py, table.py
-                "skipped": list(self._skipped),
+                "skipped": list(self._trees_skipped),
                 "unhashed": [{"fqn": f, "reason": r} for f, r in self._unhashed.items()],
                 "seconds": round(self.capture_seconds
                                  + sum(s.seconds for s in self._sources.values() if s is not None),
