@@ -18,7 +18,7 @@ from parity.artifacts import RankData, Run, gc_paused, read_run
 from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
                                  explain_eager)
-from parity.diff.emulation import check_same_emulation
+from parity.diff.emulation import check_same_emulation, emulation_gaps
 from parity.diff.env import numerics_env_differences
 from parity.diff.reduction import assess
 from parity.diff.one_sided import one_sided, refused_processes, same_run
@@ -248,6 +248,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     # what one side recorded and the other did not is not compared: parity is not proven
     incomplete += one_sided(ra, rb, ranks, steps, _loss_bits)
     incomplete += refused_processes(run_a, run_b)
+    incomplete += emulation_gaps(run_a, run_b)  # sums gloo made under --emulate-nccl
     same = same_run(run_a, run_b)
     if same:
         incomplete.insert(0, same)
