@@ -425,7 +425,8 @@ def _note_passed(reason: str) -> None:
         if reason in _warned:
             return
         _warned.add(reason)
-    say(f"--emulate-nccl: passed to gloo: {reason}")
+    if _says():
+        say(f"--emulate-nccl: passed to gloo: {reason}")
 
 
 def _note_gap(reason: str) -> None:
@@ -436,7 +437,13 @@ def _note_gap(reason: str) -> None:
         if reason in _warned:
             return
         _warned.add(reason)
-    say(f"--emulate-nccl: NOT emulated: {reason}")
+    if _says():
+        say(f"--emulate-nccl: NOT emulated: {reason}")
+
+
+def _says() -> bool:
+    """Rank 0 says what the emulation left to gloo (every rank records it in meta.json)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _refuse(msg: str) -> None:
