@@ -20,7 +20,7 @@ from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_b
                                  explain_eager)
 from parity.diff.emulation import check_same_emulation, emulation_gaps
 from parity.diff.env import numerics_env_differences
-from parity.diff.reduction import assess
+from parity.diff.reduction import assess, observe
 from parity.diff.one_sided import one_sided, refused_processes, same_run
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, HashComparison, ParamIndex,
                                 compare_hashes, param_keys, step_fields)
@@ -262,6 +262,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     # -- first divergence
     first, fd, divergent = _first_divergence(run_a, ra, rb, ranks, steps_compared, index, hc,
                                              loss, layouts, order)
+    if reduction is not None:  # an emulated pair: predicted against observed
+        observe(reduction, divergent, first)
 
     _lazy_problems(ra, rb, n_before, problems)  # tables parsed for the checks above
     verdict = _verdict(first, incomplete)
