@@ -367,47 +367,37 @@ def _group_topo(topo: Topology, nodes: int, gpus: int) -> Topology:
 def _colls(kind: str, buckets: list[Bucket], topo: Topology, ctx: _Context, sub: bool
            ) -> tuple[list[_Coll], dict[int, str]]:
     """A side's collectives of ``kind`` at ``topo``, and per bucket index the reason one could
-    not be derived. ``sub``: the side's reduce-scatters ran on shard groups (HSDP)."""
+    not be derived. ``sub``: the side's reduce-scatters ran on shard groups (HSDP). A coalesced
+    bucket is one collective per payload, in one NCCL group (``group``: the others' counts)."""
     out, bad = [], {}
     for b in buckets:
-        op, gw = _op(b), _world(b)
-        if kind == RS:
-            if sub:  # HSDP: shard groups of one node at the target (an assumption, said)
-                gt, n, cw = _group_topo(topo, 1, topo.gpus), topo.gpus, gw
-            else:
-                gt, n, cw = topo, topo.world, ctx.capture_world
-            got = derive_layout(b, ctx.shapes, n, cw, ctx.dims_of)
-            if isinstance(got, str):
-                bad[b.index] = got
-                continue
-            slots, count, esize = got
-            out.append(_Coll(RS, (RS, b.index), b, gt, n, slots, count, esize, op))
-            continue
-        # all-reduce
-        if getattr(b, "module", None) == HSDP_REPLICATE:  # the shard row, over one rank a node
-            shard_c = (ctx.capture_world // gw) if ctx.capture_world and gw else None
-            got = derive_layout(b, ctx.shapes, topo.gpus, shard_c, ctx.dims_of)
-            gt, owners = _group_topo(topo, topo.nodes, 1), topo.gpus
+        gw = _world(b)
+        if kind == RS and sub:  # HSDP: shard groups of one node at the target (said)
+            gt, owners, n, check = _group_topo(topo, 1, topo.gpus), topo.gpus, topo.gpus, gw
+        elif kind == RS:
+            gt, owners, n, check = topo, topo.world, topo.world, ctx.capture_world
+        elif getattr(b, "module", None) == HSDP_REPLICATE:  # a shard row, over one rank a node
+            gt, owners, n = _group_topo(topo, topo.nodes, 1), topo.gpus, topo.gpus
+            check = (ctx.capture_world // gw) if ctx.capture_world and gw else None
         elif gw in (None, ctx.capture_world) or not ctx.capture_world:
-            got = derive_layout(b, ctx.shapes, 1, 1, ctx.dims_of)  # whole tensors
-            gt, owners = topo, 1
+            gt, owners, n, check = topo, 1, 1, 1  # whole tensors, over every rank
         else:
-            bad[b.index] = (f"an all-reduce over {gw} of {ctx.capture_world} ranks "
-                            "(not HSDP's replicate group): which ranks it spans at the target "
-                            "is not known")
+            bad[b.index] = (f"an all-reduce over {gw} of {ctx.capture_world} ranks (not HSDP's "
+                            "replicate group): which ranks it spans at the target is not known")
             continue
+        got = derive_layout(b, ctx.shapes, n, check, ctx.dims_of)
         if isinstance(got, str):
             bad[b.index] = got
             continue
         slots, count, esize = got
-        if getattr(b, "coalesced", False) and len(slots) > 1:  # one collective per payload, in one NCCL group
-            sizes = [s.rows * s.row for s in slots]
-            for k, s in enumerate(slots):
-                others = tuple(x for j, x in enumerate(sizes) if j != k)
-                out.append(_Coll(AR, (AR, b.index, k), b, gt, owners, [s._replace(offset=0)],
-                                 sizes[k], esize, op, others))
+        if getattr(b, "coalesced", False) and len(slots) > 1:
+            sizes = [x.rows * x.row for x in slots]
+            for k, x in enumerate(slots):
+                others = tuple(c for j, c in enumerate(sizes) if j != k)
+                out.append(_Coll(kind, (kind, b.index, k), b, gt, owners, [x._replace(offset=0)],
+                                 sizes[k], esize, _op(b), others))
             continue
-        out.append(_Coll(AR, (AR, b.index), b, gt, owners, slots, count, esize, op))
+        out.append(_Coll(kind, (kind, b.index), b, gt, owners, slots, count, esize, _op(b)))
     return out, bad
 
 
@@ -621,8 +611,9 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
         return
     ans.kinds.add(kind)
     names = {id(b): tuple(b.fqns) for b in (*ba, *bb)}
-    by_b = {(names[id(b)], b.dtype, _op(b), _world(b)): b.index for b in bb}
-    same_bucket = {b.index: by_b.get((names[id(b)], b.dtype, _op(b), _world(b))) for b in ba}
+    # the op is left out: a compiled graph's is not recorded (reduction_order's assumptions)
+    by_b = {(names[id(b)], b.dtype, _world(b)): b.index for b in bb}
+    same_bucket = {b.index: by_b.get((names[id(b)], b.dtype, _world(b))) for b in ba}
     first: dict[str, dict[str, int]] = {"a": {}, "b": {}}
     for side, bs in (("a", ba), ("b", bb)):
         for b in bs:
@@ -739,7 +730,7 @@ def _count_entries(kind: str, n: int, entries: list, colls: dict, ctx: _Context,
         pa, pb = got["a"][e[0]], got["b"][e[1]]
         if isinstance(pa, str) or isinstance(pb, str):
             why = pa if isinstance(pa, str) else pb
-            unknown_pairs.setdefault((e[7]["a"], e[7]["b"]), why)
+            unknown_pairs.setdefault((e[7][2]["a"], e[7][2]["b"]), why)
             continue
         live.append(e)
     for (ia, ib), why in unknown_pairs.items():
@@ -983,7 +974,7 @@ def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
         b = Bucket(AR, len(out), rec.group, rec.dtype, rec.total_bytes,
                    [Entry(e.fqn, e.offset, e.size, e.numel, e.dtype) for e in rec.entries],
                    rec.step if isinstance(rec.step, int) else None)
-        b.module = rec.module if isinstance(rec.module, str) else None
+        b.module = rec.group if isinstance(rec.group, str) else None  # the call site
         b.op = str(rec.extra.get("op") or "sum")
         b.group_size = rec.world_size
         b.coalesced = bool(rec.extra.get("coalesced"))
@@ -992,7 +983,12 @@ def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
 
 
 def _annotate_buckets(layout: Layout, records: list[dict]) -> None:
-    """Reduce-scatter buckets get their group size and op (the recorded ``world_size``)."""
+    """Reduce-scatter buckets get their group size (the recorded ``world_size``), whether they
+    were one coalesced call, and their op: eager FSDP2 reduce-scatters fp32 and bf16 gradients
+    with ReduceOp.AVG on a group of more than one rank (``_get_gradient_divide_factors`` in
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, torch 2.6-2.13), i.e. NCCL's
+    PreMulSum; a compiled graph's op is not recorded and counts as a sum (the answer that leaves
+    PAT and NVLS possible: unknown rather than a guess)."""
     by_key: dict = {}
     for r in records:
         if r.get("collective") == RS and r.get("source") in (SOURCE_FSDP2, SOURCE_GRAPH):
@@ -1001,6 +997,9 @@ def _annotate_buckets(layout: Layout, records: list[dict]) -> None:
         r = by_key.get((b.graph_id, b.record_index))
         b.group_size = as_int(r.get("world_size")) if r is not None else None
         b.coalesced = bool(b.node and "coalesced" in b.node)
+        fsdp2 = layout.source == SOURCE_FSDP2
+        b.op = "avg" if fsdp2 and b.dtype in ("float32", "bfloat16") and \
+            (b.group_size or 2) > 1 else "sum"
 
 
 def _layouts_at(run, rank: int, prefer: tuple, step: int) -> tuple[Layout, list[Bucket]]:
@@ -1255,6 +1254,9 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     annotate(order, layouts, shapes, counts, {"a": last[3], "b": last[4]})
     if at is None:
         return None
+    if isinstance(at, str):  # "8x8" or "1x8,8x8" (a sweep spec's at)
+        specs = split_topologies(at)
+        at = specs[0] if len(specs) == 1 else specs
     topos = at if isinstance(at, list) else [at]
     topos = [parse_topology(t) if isinstance(t, str) else t for t in topos]
     env, version = _nccl_settings(run_a)

@@ -271,9 +271,9 @@ class C10dAllReduces(ManifestSource):
                     break
                 off += t.numel()
         total = sum(e.size or 0 for e in entries)
+        # the caller goes in ``group`` (no ``module``: it is a call site, not an nn.Module)
         rec = BucketRecord(SOURCE_C10D, "all_reduce", len(self.current), entries,
-                           group=module, dtype=dtype, world_size=size, total_bytes=total,
-                           module=module)
+                           group=module, dtype=dtype, world_size=size, total_bytes=total)
         rec.extra["op"] = _op_name(op if op is not None else dist.ReduceOp.SUM)
         if ranks is not None:
             rec.extra["ranks"] = list(ranks)
@@ -288,7 +288,7 @@ class C10dAllReduces(ManifestSource):
             self.rebuilds -= 1  # a model built after the first all-reduce: look again
             self._by_shape = None
             self.layouts.clear()
-        sig = tuple((c.module, c.dtype, c.world_size, c.extra.get("op"),
+        sig = tuple((c.group, c.dtype, c.world_size, c.extra.get("op"),
                      tuple(c.extra.get("ranks") or ()),
                      tuple((e.fqn, e.offset, e.numel) for e in c.entries)) for c in calls)
         if sig == self.last_signature or (not calls and self.last_signature is None):
