@@ -829,9 +829,12 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     topo = parse_topology(topology) if isinstance(topology, str) else topology
     ctx = _Context(shapes, capture_world, _env_items(env), version)
     ar = all_reduce or {}
-    step = _answer(layouts["a"], layouts["b"], ar.get("a") or [], ar.get("b") or [],
-                   eager or {}, topo, ctx, None, _counts)
-    return _finish(topo, [step], layouts["a"].rank, source, [])
+    steps = [b.step for lay in layouts.values() for b in lay.buckets.get(RS, [])
+             if isinstance(b.step, int)]
+    step = min(steps) if steps else None  # the layouts' own step, as recorded
+    got = _answer(layouts["a"], layouts["b"], ar.get("a") or [], ar.get("b") or [],
+                  eager or {}, topo, ctx, step, _counts)
+    return _finish(topo, [got], layouts["a"].rank, source, [step] if step is not None else [])
 
 
 def _answer(la: Layout, lb: Layout, ara: list[Bucket], arb: list[Bucket], eager: dict,
