@@ -420,25 +420,24 @@ def _count(kind: str) -> None:
 
 def _note_passed(reason: str) -> None:
     """A collective gloo runs unchanged because its result cannot depend on the order."""
-    with _lock:
-        _passed[reason] += 1
-        if reason in _warned:
-            return
-        _warned.add(reason)
-    if _says():
-        say(f"--emulate-nccl: passed to gloo: {reason}")
+    _note(_passed, reason, "passed to gloo")
 
 
 def _note_gap(reason: str) -> None:
     """A float reduction summed by gloo in gloo's order, not the modelled one: meta.json's
     ``not_emulated`` names it and ``parity diff`` makes the comparison incomplete (exit 3)."""
+    _note(_gaps, reason, "NOT emulated")
+
+
+def _note(counter: collections.Counter, reason: str, what: str) -> None:
+    """Count ``reason``; rank 0 says it once (every rank records it in meta.json)."""
     with _lock:
-        _gaps[reason] += 1
+        counter[reason] += 1
         if reason in _warned:
             return
         _warned.add(reason)
     if _says():
-        say(f"--emulate-nccl: NOT emulated: {reason}")
+        say(f"--emulate-nccl: {what}: {reason}")
 
 
 def _says() -> bool:

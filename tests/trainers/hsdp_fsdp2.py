@@ -15,11 +15,10 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from tiny_lm import TinyLM
+from tiny_lm import TinyLM, lm_steps
 
 VOCAB, DIM, HIDDEN = 32, 64, 256
 
@@ -51,13 +50,7 @@ def main():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(100 + rank)
-    for _ in range(int(os.environ.get("HS_STEPS", "1"))):
-        tokens = torch.randint(0, VOCAB, (4, 17), generator=gen)
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    lm_steps(model, opt, int(os.environ.get("HS_STEPS", "1")), rank, VOCAB)
     dist.destroy_process_group()
 
 

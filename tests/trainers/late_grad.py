@@ -16,10 +16,9 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from tiny_lm import TinyLM, gloo_mesh
+from tiny_lm import TinyLM, gloo_mesh, lm_steps
 
 VOCAB, DIM, HIDDEN = 32, 64, 256
 
@@ -48,15 +47,12 @@ def main():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(100 + rank)
-    for step in range(1, int(os.environ.get("LG_STEPS", "2")) + 1):
+
+    def activate(step):
         for block in model.layers:
             block.active = step >= 2
-        tokens = torch.randint(0, VOCAB, (4, 17), generator=gen)
-        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+
+    lm_steps(model, opt, int(os.environ.get("LG_STEPS", "2")), rank, VOCAB, before=activate)
     dist.destroy_process_group()
 
 

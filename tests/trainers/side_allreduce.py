@@ -15,10 +15,9 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
-from tiny_lm import MLPBlock, TinyLM, gloo_mesh
+from tiny_lm import MLPBlock, TinyLM, gloo_mesh, lm_steps
 
 VOCAB, DIM, SIDE = 32, 32, 96
 
@@ -52,17 +51,10 @@ def main():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD([*model.parameters(), *side.parameters()], lr=0.1)
-    gen = torch.Generator().manual_seed(100 + rank)
     mode, reverse = os.environ.get("SA_MODE", "flat"), os.environ.get("SA_REVERSED") == "1"
-    for _ in range(int(os.environ.get("SA_STEPS", "1"))):
-        tokens = torch.randint(0, VOCAB, (4, 17), generator=gen)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss = loss + side(logits.detach()).pow(2).mean()
-        loss.backward()
-        sync(side, mode, reverse)
-        opt.step()
-        opt.zero_grad()
+    lm_steps(model, opt, int(os.environ.get("SA_STEPS", "1")), rank, VOCAB,
+             extra_loss=lambda logits: side(logits.detach()).pow(2).mean(),
+             after_backward=lambda: sync(side, mode, reverse))
     dist.destroy_process_group()
 
 
