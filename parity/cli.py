@@ -123,10 +123,10 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, emulate_nccl, fo
              epilog=EXIT_DIFF)
 @click.argument("a_dir", type=click.Path())
 @click.argument("b_dir", type=click.Path())
-@click.option("--json", "json_file", type=click.Path(dir_okay=False),
+@click.option("--json", "json_file", type=click.Path(),
               help="Also write the result as JSON to FILE (schema: "
                    "parity/schemas/diff.schema.json) [default: not written].")
-@click.option("--html", "html_file", type=click.Path(dir_okay=False),
+@click.option("--html", "html_file", type=click.Path(),
               help="Also write a self-contained HTML page to FILE [default: not written].")
 @click.option("--fail-on", type=FAIL_ON, default=DEFAULT_POLICY, show_default=True,
               help=POLICY_HELP)
@@ -135,7 +135,7 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, emulate_nccl, fo
                    "NODESxGPUS[:channels=C,...] (e.g. 8x8, 32x8:channels=16); several, one row "
                    "each: --at 1x8,2x8,8x8,32x8 (or --at repeated); docs/reduction-order.md "
                    "[default: no prediction].")
-@click.option("--nccl-log", "nccl_log", type=click.Path(dir_okay=False),
+@click.option("--nccl-log", "nccl_log", type=click.Path(),
               help="Predict with the rings and channel choices of a real NCCL_DEBUG=INFO "
                    "(+TUNING) log [default: none].")
 def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on, at, nccl_log):
@@ -173,7 +173,7 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on, at, nccl_log):
                            "2  not a parity run directory, or --json FILE cannot be written",
                            "4  internal error in parity (PARITY_DEBUG=1 shows the traceback)"))
 @click.argument("run_dir", type=click.Path())
-@click.option("--json", "json_file", type=click.Path(dir_okay=False),
+@click.option("--json", "json_file", type=click.Path(),
               help="Also write the summary as JSON to FILE [default: not written].")
 def inspect_cmd(run_dir, json_file):
     """Summarize the bucket manifests of RUN_DIR (written by `parity exec --out`): per graph and
@@ -216,7 +216,7 @@ EXIT_BISECT = ("\b\nExit codes:\n"
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Where the reruns and bisect.json go [default: ./parity-bisect, or "
                    "CELL_DIR/bisect].")
-@click.option("--json", "json_file", type=click.Path(dir_okay=False),
+@click.option("--json", "json_file", type=click.Path(),
               help="Also write the report (bisect.json) to FILE [default: only OUT/bisect.json].")
 def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
     """Rerun A and B up to the divergent step and name the first operation whose output differs.
@@ -309,7 +309,7 @@ def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_
 @click.argument("sweep_dir", type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="console",
               show_default=True, help=formats_help())
-@click.option("--output", type=click.Path(dir_okay=False),
+@click.option("--output", type=click.Path(),
               help="Write to FILE [default: stdout; html: SWEEP_DIR/report.html].")
 @click.option("--fail-on", type=FAIL_ON, default=None,
               help="Policy for the verdict, JUnit failures and markdown [default: the sweep's "

@@ -2,7 +2,7 @@
 launcher-side checks, and one real 4-rank gloo job whose every kind of reduction (eager
 reduce-scatter and all-reduce with SUM/AVG in fp32/bf16, a compiled graph's functional
 reduce-scatter, DTensor redistributions) must equal, bitwise, a pure-torch sum in the order the
-model (parity/nccl_model.py) gives, computed here without any collective."""
+model (parity/nccl) gives, computed here without any collective."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import pytest
 
 from parity.capture.emulation_launch import check_emulation, torchrun_world
 from parity.errors import ParityError
-from parity.nccl_model import (all_reduce_segments, parse_topology, reduce_scatter_segments,
-                               sum_order)
+from parity.nccl import (MODEL, all_reduce_segments, parse_topology, reduce_scatter_segments,
+                         sum_order)
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER = REPO / "tests" / "trainers" / "emulated_collectives.py"
@@ -70,7 +70,7 @@ def test_ring_sums_match_a_per_element_numpy_reference():
     from parity.capture.nccl_emulation import all_reduce_rows, avg_scale, reduce_scatter_rows
 
     topo = parse_topology(TOPO)
-    count = 3000
+    count = 40000  # 640 KB at 4 ranks: 4 channels
     rows = torch.randn(4, count, generator=torch.Generator().manual_seed(3))
     segs = reduce_scatter_segments(topo, count, 4)
     assert len({s.order for s in segs}) > 1
@@ -263,7 +263,7 @@ def test_meta_records_the_emulation_and_diff_refuses_a_plain_run(job, tmp_path):
     run = root / "run"
     meta = json.loads((run / "rank-00000" / "meta.json").read_text())
     emu = meta["nccl_emulation"]
-    assert emu["topology"] == TOPO and emu["model"] == "nccl-ring-cbd/1"
+    assert emu["topology"] == TOPO and emu["model"] == MODEL
     assert emu["emulated"]["reduce_scatter"] >= 7 and emu["emulated"]["all_reduce"] >= 6
     assert emu["groups"].get("2x1:channels=4") == 1 and emu["not_emulated"] == {}
     assert json.loads((run / "run.json").read_text())["capture"]["emulate_nccl"] == TOPO

@@ -1,13 +1,13 @@
 """Reduction-order prediction (parity/diff/reduction.py) and consequence classes
 (parity/consequences.py) on hand-built layouts: pure logic, checked against cases derived by
-hand from the NCCL Ring model (parity/nccl_model.py)."""
+hand from the NCCL Ring model (parity/nccl)."""
 
 import pytest
 
 from parity import consequences as cq
 from parity.diff.buckets import Bucket, Entry, Layout
 from parity.diff.reduction import derive_layout, predict
-from parity.nccl_model import parse_topology, reduce_scatter_segments, same_sum, sum_order
+from parity.nccl import parse_topology, reduce_scatter_segments, same_sum, sum_order
 
 
 def _bucket(index, fqns, shapes, world, dtype="float32", esize=4):
@@ -20,19 +20,28 @@ def _bucket(index, fqns, shapes, world, dtype="float32", esize=4):
     return Bucket("reduce_scatter", index, "g", dtype, off * esize, entries)
 
 
-def _layouts(a_order, b_order, shapes, world=4):
+def _layouts(a_order, b_order, shapes, world=4, b_op="avg"):
+    """A eager FSDP2 (AVG: NCCL's PreMulSum, inferred), B a compiled graph whose op is ``b_op``
+    (SimpleFSDP's ``Partial("avg")``; a graph's op is not recorded, so a real run's counts as
+    a sum)."""
     la = Layout("fsdp2", 0, {"all_gather": [], "reduce_scatter": [
         _bucket(i, fq, shapes, world) for i, fq in enumerate(a_order)]})
     lb = Layout("graph", 0, {"all_gather": [], "reduce_scatter": [
         _bucket(i, fq, shapes, world) for i, fq in enumerate(b_order)]})
+    for b in lb.buckets["reduce_scatter"]:
+        b.op = b_op
     return {"a": la, "b": lb}
 
 
-SHAPES = {"p0": [4096, 1], "p1": [4096, 1], "s0": [8, 4], "s1": [8, 4]}
+SHAPES = {"p0": [98304, 1], "p1": [32768, 1], "s0": [8, 4], "s1": [8, 4]}  # 512 KiB: 4 channels
 
 
 def _brute(layouts, shapes, topo):
-    """Elements at risk per parameter, element by element (the definition)."""
+    """Elements at risk per parameter, element by element (the definition): the worst over
+    every pair of scenarios NCCL may run the two sides' collectives with (the same cluster:
+    same ring family and communicator channels; the same protocol where the sizes are equal)."""
+    from parity.nccl import predict as nccl_predict
+
     out = {}
     W = topo.world
     per_side = {}
@@ -40,21 +49,31 @@ def _brute(layouts, shapes, topo):
         m = {}
         for b in layouts[side].buckets["reduce_scatter"]:
             slots, count, esize = derive_layout(b, shapes, W)
-            segs = reduce_scatter_segments(topo, count, esize)
+            got = nccl_predict(topo, "reduce_scatter", count, esize, op=getattr(b, "op", "avg"))
             for s in slots:
-                m[s.fqn] = (s, segs)
+                m[s.fqn] = (s, got.scenarios, count)
         per_side[side] = m
     for f in per_side["a"]:
-        (sa, ga), (sb, gb) = per_side["a"][f], per_side["b"][f]
-        n = 0
-        for d in range(W):
-            real = max(0, min(sa.rows, sa.dim0 - d * sa.rows)) * sa.row
-            for i in range(real):
-                ra = next(g.order for g in ga if g.lo <= sa.offset + i < g.hi)
-                rb = next(g.order for g in gb if g.lo <= sb.offset + i < g.hi)
-                n += not same_sum(sum_order(ra, d), sum_order(rb, d))
-        if n:
-            out[f] = n
+        (sa, scen_a, ca), (sb, scen_b, cb) = per_side["a"][f], per_side["b"][f]
+        worst = 0
+        for xa in scen_a:
+            for xb in scen_b:
+                k = min(len(xa.rings), len(xb.rings))
+                if xa.comm_channels != xb.comm_channels or xa.rings[:k] != xb.rings[:k] or \
+                        not set(xa.family.split("+")) & set(xb.family.split("+")):
+                    continue  # not one cluster
+                if ca == cb and xa.protocol != xb.protocol:
+                    continue
+                n = 0
+                for d in range(W):
+                    real = max(0, min(sa.rows, sa.dim0 - d * sa.rows)) * sa.row
+                    for i in range(real):
+                        ra = next(g.order for g in xa.segments if g.lo <= sa.offset + i < g.hi)
+                        rb = next(g.order for g in xb.segments if g.lo <= sb.offset + i < g.hi)
+                        n += not same_sum(sum_order(ra, d), sum_order(rb, d))
+                worst = max(worst, n)
+        if worst:
+            out[f] = worst
     return out
 
 
@@ -66,6 +85,10 @@ def test_swapping_payloads_across_channels_puts_them_at_risk_across_nodes_only()
     assert multi.fqns() == {"p0", "p1"}
     one = predict(lay, SHAPES, "1x4:channels=4", capture_world=4)
     assert one.verdict == "same" and not one.at_risk  # one node: every channel, one ring
+    # a SUM on one node may run NVLS, which the model does not cover: unknown, never "same"
+    summed = predict(_layouts([["p0", "p1"]], [["p1", "p0"]], SHAPES, b_op="sum"), SHAPES,
+                     "1x4:channels=4", capture_world=4)
+    assert summed.verdict == "unknown" and "NVLS" in summed.unknown[0]["reason"]
 
 
 def test_a_swap_inside_one_channel_predicts_nothing():
@@ -108,72 +131,7 @@ def test_consequence_classes_and_lead():
     assert "values unchanged" in cq.counts_phrase({cq.COPY_ONLY: 1})
 
 
-# ------------------------------------------------------------------------------ NCCL logs
-
-LOG_HEAD = "node1:100:100 [0] NCCL INFO comm 0x55 rank 0 nRanks 4 nNodes 2 localRanks 2 localRank 0 MNNVL 0\n"
-
-
-def _log(tmp_path, rings, cut=False, tuning=()):
-    lines = [LOG_HEAD]
-    for c, r in enumerate(rings):
-        tail = " ..." if cut else ""
-        lines.append(f"node1:100:100 [0] NCCL INFO Channel {c:02d}/{len(rings):02d} :"
-                     + "".join(f" {x:3d}" for x in r) + tail + "\n")
-    lines.append("node1:100:100 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/IPC\n")
-    lines += [f"node1:100:100 [0] NCCL INFO {t}\n" for t in tuning]
-    p = tmp_path / "nccl.log"
-    p.write_text("".join(lines))
-    return p
-
-
-def test_nccl_log_rings_replace_the_model(tmp_path):
-    from parity.nccl_log import parse_nccl_log
-
-    big = {"p0": [65536, 1], "p1": [65536, 1]}  # 4 channels at 4 ranks (512 KiB)
-    lay = _layouts([["p0", "p1"]], [["p1", "p0"]], big)
-    # the model's 2x2 rings alternate per channel: moving by two channels keeps each ring
-    assert predict(lay, big, "2x2", 4).verdict == "same"
-    # every channel on one ring: nothing can differ, whatever the model would say for 2x2
-    topo, notes = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3)] * 4))
-    assert (topo.nodes, topo.gpus, len(topo.rings)) == (2, 2, 4) and not notes
-    assert predict(lay, big, topo, 4).verdict == "same"
-    # p0 moves from channels 0-1 to 2-3: other rings
-    topo, _ = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3)] * 2 + [(0, 3, 2, 1)] * 2))
-    assert predict(lay, big, topo, 4).verdict == "differs"
-    # the same ring pairs on both sides: same sums
-    topo, _ = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3), (0, 3, 2, 1)] * 2))
-    assert predict(lay, big, topo, 4).verdict == "same"
-    # a cut line cannot be used: the model's rings, said
-    topo, notes = parse_nccl_log(_log(tmp_path, [(0, 1)] * 4, cut=True))
-    assert topo.rings is None and "cannot be used" in notes[0] and "cut" in notes[0]
-
-
-def test_nccl_log_tuning_lines_set_the_channels_of_that_size(tmp_path):
-    from parity.nccl_log import parse_nccl_log
-    from parity.nccl_model import reduce_scatter_segments
-
-    line = ("ReduceScatter: 32768 Bytes -> Algo RING proto SIMPLE channel{Lo..Hi}={0..0}")
-    topo, notes = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3), (0, 3, 2, 1)] * 2,
-                                      tuning=[line]))
-    assert len(reduce_scatter_segments(topo, 2048, 4)) == 1  # 2048 x 4 B x 4 ranks: 1 channel
-    lay = _layouts([["p0", "p1"]], [["p1", "p0"]], SHAPES)
-    assert predict(lay, SHAPES, topo, 4).verdict == "same"
-    pat = "ReduceScatter: 99 Bytes -> Algo PAT proto SIMPLE channel{Lo..Hi}={0..1}"
-    _, notes = parse_nccl_log(_log(tmp_path, [(0, 1, 2, 3)] * 2, tuning=[pat]))
-    assert "PAT" in notes[0]
-
-
-def test_nccl_log_errors_are_one_line(tmp_path):
-    from parity.errors import ParityError
-    from parity.nccl_log import parse_nccl_log
-
-    empty = tmp_path / "empty.log"
-    empty.write_text("hello\n")
-    for path in (empty, tmp_path / "missing.log"):
-        with pytest.raises(ParityError) as e:
-            parse_nccl_log(path)
-        assert "\n" not in str(e.value) and e.value.exit_code == 2
-
+# NCCL log reading: tests/test_nccl_log.py
 
 # ------------------------------------------------------------------------- the policy
 
@@ -274,9 +232,18 @@ def test_a_sweep_cell_is_diffed_at_the_spec_topology(tmp_path):
     a = make_run(tmp_path / "a", world_size=2, steps=1, n_params=8)
     b = make_run(tmp_path / "b", world_size=2, steps=1, n_params=8, bucket_layout="graph",
                  bucket_order="reversed-rs")
+    # one node, a compiled graph whose op is not recorded (a SUM may run NVLS): unknown
     status, reason, d = compare_cell(a, b, tmp_path / "diff.json", tmp_path, at="1x2")
-    assert status == "order_mismatch" and d["reduction_order"]["verdict"] == "same"
-    assert "reduction order at 1x2" in reason and "sums may change" in reason
+    assert status == "order_mismatch" and d["reduction_order"]["verdict"] == "unknown"
+    assert "NVLS" in reason and "not recorded" in reason
+
+    class Unknown:
+        status, diff = "order_mismatch", d
+    assert policy.cell_code(Unknown, "reduction") == 3
+    # Ring pinned, two ranks: a + b == b + a, nothing can be summed in another order
+    status, reason, d = compare_cell(a, b, tmp_path / "diff.json", tmp_path, at="1x2:algo=Ring")
+    assert status == "order_mismatch" and d["reduction_order"]["verdict"] == "same", reason
+    assert "reduction order at 1x2:algo=Ring" in reason and "sums may change" in reason
 
     class Cell:  # what policy.cell_code reads of a sweep cell
         status, diff = "order_mismatch", d
@@ -358,14 +325,15 @@ def test_several_topologies_give_one_row_each_in_json_console_and_html(tmp_path)
     a = make_run(tmp_path / "a", world_size=4, steps=1, n_params=18)
     b = make_run(tmp_path / "b", world_size=4, steps=1, n_params=18, bucket_layout="graph",
                  bucket_order="reversed-rs")
-    r = diff_runs(a, b, at="1x256:channels=16,32x8:channels=16")
+    r = diff_runs(a, b, at="1x256:channels=16,32x8:channels=1,32x8:channels=16")
     ro = r.to_dict()["reduction_order"]
     assert isinstance(ro, list) and [x["topology"]["spec"] for x in ro] == [
-        "1x256:channels=16", "32x8:channels=16"]
-    assert [x["verdict"] for x in ro] == ["same", "differs"]
+        "1x256:channels=16", "32x8:channels=1", "32x8:channels=16"]
+    assert [x["verdict"] for x in ro] == ["unknown", "same", "differs"]
+    assert "NVLS" in ro[0]["unknown"][0]["reason"]
     assert all("channels" not in x["topology"] or x["topology"]["channels"] is not None
                for x in ro)
-    differing = [bk for bk in ro[1]["buckets"] if bk["elements"]]
+    differing = [bk for bk in ro[2]["buckets"] if bk["elements"]]
     assert differing and all(bk["bytes_per_rank"]["a"] > 0 and bk["scenarios"]
                              and bk["scenarios"][0]["channels"]["a"] for bk in differing)
     jsonschema = pytest.importorskip("jsonschema")
@@ -375,6 +343,7 @@ def test_several_topologies_give_one_row_each_in_json_console_and_html(tmp_path)
     assert cqm.prediction_verdict(ro) == "differs" and r.exit_code("reduction") == 1
     line = r.judge("reduction").line()
     assert "reduction order at 1x256:channels=16" in line and "at 32x8:channels=16:" in line
+    assert "at 32x8:channels=1: same sums predicted" in line
     assert "for the captured model's bucket sizes" in line and "upper bound" in line
     # read back from JSON (a list), and an old single-object file still reads
     back = from_dict(json.loads(json.dumps(d)))
@@ -387,9 +356,10 @@ def test_several_topologies_give_one_row_each_in_json_console_and_html(tmp_path)
         con.print(x)
     text = con.export_text()
     assert "topology" in text and "1x256:channels=16" in text and "same sums" in text
+    assert "unknown" in text and "NVLS" in text
     assert "at risk" in text and "bytes/rank A / B" in text and "upper bound" in text
     page = render_diff_html(d, "reduction")
-    assert "Reduction order at 1x256:channels=16, 32x8:channels=16" in page
+    assert "Reduction order at 1x256:channels=16, 32x8:channels=1, 32x8:channels=16" in page
     assert "bytes per rank" in page
 
 
@@ -486,16 +456,22 @@ def test_all_reduce_buckets_are_compared_and_predicted():
                                         op="sum", **kw)])
 
     lay = _layouts([["p0"]], [["p0"]], {"p0": [4096, 1]})
-    got = predict(lay, {**shapes, "p0": [4096, 1]}, "2x2:channels=4", capture_world=4,
+    # NCCL may run an all-reduce as Tree: unknown unless Ring is pinned
+    tree = predict(lay, {**shapes, "p0": [4096, 1]}, "2x2:channels=4", capture_world=4,
+                   all_reduce={"a": ar(["w", "b", "v"]), "b": ar(["v", "b", "w"])})
+    assert tree.verdict == "unknown" and "Tree" in tree.unknown[0]["reason"]
+    got = predict(lay, {**shapes, "p0": [4096, 1]}, "2x2:channels=4,algo=Ring", capture_world=4,
                   all_reduce={"a": ar(["w", "b", "v"]), "b": ar(["v", "b", "w"])})
     assert got.verdict == "differs" and got.fqns() == {"w", "b", "v"}
     assert all(x.bucket["collective"] == "all_reduce" for x in got.at_risk)
     bk = got.buckets[0]
     assert bk["collective"] == "all_reduce" and bk["bytes_per_rank"] == {"a": 64384, "b": 64384}
-    same = predict(lay, {**shapes, "p0": [4096, 1]}, "2x2:channels=4", capture_world=4,
+    same = predict(lay, {**shapes, "p0": [4096, 1]}, "2x2:channels=4,algo=Ring",
+                   capture_world=4,
                    all_reduce={"a": ar(["w", "b", "v"]), "b": ar(["w", "b", "v"])})
     assert same.verdict == "same"
-    grouped = predict(lay, {**shapes, "p0": [4096, 1]}, "2x2:channels=4", capture_world=4,
+    grouped = predict(lay, {**shapes, "p0": [4096, 1]}, "2x2:channels=4,algo=Ring",
+                      capture_world=4,
                       all_reduce={"a": ar(["w", "b", "v"], coalesced=True),
                                   "b": ar(["v", "b", "w"], coalesced=True)})
     assert grouped.verdict in ("unknown", "differs")
@@ -516,7 +492,7 @@ def test_all_reduce_buckets_are_compared_and_predicted():
 
 def test_nccl_settings_that_the_model_cannot_follow_are_unknown():
     from parity.diff.reduction import plans
-    from parity.nccl_model import parse_topology as pt
+    from parity.nccl import parse_topology as pt
 
     topo = pt("2x2:channels=4")
     assert isinstance(plans(topo, "reduce_scatter", 4096, 4, env=(("NCCL_ALGO", "Tree"),)), str)

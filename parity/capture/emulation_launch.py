@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from parity.errors import ParityError
-from parity.nccl_model import parse_topology
+from parity.nccl import parse_topology
 
 _TORCHRUN_FLAGS = {"--standalone", "--no-python", "--no_python", "-m", "--module", "--run-path",
                    "--run_path", "--virtual-local-rank", "--virtual_local_rank"}

@@ -2,7 +2,7 @@
 
 Why: a consistent payload reorder inside a reduce-scatter bucket changes no hash on gloo, but on
 a multi-node NCCL job it can change the sums, because each channel adds the ranks' values in its
-own ring order (parity/nccl_model.py). This module makes a CPU job compute every reduce-scatter
+own ring order (parity/nccl). This module makes a CPU job compute every reduce-scatter
 and all-reduce exactly as that model says, so the numbers of a 2x2 (or 8x8) cluster show up on a
 laptop. It is the one capture mode that changes the job's numbers, on purpose; meta.json says so
 (``nccl_emulation``) and ``parity diff`` refuses to compare an emulated run with a plain one.
@@ -54,8 +54,8 @@ import torch
 
 from parity.capture.env import say
 from parity.errors import EXIT_USAGE, ParityError
-from parity.nccl_model import (MODEL, MODEL_LIMITS, Topology, all_reduce_segments,
-                               parse_topology, reduce_scatter_segments, sum_order)
+from parity.nccl import (MODEL, MODEL_LIMITS, Topology, parse_topology, primary_scenario,
+                         sum_order)
 
 BACKEND_NAME = "parity_nccl_emu"
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -67,20 +67,31 @@ _passed: collections.Counter = collections.Counter()  # reason -> left to gloo, 
 _gaps: collections.Counter = collections.Counter()  # reason -> summed by gloo, NOT emulated
 _groups: collections.Counter = collections.Counter()  # sub-topology spec -> groups emulated
 _warned: set[str] = set()
+_env: dict[str, str] = {}  # the job's NCCL_* settings: the model applies them (the fingerprint's)
 
 
 # ------------------------------------------------------------------- the model, in one place
+def _segments(topo: Topology, kind: str, count: int, esize: int) -> list:
+    """The model's primary scenario (``parity.nccl.primary_scenario``: the pinned protocol else
+    Simple, the first channel count and ring family) for one collective, under the job's NCCL
+    settings: what one emulated run computes (a prediction covers every scenario)."""
+    s = primary_scenario(topo, kind, count, esize, env=_env)
+    return list(s.segments) if s is not None else []
+
+
 def rs_ranges(topo: Topology, count: int, esize: int) -> list[tuple[int, int, tuple[int, ...]]]:
     """(lo, hi, ring) per channel range of a reduce-scatter whose per-rank output has ``count``
     elements of ``esize`` bytes: rank d's elements in [lo, hi) are summed in
     ``sum_order(ring, d)``. The one call of the model's reduce-scatter split."""
-    return [(s.lo, s.hi, s.order) for s in reduce_scatter_segments(topo, count, esize)]
+    return [(g.lo, g.hi, g.order) for g in _segments(topo, "reduce_scatter", count, esize)]
 
 
 def ar_chunks(topo: Topology, count: int, esize: int) -> list[tuple[int, int, tuple[int, ...]]]:
-    """(lo, hi, sum order) per chunk of an all-reduce of ``count`` elements: the order in which
-    the chunk's owner adds the ranks' values. The one call of the model's all-reduce split."""
-    return [(s.lo, s.hi, s.order) for s in all_reduce_segments(topo, count, esize)]
+    """(lo, hi, sum order) per chunk of an all-reduce of ``count`` elements (chunk sizes and
+    owners as the model gives them: the owner is ``ring->index`` steps from rank 0): the order
+    in which the chunk's owner adds the ranks' values. The one call of the model's all-reduce
+    split."""
+    return [(g.lo, g.hi, g.order) for g in _segments(topo, "all_reduce", count, esize)]
 
 
 def group_topology(topo: Topology, ranks) -> Topology | str:
@@ -107,7 +118,8 @@ def group_topology(topo: Topology, ranks) -> Topology | str:
         return f"ranks {_short(ranks)} are not in node order (not modelled)"
     from dataclasses import replace
 
-    return replace(topo, nodes=len(per_node), gpus=sizes.pop(), rings=None, tuning=None)
+    return replace(topo, nodes=len(per_node), gpus=sizes.pop(), rings=None, tuning=None,
+                   ring_prefixes=None, nics=None, source=None)
 
 
 def _short(ranks) -> str:
@@ -594,6 +606,8 @@ def install(spec: str) -> Topology:
         raise ParityError("--emulate-nccl: the process group was initialized before capture "
                           "started")
     _topology = topo
+    _env.clear()
+    _env.update({k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
                                       devices=["cpu", "cuda"])

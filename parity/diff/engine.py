@@ -161,7 +161,7 @@ def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: boo
     different world sizes, or (unless ``allow_param_mismatch``) different parameter sets; exit 3
     when a side failed before recording a step. A side whose job exited non-zero is incomplete,
     unless ``tolerate_exit`` (the sweep's ``tolerate_teardown_exit``): then it is a problem only.
-    ``at``: a topology (``parity.nccl_model.Topology`` or ``"8x8"``) to predict the reduction
+    ``at``: a topology (``parity.nccl.Topology`` or ``"8x8"``) to predict the reduction
     order at (``result.reduction_order``, parity/diff/reduction.py).
     """
     t0 = time.perf_counter()

@@ -22,7 +22,7 @@ answers the question a 256-GPU weight-hash run answers, without a rerun:
    *not predicted* (said, never guessed). HSDP at the target: shard groups of one node (G ranks,
    reduce-scatter at 1xG), replicate groups of one rank per node (all-reduce at Nx1): an
    assumption, printed.
-3. **The model** (``parity.nccl_model`` through :func:`plans`, the one adapter): every scenario
+3. **The model** (``parity.nccl.predict`` through :func:`plans`, the one adapter): every scenario
    NCCL may run for a collective of that size (protocol, ring family, channel count), or
    ``unknown`` with the reason where Ring is not certain (PAT, NVLS, CollNet/SHARP, a tuner, an
    ``NCCL_ALGO``, a grouped call the model does not cover). NCCL settings recorded in the
@@ -54,9 +54,8 @@ from parity.diff.buckets import (A_PREFERS, B_PREFERS, SEVERITY, Bucket, BucketP
                                  align_buckets, compare_layouts, eager_for, select_layout,
                                  side_by_side)
 from parity.errors import ParityError
-from parity.nccl_model import (MODEL, MODEL_LIMITS, Topology, all_reduce_segments,
-                               canonical_order, default_channels, parse_topology,
-                               reduce_scatter_segments)
+from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, canonical_order, parse_topology
+from parity.nccl import predict as nccl_predict
 from parity.records import SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, as_int
 
 if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
@@ -82,10 +81,11 @@ _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "float8_e4
 
 @dataclass(frozen=True)
 class Plan:
-    """One scenario NCCL may run for one collective: the ranges its elements fall in and, per
-    range, the ring (reduce-scatter: rank d's order is ``sum_order(ring, d)``) or the sum order
-    itself (all-reduce chunk). ``key``: the cluster-wide assumptions (ring family, the
-    communicator's channel count), which must be the same for every collective of a run."""
+    """One scenario NCCL may run for one collective (a ``parity.nccl.Scenario``, flattened): the
+    ranges its elements fall in and, per range, the ring (reduce-scatter: rank d's order is
+    ``sum_order(ring, d)``) or the sum order itself (all-reduce chunk). The cluster-wide
+    assumptions (the communicator's channel count, the ring family and its rings) must be the
+    same for every collective of one run (:meth:`fits`)."""
 
     protocol: str
     family: str
@@ -93,62 +93,54 @@ class Plan:
     nchannels: int
     starts: tuple[int, ...]
     orders: tuple[tuple[int, ...], ...]
+    model: str = MODEL
+    assumptions: tuple[str, ...] = ()
+    rings: tuple[tuple[int, ...], ...] = ()  # the family's ring per channel, up to the last used
 
-    @property
-    def key(self) -> tuple:
-        return (self.family, self.comm_channels)
+    def fits(self, cluster: list) -> bool:
+        """Whether this scenario can run on ``cluster`` ([communicator channels, family names,
+        rings]): the same channel count, a family in common, rings that agree channel by
+        channel as far as both go (a larger collective uses more of the same rings)."""
+        comm, names, rings = cluster
+        k = min(len(rings), len(self.rings))
+        return (self.comm_channels == comm and bool(names & set(self.family.split("+")))
+                and rings[:k] == self.rings[:k])
+
+
+# ops whose result does not depend on the order of the additions: nothing to predict
+_ORDER_FREE_OPS = ("max", "min", "band", "bor", "bxor")
+_MODEL_OPS = ("sum", "avg", "premul_sum", "prod")
 
 
 def plans(topo: Topology, kind: str, count: int, esize: int, op: str = "sum",
           env: tuple = (), group: tuple = (), version: str | None = None
           ) -> tuple[Plan, ...] | str:
     """Every scenario NCCL may run for a ``kind`` collective of ``count`` elements (per rank for
-    a reduce-scatter, the whole buffer for an all-reduce) at ``topo``, or the reason Ring is not
-    certain (an ``unknown``). ``env``: the fingerprint's NCCL settings as sorted (key, value)
-    pairs; ``group``: the counts of the other collectives of the same NCCL group (a coalesced
-    call). Memoised: buckets of one size ask once."""
-    return _plans(topo, kind, count, esize, op, tuple(env), tuple(group), version)
-
-
-def _family(topo: Topology) -> str:
-    if topo.rings is not None:
-        return "log"
-    return "one-node" if topo.nodes == 1 else "nic-rotated"
+    a reduce-scatter, the whole buffer for an all-reduce) at ``topo`` (``parity.nccl.predict``),
+    or the reason Ring is not certain (an ``unknown``: PAT, NVLS, Tree, CollNet, a tuner, NCCL
+    settings). ``env``: the fingerprint's NCCL settings as sorted (key, value) pairs; ``group``:
+    the counts of the other collectives of the same NCCL group (a coalesced call). Memoised:
+    buckets of one size ask once. An order-free op (MIN/MAX) has no scenario to compare."""
+    if op in _ORDER_FREE_OPS:
+        return ()
+    return _plans(topo, kind, count, esize, op if op in _MODEL_OPS else "sum", tuple(env),
+                  tuple(group), version)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plans(topo: Topology, kind: str, count: int, esize: int, op: str, env: tuple,
            group: tuple, version: str | None) -> tuple[Plan, ...] | str:
-    settings = dict(env)
-    algo = (settings.get("NCCL_ALGO") or "").strip()
-    if algo and "ring" not in algo.lower():
-        return f"NCCL_ALGO={algo} in the run's NCCL settings: not Ring, not modelled"
-    if settings.get("NCCL_TUNER_PLUGIN"):
-        return (f"NCCL_TUNER_PLUGIN={settings['NCCL_TUNER_PLUGIN']}: a tuner plug-in chooses "
-                "algorithm, protocol and channels")
-    if group:
-        return (f"a grouped call ({len(group) + 1} collectives in one NCCL group): NCCL chooses "
-                "their channels together (ncclPrepareTasks); not modelled")
-    proto = (settings.get("NCCL_PROTO") or "").strip()
-    if proto and "," not in proto and not proto.startswith("^"):
-        names = {"simple": "Simple", "ll": "LL", "ll128": "LL128"}
-        if proto.lower() in names:
-            topo = replace(topo, protocol=names[proto.lower()])
-    segs = (reduce_scatter_segments(topo, count, esize) if kind == RS
-            else all_reduce_segments(topo, count, esize))
-    if not segs:
-        return ()
-    comm = topo.channels if topo.channels is not None else default_channels(topo)
-    return (Plan(topo.protocol, _family(topo), comm, len({s.channel for s in segs}),
-                 tuple(s.lo for s in segs), tuple(s.order for s in segs)),)
-
-
-def model_name() -> str:
-    return MODEL
-
-
-def model_limits() -> str:
-    return MODEL_LIMITS
+    got = nccl_predict(topo, kind, count, esize, op=op, env=dict(env), group=group,
+                       version=version)
+    if isinstance(got, Unknown):
+        return got.reason
+    release, _, where = got.version.partition(" ")
+    model = f"{MODEL}, NCCL {release} rules"
+    said = (f"NCCL {release} {where.strip('()')}",) if where else ()
+    return tuple(Plan(s.protocol, s.family, s.comm_channels, s.nchannels,
+                      tuple(seg.lo for seg in s.segments), tuple(seg.order for seg in s.segments),
+                      model, said + tuple(s.assumptions) + tuple(got.notes), tuple(s.rings))
+                 for s in got.scenarios)
 
 
 # ------------------------------------------------------------------------------ the result
@@ -361,7 +353,8 @@ def _group_topo(topo: Topology, nodes: int, gpus: int) -> Topology:
     """A sub-communicator of ``topo``'s cluster: a log's rings and tuning rows are the world's."""
     if (nodes, gpus) == (topo.nodes, topo.gpus):
         return topo
-    return replace(topo, nodes=nodes, gpus=gpus, rings=None, tuning=None)
+    return replace(topo, nodes=nodes, gpus=gpus, rings=None, tuning=None, ring_prefixes=None,
+                   nics=None, source=None)
 
 
 def _colls(kind: str, buckets: list[Bucket], topo: Topology, ctx: _Context, sub: bool
@@ -585,6 +578,8 @@ class _StepAnswer:
     buckets: list = field(default_factory=list)
     checked: set = field(default_factory=set)
     kinds: set = field(default_factory=set)  # kinds of reduction either side recorded
+    models: dict = field(default_factory=dict)  # the model's name per release used, in order
+    assumptions: dict = field(default_factory=dict)  # every scenario's assumptions, in order
 
 
 def _env_items(env) -> tuple:
@@ -721,8 +716,12 @@ def _count_entries(kind: str, n: int, entries: list, colls: dict, ctx: _Context,
     got: dict[str, dict] = {"a": {}, "b": {}}
     for side in ("a", "b"):
         for key, c in involved[side].items():
-            got[side][key] = plans(c.topo, kind, c.count, c.esize, c.op, ctx.env, c.group,
-                                   ctx.version)
+            got[side][key] = ps = plans(c.topo, kind, c.count, c.esize, c.op, ctx.env, c.group,
+                                        ctx.version)
+            for p in ps if not isinstance(ps, str) else ():
+                ans.models.setdefault(p.model)
+                ans.assumptions.update(dict.fromkeys(f"{c.topo.spec()}: {a}"
+                                                     for a in p.assumptions))
     # a collective the model cannot know: its payloads are unknown, said per bucket pair
     unknown_pairs: dict[tuple, str] = {}
     live = []
@@ -730,6 +729,10 @@ def _count_entries(kind: str, n: int, entries: list, colls: dict, ctx: _Context,
         pa, pb = got["a"][e[0]], got["b"][e[1]]
         if isinstance(pa, str) or isinstance(pb, str):
             why = pa if isinstance(pa, str) else pb
+            guessed = colls["a" if isinstance(pa, str) else "b"][e[0] if isinstance(pa, str)
+                                                                 else e[1]].bucket
+            if getattr(guessed, "op_guessed", False):
+                why += " (a compiled graph's reduce op is not recorded: counted as a SUM)"
             unknown_pairs.setdefault((e[7][2]["a"], e[7][2]["b"]), why)
             continue
         live.append(e)
@@ -738,20 +741,21 @@ def _count_entries(kind: str, n: int, entries: list, colls: dict, ctx: _Context,
     best = np.zeros(len(live), dtype=np.int64)
     if live:
         orders = _Orders(n) if kind == RS else _ChunkOrders(n)
-        keys = sorted({p.key for side in ("a", "b") for ps in got[side].values()
-                       if not isinstance(ps, str) for p in ps}, key=str)
         same_size = np.array([
             (colls["a"][e[0]].count, colls["a"][e[0]].esize, colls["a"][e[0]].group)
             == (colls["b"][e[1]].count, colls["b"][e[1]].esize, colls["b"][e[1]].group)
             for e in live], dtype=bool)
         done: set = set()
-        for key in keys:
+        for cluster in _clusters(got):
+            fit = {s: {k: [p for p in ps if p.fits(cluster)] for k, ps in got[s].items()
+                       if not isinstance(ps, str)} for s in ("a", "b")}
+            protos = {s: sorted({p.protocol for ps in fit[s].values() for p in ps}, key=str)
+                      for s in ("a", "b")}
+
             def of(side, k, proto):
-                ps = [p for p in got[side][k] if p.key == key] or list(got[side][k])
+                ps = fit[side][k] or list(got[side][k])
                 return next((p for p in ps if p.protocol == proto), ps[0])
 
-            protos = {s: sorted({p.protocol for ps in got[s].values() for p in ps
-                                 if p.key == key} or {None}, key=str) for s in ("a", "b")}
             for pa in protos["a"]:
                 for pb in protos["b"]:
                     chan_a = {k: _chan(of("a", k, pa), colls["a"][k]) for k in involved["a"]}
@@ -762,9 +766,9 @@ def _count_entries(kind: str, n: int, entries: list, colls: dict, ctx: _Context,
                         continue
                     done.add(sig)
                     c = _count_at_risk([e[:7] for e in live], chan_a, chan_b, orders)
-                    ok = np.array([
-                        any(p.protocol == pa for p in got["a"][e[0]]) and
-                        any(p.protocol == pb for p in got["b"][e[1]]) for e in live], dtype=bool)
+                    ok = np.array([any(p.protocol == pa for p in fit["a"][e[0]])
+                                   and any(p.protocol == pb for p in fit["b"][e[1]])
+                                   for e in live], dtype=bool)
                     if pa != pb:
                         ok &= ~same_size  # one size, one protocol choice
                     best = np.maximum(best, np.where(ok, c, 0))
@@ -773,6 +777,22 @@ def _count_entries(kind: str, n: int, entries: list, colls: dict, ctx: _Context,
             f, numel, where = e[7]
             _keep_worst(ans, kind, AtRisk(f, nrisk, numel, where, "order", step))
     _describe_buckets(kind, live, best.tolist(), colls, got, step, ans)
+
+
+def _clusters(got: dict) -> list[list]:
+    """The clusters the scenarios of every collective of both sides describe: [communicator
+    channels, family names, rings], each scenario joined to the first one it fits (the longest
+    rings kept)."""
+    out: list[list] = []
+    for side in ("a", "b"):
+        for ps in got[side].values():
+            for p in ps if not isinstance(ps, str) else ():
+                cl = next((c for c in out if p.fits(c)), None)
+                if cl is None:
+                    out.append([p.comm_channels, set(p.family.split("+")), p.rings])
+                elif len(p.rings) > len(cl[2]):
+                    cl[2] = p.rings
+    return out
 
 
 def _chan(plan: Plan, coll: _Coll) -> tuple:
@@ -791,8 +811,8 @@ def _describe_buckets(kind: str, live: list, risk: list, colls: dict, got: dict,
         if d is None:
             scen = []
             for pa in got["a"][e[0]]:
-                pb = next((p for p in got["b"][e[1]] if p.key == pa.key
-                           and p.protocol == pa.protocol), None)
+                pb = next((p for p in got["b"][e[1]] if p.protocol == pa.protocol and p.fits(
+                    [pa.comm_channels, set(pa.family.split("+")), pa.rings])), None)
                 scen.append({"protocol": pa.protocol, "family": pa.family,
                              "comm_channels": pa.comm_channels,
                              "channels": {"a": pa.nchannels,
@@ -829,6 +849,8 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     topo = parse_topology(topology) if isinstance(topology, str) else topology
     ctx = _Context(shapes, capture_world, _env_items(env), version)
     ar = all_reduce or {}
+    for lay in layouts.values():
+        _infer_ops(lay)
     steps = [b.step for lay in layouts.values() for b in lay.buckets.get(RS, [])
              if isinstance(b.step, int)]
     step = min(steps) if steps else None  # the layouts' own step, as recorded
@@ -881,9 +903,11 @@ def _finish(topo: Topology, answers: list, rank: int | None, source: str | None,
             if k not in seen_b:
                 seen_b.add(k)
                 pred.buckets.append(b)
-        for a in assumptions:
+        for a in [*assumptions, *ans.assumptions]:
             if a not in pred.assumptions:
                 pred.assumptions.append(a)
+        if ans.models and pred.model == MODEL:
+            pred.model = next(iter(ans.models))
     pred.at_risk = list(worst.values())
     pred.params_checked = len({f for _, f in checked})
     if not any(ans.kinds for ans, _ in answers):
@@ -1000,9 +1024,18 @@ def _annotate_buckets(layout: Layout, records: list[dict]) -> None:
         r = by_key.get((b.graph_id, b.record_index))
         b.group_size = as_int(r.get("world_size")) if r is not None else None
         b.coalesced = bool(b.node and "coalesced" in b.node)
-        fsdp2 = layout.source == SOURCE_FSDP2
-        b.op = "avg" if fsdp2 and b.dtype in ("float32", "bfloat16") and \
-            (b.group_size or 2) > 1 else "sum"
+    _infer_ops(layout)
+
+
+def _infer_ops(layout: Layout) -> None:
+    """A reduce-scatter bucket's op where it has none: AVG for eager FSDP2's fp32 and bf16
+    gradients on more than one rank (``_get_gradient_divide_factors``), else SUM."""
+    fsdp2 = layout.source == SOURCE_FSDP2
+    for b in layout.buckets.get(RS, []):
+        if getattr(b, "op", None) is None:
+            b.op = "avg" if fsdp2 and b.dtype in ("float32", "bfloat16") and \
+                (_world(b) or 2) > 1 else "sum"
+            b.op_guessed = not fsdp2  # a compiled graph's op: not recorded
 
 
 def _layouts_at(run, rank: int, prefer: tuple, step: int) -> tuple[Layout, list[Bucket]]:
@@ -1030,7 +1063,7 @@ def topology_of(at, nccl_log: str | None) -> tuple[Topology | list[Topology] | N
     topos = [parse_topology(s) for s in specs]
     notes: list[str] = []
     if nccl_log:
-        from parity.nccl_log import parse_nccl_log
+        from parity.nccl import parse_nccl_log
 
         if len(topos) > 1:
             raise ParityError("--nccl-log describes one cluster: give one --at topology with it")

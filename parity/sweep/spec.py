@@ -23,7 +23,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from parity.errors import ParityError, SpecError
-from parity.nccl_model import parse_topology
+from parity.nccl import parse_topology
 from parity.sweep import launchers, torchtitan_args
 
 SIDES = ("reference", "candidate")
@@ -644,7 +644,7 @@ def _at(v, doc: dict) -> str | None:
 def _emulate_nccl(v: _V, doc: dict, world: int) -> str | None:
     if "emulate_nccl" not in doc:
         return None
-    from parity.nccl_model import parse_topology
+    from parity.nccl import parse_topology
 
     text = v.string(doc["emulate_nccl"], "emulate_nccl")
     try:
