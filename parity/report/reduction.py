@@ -53,36 +53,57 @@ def topology_rows(ros: list[dict]) -> Table:
     return t
 
 
-def bucket_rows(x: dict) -> Table | None:
-    """The reasoning per differing reduction bucket pair at one topology."""
+def _span(values) -> str:
+    vs = sorted({v for v in values if isinstance(v, int)})
+    if not vs:
+        return "-"
+    return str(vs[0]) if len(vs) == 1 else f"{vs[0]}-{vs[-1]}"
+
+
+def _bucket_facts(b: dict) -> tuple[str, str, str, str]:
+    """(bytes per rank, protocols, channels A / B of the communicator's, ring families)."""
+    scen = [s for s in b.get("scenarios") or [] if isinstance(s, dict)]
+    by = b.get("bytes_per_rank") or {}
+    size = _mib(by.get("a")) if by.get("a") == by.get("b") else \
+        f"{_mib(by.get('a'))} / {_mib(by.get('b'))}"
+    protos = ", ".join(sorted({str(s.get("protocol")) for s in scen}))
+    ch = (f"{_span((s.get('channels') or {}).get('a') for s in scen)} / "
+          f"{_span((s.get('channels') or {}).get('b') for s in scen)} of "
+          f"{_span(s.get('comm_channels') for s in scen)}")
+    fams = ", ".join(dict.fromkeys(f for s in scen for f in str(s.get("family")).split("+")))
+    return size, protos, ch, fams
+
+
+def bucket_rows(x: dict) -> list:
+    """The reasoning per differing reduction bucket pair at one topology: a table, and the ring
+    families once (every bucket of a topology is tried on the same ones)."""
     bk = [b for b in x.get("buckets") or [] if isinstance(b, dict)]
     if not bk:
-        return None
+        return []
+    spec = (x.get("topology") or {}).get("spec")
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, expand=True,
-              title=T(f"at {(x.get('topology') or {}).get('spec')}: per differing bucket",
-                      "dim"), title_justify="left")
+              title=T(f"at {spec}, per differing bucket", "dim"), title_justify="left")
     t.add_column("bucket A / B", no_wrap=True)
     t.add_column("step", justify="right", no_wrap=True)
     t.add_column("group", no_wrap=True)
-    t.add_column("bytes/rank A / B", justify="right", no_wrap=True)
-    t.add_column("protocol: channels A / B (of comm)", overflow="fold", ratio=1)
-    t.add_column("rings", no_wrap=True)
+    t.add_column("bytes/rank", justify="right", no_wrap=True)
+    t.add_column("protocols", overflow="fold")
+    t.add_column("channels A / B", no_wrap=True)
     t.add_column("at risk", justify="right", no_wrap=True)
     bk.sort(key=lambda b: -(b.get("elements") or 0))
+    families: dict[str, None] = {}
     for b in bk[:MAX_ROWS]:
-        scen = [s for s in b.get("scenarios") or [] if isinstance(s, dict)]
-        ch = "; ".join(f"{s.get('protocol')}: {(s.get('channels') or {}).get('a') or '-'} / "
-                       f"{(s.get('channels') or {}).get('b') or '-'} (of "
-                       f"{s.get('comm_channels')})" for s in scen)
-        fams = ", ".join(dict.fromkeys(str(s.get("family")) for s in scen))
-        by = b.get("bytes_per_rank") or {}
-        t.add_row(T(f"{b.get('collective')} {b.get('a')} / {b.get('b')}"),
+        size, protos, ch, fams = _bucket_facts(b)
+        families.update(dict.fromkeys(f for f in fams.split(", ") if f))
+        short = {"reduce_scatter": "RS", "all_reduce": "AR"}.get(b.get("collective"),
+                                                                  b.get("collective"))
+        t.add_row(T(f"{short} {b.get('a')} / {b.get('b')}"),
                   T("-" if b.get("step") is None else str(b.get("step"))), T(b.get("group")),
-                  T(f"{_mib(by.get('a'))} / {_mib(by.get('b'))}"), T(ch), T(fams),
+                  T(size), T(protos), T(ch),
                   T(f"{b.get('elements') or 0:,}", "red" if b.get("elements") else "green"))
     if len(bk) > MAX_ROWS:
         t.caption = f"... and {len(bk) - MAX_ROWS} more buckets (--json has all)"
-    return t
+    return [t, T(f"  ring families tried at {spec}: {', '.join(families)}", "dim")]
 
 
 def risk_rows(x: dict) -> list:
@@ -131,9 +152,7 @@ def reduction_section(ro) -> list:
     if len(ros) > 1:
         out.append(topology_rows(ros))
     for x in ros:
-        t = bucket_rows(x)
-        if t is not None:
-            out.append(t)
+        out += bucket_rows(x)
     lead = next((x for x in ros if x.get("at_risk")), None)
     if lead is not None:
         if len(ros) > 1:
