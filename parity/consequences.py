@@ -128,7 +128,9 @@ def reduction_phrase(ro) -> str | None:
     first = ros[0]
     emu = first.get("emulated")
     obs = next((x.get("observed") for x in ros if isinstance(x.get("observed"), dict)), None)
-    if obs:
+    if obs and not obs.get("diverged"):
+        what += f"; emulated at {obs.get('topology')}: no gradient diverged"
+    elif obs:
         missed = obs.get("not_predicted") or []
         what += (f"; emulated at {obs.get('topology')}: {obs.get('diverged')} gradient(s) "
                  f"diverged at step {obs.get('step')}, "

@@ -395,7 +395,7 @@ def _rec(source, coll, index, fqns, shapes, world, step, group_size=None, **kw):
 
 
 def test_the_layouts_in_force_at_each_step():
-    from parity.diff.reduction import change_steps, records_at
+    from parity.diff.reduction_steps import change_steps, records_at
 
     shapes = {"p0": [8, 1], "p1": [8, 1], "late": [8, 1]}
     recs = [_rec("fsdp2", "reduce_scatter", 0, ["p0", "p1"], shapes, 4, 1),
@@ -448,7 +448,8 @@ def test_all_reduce_buckets_are_compared_and_predicted():
     """A hand-written flat all-reduce packed in two orders: an order difference of its own
     kind, predicted per chunk; a coalesced one is a grouped call."""
     from parity.diff.buckets import compare_layouts
-    from parity.diff.reduction import all_reduce_buckets, annotate, predict
+    from parity.diff.reduction import annotate, predict
+    from parity.diff.reduction_steps import all_reduce_buckets
 
     shapes = {"w": [3000, 4], "b": [4000, 1], "v": [96, 1]}
 

@@ -108,14 +108,14 @@ def test_hand_written_all_reduces_are_recorded_compared_and_predicted(runs):
     assert r.reduction_order.verdict != "same"
     assert any(b["collective"] == "all_reduce" for b in r.to_dict()["reduction_order"]["buckets"]
                + r.to_dict()["reduction_order"]["unknown"])
-    # emulated: the side module's gradients diverge at step 1, every one predicted at risk
-    emu = diff_runs(runs["side_emu"], runs["side_rev_emu"], at=EMU)
+    # emulated (Ring): the side module's gradients diverge at step 1, every one predicted at
+    # risk once Ring is pinned; unpinned, NCCL may run the all-reduce as Tree: unknown
     seen = _grads_at(runs["side_emu"], runs["side_rev_emu"], 1)
     assert seen and seen <= set(names)
-    if emu.reduction_order.verdict == "differs":
-        assert seen <= emu.reduction_order.fqns()
-    else:  # the model cannot know (an all-reduce may run Tree): said, never "same"
-        assert emu.reduction_order.verdict == "unknown" and emu.reduction_order.unknown
+    ring = diff_runs(runs["side_emu"], runs["side_rev_emu"], at=EMU + ",algo=Ring")
+    assert ring.reduction_order.verdict == "differs" and seen <= ring.reduction_order.fqns()
+    tree = diff_runs(runs["side_emu"], runs["side_rev_emu"], at=EMU).reduction_order
+    assert tree.verdict == "unknown" and any("Tree" in u["reason"] for u in tree.unknown)
 
 
 # ----------------------------------------------------------------------------------- HSDP

@@ -36,7 +36,7 @@ answers the question a 256-GPU weight-hash run answers, without a rerun:
    none is at risk - for the captured model's bucket sizes.
 
 Cost: per step and topology one pass of numpy over every parameter at once per scenario
-combination (``_count_at_risk``: each side's buckets laid end to end, the pieces a payload makes
+combination (``reduction_count.count_at_risk``: each side's buckets laid end to end, the pieces a payload makes
 with both sides' channel boundaries found by ``searchsorted``), plus one W x W comparison per
 distinct pair of rings; layouts that repeat across steps are predicted once.
 """
@@ -51,12 +51,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from parity.diff.buckets import (A_PREFERS, B_PREFERS, SEVERITY, Bucket, BucketPair, Layout,
-                                 align_buckets, compare_layouts, eager_for, select_layout,
-                                 side_by_side)
+                                 align_buckets, compare_layouts, eager_for, side_by_side)
+from parity.diff.reduction_count import ChunkOrders, Orders, count_at_risk
+from parity.diff.reduction_steps import (annotate_buckets, change_steps, group_size_of,
+                                         infer_ops, layouts_at, op_of, signature, step_of)
 from parity.errors import ParityError
-from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, canonical_order, parse_topology
+from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, parse_topology
 from parity.nccl import predict as nccl_predict
-from parity.records import SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, as_int
+from parity.records import SOURCE_C10D
 
 if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
     import numpy as np
@@ -346,7 +348,7 @@ class _Context:
 def _hsdp(buckets: list[Bucket], capture_world: int | None) -> bool:
     """Whether a side's reduce-scatters ran on a sub-group (HSDP or 2-D parallelism)."""
     return bool(capture_world) and any(
-        isinstance(_world(b), int) and 1 < _world(b) < capture_world for b in buckets)
+        isinstance(group_size_of(b), int) and 1 < group_size_of(b) < capture_world for b in buckets)
 
 
 def _group_topo(topo: Topology, nodes: int, gpus: int) -> Topology:
@@ -364,7 +366,7 @@ def _colls(kind: str, buckets: list[Bucket], topo: Topology, ctx: _Context, sub:
     bucket is one collective per payload, in one NCCL group (``group``: the others' counts)."""
     out, bad = [], {}
     for b in buckets:
-        gw = _world(b)
+        gw = group_size_of(b)
         if kind == RS and sub:  # HSDP: shard groups of one node at the target (said)
             gt, owners, n, check = _group_topo(topo, 1, topo.gpus), topo.gpus, topo.gpus, gw
         elif kind == RS:
@@ -388,161 +390,10 @@ def _colls(kind: str, buckets: list[Bucket], topo: Topology, ctx: _Context, sub:
             for k, x in enumerate(slots):
                 others = tuple(c for j, c in enumerate(sizes) if j != k)
                 out.append(_Coll(kind, (kind, b.index, k), b, gt, owners, [x._replace(offset=0)],
-                                 sizes[k], esize, _op(b), others))
+                                 sizes[k], esize, op_of(b), others))
             continue
-        out.append(_Coll(kind, (kind, b.index), b, gt, owners, slots, count, esize, _op(b)))
+        out.append(_Coll(kind, (kind, b.index), b, gt, owners, slots, count, esize, op_of(b)))
     return out, bad
-
-
-# ------------------------------------------------------------------------------ sum orders
-
-
-class _Orders:
-    """Per ring, every owner's canonical sum order (n x n); per pair of rings, which owners'
-    orders differ. Cached: a topology has few distinct rings."""
-
-    def __init__(self, world: int):
-        self.world = world
-        self._canon: dict[tuple, np.ndarray] = {}
-        self._differ: dict[tuple, tuple[list, list]] = {}
-        self._keep: list = []
-
-    def canon(self, ring: tuple[int, ...]) -> np.ndarray:
-        m = self._canon.get(ring)  # few distinct rings: hashing them is cheap enough
-        if m is None:
-            import numpy as np
-
-            r = np.asarray(ring, dtype=np.int32)
-            n = r.size
-            pos = np.empty(n, dtype=np.int64)
-            pos[r] = np.arange(n)
-            m = r[(pos[:, None] + 1 + np.arange(n)[None, :]) % n]  # m[d] = sum_order(ring, d)
-            if n >= 2:
-                m[:, :2] = np.sort(m[:, :2], axis=1)  # the first addition commutes
-            self._canon[ring] = m
-        return m
-
-    def _mask(self, ra: tuple[int, ...], rb: tuple[int, ...]):
-        import numpy as np
-
-        return np.zeros(self.world, dtype=bool) if ra == rb else \
-            ~(self.canon(ra) == self.canon(rb)).all(axis=1)
-
-    def differ(self, ra: tuple[int, ...], rb: tuple[int, ...]) -> tuple[list, list]:
-        """(whether owner d's orders differ, per d; how many owners below d differ, d = 0..n)."""
-        key = (id(ra), id(rb))  # rings are shared tuple objects (the model caches them)
-        v = self._differ.get(key)
-        if v is None:
-            import numpy as np
-
-            m = self._mask(ra, rb)
-            v = (m.tolist(), [0, *np.cumsum(m).tolist()])
-            self._differ[key] = self._differ[(id(rb), id(ra))] = v
-            self._keep.append((ra, rb))  # the ids stay valid while this object lives
-        return v
-
-
-class _ChunkOrders(_Orders):
-    """All-reduce: an element's order is its chunk's sum order, the same for every owner (the
-    shard ranks of an HSDP all-reduce each all-reduce their row alike)."""
-
-    def _mask(self, ra: tuple[int, ...], rb: tuple[int, ...]):
-        import numpy as np
-
-        same = canonical_order(ra) == canonical_order(rb)
-        return np.full(self.world, not same, dtype=bool)
-
-
-def _count_at_risk(pending: list, chan_a: dict, chan_b: dict, orders: _Orders) -> np.ndarray:
-    """Elements at risk for every entry of ``pending`` at once (numpy, no per-parameter Python
-    loop): entry k is (collective A, collective B, offset A, offset B, length, full, part), a
-    payload of ``length`` elements per owner at per-rank offsets A and B, owners below ``full``
-    holding whole shards and owner ``full`` holding ``part`` real elements. ``chan_*``:
-    collective -> (range starts, rings or orders, per-rank count).
-
-    Each side's collectives are laid end to end on one axis (``base``), so one ``searchsorted``
-    finds every range boundary inside every payload; the payload is cut at both sides'
-    boundaries into pieces within which each side's order is constant, and a piece adds
-    ``length x (owners below full whose sum order differs)`` plus its overlap with owner
-    ``full``'s ``part`` when that owner's order differs."""
-    import numpy as np
-
-    k = len(pending)
-    if not k:
-        return np.zeros(0, dtype=np.int64)
-    cols = np.array([p[2:] for p in pending], dtype=np.int64).reshape(k, 5)
-    oa, ob, length, full, part = cols.T
-    ring_ids: dict[int, int] = {}
-    ring_objs: list = []
-    memo: dict[int, list[int]] = {}
-
-    def axis(chan: dict, colls: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        base, los, rids, off = {}, [], [], 0
-        for c in dict.fromkeys(colls):
-            starts, rings, count = chan[c]
-            base[c] = off
-            los.extend(off + x for x in starts)
-            got = memo.get(id(rings))  # collectives of one size share one list
-            if got is None:
-                got = []
-                for r in rings:
-                    i = ring_ids.get(id(r))
-                    if i is None:
-                        i = ring_ids[id(r)] = len(ring_objs)
-                        ring_objs.append(r)
-                    got.append(i)
-                memo[id(rings)] = got
-            rids.extend(got)
-            off += count
-        return (np.array([base[c] for c in colls], dtype=np.int64),
-                np.array(los, dtype=np.int64), np.array(rids, dtype=np.int64))
-
-    base_a, los_a, rid_a = axis(chan_a, [p[0] for p in pending])
-    base_b, los_b, rid_b = axis(chan_b, [p[1] for p in pending])
-    if not los_a.size or not los_b.size:  # only empty buffers: nothing to sum
-        return np.zeros(k, dtype=np.int64)
-    start_a, start_b = base_a + oa, base_b + ob
-    # the cuts of each payload: 0, and each side's range starts strictly inside it
-    cut_param, cut_pos = [np.arange(k)], [np.zeros(k, dtype=np.int64)]
-    for los, start in ((los_a, start_a), (los_b, start_b)):
-        i0 = np.searchsorted(los, start, "right")
-        i1 = np.searchsorted(los, start + length, "left")
-        inside = np.maximum(i1 - i0, 0)
-        if inside.any():
-            owner = np.repeat(np.arange(k), inside)
-            first = np.repeat(i0 - np.cumsum(inside) + inside, inside)
-            idx = first + np.arange(owner.size)
-            cut_param.append(owner)
-            cut_pos.append(los[idx] - start[owner])
-    cp, pos = np.concatenate(cut_param), np.concatenate(cut_pos)
-    order = np.lexsort((pos, cp))
-    cp, pos = cp[order], pos[order]
-    keep = np.ones(cp.size, dtype=bool)  # a boundary of both sides at one place: one cut
-    keep[1:] = (cp[1:] != cp[:-1]) | (pos[1:] != pos[:-1])
-    cp, s = cp[keep], pos[keep]
-    last = np.ones(cp.size, dtype=bool)
-    last[:-1] = cp[1:] != cp[:-1]
-    e = np.where(last, length[cp], np.roll(s, -1))
-    ra = rid_a[np.searchsorted(los_a, start_a[cp] + s, "right") - 1]
-    rb = rid_b[np.searchsorted(los_b, start_b[cp] + s, "right") - 1]
-    pair, inverse = np.unique(ra * len(ring_objs) + rb, return_inverse=True)
-    world = orders.world
-    before = np.zeros((pair.size, world + 1), dtype=np.int64)
-    differs = np.zeros((pair.size, world + 1), dtype=bool)  # column ``world``: no such owner
-    for j, key in enumerate(pair.tolist()):
-        x, y = ring_objs[key // len(ring_objs)], ring_objs[key % len(ring_objs)]
-        if x is y or x == y:
-            continue
-        d, cum = orders.differ(x, y)
-        before[j] = cum
-        differs[j, :world] = d
-    inverse = inverse.reshape(-1)
-    f = full[cp]
-    n = (e - s) * before[inverse, f]
-    n += np.where(differs[inverse, f], np.clip(np.minimum(part[cp], e) - s, 0, None), 0)
-    out = np.zeros(k, dtype=np.int64)
-    np.add.at(out, cp, n)
-    return out
 
 
 # -------------------------------------------------------------------------- one step's answer
@@ -586,15 +437,6 @@ def _env_items(env) -> tuple:
     return tuple(sorted((str(k), str(v)) for k, v in (env or {}).items() if v is not None))
 
 
-def _op(b: Bucket) -> str:
-    return getattr(b, "op", None) or "sum"
-
-
-def _world(b: Bucket) -> int | None:
-    """The group size a bucket's collective ran on, as recorded (None: not known)."""
-    return getattr(b, "group_size", None)
-
-
 def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: list[Bucket],
                   topo: Topology, ctx: _Context, counts: tuple[dict, dict], step: int | None,
                   ans: _StepAnswer, assumptions: list[str]) -> None:
@@ -607,8 +449,8 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
     ans.kinds.add(kind)
     names = {id(b): tuple(b.fqns) for b in (*ba, *bb)}
     # the op is left out: a compiled graph's is not recorded (reduction_order's assumptions)
-    by_b = {(names[id(b)], b.dtype, _world(b)): b.index for b in bb}
-    same_bucket = {b.index: by_b.get((names[id(b)], b.dtype, _world(b))) for b in ba}
+    by_b = {(names[id(b)], b.dtype, group_size_of(b)): b.index for b in bb}
+    same_bucket = {b.index: by_b.get((names[id(b)], b.dtype, group_size_of(b))) for b in ba}
     first: dict[str, dict[str, int]] = {"a": {}, "b": {}}
     for side, bs in (("a", ba), ("b", bb)):
         for b in bs:
@@ -714,14 +556,18 @@ def _count_entries(kind: str, n: int, entries: list, colls: dict, ctx: _Context,
         involved["a"][e[0]] = colls["a"][e[0]]
         involved["b"][e[1]] = colls["b"][e[1]]
     got: dict[str, dict] = {"a": {}, "b": {}}
+    said: set[int] = set()
     for side in ("a", "b"):
         for key, c in involved[side].items():
             got[side][key] = ps = plans(c.topo, kind, c.count, c.esize, c.op, ctx.env, c.group,
                                         ctx.version)
-            for p in ps if not isinstance(ps, str) else ():
+            if isinstance(ps, str) or id(ps) in said:
+                continue
+            said.add(id(ps))  # collectives of one size share one tuple of plans
+            spec = c.topo.spec()
+            for p in ps:
                 ans.models.setdefault(p.model)
-                ans.assumptions.update(dict.fromkeys(f"{c.topo.spec()}: {a}"
-                                                     for a in p.assumptions))
+                ans.assumptions.update(dict.fromkeys(f"{spec}: {a}" for a in p.assumptions))
     # a collective the model cannot know: its payloads are unknown, said per bucket pair
     unknown_pairs: dict[tuple, str] = {}
     live = []
@@ -740,37 +586,49 @@ def _count_entries(kind: str, n: int, entries: list, colls: dict, ctx: _Context,
         ans.unknown.append({"collective": kind, "a": ia, "b": ib, "step": step, "reason": why})
     best = np.zeros(len(live), dtype=np.int64)
     if live:
-        orders = _Orders(n) if kind == RS else _ChunkOrders(n)
+        orders = Orders(n) if kind == RS else ChunkOrders(n)
         same_size = np.array([
             (colls["a"][e[0]].count, colls["a"][e[0]].esize, colls["a"][e[0]].group)
             == (colls["b"][e[1]].count, colls["b"][e[1]].esize, colls["b"][e[1]].group)
             for e in live], dtype=bool)
+        entries = [e[:7] for e in live]
         done: set = set()
-        for cluster in _clusters(got):
-            fit = {s: {k: [p for p in ps if p.fits(cluster)] for k, ps in got[s].items()
-                       if not isinstance(ps, str)} for s in ("a", "b")}
-            protos = {s: sorted({p.protocol for ps in fit[s].values() for p in ps}, key=str)
+        for ci, cluster in enumerate(_clusters(got)):
+            # per collective: its scenarios on this cluster, by protocol (collectives of one
+            # size share one tuple of plans: each tuple is sorted out once)
+            memo: dict[int, dict] = {}
+            pick: dict[str, dict] = {"a": {}, "b": {}}
+            for side in ("a", "b"):
+                for k, ps in got[side].items():
+                    by = memo.get(id(ps))
+                    if by is None:
+                        fit = [p for p in ps if p.fits(cluster)]
+                        by = memo[id(ps)] = {"": (fit or list(ps))[0],
+                                             **{p.protocol: p for p in reversed(fit)}}
+                    pick[side][k] = by
+            protos = {s: sorted({q for by in pick[s].values() for q in by if q}, key=str)
                       for s in ("a", "b")}
-
-            def of(side, k, proto):
-                ps = fit[side][k] or list(got[side][k])
-                return next((p for p in ps if p.protocol == proto), ps[0])
-
+            has = {s: {q: np.array([q in pick[s][e[0] if s == "a" else e[1]] for e in live],
+                                   dtype=bool) for q in protos[s]} for s in ("a", "b")}
             for pa in protos["a"]:
                 for pb in protos["b"]:
-                    chan_a = {k: _chan(of("a", k, pa), colls["a"][k]) for k in involved["a"]}
-                    chan_b = {k: _chan(of("b", k, pb), colls["b"][k]) for k in involved["b"]}
+                    if pa != pb and same_size.all():
+                        continue  # one size, one protocol choice: nothing to count
+                    chan_a = {k: _chan(by.get(pa, by[""]), colls["a"][k])
+                              for k, by in pick["a"].items()}
+                    chan_b = {k: _chan(by.get(pb, by[""]), colls["b"][k])
+                              for k, by in pick["b"].items()}
                     sig = (tuple(id(v[1]) for v in chan_a.values()),
                            tuple(id(v[1]) for v in chan_b.values()), pa == pb)
                     if sig in done:
                         continue
                     done.add(sig)
-                    c = _count_at_risk([e[:7] for e in live], chan_a, chan_b, orders)
-                    ok = np.array([any(p.protocol == pa for p in fit["a"][e[0]])
-                                   and any(p.protocol == pb for p in fit["b"][e[1]])
-                                   for e in live], dtype=bool)
+                    ok = has["a"][pa] & has["b"][pb]
                     if pa != pb:
                         ok &= ~same_size  # one size, one protocol choice
+                    if not ok.any():
+                        continue
+                    c = count_at_risk(entries, chan_a, chan_b, orders)
                     best = np.maximum(best, np.where(ok, c, 0))
     for e, nrisk in zip(live, best.tolist()):
         if nrisk:
@@ -784,9 +642,13 @@ def _clusters(got: dict) -> list[list]:
     channels, family names, rings], each scenario joined to the first one it fits (the longest
     rings kept)."""
     out: list[list] = []
+    seen: set[int] = set()
     for side in ("a", "b"):
         for ps in got[side].values():
-            for p in ps if not isinstance(ps, str) else ():
+            if isinstance(ps, str) or id(ps) in seen:
+                continue
+            seen.add(id(ps))  # collectives of one size share one tuple of plans
+            for p in ps:
                 cl = next((c for c in out if p.fits(c)), None)
                 if cl is None:
                     out.append([p.comm_channels, set(p.family.split("+")), p.rings])
@@ -804,12 +666,16 @@ def _describe_buckets(kind: str, live: list, risk: list, colls: dict, got: dict,
     """Per differing bucket pair: bytes per rank at the target, the scenarios (protocol, ring
     family, the communicator's and this collective's channels) and the elements at risk."""
     pairs: dict[tuple, dict] = {}
+    scenarios: dict[tuple, list] = {}  # per pair of plan tuples: collectives of one size share
     for e, nrisk in zip(live, risk):
         ca, cb = colls["a"][e[0]], colls["b"][e[1]]
         k = (e[0], e[1])
         d = pairs.get(k)
         if d is None:
-            scen = []
+            key = (id(got["a"][e[0]]), id(got["b"][e[1]]))
+            scen = scenarios.get(key)
+        if d is None and scen is None:
+            scen = scenarios[key] = []
             for pa in got["a"][e[0]]:
                 pb = next((p for p in got["b"][e[1]] if p.protocol == pa.protocol and p.fits(
                     [pa.comm_channels, set(pa.family.split("+")), pa.rings])), None)
@@ -823,11 +689,13 @@ def _describe_buckets(kind: str, live: list, risk: list, colls: dict, got: dict,
                     scen.append({"protocol": pb.protocol, "family": pb.family,
                                  "comm_channels": pb.comm_channels,
                                  "channels": {"a": None, "b": pb.nchannels}})
+        if d is None:
             d = pairs[k] = {
                 "collective": kind, "step": step, "a": ca.bucket.index, "b": cb.bucket.index,
                 "group": ca.topo.spec(), "bytes_per_rank": {"a": ca.count * ca.esize,
                                                             "b": cb.count * cb.esize},
-                "scenarios": scen, "elements": 0, "params": 0}
+                "scenarios": [dict(x, channels=dict(x["channels"])) for x in scen],
+                "elements": 0, "params": 0}
         d["elements"] += nrisk
         d["params"] += 1 if nrisk else 0
     for d in pairs.values():
@@ -850,7 +718,7 @@ def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: 
     ctx = _Context(shapes, capture_world, _env_items(env), version)
     ar = all_reduce or {}
     for lay in layouts.values():
-        _infer_ops(lay)
+        infer_ops(lay)
     steps = [b.step for lay in layouts.values() for b in lay.buckets.get(RS, [])
              if isinstance(b.step, int)]
     step = min(steps) if steps else None  # the layouts' own step, as recorded
@@ -918,138 +786,6 @@ def _finish(topo: Topology, answers: list, rank: int | None, source: str | None,
     elif pred.unpredicted or pred.unknown:
         pred.verdict = UNKNOWN
     return pred
-
-
-# ------------------------------------------------------------------ every step's layouts
-
-
-def _step(r: dict) -> int:
-    s = as_int(r.get("step"))
-    return s if s is not None else 0
-
-
-def records_at(records: list[dict], step: int) -> list[dict]:
-    """The bucket records in force at ``step``: eager FSDP2 writes a bucket again only when it
-    changes (the latest at or before ``step`` per position), a compiled graph is replaced by a
-    recompile carrying the same parameters (the latest one compiled by ``step``), DTensor and
-    c10d sequences are written whole when they change (the latest one)."""
-    by_source: dict[str, list[dict]] = {}
-    for r in records:
-        if _step(r) <= step:
-            by_source.setdefault(r.get("source") or "?", []).append(r)
-    keep: list[dict] = []
-    for source, recs in by_source.items():
-        if source in (SOURCE_DTENSOR, SOURCE_C10D):
-            last = max(_step(r) for r in recs)
-            keep += [r for r in recs if _step(r) == last]
-        elif source == SOURCE_GRAPH:
-            keep += _latest_graphs(recs)
-        else:
-            last: dict = {}
-            for r in recs:
-                last[(r.get("collective"), r.get("graph"), r.get("index"))] = r
-            chosen = set(map(id, last.values()))
-            keep += [r for r in recs if id(r) in chosen]
-    ids = set(map(id, keep))
-    return [r for r in records if id(r) in ids]
-
-
-def _latest_graphs(recs: list[dict]) -> list[dict]:
-    """Graph records minus graphs replaced by a later one carrying the same parameters."""
-    by_gid: dict = {}
-    for r in recs:
-        by_gid.setdefault(r.get("graph_id"), []).append(r)
-    order = sorted(by_gid, key=lambda g: (max(_step(r) for r in by_gid[g]),
-                                         g if isinstance(g, int) else -1), reverse=True)
-    taken: dict[tuple, set] = {}
-    keep: list[dict] = []
-    for g in order:
-        rs = by_gid[g]
-        params: dict[tuple, set] = {}
-        for r in rs:
-            k = (r.get("collective"), r.get("stage"))
-            params.setdefault(k, set()).update(
-                e.get("fqn") for e in r.get("entries") or [] if isinstance(e, dict))
-        if any(params[k] & taken.get(k, set()) for k in params):
-            continue  # a later graph recompiled these parameters
-        for k, ps in params.items():
-            taken.setdefault(k, set()).update(ps)
-        keep += rs
-    return keep
-
-
-def change_steps(*record_lists: list[dict]) -> list[int]:
-    """The steps at which some manifest of either side was (re)written, in order."""
-    steps: set[int] = set()
-    for recs in record_lists:
-        steps.update(_step(r) for r in recs)
-    return sorted(steps)
-
-
-def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
-    """A rank's c10d all-reduce buckets (capture/sources/c10d_allreduce.py) of the records given,
-    in issue order, as Buckets (``op``, ``group_size``, ``module``, ``coalesced`` set)."""
-    from parity.records import BucketRecord
-
-    out = []
-    for r in records:
-        if r.get("source") != SOURCE_C10D or r.get("collective") != AR:
-            continue
-        rec = BucketRecord.from_dict(r)
-        from parity.diff.buckets import Entry
-
-        b = Bucket(AR, len(out), rec.group, rec.dtype, rec.total_bytes,
-                   [Entry(e.fqn, e.offset, e.size, e.numel, e.dtype) for e in rec.entries],
-                   rec.step if isinstance(rec.step, int) else None)
-        b.module = rec.group if isinstance(rec.group, str) else None  # the call site
-        b.op = str(rec.extra.get("op") or "sum")
-        b.group_size = rec.world_size
-        b.coalesced = bool(rec.extra.get("coalesced"))
-        out.append(b)
-    return out
-
-
-def _annotate_buckets(layout: Layout, records: list[dict]) -> None:
-    """Reduce-scatter buckets get their group size (the recorded ``world_size``), whether they
-    were one coalesced call, and their op: eager FSDP2 reduce-scatters fp32 and bf16 gradients
-    with ReduceOp.AVG on a group of more than one rank (``_get_gradient_divide_factors`` in
-    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, torch 2.6-2.13), i.e. NCCL's
-    PreMulSum; a compiled graph's op is not recorded and counts as a sum (the answer that leaves
-    PAT and NVLS possible: unknown rather than a guess)."""
-    by_key: dict = {}
-    for r in records:
-        if r.get("collective") == RS and r.get("source") in (SOURCE_FSDP2, SOURCE_GRAPH):
-            by_key.setdefault((r.get("graph_id"), r.get("index")), r)
-    for b in layout.buckets.get(RS, []):
-        r = by_key.get((b.graph_id, b.record_index))
-        b.group_size = as_int(r.get("world_size")) if r is not None else None
-        b.coalesced = bool(b.node and "coalesced" in b.node)
-    _infer_ops(layout)
-
-
-def _infer_ops(layout: Layout) -> None:
-    """A reduce-scatter bucket's op where it has none: AVG for eager FSDP2's fp32 and bf16
-    gradients on more than one rank (``_get_gradient_divide_factors``), else SUM."""
-    fsdp2 = layout.source == SOURCE_FSDP2
-    for b in layout.buckets.get(RS, []):
-        if getattr(b, "op", None) is None:
-            b.op = "avg" if fsdp2 and b.dtype in ("float32", "bfloat16") and \
-                (_world(b) or 2) > 1 else "sum"
-            b.op_guessed = not fsdp2  # a compiled graph's op: not recorded
-
-
-def _layouts_at(run, rank: int, prefer: tuple, step: int) -> tuple[Layout, list[Bucket]]:
-    recs = run.ranks[rank].buckets if rank in run.ranks else []
-    now = records_at(recs, step)
-    lay = select_layout(now, prefer, rank)
-    _annotate_buckets(lay, now)
-    return lay, all_reduce_buckets(now)
-
-
-def _signature(lay: Layout, ar: list[Bucket]) -> tuple:
-    return (lay.source, tuple(b.signature() for b in lay.buckets.get(RS, [])),
-            tuple(sorted(lay.repeats.items())),
-            tuple((b.signature(), _op(b), _world(b), getattr(b, "module", None)) for b in ar))
 
 
 # ------------------------------------------------------------------- the diff engine's entry
@@ -1238,7 +974,7 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     recs_a = run_a.ranks[ra].buckets if ra in run_a.ranks else []
     recs_b = run_b.ranks[rb].buckets if rb in run_b.ranks else []
     # steps at which both sides have begun recording (a side's first records set its start)
-    start = max([min(map(_step, recs)) for recs in (recs_a, recs_b) if recs] or [0])
+    start = max([min(map(step_of, recs)) for recs in (recs_a, recs_b) if recs] or [0])
     steps = [s for s in change_steps(recs_a, recs_b) if s >= start]
     has_ar = any(r.get("source") == SOURCE_C10D for r in (*recs_a, *recs_b))
     notes: list[str] = []
@@ -1250,16 +986,16 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     if len(steps) > 1 or has_ar:
         seen: set = set()
         for s in steps:
-            la, ara = _layouts_at(run_a, ra, A_PREFERS, s) if ra is not None else (layouts["a"], [])
-            lb, arb = _layouts_at(run_b, rb, B_PREFERS, s) if rb is not None else (layouts["b"], [])
-            sig = (_signature(la, ara), _signature(lb, arb))
+            la, ara = layouts_at(run_a, ra, A_PREFERS, s) if ra is not None else (layouts["a"], [])
+            lb, arb = layouts_at(run_b, rb, B_PREFERS, s) if rb is not None else (layouts["b"], [])
+            sig = (signature(la, ara), signature(lb, arb))
             if sig in seen:
                 continue
             seen.add(sig)
             per_step.append((s, la, lb, ara, arb))
     else:
         for side, recs in (("a", recs_a), ("b", recs_b)):
-            _annotate_buckets(layouts[side], recs)
+            annotate_buckets(layouts[side], recs)
         per_step.append((steps[0] if steps else None, layouts["a"], layouts["b"], [], []))
     # the order comparison: later steps' reduce-scatters and every step's all-reduces
     have = {(p.collective, tuple(p.a), tuple(p.b), p.verdict, p.detail) for p in order.pairs}
