@@ -342,6 +342,109 @@ def gate_cmd(sweep_dir, fail_on):
     sys.exit(code)
 
 
+@cli.command("nccl-probe", context_settings=CONTEXT,
+             short_help="Check the NCCL reduction-order model on this cluster, bit for bit.",
+             epilog=_exits(
+                 "0  in a job: the probe ran and wrote DIR (whatever the agreement); with "
+                 "--report or --spec: every modelled case agrees with the model",
+                 "1  with --report or --spec: a case disagrees (the model does not hold here)",
+                 "2  bad input: options, topology, not inside a job, DIR holds a probe",
+                 "3  the job failed, or no case could be checked (--report, --spec)",
+                 "4  internal error in parity (PARITY_DEBUG=1 shows the traceback)"))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="Probe directory: logs/, ranks/, probe.json, report.txt and topology.json "
+                   "(must be on a filesystem every node sees for the logs to be kept whole).")
+@click.option("--emulate-nccl", "emulate_nccl", metavar="TOPOLOGY",
+              help="Run on gloo with every reduction summed as the model says at TOPOLOGY "
+                   "(NODESxGPUS[:...] or a topology.json) instead of on NCCL: for tests and "
+                   "CPU machines [default: NCCL].")
+@click.option("--model", metavar="TOPOLOGY",
+              help="Check the model at this topology instead of the one rebuilt from the "
+                   "cluster's logs (e.g. 2x8:nics=8 to test parity's assumptions without a log) "
+                   "[default: the cluster's].")
+@click.option("--sizes", default="1K-256M", show_default=True,
+              help="Input bytes per rank: LO-HI (every power of two), a comma list, or both.")
+@click.option("--sizes-from", "sizes_from", type=click.Path(),
+              help="Also probe the exact reduce-scatter and all-reduce buckets of this recorded "
+                   "run (parity exec --out) [default: none].")
+@click.option("--collectives", default="reduce_scatter,all_reduce", show_default=True)
+@click.option("--ops", default="sum,avg", show_default=True,
+              help="sum, avg (NCCL's PreMulSum for floats).")
+@click.option("--dtypes", default="fp32,bf16", show_default=True)
+@click.option("--repeat", default=2, show_default=True, type=click.IntRange(1, 100),
+              help="Run every case this many times and compare the outputs.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=1),
+              help="Seconds a collective may wait for the other ranks.")
+@click.option("--force", is_flag=True, help="Replace a probe already in --out.")
+@click.option("--spec", "spec", type=click.Path(dir_okay=False),
+              help="Start the probe job yourself with this sweep spec's launcher (local or "
+                   "slurm), nnodes x nproc_per_node, env and timeout, wait, and report "
+                   "[default: run as one rank of the job this command is in].")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False),
+              help="Print the report of a finished probe directory and exit with its verdict.")
+def nccl_probe_cmd(out_dir, emulate_nccl, model, sizes, sizes_from, collectives, ops, dtypes,
+                   repeat, seed, timeout, force, spec, report_dir):
+    """Run reduce-scatters and all-reduces of seeded inputs on every rank, compare NCCL's bits
+    with the model's, and write DIR/topology.json for `parity diff --at` and
+    `parity exec --emulate-nccl`.
+
+    \b
+    Inside a job (every rank runs it):
+      torchrun --nnodes 2 --nproc_per_node 8 ... -m parity nccl-probe --out probe
+      srun -N2 --ntasks-per-node 8 --gpus-per-node 8 parity nccl-probe --out probe
+    On CPU (4 gloo ranks, the model's own sums at 2x2):
+      torchrun --standalone --nproc_per_node 4 -m parity nccl-probe --out probe \\
+          --emulate-nccl 2x2:channels=4 --sizes 1K-64K
+    docs/nccl-probe.md explains every figure.
+    """
+    from parity.probe import cases as pc
+
+    if report_dir:
+        from pathlib import Path
+
+        from parity.probe.analysis import load, report_lines, verdict_code
+        from parity.report.stdout import print_safely
+
+        record = load(report_dir)
+        lines = report_lines(record, record["analysis"], Path(report_dir).resolve())
+        print_safely(lambda: click.echo("\n".join(lines)))
+        sys.exit(verdict_code(record["analysis"]["agreement"]))
+    if not out_dir:
+        raise ParityError("nccl-probe: give --out DIR (or --report DIR)")
+    parsed = dict(sizes=pc.parse_sizes(sizes),
+                  collectives=pc.parse_choice(collectives, pc.COLLECTIVES, "--collectives"),
+                  ops=pc.parse_choice(ops, pc.OPS, "--ops"),
+                  dtypes=pc.parse_choice(dtypes, tuple(pc.DTYPES), "--dtypes",
+                                         pc.DTYPE_ALIASES))
+    from parity.nccl import parse_topology
+
+    for text in (emulate_nccl, model):
+        if text:
+            parse_topology(text)  # one line, exit 2, before any job starts
+    if spec:
+        from parity.probe.launch import launch
+
+        passed = ["--sizes", sizes, "--collectives", collectives, "--ops", ops, "--dtypes",
+                  dtypes, "--repeat", str(repeat), "--seed", str(seed), "--timeout",
+                  str(timeout)]
+        def where(text):  # the job may run elsewhere (the spec's workdir): absolute paths
+            return os.path.abspath(text) if text and os.path.exists(text) else text
+
+        for flag, value in (("--model", where(model)), ("--sizes-from", where(sizes_from))):
+            if value:
+                passed += [flag, value]
+        if force:
+            passed.append("--force")
+        sys.exit(launch(spec, out_dir, passed, where(emulate_nccl)))
+    from parity.probe.rank import Options, run
+
+    opts = Options(out=out_dir, emulate=emulate_nccl, model=model, sizes_from=sizes_from,
+                   repeat=repeat, seed=seed, timeout=timeout, force=force,
+                   argv=["parity", *sys.argv[1:]], **parsed)
+    sys.exit(run(opts))
+
+
 def _usage_hint(e) -> str:
     ctx = getattr(e, "ctx", None)
     return f" (see '{ctx.command_path} --help')" if ctx is not None else ""

@@ -114,12 +114,14 @@ def reduction_phrase(ro) -> str | None:
     ros = predictions(ro)
     if not ros:
         return None
+    from parity.nccl.probe_file import topology_label  # a probe's file: name + agreement
+
     parts = []
     for k, x in enumerate(ros):
         topo = (x.get("topology") or {}).get("spec") if isinstance(x.get("topology"),
                                                                    dict) else None
-        head = f"reduction order at {topo or '?'} ({x.get('model')})" if k == 0 else \
-            f"at {topo or '?'}"
+        label = topology_label(topo, x.get("topology_file"))
+        head = f"reduction order at {label} ({x.get('model')})" if k == 0 else f"at {label}"
         parts.append(f"{head}: {_one_prediction(x)}")
     what = "; ".join(parts)
     if any(x.get("verdict") == "differs" for x in ros):

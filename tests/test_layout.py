@@ -7,6 +7,7 @@ Layers, bottom to top; a module may import its own layer and the ones below, nev
     capture   parity.capture.*                  runs inside the ranks (and `parity exec`)
     diff      policy, parity.diff.*             two runs -> a result; the fail-on policy
     sweep     parity.sweep.*                    spec -> cells -> launchers -> per-cell diffs
+    probe     parity.probe.*                    parity nccl-probe: the model against a cluster
     bisect    bisect                            reruns a pair with op capture (uses sweep state)
     report    parity.report.*                   renders diffs and sweeps; computes no verdicts
     cli       cli, __main__                     parse, call the library, print, exit codes
@@ -32,6 +33,7 @@ LAYERS = [
     ("capture", ("parity.capture",)),
     ("diff", ("parity.policy", "parity.diff")),
     ("sweep", ("parity.sweep",)),
+    ("probe", ("parity.probe",)),
     ("bisect", ("parity.bisect",)),
     ("report", ("parity.report",)),
     ("cli", ("parity.cli", "parity.__main__")),

@@ -3,9 +3,9 @@ backward-graph bucket order (the bug: reduce-scatter payloads in another order) 
 registration order (the fix). Consequence classes, the reduction-order prediction (--at) and
 --fail-on reduction, through diff_runs and the CLI. One job each, 1 step, module-scoped.
 
-The workload's buckets are small (a 2-layer model of dim 64: about 13,000 fp32 elements per rank
-per layer), so NCCL would give them one channel at 2x2 and nothing could be at risk; the tests
-force 4 channels (``2x2:channels=4``) to see payloads move between channels."""
+The workload's buckets are small (a 2-layer model of dim 64: 13,344 fp32 elements per rank per
+layer), yet NCCL cuts them to 6 channels and splits them over 4 at 2x2 (docs/reduction-order.md),
+so payloads move between channels."""
 
 from __future__ import annotations
 

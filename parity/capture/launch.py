@@ -248,6 +248,11 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
         from parity.capture.emulation_launch import check_emulation
 
         emulate_nccl = check_emulation(emulate_nccl, command)
+        if emulate_nccl.endswith(".json"):  # a probe's topology file: say its agreement figure
+            from parity.nccl import load_topology
+            from parity.nccl.probe_file import file_line
+
+            _say(f"--emulate-nccl: {file_line(load_topology(emulate_nccl))}")
     out = Path(out_dir).resolve()
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,7 @@ from parity.capture.env import say
 from parity.errors import EXIT_USAGE, ParityError
 from parity.nccl import (MODEL, MODEL_LIMITS, Topology, parse_topology, primary_scenario,
                          sum_order)
+from parity.nccl.probe_file import describe_file
 
 BACKEND_NAME = "parity_nccl_emu"
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -641,6 +642,7 @@ def describe() -> dict | None:
         counts = {k: v for k, v in _counts.items() if k != "groups"}
         passed, gaps, groups = dict(_passed), dict(_gaps), dict(_groups)
     return {"topology": _topology.spec(), "detail": _topology.to_dict(), "model": MODEL,
+            "topology_file": describe_file(_topology),  # a probe's file: its agreement
             "limits": MODEL_LIMITS, "backend": BACKEND_NAME, "emulated": counts,
             "groups": groups, "passed_to_gloo": passed, "not_emulated": gaps}
 

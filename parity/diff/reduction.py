@@ -58,6 +58,7 @@ from parity.diff.reduction_steps import (annotate_buckets, change_steps, group_s
 from parity.errors import ParityError
 from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, parse_topology
 from parity.nccl import predict as nccl_predict
+from parity.nccl.probe_file import describe_file
 from parity.records import SOURCE_C10D
 
 if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
@@ -199,6 +200,7 @@ class ReductionPrediction:
 
     def to_dict(self) -> dict:
         return {"topology": _topology_dict(self.topology, self.buckets), "model": self.model,
+                "topology_file": describe_file(self.topology),  # nccl-probe's agreement
                 "limits": MODEL_LIMITS, "verdict": self.verdict, "bound": BOUND,
                 "upcast": UPCAST, "at_risk": [x.to_dict() for x in self.at_risk],
                 "elements_at_risk": sum(x.elements for x in self.at_risk),

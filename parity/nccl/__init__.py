@@ -17,6 +17,7 @@ documented in docs/reduction-order.md.
 
 from parity.nccl.api import (MODEL, MODEL_LIMITS, Prediction, Scenario, Segment, Unknown,
                              all_reduce_segments, channel_count, communicator_channels,
+                             default_channels,
                              orders_differ, parse_list, predict, primary_scenario,
                              reduce_scatter_segments, ring_families, rings)
 from parity.nccl.channels import (ALL_REDUCE, LL, LL128, PROTOCOLS, REDUCE_SCATTER, SIMPLE,
@@ -32,7 +33,8 @@ __all__ = [
     "ALL_REDUCE", "CommLog", "LL", "LL128", "MODEL", "MODEL_LIMITS", "NEWEST", "NcclLog", "OLDEST",
     "PROTOCOLS", "Prediction", "REDUCE_SCATTER", "RingFamily", "Rules", "SIMPLE", "Scenario",
     "Segment", "Topology", "TuningRow", "Unknown", "all_reduce_segments", "canonical_order",
-    "channel_count", "channel_cut", "channel_split", "communicator_channels", "load_topology",
+    "channel_count", "channel_cut", "channel_split", "communicator_channels", "default_channels",
+    "load_topology",
     "orders_differ", "parse_list", "parse_nccl_log", "parse_topology", "predict",
     "primary_scenario", "read_log", "reduce_scatter_segments", "ring_families", "ring_index",
     "rings", "rules_for", "same_sum", "save_topology", "sum_order", "topology_from_log",

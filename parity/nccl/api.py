@@ -26,8 +26,8 @@ from parity.nccl.channels import (ALL_REDUCE, LL, LL128, PROTOCOLS, REDUCE_SCATT
                                   thread_count, traffic_per_byte)
 from parity.nccl.chunking import all_reduce_chunks
 from parity.nccl.rings import (RingFamily, agrees, apply_channel_env, canonical_order,
-                               channel_options, extrapolate, plausible_families, same_sum,
-                               search_channels, sum_order)
+                               channel_options, dedupe_families, extrapolate,
+                               plausible_families, same_sum, search_channels, sum_order)
 from parity.nccl.topology import Topology, TuningRow, parse_topology
 from parity.nccl.versions import NEWEST, OLDEST, SPLIT_EVEN, Rules, rules_for
 
@@ -300,7 +300,7 @@ def _channel_plans(topo: Topology, rules: Rules, env: dict) -> list[tuple[int, l
         fams: list[RingFamily] = []
         for s in s_counts:
             fams.extend(plausible_families(topo.nodes, topo.gpus, topo.nics, c, s, odd_ok))
-        plans.append((c, _dedupe_fams(fams), f"{c} channels (channels=)"))
+        plans.append((c, dedupe_families(fams), f"{c} channels (channels=)"))
     else:
         for c, s, what in channel_options(topo.nodes, topo.gpus, topo.nics, rules.max_channels,
                                           env):
@@ -322,15 +322,6 @@ def _channel_plans(topo: Topology, rules: Rules, env: dict) -> list[tuple[int, l
                            "or an NCCL_GRAPH_DUMP_FILE", "log")
         plans = kept
     return plans
-
-
-def _dedupe_fams(fams: list[RingFamily]) -> list[RingFamily]:
-    seen, out = set(), []
-    for f in fams:
-        if f.rings not in seen:
-            seen.add(f.rings)
-            out.append(f)
-    return out
 
 
 def _sorter_bin(traffic: int) -> int:
@@ -414,6 +405,7 @@ def _predict(topo: Topology, kind: str, count: int, elem_size: int, op: str,
                      + (f" channel{{{row.channel_lo}..{row.channel_hi}}}"
                         if row.channel_lo is not None else ""))
     scenarios: dict[tuple, Scenario] = {}
+    ring_hash: dict[int, int] = {}
     for proto in protocols:
         for comm, families, what in plans:
             for fam in families:
@@ -427,7 +419,10 @@ def _predict(topo: Topology, kind: str, count: int, elem_size: int, op: str,
                 if group:
                     assumptions += (f"one kernel plan with {len(group)} grouped partner(s), "
                                     f"all {proto}",)
-                key = (proto, comm, segs)
+                used = sorted({c for c, _, _ in ranges})
+                key = (proto, comm, tuple(ranges),  # rings by content hash (hashed once each)
+                       tuple(ring_hash.setdefault(id(fam.rings[c]), hash(fam.rings[c]))
+                             for c in used))
                 old = scenarios.get(key)
                 if old is not None:
                     scenarios[key] = replace(old, family=old.family + "+" + fam.name)
@@ -455,13 +450,18 @@ def _span(s: Scenario) -> tuple[int, int]:
 
 def _segments(kind: str, ranges, rings, task: Task, rules: Rules, env: dict) -> tuple[Segment, ...]:
     out = []
+    orders: dict[int, dict[int, tuple[int, ...]]] = {}  # id(ring) -> owner -> order
     for c, lo, hi in ranges:
         ring = rings[c % len(rings)]
         if kind == REDUCE_SCATTER:
             out.append(Segment(lo, hi, c, None, ring))
         else:
+            of = orders.setdefault(id(ring), {})
             for a, b, owner in all_reduce_chunks(lo, hi, ring, task, rules, env):
-                out.append(Segment(a, b, c, owner, sum_order(ring, owner)))
+                order = of.get(owner)
+                if order is None:
+                    order = of[owner] = sum_order(ring, owner)
+                out.append(Segment(a, b, c, owner, order))
     return tuple(out)
 
 
@@ -563,6 +563,12 @@ def communicator_channels(topo: Topology | str, env: Mapping[str, str] | None = 
                                              dict(env or {}))]
 
 
+def default_channels(topo: Topology | str) -> int:
+    """The primary communicator channel count (the first of ``communicator_channels``); kept
+    for callers of the old model."""
+    return communicator_channels(topo)[0]
+
+
 def ring_families(topo: Topology | str, env: Mapping[str, str] | None = None) -> list[RingFamily]:
     """Every ring family a prediction tries (over every channel count), first = primary."""
     t = parse_topology(topo) if isinstance(topo, str) else topo
@@ -593,5 +599,5 @@ def orders_differ(topo: Topology | str) -> bool:
 
 __all__ = ["MODEL", "MODEL_LIMITS", "Prediction", "Scenario", "Segment", "Unknown", "predict",
            "primary_scenario", "reduce_scatter_segments", "all_reduce_segments",
-           "channel_count", "communicator_channels", "ring_families", "rings", "orders_differ",
+           "channel_count", "communicator_channels", "default_channels", "ring_families", "rings", "orders_differ",
            "sum_order", "same_sum", "canonical_order", "parse_list", "apply_channel_env"]

@@ -632,6 +632,15 @@ def topology_from_log(spec: str | Path | Sequence, at: Topology | None = None
     version = c.version or log.version
     base = at or Topology(nodes, gpus)
     nccl = base.nccl or (minor_of(version) if version else None)
+    fmts = {r.fmt for r in c.tuning}
+    if nccl is None and "2.23" in fmts:
+        nccl = "2.23"  # only 2.23 prints "Func: N Bytes -> Algo i proto j time t"
+        notes.append("the TUNING lines have the 2.23 format: NCCL 2.23 rules")
+    elif nccl is None and ("2.20" in fmts or (c.cut and not any(
+            len(p) > 20 for p in c.prefixes.values()))):
+        notes.append("the log's TUNING or ring lines have the format of NCCL 2.22 or older and "
+                     "it names no version: give nccl=X.Y in --at for its rules (the newest "
+                     "modelled are used)")
     if version and rules_for(version) is None:
         notes.append(f"NCCL {version} is outside the modelled releases: predictions are unknown")
     protocol, algorithm = base.protocol, base.algorithm

@@ -192,10 +192,11 @@ def plausible_families(nodes: int, gpus: int, nics: int | None, channels: int, s
                               "exchange channels c and c^1"))
     out.append(RingFamily("pci-ascending", build_rings(nodes, gpus, asc, channels),
                           f"PCIe: {where} and ascends"))
-    return _dedupe(out)
+    return dedupe_families(out)
 
 
-def _dedupe(families: list[RingFamily]) -> list[RingFamily]:
+def dedupe_families(families: list[RingFamily]) -> list[RingFamily]:
+    """Families in order, each set of rings once."""
     seen, out = set(), []
     for f in families:
         if f.rings not in seen:
