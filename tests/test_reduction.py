@@ -506,3 +506,52 @@ def test_nccl_settings_that_the_model_cannot_follow_are_unknown():
     p = predict(lay, SHAPES, "2x2:channels=4", capture_world=4, env={"NCCL_ALGO": "Tree"})
     assert p.verdict == "unknown" and "NCCL_ALGO=Tree" in p.unknown[0]["reason"]
     assert "unknown" in cq.reduction_phrase(p.to_dict())
+
+
+def test_an_emulated_cell_says_both_topologies_and_what_it_observed(tmp_path):
+    """A sweep cell emulated at 2x2:channels=4 and predicted at 8x8 names both; predicted at
+    the emulated topology it shows predicted against observed (the divergent gradients of the
+    first divergent step, every one predicted)."""
+    import json
+
+    from tests.synth import make_run
+
+    from parity.sweep.results import compare_cell
+
+    names = [f"layers.{i // 3}.w{i % 3}" for i in range(6)]
+    a = make_run(tmp_path / "a", world_size=4, steps=1, fqns=names)
+    b = make_run(tmp_path / "b", world_size=4, steps=1, fqns=names, bucket_layout="graph",
+                 bucket_order="reversed-rs", diverge_at=1, diverge_rank=[0, 1, 2, 3],
+                 diverge_param=["layers.0.w0"])
+    for run in (a, b):
+        for m in run.glob("rank-*/meta.json"):
+            d = json.loads(m.read_text())
+            d["nccl_emulation"] = {"topology": "32x8:channels=16", "model": "m"}
+            m.write_text(json.dumps(d))
+    status, reason, d = compare_cell(a, b, tmp_path / "d1.json", tmp_path, at="8x8")
+    assert status == "hash_mismatch"
+    assert "reduction order at 8x8" in reason
+    assert "hashes compared under emulation at 32x8:channels=16" in reason
+    status, reason, d = compare_cell(a, b, tmp_path / "d2.json", tmp_path, at="32x8:channels=16")
+    obs = d["reduction_order"]["observed"]
+    assert obs["topology"] == "32x8:channels=16" and obs["diverged"] == 1
+    assert obs["not_predicted"] == [] and "every one predicted" in reason
+
+
+def test_all_reduces_recorded_on_one_side_only_are_said_not_compared(tmp_path):
+    """Eager HSDP against a compiled one: the compiled side's all-reduces run inside its graph,
+    which records none. Not a structure difference: said, and the prediction is not `same`."""
+    from tests.synth import make_run
+
+    from parity.diff import diff_runs
+
+    names = [f"layers.{i // 3}.w{i % 3}" for i in range(6)]
+    shapes = {f: [8 + i % 3, 16] for i, f in enumerate(names)}
+    ar = _rec("c10d", "all_reduce", 0, names[:3], shapes, 1, 1, 4, op="sum")
+    a = make_run(tmp_path / "a", world_size=4, steps=1, fqns=names, extra_buckets=[ar])
+    b = make_run(tmp_path / "b", world_size=4, steps=1, fqns=names)
+    r = diff_runs(a, b, at="2x2:channels=4,algo=Ring")
+    assert r.order.verdict == "identical" and not r.order.structure
+    assert any("only A recorded all-reduce buckets" in n for n in r.order.notes)
+    ro = r.reduction_order
+    assert ro.verdict == "unknown" and "only A recorded" in ro.unpredicted[0]["reason"]

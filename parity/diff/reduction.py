@@ -66,6 +66,8 @@ if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of eq
 
 SAME, DIFFERS, UNKNOWN = "same", "differs", "unknown"
 RS, AR = "reduce_scatter", "all_reduce"
+ONE_SIDED_AR = ("only {side} recorded all-reduce buckets (the other side's may run inside a "
+                "compiled graph, whose all-reduces are not recorded): not compared")
 HSDP_REPLICATE = "fsdp2 replicate"  # c10d_allreduce.py: FSDP2's all-reduce of a shard row
 MAX_STEPS = 32  # steps whose layouts are compared and predicted (those where a manifest changed)
 BOUND = ("an upper bound: elements whose rank order of summation differs between A and B in "
@@ -345,6 +347,7 @@ class _Context:
     env: tuple = ()
     version: str | None = None
     dims_of: dict = field(default_factory=dict)
+    ar_only: str | None = None  # "A" / "B": only that side recorded all-reduce buckets
 
 
 def _hsdp(buckets: list[Bucket], capture_world: int | None) -> bool:
@@ -449,6 +452,10 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
     if not ba and not bb and not na and not nb:
         return
     ans.kinds.add(kind)
+    if kind == AR and ctx.ar_only:
+        ans.unpredicted.append({"collective": AR, "a": None, "b": None, "step": step,
+                                "reason": ONE_SIDED_AR.format(side=ctx.ar_only)})
+        return
     names = {id(b): tuple(b.fqns) for b in (*ba, *bb)}
     # the op is left out: a compiled graph's is not recorded (reduction_order's assumptions)
     by_b = {(names[id(b)], b.dtype, group_size_of(b)): b.index for b in bb}
@@ -978,7 +985,10 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     # steps at which both sides have begun recording (a side's first records set its start)
     start = max([min(map(step_of, recs)) for recs in (recs_a, recs_b) if recs] or [0])
     steps = [s for s in change_steps(recs_a, recs_b) if s >= start]
-    has_ar = any(r.get("source") == SOURCE_C10D for r in (*recs_a, *recs_b))
+    ar_a = any(r.get("source") == SOURCE_C10D for r in recs_a)
+    ar_b = any(r.get("source") == SOURCE_C10D for r in recs_b)
+    has_ar = ar_a or ar_b
+    ar_only = ("A" if ar_a else "B") if ar_a != ar_b else None
     notes: list[str] = []
     if len(steps) > MAX_STEPS:
         notes.append(f"manifests change at {len(steps)} steps; the layouts of the first "
@@ -1006,9 +1016,11 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
             later = compare_layouts(la, lb)
             _add_pairs(order, [p for p in later.pairs if p.collective == RS], la, lb, ara, arb,
                        s, have)
-        if ara or arb:
+        if (ara or arb) and not ar_only:
             pairs, _ = align_buckets(AR, ara, arb)
             _add_pairs(order, pairs, la, lb, ara, arb, s if k else None, have)
+    if ar_only:
+        order.notes.append(ONE_SIDED_AR.format(side=ar_only))
     # the table is decoded only where shapes are needed (a prediction, or eager DTensor
     # reduce-scatters to attribute): a diff of equal runs parses no more than it must (issue 23)
     if at is not None or order.eager.get("a") or order.eager.get("b") or has_ar:
@@ -1025,7 +1037,8 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     counts = (_reduce_counts(RS, layouts["a"], [], order.eager.get("a") or [], shapes),
               _reduce_counts(RS, layouts["b"], [], order.eager.get("b") or [], shapes))
     last = per_step[-1]
-    annotate(order, layouts, shapes, counts, {"a": last[3], "b": last[4]})
+    annotate(order, layouts, shapes, counts,
+             None if ar_only else {"a": last[3], "b": last[4]})
     if at is None:
         return None
     if isinstance(at, str):  # "8x8" or "1x8,8x8" (a sweep spec's at)
@@ -1040,7 +1053,7 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     emulated = _emulated_at(run_a)
     out = []
     for topo in topos:
-        ctx = _Context(shapes, world, _env_items(env), version)
+        ctx = _Context(shapes, world, _env_items(env), version, ar_only=ar_only)
         answers = []
         for k, (s, la, lb, ara, arb) in enumerate(per_step):
             c = counts if k == 0 else None
