@@ -601,6 +601,10 @@ def _count_entries(kind: str, n: int, entries: list, colls: dict, ctx: _Context,
             == (colls["b"][e[1]].count, colls["b"][e[1]].esize, colls["b"][e[1]].group)
             for e in live], dtype=bool)
         entries = [e[:7] for e in live]
+        keys = {s: list(got[s]) for s in ("a", "b")}  # each entry's collective, by position
+        pos = {s: {k: i for i, k in enumerate(keys[s])} for s in ("a", "b")}
+        where = {"a": np.array([pos["a"][e[0]] for e in live], dtype=np.int64),
+                 "b": np.array([pos["b"][e[1]] for e in live], dtype=np.int64)}
         done: set = set()
         for ci, cluster in enumerate(_clusters(got)):
             # per collective: its scenarios on this cluster, by protocol (collectives of one
@@ -617,8 +621,9 @@ def _count_entries(kind: str, n: int, entries: list, colls: dict, ctx: _Context,
                     pick[side][k] = by
             protos = {s: sorted({q for by in pick[s].values() for q in by if q}, key=str)
                       for s in ("a", "b")}
-            has = {s: {q: np.array([q in pick[s][e[0] if s == "a" else e[1]] for e in live],
-                                   dtype=bool) for q in protos[s]} for s in ("a", "b")}
+            # per entry, whether its collective may run protocol q on this cluster
+            has = {s: {q: np.array([q in pick[s][k] for k in keys[s]], dtype=bool)[where[s]]
+                       for q in protos[s]} for s in ("a", "b")}
             for pa in protos["a"]:
                 for pb in protos["b"]:
                     if pa != pb and same_size.all():
@@ -703,7 +708,7 @@ def _describe_buckets(kind: str, live: list, risk: list, colls: dict, got: dict,
                 "collective": kind, "step": step, "a": ca.bucket.index, "b": cb.bucket.index,
                 "group": ca.topo.spec(), "bytes_per_rank": {"a": ca.count * ca.esize,
                                                             "b": cb.count * cb.esize},
-                "scenarios": [dict(x, channels=dict(x["channels"])) for x in scen],
+                "scenarios": scen,  # shared by buckets of one size: never edited
                 "elements": 0, "params": 0}
         d["elements"] += nrisk
         d["params"] += 1 if nrisk else 0

@@ -96,11 +96,13 @@ def count_at_risk(pending: list, chan_a: dict, chan_b: dict, orders: Orders) -> 
     memo: dict[int, list[int]] = {}
 
     def axis(chan: dict, colls: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        base, los, rids, off = {}, [], [], 0
+        base, offs, lens, starts_all, rids, off = {}, [], [], [], [], 0
         for c in dict.fromkeys(colls):
             starts, rings, count = chan[c]
             base[c] = off
-            los.extend(off + x for x in starts)
+            offs.append(off)
+            lens.append(len(starts))
+            starts_all.extend(starts)
             got = memo.get(id(rings))  # collectives of one size share one list
             if got is None:
                 got = []
@@ -113,8 +115,10 @@ def count_at_risk(pending: list, chan_a: dict, chan_b: dict, orders: Orders) -> 
                 memo[id(rings)] = got
             rids.extend(got)
             off += count
-        return (np.array([base[c] for c in colls], dtype=np.int64),
-                np.array(los, dtype=np.int64), np.array(rids, dtype=np.int64))
+        los = np.array(starts_all, dtype=np.int64) + np.repeat(np.array(offs, dtype=np.int64),
+                                                               lens)
+        return (np.array([base[c] for c in colls], dtype=np.int64), los,
+                np.array(rids, dtype=np.int64))
 
     base_a, los_a, rid_a = axis(chan_a, [p[0] for p in pending])
     base_b, los_b, rid_b = axis(chan_b, [p[1] for p in pending])
