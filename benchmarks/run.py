@@ -52,15 +52,22 @@ sizes the targets were not set for, a figure short of its target is said as such
   emulation_overhead                  built-in eager workload's mean step time under
                                       `parity exec --emulate-nccl` / plain gloo, both captured
                                       (benchmarks/bench_emulation.py; reported, no target)
-  cuda_* (only with CUDA; otherwise the line "cuda  no CUDA: skipped")
-    cuda_digest_gbps, cuda_read_gbps, cuda_d2h_xxh3_gbps, cuda_torch_digest_gbps
-                                      the device digest as capture runs it (Triton kernel where
+  cuda_* (only with CUDA; otherwise the line "cuda  no CUDA: skipped"), each printed the moment
+  it is measured:
+    cuda_host_ms_per_step < 0.5       host time per step of capture's digest path for 1,500
+                                      parameters of 1-64 KB and their 1,500 gradients (queue
+                                      both, read the previous step's digests back), GPU idle
+    cuda_digest_gbps_*, cuda_read_gbps_*
+                                      the device digest as capture runs it (Triton kernels where
                                       Triton imports) vs a plain on-device read (t.sum() of every
-                                      tensor) vs copy to host + xxh3 vs the torch-ops digest, on
-                                      the same fp32 / bf16 state
-    cuda_digest_vs_read >= 0.8        (fp32 and bf16 separately)
-    cuda_capture_overhead             the built-in workload on CUDA (a larger model than on CPU)
-                                      with device digests every step / without capture
+                                      tensor), on 4 GiB (1 GiB --quick) of fp32 / bf16 / fp16 state
+    cuda_digest_vs_read_* >= 0.9      (fp32, bf16 and fp16 separately)
+    cuda_d2h_xxh3_gbps, cuda_torch_digest_gbps
+                                      copy to host + xxh3, and the torch-ops digest (fp32 slice)
+    cuda_capture_overhead <= 1.02     the built-in workload at 1 rank on NCCL, dim 2048, 8 layers,
+                                      vocab 32768, seq 1024, batch 8 (--quick: dim 1024, 4 layers),
+                                      wall time per step under `parity exec` (parameters,
+                                      gradients and manifests every step) / without capture
 
 `--quick` (run by .ci/run) uses smaller sizes and fewer repetitions and finishes in about two
 minutes on 2 cores; the figures are noisier but the code paths are the same.
@@ -93,8 +100,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from sweep_features import bench_control, bench_early_stop  # noqa: E402
 
 TARGETS = {
-    "cuda_digest_vs_read_fp32": (">=", 0.8),
-    "cuda_digest_vs_read_bf16": (">=", 0.8),
+    "cuda_digest_vs_read_fp32": (">=", 0.9),
+    "cuda_digest_vs_read_bf16": (">=", 0.9),
+    "cuda_digest_vs_read_fp16": (">=", 0.9),
+    "cuda_host_ms_per_step": ("<", 0.5),
+    "cuda_capture_overhead": ("<=", 1.02),
     "hash_vs_read": (">=", 0.9),
     "hash_vs_sha256": (">=", 15.0),
     "capture_overhead": ("<=", 1.05),
@@ -210,10 +220,12 @@ def _train_cmd(steps: int) -> list[str]:
             "-m", "parity.workloads.train", "--mode", "eager", "--steps", str(steps)]
 
 
-def _mean_step_ms(cmd: list[str], cwd: Path) -> float:
+def _mean_step_ms(cmd: list[str], cwd: Path, figure: str = "mean_step_ms") -> float:
+    """A figure of the workload's done line (``mean_step_ms``: the host's time per step;
+    ``wall_step_ms``: steps 2..N to the GPU's end)."""
     proc = subprocess.run(cmd, cwd=cwd, env=_env_one_thread(), capture_output=True, text=True,
                           timeout=600)
-    m = re.search(r"mean_step_ms=([0-9.]+)", proc.stdout)
+    m = re.search(rf"{figure}=([0-9.]+)", proc.stdout)
     if proc.returncode != 0 or not m:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"workload failed (exit {proc.returncode}): {' | '.join(tail)}")
@@ -406,63 +418,116 @@ def _cuda_read(tensors) -> None:
         t.sum(dtype=torch.float32)
 
 
-def bench_cuda(quick: bool, tmp: Path) -> dict:
+def _digest_now(tensors) -> bytes:
+    return digest_tensors(tensors, "device")
+
+
+def bench_cuda(quick: bool, tmp: Path, emit) -> dict:
+    """Each figure goes to ``emit`` (printed at once) as soon as it is measured."""
     if not torch.cuda.is_available():
-        return {"cuda": "no CUDA: skipped"}
+        emit("cuda", "no CUDA: skipped")
+        return {}
     from parity.capture import hashing, hashing_triton
 
-    out: dict = {"cuda_device": torch.cuda.get_device_name(0),
-                 "cuda_digest_backend": hashing.device_backend()}
+    emit("cuda_device", torch.cuda.get_device_name(0))
+    emit("cuda_digest_backend", hashing.device_backend())
+    emit("cuda_digest_version", hashing.DEVICE_DIGEST_VERSION)
+    _cuda_host_time(quick, emit)
     gb = 1e9
     reps = 3 if quick else 10
-    for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
+                         ("fp16", torch.float16)):
         tensors = cuda_state(1024 if quick else 4096, dtype)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        emit(f"cuda_bytes_{label}", nbytes)
         t_read = _best_cuda(lambda: _cuda_read(tensors), reps)
-        t_dig = _best_cuda(lambda: digest_tensors(tensors, "device"), reps)
-        # D2H + xxh3 and the torch-ops digest are slow: measured on a slice of the state
-        part = tensors[: max(4, len(tensors) // 8)]
-        pbytes = sum(t.numel() * t.element_size() for t in part)
-        t_xxh = _best_cuda(lambda: digest_tensors(part, "xxh3"), 1)
-        os.environ[hashing_triton.ENV_BACKEND] = "torch"
-        try:
-            t_tops = _best_cuda(lambda: digest_tensors(part, "device"), 1)
-        finally:
-            os.environ.pop(hashing_triton.ENV_BACKEND, None)
-        out.update({
-            f"cuda_bytes_{label}": nbytes, f"cuda_tensors_{label}": len(tensors),
-            f"cuda_read_gbps_{label}": nbytes / t_read / gb,
-            f"cuda_digest_gbps_{label}": nbytes / t_dig / gb,
-            f"cuda_d2h_xxh3_gbps_{label}": pbytes / t_xxh / gb,
-            f"cuda_torch_digest_gbps_{label}": pbytes / t_tops / gb,
-        })
-        out[f"cuda_digest_vs_read_{label}"] = out[f"cuda_digest_gbps_{label}"] / out[f"cuda_read_gbps_{label}"]
-        del tensors, part
+        emit(f"cuda_read_gbps_{label}", nbytes / t_read / gb)
+        t_dig = _best_cuda(lambda: _digest_now(tensors), reps)
+        emit(f"cuda_digest_gbps_{label}", nbytes / t_dig / gb)
+        emit(f"cuda_digest_vs_read_{label}", t_read / t_dig)
+        if label == "fp32":  # the slow baselines once, on a slice of the state
+            part = tensors[: max(4, len(tensors) // 8)]
+            pbytes = sum(t.numel() * t.element_size() for t in part)
+            emit("cuda_d2h_xxh3_gbps", pbytes / _best_cuda(lambda: digest_tensors(part, "xxh3"), 1)
+                 / gb)
+            os.environ[hashing_triton.ENV_BACKEND] = "torch"
+            try:
+                emit("cuda_torch_digest_gbps",
+                     pbytes / _best_cuda(lambda: digest_tensors(part, "device"), 1) / gb)
+            finally:
+                os.environ.pop(hashing_triton.ENV_BACKEND, None)
+            del part
+        del tensors
         torch.cuda.empty_cache()
-    out.update(_cuda_capture(quick, tmp))
-    return out
+    _cuda_capture(quick, tmp, emit)
+    return {}
 
 
-def _cuda_capture(quick: bool, tmp: Path) -> dict:
-    """Capture overhead of the built-in workload on CUDA: 2 ranks (NCCL with 2+ GPUs, else gloo
-    sharing one GPU), a model big enough that a step is GPU work, device digests every step."""
-    steps = 20 if quick else 60
-    gpus = torch.cuda.device_count()
-    nproc = 2
-    backend = "nccl" if gpus >= 2 else "gloo"
-    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-             str(nproc), "-m", "parity.workloads.train", "--mode", "eager", "--device", "cuda",
-             "--backend", backend, "--steps", str(steps), "--dim", "1024", "--layers", "8",
-             "--heads", "16", "--vocab-size", "32768", "--seq-len", "512", "--batch-size", "4"]
-    env_extra = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    os.environ.update(env_extra)
-    base = _mean_step_ms(train, ROOT)
-    out = tmp / "cuda-capture"
-    capt = _mean_step_ms([sys.executable, "-c", "import cli; cli.main()", "exec", "--out",
-                          str(out), "--"] + train, ROOT)
-    shutil.rmtree(out, ignore_errors=True)
-    return {"cuda_step_ms_no_capture": base, "cuda_step_ms_capture": capt,
-            "cuda_capture_overhead": capt / base, "cuda_capture_backend": backend}
+def _cuda_host_time(quick: bool, emit) -> None:
+    """Host time per step of capture's digest path for a real model's parameter list: 1,500
+    parameters of 1-64 KB (fp32 and bf16) and their 1,500 gradients, each step as capture does
+    it (the parameters as a stable list, the gradients as new tensors each step, the previous
+    step's digests read back). The GPU is kept idle between steps, so the figure is the host's
+    own time, not a wait."""
+    from parity.capture.hashing import digest_tensors_async
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    params, sizes = [], torch.randint(256, 16384, (1500,), generator=g, device="cuda").tolist()
+    for i, n in enumerate(sizes):  # 1-64 KB: 256-16,384 fp32 words (half as many bytes in bf16)
+        params.append(torch.randn(n, device="cuda", generator=g,
+                                  dtype=torch.bfloat16 if i % 3 == 1 else torch.float32))
+    grads = [torch.empty_like(p) for p in params]
+    steps = 50 if quick else 200
+    host, prev = [], None
+    for k in range(steps + 5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        d_params = digest_tensors_async(params, "auto", stable=True)
+        d_grads = digest_tensors_async(grads, "auto")
+        if prev is not None:
+            prev[0].result(), prev[1].result()
+        host.append(time.perf_counter() - t0)
+        prev = (d_params, d_grads)
+    torch.cuda.synchronize()
+    emit("cuda_host_tensors", 2 * len(params))
+    emit("cuda_host_ms_per_step", statistics.median(host[5:]) * 1e3)
+
+
+def _wall_step_ms(cmd: list[str], cwd: Path) -> float:
+    return _mean_step_ms(cmd, cwd, "wall_step_ms")
+
+
+def _cuda_capture(quick: bool, tmp: Path, emit) -> None:
+    """Capture overhead of the built-in workload at one rank on NCCL with a GPU-sized model (dim
+    2048, 8 layers, vocab 32768: ~540M fp32 parameters; sequence 1024, batch 8): parameters,
+    gradients and manifests every step, against no capture, both timed as wall time per step
+    (the workload's wall_step_ms). Runs alternate (none, capture, none, capture) so that drift
+    hits both; the figure is the ratio of the medians."""
+    steps = 8 if quick else 20
+    model = ["--dim", "1024", "--layers", "4"] if quick else ["--dim", "2048", "--layers", "8"]
+    train = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+             "-m", "parity.workloads.train", "--mode", "eager", "--device", "cuda",
+             "--backend", "nccl", "--steps", str(steps), *model, "--heads", "16",
+             "--vocab-size", "32768", "--seq-len", "1024", "--batch-size", "8"]
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    emit("cuda_capture_model", " ".join(model) + f" vocab 32768 seq 1024 batch 8, {steps} steps")
+    base, capt = [], []
+    for i in range(1 if quick else 2):
+        base.append(_wall_step_ms(train, ROOT))
+        emit(f"cuda_step_ms_no_capture_{i}", base[-1])
+        out = tmp / f"cuda-capture-{i}"
+        capt.append(_wall_step_ms([sys.executable, "-m", "parity", "exec", "--out", str(out),
+                                   "--"] + train, ROOT))
+        emit(f"cuda_step_ms_capture_{i}", capt[-1])
+        try:  # where the time goes: capture's own host time per step (meta.json capture.seconds)
+            cap = json.loads((out / "rank-00000" / "meta.json").read_text())["capture"]
+            emit(f"cuda_capture_host_ms_per_step_{i}", cap["seconds"] / max(cap["steps"], 1) * 1e3)
+            if cap.get("warnings"):
+                emit(f"cuda_capture_warnings_{i}", "; ".join(cap["warnings"])[:300])
+        except (OSError, ValueError, KeyError) as e:
+            emit(f"cuda_capture_meta_{i}", f"unreadable: {e}")
+        shutil.rmtree(out, ignore_errors=True)
+    emit("cuda_capture_overhead", statistics.median(capt) / statistics.median(base))
 
 
 # --------------------------------------------------------------------------------------- sweep
@@ -536,9 +601,14 @@ def main(argv=None) -> int:
                "sweep": lambda: bench_sweep(args.quick, tmp),
                "control": lambda: bench_control(args.quick, tmp / "control"),
                "early_stop": lambda: bench_early_stop(args.quick, tmp / "early_stop"),
-               "cuda": lambda: bench_cuda(args.quick, tmp),
+               "cuda": lambda: bench_cuda(args.quick, tmp, emit),
                "reduction": lambda: _bench_reduction(args.quick, tmp / "reduction"),
                "emulation": lambda: _bench_emulation(args.quick, tmp / "emulation")}
+
+    def emit(key, value) -> None:  # a figure printed the moment it is measured
+        figures[key] = value
+        print(_fmt(key, value, args.quick), flush=True)
+
     try:
         for name in wanted:
             if name not in benches:

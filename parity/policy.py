@@ -173,6 +173,18 @@ def order_phrase(order_verdict: str | None, first_bucket: dict | None = None) ->
     return what
 
 
+def _one_sided(order: dict) -> str:
+    """' (only A recorded reduce_scatter buckets; B issued none)' when layouts were not compared
+    because one side's job issued no bucketed collective of a kind (a one-rank compiled job)."""
+    notes = [n for n in order.get("notes") or [] if isinstance(n, str) and ": only " in n
+             and "recorded buckets" in n]
+    if not notes or order.get("compared"):
+        return ""
+    said = "; ".join(f"only {side[0]} recorded {coll} buckets, {'B' if side[0] == 'A' else 'A'} "
+                     "issued none" for coll, side in (n.split(": only ", 1) for n in notes))
+    return f" ({said})"
+
+
 def judge_pair(d: dict, policy: str) -> Verdict:
     """The verdict on one pair from its diff result (``DiffResult.to_dict()`` or a cell's
     diff.json): what the console, the JSON and the HTML page of ``parity diff`` say."""
@@ -207,7 +219,7 @@ def judge_pair(d: dict, policy: str) -> Verdict:
     elif ov == "identical":
         v.held.append("bucket layouts identical")
     else:
-        v.not_compared.append(order_phrase(ov))
+        v.not_compared.append(order_phrase(ov) + _one_sided(order))
     predicted = consequences.reduction_phrase(d.get("reduction_order"))
     if predicted:  # --at: the prediction's own finding, under the policy
         ro_verdict = consequences.prediction_verdict(d["reduction_order"])

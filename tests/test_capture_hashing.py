@@ -75,11 +75,49 @@ def test_device_digest_swaps_and_stability(dtype):
 
 
 def test_device_digest_known_values_are_stable_across_runs():
-    # Pinned: a change here changes every recorded device digest (say so in docs/capture.md).
+    # Pinned: a change here changes every recorded device digest (say so in docs/capture.md and
+    # raise hashing.DEVICE_DIGEST_VERSION: runs of different versions are never compared).
+    from parity.capture import hashing
+
+    assert hashing.DEVICE_DIGEST_VERSION == 2
     t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    assert device_digest(t).hex() == "b80ced7751c09763e00b5634ca118ba5"
+    assert device_digest(t).hex() == "2394f582c787ae51f5a3e4edbc02cfde"
     assert device_digest(torch.arange(5, dtype=torch.bfloat16)).hex() == \
-        "60533efd51bd7364623fab5f1f1dd919"
+        "1dd353e0c38ea546b016203c8d13f8dc"
+    assert device_digest(torch.arange(3, dtype=torch.float64)).hex() == "25d548c45b9194b4bf61c5bf7d0081da"
+
+
+def test_finish_is_a_bijection_of_the_word_lanes_and_keyed():
+    """Distinct (L0, L2) give distinct digests (the guarantees of the lanes carry over); the
+    same lanes under another length or dtype give another digest; zero lanes are not NO_HASH."""
+    from parity.capture.hashing import finish
+
+    seen = set()
+    for l0 in (0, 1, 2, 2**63, 2**64 - 1):
+        for l2 in (0, 1, 3, 2**40, 2**64 - 1):
+            seen.add(finish([l0, 0, l2, 0], 8, torch.float32))
+    assert len(seen) == 25
+    z = finish([0, 0, 0, 0], 8, torch.float32)
+    assert z != NO_HASH
+    assert z != finish([0, 0, 0, 0], 12, torch.float32)
+    assert z != finish([0, 0, 0, 0], 8, torch.int32)
+
+
+def test_words_make_bf16_fp16_and_bytes_position_sensitive():
+    """Version 2 reads 1/2/4-byte dtypes as uint32 words: a swap of two elements inside one
+    word, or of elements at different places of two words, still changes the digest."""
+    for dtype in (torch.bfloat16, torch.float16, torch.int8, torch.uint8):
+        t = _tensor(dtype, n=131)
+        base = device_digest(t)
+        flat = t.reshape(-1)
+        for i, j in ((0, 1), (2, 3), (0, 3), (1, 2), (5, 130), (64, 129)):
+            if torch.equal(flat[i].reshape(1).view(torch.uint8), flat[j].reshape(1).view(torch.uint8)):
+                continue
+            u = flat.clone()
+            u[i], u[j] = flat[j].clone(), flat[i].clone()
+            assert device_digest(u) != base, (dtype, i, j)
+        # the zero padding of the last word is not the same as a real zero element
+        assert device_digest(t[:-1]) != device_digest(torch.cat([t[:-1], t.new_zeros(1)]))
 
 
 def test_device_digest_catches_a_change_that_cancels_in_the_linear_lanes():
@@ -169,8 +207,19 @@ def test_sampling_rule():
 M64 = (1 << 64) - 1
 
 
+def spec_units(t: torch.Tensor) -> list[int]:
+    """docs/capture.md's units of a tensor, as unsigned ints: 8-byte elements as they are, any
+    other width as the little-endian uint32 words of the bytes (the last padded with zeros)."""
+    flat = t.contiguous().reshape(-1)
+    if flat.element_size() % 8 == 0:
+        return [v & M64 for v in flat.view(torch.int64).tolist()]
+    raw = bytes(flat.view(torch.uint8).tolist())
+    raw += b"\0" * (-len(raw) % 4)
+    return [int.from_bytes(raw[i:i + 4], "little") for i in range(0, len(raw), 4)]
+
+
 def spec_lanes(values: list[int], first: int = 0) -> list[int]:
-    """docs/capture.md's definition written out with Python ints: ``values`` are the elements as
+    """docs/capture.md's definition written out with Python ints: ``values`` are the units as
     unsigned ints, ``first`` the position of the first one."""
     lanes = [0, 0, 0, 0]
     for k, v in enumerate(values):
@@ -187,10 +236,8 @@ def test_torch_ops_lanes_follow_the_definition(dtype):
     from parity.capture import hashing
 
     t = _tensor(dtype if dtype != torch.float8_e4m3fn else torch.float32, n=301).to(dtype)
-    size = t.element_size()
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-    values = [v & ((1 << (8 * size)) - 1) for v in t.view(bits).tolist()]
-    assert hashing.device_lanes_torch([t]) == [spec_lanes(values)]
+    assert hashing.device_lanes_torch([t]) == [spec_lanes(spec_units(t))]
+    assert hashing.device_lanes_torch([t[1:]]) == [spec_lanes(spec_units(t[1:]))]  # unaligned
 
 
 def test_torch_ops_lanes_wrap_and_carry_like_uint64(monkeypatch):

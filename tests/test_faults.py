@@ -214,10 +214,12 @@ def test_disk_full_on_an_atomic_write_keeps_the_old_file(tmp_path, monkeypatch):
 # ------------------------------------------------------------------- runs that cannot be compared
 
 
-def _set_hasher(run: Path, hasher: str) -> None:
+def _set_hasher(run: Path, hasher: str, version: int | None = None) -> None:
     for meta in run.glob("rank-*/meta.json"):
         m = json.loads(meta.read_text())
         m.setdefault("capture", {})["hasher"] = hasher
+        if version is not None:
+            m["capture"]["device_digest_version"] = version
         meta.write_text(json.dumps(m))
 
 
@@ -229,6 +231,21 @@ def test_runs_with_different_hashers_are_refused(tmp_path):
     with pytest.raises(ParityError) as e:
         diff_runs(a, b)
     assert e.value.exit_code == 2 and "different hashers" in str(e.value)
+
+
+def test_runs_with_different_device_digest_versions_are_refused(tmp_path):
+    """Version 2 of the device digest (words for 1/2/4-byte dtypes, the finish on the device)
+    gives other bytes than version 1; a run from before versions were recorded is version 1."""
+    a = make_run(tmp_path / "a", world_size=2, steps=2, n_params=4)
+    b = make_run(tmp_path / "b", world_size=2, steps=2, n_params=4)
+    c = make_run(tmp_path / "c", world_size=2, steps=2, n_params=4)
+    _set_hasher(a, "device")  # no version recorded: 1
+    _set_hasher(b, "device", 2)
+    _set_hasher(c, "device", 1)
+    with pytest.raises(ParityError) as e:
+        diff_runs(a, b)
+    assert e.value.exit_code == 2 and "device v1" in str(e.value) and "device v2" in str(e.value)
+    assert diff_runs(a, c).verdict == "match"
 
 
 def test_runs_with_different_world_sizes_or_parameters_name_the_difference(tmp_path):

@@ -51,3 +51,17 @@ def test_unknown_policy_is_a_usage_error():
     assert e.value.exit_code == EXIT_USAGE and "order-only" in str(e.value)
     assert EXIT_INCOMPLETE == policy.pair_code("match", "unavailable", False, "any")
     assert EXIT_OK == policy.pair_code("match", "unavailable", False, "hash")
+
+
+def test_layouts_not_compared_because_one_side_issued_no_bucketed_collective_say_so():
+    """A one-rank compiled job issues no collective: its layouts cannot be compared with eager
+    FSDP2's reduce-scatters, and the verdict says that, not 'no manifests'."""
+    from parity.policy import judge_pair
+
+    d = {"verdict": "match", "steps_compared": [0, 1], "ranks_compared": [0],
+         "params_compared": 3, "kinds_compared": ["param"],
+         "order": {"verdict": "unavailable", "compared": [],
+                   "notes": ["reduce_scatter: only A recorded buckets; not compared"]}}
+    line = judge_pair(d, "hash").line()
+    assert "only A recorded reduce_scatter buckets, B issued none" in line
+    assert "no manifests" not in line

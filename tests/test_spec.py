@@ -93,16 +93,16 @@ def test_cuda_default_spec_runs_cuda_graphs_on_the_candidate_only():
     assert default_spec_path(cuda=False).name == "cpu-default.toml"
     sp = load_spec(p)
     assert sp.name == "cuda-default" and sp.env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-    assert [a.name for a in sp.axes] == ["flash", "cudagraphs", "batch_size"]
+    assert [a.name for a in sp.axes] == ["bucket_order", "flash", "cudagraphs"]
     for c in sp.cells():
         ref, cand = c.sides["reference"].entry_argv, c.sides["candidate"].entry_argv
-        assert "cuda" in c.requires
+        assert c.requires == ["cuda"]  # runs on one GPU: no cell needs two
         assert ref[ref.index("--device") + 1] == "cuda" == cand[cand.index("--device") + 1]
         assert "--cudagraphs" not in ref
         assert ("--cudagraphs" in cand) == c.axes["cudagraphs"]
         backend = "nccl" if c.axes["cudagraphs"] else "gloo"  # CUDA graphs cannot capture gloo
         assert ref[ref.index("--backend") + 1] == backend == cand[cand.index("--backend") + 1]
-        assert ("gpus:2" in c.requires) == c.axes["cudagraphs"]
+        assert cand[cand.index("--bucket-order") + 1] == c.axes["bucket_order"]
         if c.axes["flash"]:  # FLASH on CUDA has no float32 kernel
             assert ref[ref.index("--param-dtype") + 1] == "bfloat16" == cand[cand.index("--param-dtype") + 1]
 
@@ -307,3 +307,70 @@ def test_cli_spec_errors_exit_2_with_one_line_naming_file_and_key(tmp_path, text
     assert len(lines) == 1 and lines[0].startswith("parity: error: bad.toml: "), r.stderr
     assert key in lines[0]
     assert not out.exists()  # nothing launched, nothing created
+
+
+# ------------------------------------------------------------------ per-value world overrides
+
+
+def test_an_axis_value_sets_its_cells_world_and_emulation():
+    """cuda-default.toml: the CUDA-graph cells run one rank on NCCL without the spec's emulation
+    or prediction; the others run the spec's 4 emulated ranks."""
+    from parity.sweep.spec import default_spec_path, load_spec
+
+    sp = load_spec(default_spec_path(cuda=True))
+    cells = {c.id: c for c in sp.cells()}
+    assert len(cells) == 8
+    for cid, c in cells.items():
+        if "cudagraphs=true" in cid:
+            assert (c.nproc_per_node, c.emulate_nccl, c.at) == (1, None, None)
+            assert "--cudagraphs" in c.sides["candidate"].entry_argv
+        else:
+            assert (c.nproc_per_node, c.emulate_nccl, c.at) == (4, "2x2:channels=4",
+                                                                 "2x2:channels=4")
+    # the reference of the two bucket orders is one job (same fingerprint), per world
+    fps = {c.sides["reference"].fingerprint(sp, c) for c in cells.values()}
+    assert len(fps) == 4
+
+
+def test_axis_set_is_validated():
+    base = """
+name = "t"
+[axes.flash]
+values = [true, false]
+[reference]
+argv = ["-m", "mod"]
+[candidate]
+argv = ["-m", "mod", "--compiled"]
+"""
+    sp = spec(base + '[axes.flash.set.true]\nnproc_per_node = 4\nemulate_nccl = "2x2"\n')
+    c = {c.id: c for c in sp.cells()}
+    assert c["flash=true"].nproc_per_node == 4 and c["flash=true"].emulate_nccl == "2x2"
+    assert c["flash=false"].emulate_nccl is None and c["flash=false"].nproc_per_node == 2
+    for bad, why in (
+            ('[axes.flash.set.true]\nnproc_per_node = 2\nemulate_nccl = "2x2"\n', "needs 4 ranks"),
+            ('[axes.flash.set.maybe]\nnproc_per_node = 1\n', "not a value of axis flash"),
+            ('[axes.flash.set.true]\nthreads = 1\n', "unknown key"),
+            ('[axes.flash.set.true]\nat = "2y2"\n', "at")):
+        assert why in error(base + bad), bad
+
+
+def test_cuda_default_dry_run_runs_each_cell_at_its_own_world(tmp_path):
+    """The per-value world reaches the jobs: emulated cells at 4 ranks under the 2x2 emulation,
+    CUDA-graph cells at one rank on NCCL without it (the commands a --dry-run prints)."""
+    proc = subprocess.run([*PARITY, "sweep", str(default_spec_path(cuda=True)), "--dry-run",
+                           "--out", str(tmp_path / "s")], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    cell, seen = None, 0
+    for line in proc.stdout.splitlines():
+        if line.startswith("bucket_order="):
+            cell = line.split()[0]
+        elif line.strip().startswith(("reference:", "candidate:")) and "torch.distributed.run" in line:
+            seen += 1
+            if "cudagraphs=true" in cell:
+                assert "--nproc_per_node 1 " in line and "--emulate-nccl" not in line
+                assert "--backend nccl" in line
+            else:
+                assert "--nproc_per_node 4 " in line and "--emulate-nccl 2x2:channels=4" in line
+                assert "--backend gloo" in line
+    assert seen >= 12  # 16 on CPU (all skipped); on a GPU the two orders share their reference

@@ -1,7 +1,8 @@
 """Run by tests/test_capture_hashing_triton.py in a child process: compiles the device digest
-kernel ahead of time for an H100 (sm_90) without a GPU (triton ships ptxas) and prints, per
-variant, the kinds of global loads and 64-bit multiplies in its PTX as JSON. Catches what the
-interpreter cannot: type errors of the real compiler, and lost vector loads."""
+kernels ahead of time for an H100 (sm_90) without a GPU (triton ships ptxas) and prints, per
+kernel, the kinds of global loads, the 32x32->64-bit multiplies and the atomics in its PTX as
+JSON. Catches what the interpreter cannot: type errors of the real compiler, and lost vector
+loads."""
 
 import json
 import re
@@ -11,27 +12,31 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from parity.capture import hashing_triton
+from parity.capture import digest_kernels, hashing_triton
 
-VARIANTS = [(4, True, False), (2, True, False), (8, False, True)]
+
+def _compile(fn, sig, consts):
+    compiled = triton.compile(ASTSource(fn=fn, signature={**sig, **{k: "constexpr" for k in consts}},
+                                        constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32))
+    ptx = compiled.asm["ptx"]
+    return {"loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
+            "mul_wide": len(re.findall(r"m(?:ul|ad)\.wide\.u32", ptx)),
+            "atomics": len(re.findall(r"atom\.global", ptx)),
+            "instructions": len(re.findall(r"^\s+[a-z]", ptx, re.M))}
 
 
 def main():
-    kernel = hashing_triton._kernel()
-    out = {}
-    for width, aligned, masked in VARIANTS:
-        consts = {"WIDTH": width, "ALIGNED": aligned, "MASKED": masked,
-                  "BLOCK": hashing_triton.BLOCK, "ITERS": hashing_triton.ITERS,
-                  "B_MULT": hashing_triton.B_MULT}
-        sig = {"table_ptr": "*i64", "out_ptr": "*i64", **{k: "constexpr" for k in consts}}
-        compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
-                                  target=GPUTarget("cuda", 90, 32))
-        ptx = compiled.asm["ptx"]
-        out[f"{width},{int(aligned)},{int(masked)}"] = {
-            "loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
-            "mul_wide": len(re.findall(r"m(?:ul|ad)\.wide\.u32", ptx)),
-            "atomics": len(re.findall(r"atom\.global", ptx)),
-        }
+    out = {
+        "digest_lanes": _compile(
+            digest_kernels.digest_lanes, {"table_ptr": "*i64", "out_ptr": "*i64"},
+            {"BLOCK": hashing_triton.BLOCK, "ITERS": hashing_triton.ITERS,
+             "B_MULT": hashing_triton.B_MULT}),
+        "digest_finish": _compile(
+            digest_kernels.digest_finish,
+            {"lanes_ptr": "*i64", "keys_ptr": "*i64", "digest_ptr": "*i64", "n": "i32"},
+            {"FBLOCK": hashing_triton.FBLOCK}),
+    }
     print(json.dumps(out))
 
 

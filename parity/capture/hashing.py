@@ -6,16 +6,21 @@ Two digests, both 16 raw bytes:
   ``view(torch.uint8)`` of the contiguous data exposed to numpy (a copy is made only when the
   tensor is not contiguous, or lives on an accelerator). This is the reference hash.
 * ``device_digest(t)``: a position-weighted checksum (four 64-bit lanes, mixed into 16 bytes)
-  computed on the tensor's own device, so that only 32 bytes per tensor cross to the host: by
-  the Triton kernel of ``hashing_triton`` for CUDA tensors when Triton imports, else by the torch
-  ops below (the reference; both give the same value bit for bit). It is NOT xxh3 and never
-  equals ``host_digest``; a run says which it used (``meta.json`` ``capture.hasher``).
+  computed on the tensor's own device, so that only 16 bytes per tensor cross to the host: by
+  the Triton kernels of ``hashing_triton`` for CUDA tensors when Triton imports, else by the
+  torch ops below (the reference; both give the same value bit for bit). It is NOT xxh3 and
+  never equals ``host_digest``; a run says which it used (``meta.json`` ``capture.hasher``) and
+  which version of the definition (``capture.device_digest_version``: ``DEVICE_DIGEST_VERSION``).
   Properties (see docs/capture.md): any single-bit flip and any swap of two distinct elements
-  changes it (guaranteed for tensors of fewer than 2**31 elements); otherwise it is a checksum,
-  not a cryptographic or even a well-mixed hash.
+  changes it (guaranteed for tensors of fewer than 2**31 words); otherwise it is a checksum,
+  not a cryptographic hash.
 
 ``digest_tensors`` hashes a list (the parameter table) and returns the concatenated raw digests,
 ``artifacts.NO_HASH`` standing for a missing tensor (a parameter without a gradient).
+``digest_tensors_async`` does the same without waiting for the device: CUDA tensors are
+digested by kernels queued on the current stream and their 16-byte digests copied into pinned
+host memory behind a CUDA event; ``Digests.result()`` waits for that event (capture resolves a
+step's digests one step later, or at close: steps.py / writing.py).
 """
 
 from __future__ import annotations
@@ -25,10 +30,14 @@ import struct
 import torch
 import xxhash
 
-from parity.artifacts import NO_HASH
+from parity.artifacts import HASH_BYTES, NO_HASH
+from parity.capture import hashing_triton
+from parity.capture.hashing_triton import dtype_key
+from parity.capture.hashing_triton import materialized as _materialized
 
 __all__ = ["local_tensor", "host_digest", "device_digest", "device_digests", "device_lanes_torch",
-           "digest_tensors", "HASHERS"]
+           "digest_tensors", "digest_tensors_async", "Digests", "finish", "HASHERS",
+           "DEVICE_DIGEST_VERSION"]
 
 HASHERS = ("auto", "xxh3", "device")
 
@@ -52,15 +61,6 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return _local(t).detach()
 
 
-def _materialized(t: torch.Tensor) -> torch.Tensor:
-    """``t`` with its lazy conjugate/negation applied and contiguous (a copy only if needed)."""
-    if t.is_conj():
-        t = t.resolve_conj()
-    if t.is_neg():
-        t = t.resolve_neg()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -86,54 +86,53 @@ def host_digest(t: torch.Tensor) -> bytes:
 
 
 # ------------------------------------------------------------------------------ device digest
-# The definition (docs/capture.md "device"), shared bit for bit with the Triton kernel in
-# hashing_triton.py, which is the fast path on CUDA; this torch-ops version is the fallback and the
-# reference the kernel is tested against:
-#   v_i  the i-th element (row-major) as an unsigned integer of its own width (1, 2, 4 or 8 bytes;
-#        wider elements are taken as their 8-byte parts, other widths as bytes);
-#   lo_i = v_i mod 2**32, hi_i = v_i >> 32 (0 for elements of up to 4 bytes);
-#   q_i  = i mod 2**31, a_i = q_i + 1, b_i = ((((q_i + 1) * B_MULT) mod 2**32) >> 1) | 1;
-#   lanes (each mod 2**64): L0 = sum lo_i a_i, L1 = sum hi_i a_i, L2 = sum lo_i b_i,
-#        L3 = sum hi_i b_i;
-#   digest = xxh3_128(L0..L3 as little-endian u64, the byte length as i64, str(dtype)).
+# The definition, version 2 (docs/capture.md "device"), shared bit for bit with the Triton
+# kernels in digest_kernels.py, which are the fast path on CUDA; this torch-ops version is the
+# fallback and the reference the kernels are tested against:
+#   units: tensors of 1-, 2- or 4-byte elements (and of widths that are no multiple of 8) are
+#        read as their bytes in little-endian uint32 words w_k (the last word padded with zero
+#        bytes): lo_k = w_k, hi_k = 0. Tensors of 8-byte elements (or multiples of 8: complex128
+#        as its 8-byte parts) are read element by element: lo_k = v_k mod 2**32, hi_k = v_k >> 32.
+#   q_k  = k mod 2**31, a_k = q_k + 1, b_k = ((((q_k + 1) * B_MULT) mod 2**32) >> 1) | 1;
+#   lanes (each mod 2**64): L0 = sum lo_k a_k, L1 = sum hi_k a_k, L2 = sum lo_k b_k,
+#        L3 = sum hi_k b_k;
+#   digest = finish(L0..L3, byte length, dtype): a keyed 128-bit mix (see finish), computed on
+#        the device by the kernels, so the host copies 16 bytes per tensor and does nothing else.
+# Version 1 (before 2026-11-27) took every element as one unit (a bf16 tensor: one 2-byte unit
+# per element, half the speed of fp32 on an H200) and mixed the lanes with xxh3 on the host;
+# meta.json records the version and runs of different versions are never compared.
 # Every product lo*a, lo*b, hi*a, hi*b is < 2**63, so this version computes the lanes exactly in
 # int64 without ever overflowing: it sums the low and high 32-bit halves of the products
-# separately and folds the carries after every chunk. The kernel simply wraps in uint64.
+# separately and folds the carries after every chunk. The kernels simply wrap in uint64.
+DEVICE_DIGEST_VERSION = 2
 B_MULT = 0x9E3779B1
 _M32 = 0xFFFFFFFF
 _M64 = (1 << 64) - 1
-_CHUNK = 1 << 18  # elements per chunk: bounds the int64 temporaries (~8 MiB per (4, chunk) tensor)
-_UINT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_MASK = {1: 0xFF, 2: 0xFFFF, 4: 0xFFFFFFFF}
+_FMIX_C1 = 0xFF51AFD7ED558CCD  # murmur3 fmix64
+_FMIX_C2 = 0xC4CEB9FE1A85EC53
+_SEED_B = 0x9E3779B97F4A7C15
+_CHUNK = 1 << 18  # units per chunk: bounds the int64 temporaries (~8 MiB per (4, chunk) tensor)
 
 
-def _elements(t: torch.Tensor) -> torch.Tensor:
-    """The local data, materialized and flat, viewed as integers of the digest's element width."""
+def _units(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(lo, hi) of the local data's units as non-negative int64 (see the definition); hi is
+    None for word units (it is 0)."""
     flat = _materialized(local_tensor(t)).reshape(-1)
-    size = flat.element_size()
-    if size in _UINT_OF_SIZE:
-        return flat.view(_UINT_OF_SIZE[size])
-    if size % 8 == 0:
-        return flat.view(torch.int64)
-    return flat.view(torch.uint8)  # exotic widths: bytes
-
-
-def _halves(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(lo, hi) 32-bit halves of the elements as non-negative int64; hi is None below 8 bytes."""
-    size = e.element_size()
-    if size == 8:
+    if flat.element_size() % 8 == 0:
+        e = flat.view(torch.int64)
         return e & _M32, (e >> 32) & _M32
-    w = e.to(torch.int64)
-    if size != 1:
-        w = w & _MASK[size]
-    return w, None
+    b = flat.view(torch.uint8)
+    pad = (-b.numel()) % 4
+    if pad or b.storage_offset() % 4:  # a copy that is whole words and 4-byte aligned
+        b = torch.cat([b, b.new_zeros(pad)])
+    return b.view(torch.int32).to(torch.int64) & _M32, None
 
 
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
 def _make_weights(dev: torch.device, start: int, m: int) -> torch.Tensor:
-    """(a_i, b_i) for positions start..start+m-1, shape (2, m), int64, each in [1, 2**31]."""
+    """(a_k, b_k) for positions start..start+m-1, shape (2, m), int64, each in [1, 2**31]."""
     q1 = (torch.arange(start, start + m, dtype=torch.int64, device=dev) & 0x7FFFFFFF) + 1
     b = (((q1 * B_MULT) & _M32) >> 1) | 1  # (q+1) * B_MULT < 2**63: exact
     return torch.stack([q1, b])
@@ -151,7 +150,7 @@ def _weights(dev: torch.device, start: int, m: int) -> torch.Tensor:
 def _lanes_torch(t: torch.Tensor) -> torch.Tensor:
     """Lane halves of ``t`` as int64 of shape (2, 4) on ``t``'s device: row 0 the low 32 bits of
     L0..L3, row 1 the high 32 bits (``_combine`` joins them on the host)."""
-    lo, hi = _halves(_elements(t))
+    lo, hi = _units(t)
     dev = lo.device
     parts = [lo] if hi is None else [lo, hi]
     acc_lo = torch.zeros(2, len(parts), dtype=torch.int64, device=dev)  # [weight a/b, lo/hi word]
@@ -180,9 +179,30 @@ def _combine(halves: list[list[int]]) -> list[int]:
     return [(lo + (hi << 32)) & _M64 for lo, hi in zip(halves[0], halves[1])]
 
 
-def _finish(lanes: list[int], nbytes: int, dtype: torch.dtype) -> bytes:
-    # The lanes are not well mixed; xxh3 over them (and the length) spreads them into 16 bytes.
-    return _xxh3_128(struct.pack("<4Qq", *lanes, nbytes) + str(dtype).encode())
+def _fmix(x: int) -> int:
+    """murmur3's fmix64: a bijection of 64-bit words (digest_kernels._fmix does the same)."""
+    x ^= x >> 33
+    x = (x * _FMIX_C1) & _M64
+    x ^= x >> 33
+    x = (x * _FMIX_C2) & _M64
+    return x ^ (x >> 33)
+
+
+def finish(lanes: list[int], nbytes: int, dtype: torch.dtype) -> bytes:
+    """The 16 digest bytes of four lanes, keyed by the byte length and the dtype.
+
+    For fixed (L1, L3, length, dtype) it is a bijection of (L0, L2): a Feistel-like pair of
+    rounds of fmix64, each invertible given the other half. Word units have L1 = L3 = 0, so two
+    tensors of one dtype and length whose lanes differ (a bit flip, a swap: docs/capture.md)
+    always get different digests; 8-byte units fold L1 and L3 in (128 bits from 256)."""
+    seed_a = _fmix((nbytes ^ dtype_key(dtype)) & _M64)
+    seed_b = _fmix(seed_a ^ _SEED_B)
+    x = lanes[0] ^ _fmix(lanes[1] ^ seed_a)
+    y = lanes[2] ^ _fmix(lanes[3] ^ seed_b)
+    x = _fmix(x ^ seed_a)
+    y = _fmix(y ^ x)
+    x = _fmix(x ^ y)
+    return struct.pack("<QQ", x, y)
 
 
 def device_lanes_torch(tensors: list[torch.Tensor]) -> list[list[int]]:
@@ -200,39 +220,11 @@ def device_lanes_torch(tensors: list[torch.Tensor]) -> list[list[int]]:
     return host  # type: ignore[return-value]
 
 
-def _device_lanes(tensors: list[torch.Tensor]) -> list[list[int]]:
-    """Lanes of local tensors: CUDA ones through the Triton kernel where it is usable, the rest
-    (and all of them if the kernel fails) with torch ops. Both give the same values, so which one
-    ran never changes a digest."""
-    cuda = [i for i, t in enumerate(tensors) if t.is_cuda]
-    out: list[list[int] | None] = [None] * len(tensors)
-    if cuda:
-        from parity.capture import hashing_triton
-
-        if hashing_triton.usable():
-            by_dev: dict[torch.device, list[int]] = {}
-            for i in cuda:
-                by_dev.setdefault(tensors[i].device, []).append(i)
-            for idx in by_dev.values():
-                lanes = hashing_triton.device_lanes([_elements(tensors[i]) for i in idx])
-                if lanes is None:
-                    break
-                for i, ln in zip(idx, lanes):
-                    out[i] = ln
-    rest = [i for i, ln in enumerate(out) if ln is None]
-    if rest:
-        for i, ln in zip(rest, device_lanes_torch([tensors[i] for i in rest])):
-            out[i] = ln
-    return out  # type: ignore[return-value]
-
-
 def device_backend() -> str:
     """``triton`` or ``torch``: what computes device digests of CUDA tensors in this process
     (recorded in meta.json; the values are the same either way)."""
     if not torch.cuda.is_available():
         return "torch"
-    from parity.capture import hashing_triton
-
     return "triton" if hashing_triton.usable() else "torch"
 
 
@@ -241,31 +233,103 @@ def device_digest(t: torch.Tensor) -> bytes:
     return device_digests([t])[0]
 
 
+def _digests_torch(locals_: list[torch.Tensor]) -> list[bytes]:
+    lanes = device_lanes_torch(locals_)
+    return [finish(ln, t.numel() * t.element_size(), t.dtype) for ln, t in zip(lanes, locals_)]
+
+
 def device_digests(tensors: list[torch.Tensor]) -> list[bytes]:
-    """``device_digest`` of each tensor with one device-to-host transfer per device."""
+    """``device_digest`` of each tensor (waits for the device)."""
     if not tensors:
         return []
-    locals_ = [local_tensor(t) for t in tensors]
-    lanes = _device_lanes(locals_)
-    return [_finish(ln, t.numel() * t.element_size(), t.dtype) for ln, t in zip(lanes, locals_)]
+    raw = digest_tensors_async(tensors, "device").result()
+    return [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
+
+
+# ------------------------------------------------------------------------------- lists of tensors
+class Digests:
+    """The digests of a list of tensors, some perhaps still being computed on a device.
+
+    ``parts`` are (positions, bytes) already known and (positions, pending) device results
+    (``hashing_triton.Pending``: 16 bytes per position once its event has completed)."""
+
+    __slots__ = ("n", "known", "pending")
+
+    def __init__(self, n: int, known: list[tuple[list[int] | None, bytes]],
+                 pending: list[tuple[list[int] | None, object]]):
+        self.n, self.known, self.pending = n, known, pending
+
+    def ready(self) -> bool:
+        """True when ``result()`` would not wait for a device."""
+        return all(p.ready() for _, p in self.pending)
+
+    def result(self) -> bytes:
+        """The concatenated 16-byte digests in list order (waits for the device if needed)."""
+        parts = self.known + [(pos, p.result()) for pos, p in self.pending]
+        if len(parts) == 1 and parts[0][0] is None:
+            return parts[0][1]  # one part covering the whole list in order: no assembly
+        import numpy as np
+
+        out = np.zeros((self.n, HASH_BYTES), dtype=np.uint8)  # NO_HASH where nothing is set
+        for pos, raw in parts:
+            rows = np.frombuffer(raw, dtype=np.uint8).reshape(-1, HASH_BYTES)
+            if pos is None:
+                out[:] = rows
+            elif len(pos):
+                out[np.asarray(pos, dtype=np.int64)] = rows
+        return out.tobytes()
+
+
+def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = False,
+                         owners: list | None = None) -> Digests:
+    """``digest_tensors`` without waiting for a device: CUDA tensors (``device``/``auto``) go to
+    the Triton kernels where they are usable and come back as a pending part; everything else
+    (xxh3, the torch-ops fallback) is computed now. ``stable`` says the list holds the same
+    tensor objects from call to call (the parameter table), ``owners`` that ``tensors[i]`` is
+    ``owners[i].grad`` for parameters that stay the same: hashing_triton then reuses its device
+    table after checking little more than the addresses."""
+    n = len(tensors)
+    if hasher == "xxh3":
+        return Digests(n, [(None, b"".join(NO_HASH if t is None else _xxh3(_local(t))
+                                           for t in tensors))], [])
+    if n and hasher in ("auto", "device"):
+        fast = hashing_triton.digest_all_cuda(tensors, stable, owners)  # the common case
+        if fast is not None:
+            return Digests(n, [], [(None, fast)])
+    known: list[tuple[list[int] | None, bytes]] = []
+    pending: list[tuple[list[int] | None, object]] = []
+    host_pos, host_raw, dev_pos, dev_t = [], [], [], []
+    for i, t in enumerate(tensors):
+        if t is None:
+            continue
+        lt = _local(t)
+        if hasher == "device" or lt.is_cuda:
+            dev_pos.append(i)
+            dev_t.append(lt)
+        else:
+            host_pos.append(i)
+            host_raw.append(_xxh3(lt))
+    if host_pos:
+        known.append((host_pos, b"".join(host_raw)))
+    if dev_pos:
+        cuda = [k for k, t in enumerate(dev_t) if t.is_cuda]
+        if cuda:
+            p = hashing_triton.digest_cuda([dev_t[k] for k in cuda]) if hashing_triton.usable() \
+                else None
+            if p is not None:
+                pending.append(([dev_pos[k] for k in cuda], p))
+                done = set(cuda)
+                rest = [k for k in range(len(dev_t)) if k not in done]
+            else:
+                rest = list(range(len(dev_t)))
+        else:
+            rest = list(range(len(dev_t)))
+        if rest:
+            known.append(([dev_pos[k] for k in rest],
+                          b"".join(_digests_torch([dev_t[k] for k in rest]))))
+    return Digests(n, known, pending)
 
 
 def digest_tensors(tensors: list[torch.Tensor | None], hasher: str = "auto") -> bytes:
     """Concatenated 16-byte digests in list order; ``None`` -> ``NO_HASH``."""
-    if hasher == "xxh3":
-        return b"".join(NO_HASH if t is None else _xxh3(_local(t)) for t in tensors)
-    out: list[bytes | None] = [None] * len(tensors)
-    dev_idx = []
-    for i, t in enumerate(tensors):
-        if t is None:
-            out[i] = NO_HASH
-            continue
-        lt = _local(t)
-        if hasher == "device" or lt.is_cuda:
-            dev_idx.append(i)
-        else:
-            out[i] = _xxh3(lt)
-    if dev_idx:
-        for i, d in zip(dev_idx, device_digests([tensors[i] for i in dev_idx])):
-            out[i] = d
-    return b"".join(out)
+    return digest_tensors_async(tensors, hasher).result()

@@ -1,57 +1,85 @@
-"""The device digest as one Triton kernel: capture's hashing at HBM speed on CUDA.
+"""The device digest on CUDA: Triton kernels fed by a cached device table, results read back
+without waiting (capture's hashing at HBM speed and without a host sync inside a step).
 
 Why: the torch-ops digest (``hashing._lanes_torch``) launches a dozen int64 kernels per chunk of
 every tensor and ran at 7.9 GB/s on an H100 whose plain read of the same tensors ran at ~2,500
-GB/s; a step of an 8B model would spend about a second hashing. This kernel reads every element
-once and does a few 32/64-bit integer multiply-adds per element.
+GB/s. Version 1 of this module launched one kernel per (width, alignment, mask) and copied the
+lanes to the host with ``.cpu()``: 9.2 ms of host work for 1,500 small tensors on an H200, and a
+sync that drained the GPU queue at every recorded step. Here:
 
-It computes exactly the lanes ``hashing.py`` defines (the definition is written there; the
-interpreter test compares the two bit for bit), so the digest a run records does not depend on
-whether Triton was importable, and a failure here falls back to torch ops without changing any
-value.
+* The kernels (``digest_kernels.py``) read 1-, 2- and 4-byte dtypes as uint32 words, so bf16 and
+  fp16 read like fp32 (version 2 of the definition in ``hashing.py``), and compute the final 16
+  digest bytes on the device: nothing per tensor is left for the host.
+* The table (one row per chunk of ``BLOCK * ITERS`` units: address, count, first unit, slot and
+  mode; and per tensor its byte length and dtype key) is built with numpy, copied to the device
+  once and reused while the tensors keep their addresses, lengths and dtypes (checked at every
+  call: a list of tensors whose storage moved gets a new table). A ``stable`` list (the
+  parameter table: the same tensor objects at every step) is checked by identity and address
+  only.
+* One call is four queued operations on the current stream: zero the lanes, the lanes kernel
+  (one program per row, every mode in one launch), the finish kernel, and an asynchronous copy
+  of the digests into pinned host memory followed by a CUDA event. :class:`Pending` waits for
+  that event only when its bytes are asked for; capture asks one step later (steps.py).
 
-Shape of the work:
-
-* The tensors (already flat, contiguous integer views of 1, 2, 4 or 8 bytes per element, as
-  ``hashing._elements`` makes them; non-contiguous tensors were copied there, contiguous ones are
-  read in place) are cut into chunks of ``BLOCK * ITERS`` elements. A table row per chunk holds
-  (address, element count, first element, output slot); the table crosses to the device in one
-  host-to-device copy and is cached by its contents (parameters keep their addresses).
-* One launch per (element width, 16-byte aligned or not, full chunks or tails) present: usually
-  two to four launches per step whatever the number of tensors. One program per chunk; each
-  keeps its partial lanes in registers and adds them to its tensor's output lanes with one
-  atomic add per lane (uint64 wrapping arithmetic, which is what the definition's "mod 2**64"
-  is). Full chunks of aligned tensors load without a mask and with alignment hints, so that
-  Triton can emit vector loads (an address loaded from a table carries no alignment otherwise).
-* The output (tensors x 4 int64) crosses to the host in one device-to-host copy.
-
-Nothing here runs inside a trace or issues a collective; it runs on the current stream after the
-optimizer step, like the rest of capture.
+Nothing here runs inside a trace or issues a collective. The kernels read the tensors on the
+current stream, where the optimizer reads them too: a tensor freed after the call (a gradient
+at ``zero_grad``) is reused by the caching allocator only for work queued after the kernels.
+A kernel that fails to compile or launch prints one line and disables this path for the
+process (the torch-ops reference computes the same values, slower and with a sync).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from collections import OrderedDict
+from operator import attrgetter
 
-import numpy as np
 import torch
+import xxhash
 
-__all__ = ["usable", "device_lanes", "BLOCK", "ITERS"]
+__all__ = ["usable", "materialized", "dtype_key", "device_lanes", "digest_cuda", "digest_all_cuda",
+           "Pending", "BLOCK", "ITERS"]
 
-BLOCK = 1024  # elements per vector step of a program
-ITERS = 16    # vector steps per program: 16 Ki elements (64 KiB of fp32) per program
+BLOCK = 1024  # units per vector step of a program
+ITERS = 16    # vector steps per program: 16 Ki units (64 KiB of words) per full row
+FBLOCK = 1024  # slots per program of the finish kernel
 B_MULT = 0x9E3779B1  # must equal hashing.B_MULT (tested)
 _M64 = (1 << 64) - 1
-_WIDTHS = (1, 2, 4, 8)
 ENV_BACKEND = "PARITY_DEVICE_DIGEST"  # "torch" forces the torch-ops fallback
 
-_state = {"failed": None}
-_kernels: dict[bool, object] = {}
-_tables: OrderedDict = OrderedDict()
-_TABLE_CACHE = 8
+_state: dict = {"failed": None}
+_plans: OrderedDict = OrderedDict()  # signature -> _Plan (LRU)
+_stable: OrderedDict = OrderedDict()  # ids of a stable list -> (addresses, plan, the tensors)
+_PLAN_CACHE = 8
+_DATA_PTR = torch.Tensor.data_ptr
+_NBYTES = attrgetter("nbytes")
+_DTYPE = attrgetter("dtype")
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_GET_DEVICE = torch.Tensor.get_device
+
+
+def materialized(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its lazy conjugate/negation applied and contiguous (a copy only if needed)."""
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t
+
+
+_DTYPE_KEYS: dict[torch.dtype, int] = {}
+
+
+def dtype_key(dtype: torch.dtype) -> int:
+    """The 64-bit key of a dtype in the device digest's finish (both implementations): xxh3-64
+    of its name (``torch.bfloat16``)."""
+    k = _DTYPE_KEYS.get(dtype)
+    if k is None:
+        k = _DTYPE_KEYS[dtype] = xxhash.xxh3_64_intdigest(str(dtype).encode())
+    return k
 
 
 def _triton():
@@ -64,172 +92,302 @@ def _triton():
 
 
 def usable() -> bool:
-    """True when CUDA tensors should go through the kernel: Triton imports, CUDA is present, the
-    kernel has not failed in this process, and ``PARITY_DEVICE_DIGEST`` is not ``torch``."""
+    """True when CUDA tensors should go through the kernels: Triton imports, CUDA is present,
+    the kernels have not failed in this process, and ``PARITY_DEVICE_DIGEST`` is not ``torch``."""
     if os.environ.get(ENV_BACKEND, "") == "torch" or _state["failed"] is not None:
         return False
     return torch.cuda.is_available() and _triton() is not None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def _kernels():
+    """digest_kernels, imported on first use (``TRITON_INTERPRET=1`` set before that makes the
+    kernels run in Triton's interpreter: how the tests run them on CPU)."""
+    from parity.capture import digest_kernels
+
+    return digest_kernels
 
 
-def _kernel():
-    """The jitted kernel, built on first use (``triton.jit`` picks the interpreter when
-    ``TRITON_INTERPRET=1`` at that time, which is how the tests run it on CPU)."""
-    key = _interpreting()
-    k = _kernels.get(key)
-    if k is not None:
-        return k
-    import triton
-    import triton.language as tl
+# ------------------------------------------------------------------------------------ the table
+class _Plan:
+    """A device table for one list of tensors (see the module docstring)."""
 
-    def digest_lanes(table_ptr, out_ptr, WIDTH: tl.constexpr, ALIGNED: tl.constexpr,
-                     MASKED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                     B_MULT: tl.constexpr):
-        # One program = one table row = up to BLOCK * ITERS elements of one tensor. Rows of full
-        # chunks (MASKED False) load without a mask and, for 16-byte aligned tensors (ALIGNED),
-        # with the alignment and contiguity hints that let Triton emit vector loads; a loaded
-        # address or length carries no such information by itself.
-        row = table_ptr + tl.program_id(0) * 4
-        addr = tl.load(row)
-        n = tl.load(row + 1)
-        start = tl.load(row + 2)
-        slot = tl.load(row + 3)
-        if WIDTH == 1:
-            ptr = addr.to(tl.pointer_type(tl.uint8))
-        elif WIDTH == 2:
-            ptr = addr.to(tl.pointer_type(tl.uint16))
-        elif WIDTH == 4:
-            ptr = addr.to(tl.pointer_type(tl.uint32))
-        else:
-            ptr = addr.to(tl.pointer_type(tl.uint64))
-        if ALIGNED:
-            ptr = tl.multiple_of(ptr, 16)
-        acc_a_lo = tl.zeros([BLOCK], dtype=tl.uint64)
-        acc_b_lo = tl.zeros([BLOCK], dtype=tl.uint64)
-        acc_a_hi = tl.zeros([BLOCK], dtype=tl.uint64)
-        acc_b_hi = tl.zeros([BLOCK], dtype=tl.uint64)
-        if ALIGNED:  # on the pointer itself: a hint on the integer is lost in the cast
-            ptr = tl.multiple_of(ptr, 16)
-        lane = tl.arange(0, BLOCK)
-        # a_i = (i mod 2**31) + 1. A row starts at a multiple of BLOCK * ITERS, which divides
-        # 2**31, so i mod 2**31 does not wrap inside a row: a scalar base plus the lane.
-        q_base = ((start & 0x7FFFFFFF) + 1).to(tl.uint32)
-        for it in tl.static_range(ITERS):
-            idx = start + it * BLOCK + lane  # int64 element index
-            idx = tl.max_contiguous(tl.multiple_of(idx, BLOCK), BLOCK)
-            if MASKED:
-                v = tl.load(ptr + idx, mask=idx < n, other=0)
-            else:
-                v = tl.load(ptr + idx)
-            # b_i in uint32 (the truncation is the "mod 2**32" whatever type the product was
-            # computed in); products as 32x32 -> 64-bit.
-            q1 = q_base + it * BLOCK + lane.to(tl.uint32)
-            b = (((q1 * B_MULT).to(tl.uint32)) >> 1) | 1
-            a64 = q1.to(tl.uint64)
-            b64 = b.to(tl.uint64)
-            if WIDTH == 8:
-                lo = (v & 0xFFFFFFFF).to(tl.uint32).to(tl.uint64)
-                hi = (v >> 32).to(tl.uint32).to(tl.uint64)
-                acc_a_hi += hi * a64
-                acc_b_hi += hi * b64
-            else:
-                lo = v.to(tl.uint32).to(tl.uint64)
-            acc_a_lo += lo * a64
-            acc_b_lo += lo * b64
-        out = out_ptr + slot * 4
-        tl.atomic_add(out, tl.sum(acc_a_lo, axis=0).to(tl.int64, bitcast=True))
-        tl.atomic_add(out + 2, tl.sum(acc_b_lo, axis=0).to(tl.int64, bitcast=True))
-        if WIDTH == 8:
-            tl.atomic_add(out + 1, tl.sum(acc_a_hi, axis=0).to(tl.int64, bitcast=True))
-            tl.atomic_add(out + 3, tl.sum(acc_b_hi, axis=0).to(tl.int64, bitcast=True))
+    __slots__ = ("table", "keys", "rows", "n", "device")
 
-    k = _kernels[key] = triton.jit(digest_lanes)
-    return k
+    def __init__(self, table, keys, rows: int, n: int, device):
+        self.table, self.keys, self.rows, self.n, self.device = table, keys, rows, n, device
 
 
-def _table(elems: list[torch.Tensor], dev: torch.device, chunk: int):
-    """(table on ``dev``, [(width, aligned, masked, first row, rows)]) for ``elems``, cached by
-    its contents (a pure function of the addresses, lengths and widths).
+def _build(ptrs: list[int], nbytes: list[int], dtypes: list, device, chunk: int) -> _Plan:
+    """The rows of every tensor (grouped by tensor, in order) and its keys, on ``device``.
 
-    Each tensor gives one row per full chunk (launched without a mask) and one row for its tail
-    (masked); rows are grouped by element width, 16-byte alignment of the address, and mask.
-    """
-    key = (dev, chunk, tuple((e.data_ptr(), e.numel(), e.element_size()) for e in elems))
-    hit = _tables.get(key)
+    Per tensor, by its element size and address: 8-byte elements -> ELEM64 rows (FULL for whole
+    chunks of a 16-byte aligned tensor, masked for the rest); other sizes at a 4-byte aligned
+    address -> WORDS rows over its whole words (FULL likewise) and, when its length is not a
+    multiple of 4, one BYTES row for the last, partial word; at another address -> BYTES rows
+    for all of it."""
+    import numpy as np
+
+    k = _kernels()
+    n = len(ptrs)
+    addr = np.array(ptrs, dtype=np.int64)
+    nb = np.array(nbytes, dtype=np.int64)
+    esize = np.array([d.itemsize for d in dtypes], dtype=np.int64)
+    wide = esize % 8 == 0
+    aligned4 = addr % 4 == 0
+    aligned16 = addr % 16 == 0
+    by_bytes = ~wide & ~aligned4
+    units = np.where(wide, nb // 8, np.where(by_bytes, (nb + 3) // 4, nb // 4))
+    count = np.where(by_bytes, nb, units)  # what the kernel's mask compares against
+    base = np.where(wide, k.ELEM64, np.where(by_bytes, k.BYTES, k.WORDS))
+    nfull = units // chunk
+    has_rest = units % chunk > 0
+    slot = np.arange(n, dtype=np.int64)
+    parts = []
+    # whole chunks: FULL where the tensor is 16-byte aligned and read in words or elements
+    sel = np.flatnonzero(nfull > 0)
+    if len(sel):
+        per = nfull[sel]
+        idx = np.repeat(sel, per)
+        first = (np.arange(len(idx)) - np.repeat(np.cumsum(per) - per, per)) * chunk
+        mode = base[idx] + np.where(aligned16[idx] & ~by_bytes[idx], k.FULL, 0)
+        parts.append(np.stack([addr[idx], count[idx], first, slot[idx] << k.MODE_BITS | mode], 1))
+    # the rest of the last chunk, masked
+    sel = np.flatnonzero(has_rest)
+    if len(sel):
+        parts.append(np.stack([addr[sel], count[sel], nfull[sel] * chunk,
+                               slot[sel] << k.MODE_BITS | base[sel]], 1))
+    # the last, partial word of a word-read tensor: one BYTES row over the whole byte length
+    sel = np.flatnonzero(~wide & ~by_bytes & (nb % 4 != 0))
+    if len(sel):
+        parts.append(np.stack([addr[sel], nb[sel], units[sel],
+                               slot[sel] << k.MODE_BITS | k.BYTES], 1))
+    table = np.concatenate(parts) if parts else np.zeros((0, 4), np.int64)
+    if len(table):
+        table = table[np.lexsort((table[:, 2], table[:, 3] >> k.MODE_BITS))]  # by tensor, start
+    keys = np.stack([nb, np.array([dtype_key(d) for d in dtypes],
+                                  dtype=np.uint64).view(np.int64)], 1) if n else \
+        np.zeros((0, 2), np.int64)
+    rows = len(table)
+    table_t = torch.from_numpy(np.ascontiguousarray(table if rows else np.zeros((1, 4), np.int64)))
+    keys_t = torch.from_numpy(np.ascontiguousarray(keys if n else np.zeros((1, 2), np.int64)))
+    if device.type == "cuda":
+        table_t = table_t.pin_memory().to(device, non_blocking=True)
+        keys_t = keys_t.pin_memory().to(device, non_blocking=True)
+    return _Plan(table_t, keys_t, rows, n, device)
+
+
+def _plan(ptrs, nbytes, dtypes, device, chunk: int) -> _Plan:
+    key = (device, chunk, tuple(ptrs), tuple(nbytes), tuple(dtypes))
+    hit = _plans.get(key)
     if hit is not None:
-        _tables.move_to_end(key)
+        _plans.move_to_end(key)
         return hit
-    addr = np.array([e.data_ptr() for e in elems], dtype=np.int64)
-    n = np.array([e.numel() for e in elems], dtype=np.int64)
-    width = np.array([e.element_size() for e in elems], dtype=np.int64)
-    slot = np.arange(len(elems), dtype=np.int64)
-    aligned = addr % 16 == 0
-    full = n - n % chunk
-    parts: list[np.ndarray] = []
-    launches = []
-    rows = 0
-    for w in _WIDTHS:
-        for al in (True, False):
-            sel = (width == w) & (aligned == al)
-            if not sel.any():
-                continue
-            # full chunks: one row per chunk, no mask
-            per = full[sel] // chunk
-            if per.sum() > 0:
-                idx = np.repeat(np.flatnonzero(sel), per)
-                starts = (np.arange(len(idx)) - np.repeat(np.cumsum(per) - per, per)) * chunk
-                parts.append(np.stack([addr[idx], n[idx], starts, slot[idx]], axis=1))
-                launches.append((w, al, False, rows, len(idx)))
-                rows += len(idx)
-            # tails: one masked row per tensor that has one
-            tail = np.flatnonzero(sel & (full < n))
-            if len(tail):
-                parts.append(np.stack([addr[tail], n[tail], full[tail], slot[tail]], axis=1))
-                launches.append((w, al, True, rows, len(tail)))
-                rows += len(tail)
-    table = torch.from_numpy(np.concatenate(parts) if parts else np.zeros((1, 4), np.int64))
-    if dev.type == "cuda":
-        table = table.pin_memory().to(dev, non_blocking=True)
-    else:
-        table = table.to(dev)
-    hit = _tables[key] = (table, launches)
-    if len(_tables) > _TABLE_CACHE:
-        _tables.popitem(last=False)
-    return hit
+    plan = _plans[key] = _build(ptrs, nbytes, dtypes, device, chunk)
+    if len(_plans) > _PLAN_CACHE:
+        _plans.popitem(last=False)
+    return plan
 
 
-def device_lanes(elems: list[torch.Tensor], block: int = BLOCK,
-                 iters: int = ITERS) -> list[list[int]] | None:
-    """The four lanes (unsigned 64-bit ints) of each tensor, or None if the kernel failed (the
-    caller then uses the torch-ops reference; the failure is printed once and disables the kernel
-    for this process).
+# ------------------------------------------------------------------------------------ launching
+class Pending:
+    """16-byte digests on their way to the host: ``result()`` waits for the copy's event."""
 
-    ``elems`` must be flat contiguous tensors of 1, 2, 4 or 8-byte elements on one device (CUDA,
-    or CPU under ``TRITON_INTERPRET=1``); ``block``/``iters`` are for tests (tiny sizes keep the
-    interpreter fast).
-    """
-    if not elems:
-        return []
-    dev = elems[0].device
-    for e in elems:
-        if e.device != dev or e.element_size() not in _WIDTHS or not e.is_contiguous():
-            raise ValueError("device_lanes: flat contiguous 1/2/4/8-byte tensors on one device")
+    __slots__ = ("host", "event", "keep")
+
+    def __init__(self, host: torch.Tensor, event, keep):
+        self.host, self.event, self.keep = host, event, keep
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def result(self) -> bytes:
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+            self.keep = None  # the device buffers may be reused now
+        return self.host.numpy().tobytes()
+
+
+def _launch(plan: _Plan, block: int, iters: int) -> Pending:
+    """Queue the lanes and finish kernels of ``plan`` and the copy of the digests to the host."""
+    k = _kernels()
+    dev = plan.device
+    n = max(plan.n, 1)
+    lanes = torch.zeros(n, 4, dtype=torch.int64, device=dev)
+    digests = torch.empty(n, 2, dtype=torch.int64, device=dev)
+    if plan.rows:
+        k.digest_lanes[(plan.rows,)](plan.table, lanes, BLOCK=block, ITERS=iters, B_MULT=B_MULT)
+    k.digest_finish[(triton_cdiv(n, FBLOCK),)](lanes, plan.keys, digests, plan.n, FBLOCK=FBLOCK)
+    if dev.type != "cuda":  # the interpreter, on CPU tensors
+        return Pending(digests[:plan.n], None, None)
+    host = torch.empty(n, 2, dtype=torch.int64, pin_memory=True)
+    host.copy_(digests, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return Pending(host[:plan.n], event, (lanes, digests, plan))
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _failed(e: BaseException) -> None:
+    """A compile or launch failure: fall back to torch ops for the rest of the process."""
+    _state["failed"] = f"{type(e).__name__}: {e}"
+    print(f"parity: Triton device digest unavailable, using torch ops: "
+          f"{_state['failed'].splitlines()[0][:200]}", file=sys.stderr)
+
+
+def _run(locs: list[torch.Tensor], ptrs: list[int], block: int = BLOCK,
+         iters: int = ITERS) -> Pending | None:
+    """Digest flat-contiguous ``locs`` (one device) whose addresses are ``ptrs``."""
+    dev = locs[0].device
     try:
-        kernel = _kernel()
-        table, launches = _table(elems, dev, block * iters)
-        out = torch.zeros(len(elems), 4, dtype=torch.int64, device=dev)
-        # Triton launches on the current device: make it the tensors' one
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            for width, aligned, masked, first, rows in launches:
-                kernel[(rows,)](table[first:], out, WIDTH=width, ALIGNED=aligned,
-                                MASKED=masked, BLOCK=block, ITERS=iters, B_MULT=B_MULT)
-        host = out.cpu().tolist()
-    except Exception as e:  # a compile or launch failure: fall back, never lose the step
-        _state["failed"] = f"{type(e).__name__}: {e}"
-        print(f"parity: Triton device digest unavailable, using torch ops: "
-              f"{_state['failed'].splitlines()[0][:200]}", file=sys.stderr)
+        plan = _plan(ptrs, list(map(_NBYTES, locs)), list(map(_DTYPE, locs)), dev, block * iters)
+        with torch.cuda.device(dev) if dev.type == "cuda" else _nothing():
+            return _launch(plan, block, iters)
+    except Exception as e:  # noqa: BLE001 - never lose the step: the caller falls back
+        _failed(e)
         return None
-    return [[v & _M64 for v in row] for row in host]
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _plain(locs: list[torch.Tensor]) -> bool:
+    """Every tensor is contiguous and holds its values as stored (no lazy conj/neg bit)."""
+    if not all(map(_IS_CONTIGUOUS, locs)):
+        return False
+    if any(d.is_complex for d in set(map(_DTYPE, locs))):
+        return not any(t.is_conj() or t.is_neg() for t in locs)
+    return True
+
+
+_PLAIN_TYPES = {torch.Tensor, torch.nn.Parameter}
+_LOCAL = attrgetter("_local_tensor")
+
+
+def _locals(tensors: list) -> list:
+    """The local tensors (a DTensor's ``_local_tensor``), with as few Python steps per tensor as
+    the list allows: plain tensors as they are, a list of DTensors through one attrgetter."""
+    types = set(map(type, tensors))
+    if types <= _PLAIN_TYPES:
+        return tensors
+    if not types & _PLAIN_TYPES and all(hasattr(t, "_local_tensor") for t in types):
+        return list(map(_LOCAL, tensors))
+    return [getattr(t, "_local_tensor", t) for t in tensors]
+
+
+def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = None
+                    ) -> Pending | None:
+    """The fast path of ``hashing.digest_tensors_async``: every tensor present, strided, CUDA,
+    on one device, contiguous. None when any is not (the caller takes the general path) or
+    when the kernels are not usable.
+
+    The table of an earlier call is reused without looking at more than the addresses when the
+    list is ``stable`` (the same tensor objects: the parameter table) or when ``owners`` says
+    whose ``.grad`` each tensor is (the same parameters as then): autograd gives a parameter's
+    gradient the parameter's shape and dtype, and with unified addressing an address names one
+    device, so only contiguity is checked again."""
+    if not usable():
+        return None
+    try:
+        locs = _locals(tensors)
+        ptrs = list(map(_DATA_PTR, locs))  # TypeError for None, RuntimeError for sparse
+    except (TypeError, RuntimeError):
+        return None
+    key = None
+    if stable:
+        key = ("same", tuple(map(id, locs)))
+    elif owners is not None and len(owners) == len(locs):
+        key = ("grads of", tuple(map(id, owners)))
+    if key is not None:
+        hit = _stable.get(key)
+        # same objects or owners (held by hit[2]), same storage
+        if hit is not None and hit[0] == ptrs and (stable or all(map(_IS_CONTIGUOUS, locs))):
+            _stable.move_to_end(key)
+            return _launch_plan(hit[1])
+    devs = set(map(_GET_DEVICE, locs))
+    if len(devs) != 1 or min(devs) < 0 or not _plain(locs):
+        return None
+    pending = _run(locs, ptrs)
+    if pending is not None and key is not None and pending.keep:
+        _stable[key] = (ptrs, pending.keep[2], list(locs if stable else owners))  # ids stay valid
+        if len(_stable) > 8:
+            _stable.popitem(last=False)
+    return pending
+
+
+def _launch_plan(plan: _Plan) -> Pending | None:
+    try:
+        with torch.cuda.device(plan.device):
+            return _launch(plan, BLOCK, ITERS)
+    except Exception as e:  # noqa: BLE001
+        _failed(e)
+        return None
+
+
+def digest_cuda(locs: list[torch.Tensor]) -> Pending | None:
+    """Digests of local CUDA tensors (any layout: copied contiguous where needed), grouped by
+    device; None if the kernels failed (the caller falls back to torch ops)."""
+    flat = [materialized(t) for t in locs]
+    devs = {t.device for t in flat}
+    if len(devs) == 1:
+        return _run(flat, list(map(_DATA_PTR, flat)))
+    return _Grouped([(i, t) for i, t in enumerate(flat)]) if devs else None
+
+
+class _Grouped:
+    """Pending digests of tensors on several devices, one launch per device, in list order."""
+
+    def __init__(self, items):
+        self.n = len(items)
+        self.parts = []
+        by_dev: dict = {}
+        for i, t in items:
+            by_dev.setdefault(t.device, []).append((i, t))
+        for group in by_dev.values():
+            p = _run([t for _, t in group], [_DATA_PTR(t) for _, t in group])
+            if p is None:
+                raise RuntimeError(_state["failed"] or "kernel failed")
+            self.parts.append(([i for i, _ in group], p))
+
+    def ready(self) -> bool:
+        return all(p.ready() for _, p in self.parts)
+
+    def result(self) -> bytes:
+        out = [b""] * self.n
+        for idx, p in self.parts:
+            raw = p.result()
+            for j, i in enumerate(idx):
+                out[i] = raw[16 * j:16 * j + 16]
+        return b"".join(out)
+
+
+# ------------------------------------------------------------------------------------ for tests
+def digest_interpreted(locs: list[torch.Tensor], block: int, iters: int) -> bytes:
+    """The digests the kernels compute for CPU tensors under ``TRITON_INTERPRET=1`` (tests:
+    ``block``/``iters`` tiny so that the interpreter is fast and tensors span many rows)."""
+    flat = [materialized(t) for t in locs]
+    plan = _build(list(map(_DATA_PTR, flat)), list(map(_NBYTES, flat)),
+                  list(map(_DTYPE, flat)), flat[0].device, block * iters)
+    return _launch(plan, block, iters).result()
+
+
+def device_lanes(locs: list[torch.Tensor], block: int = BLOCK,
+                 iters: int = ITERS) -> list[list[int]]:
+    """The four lanes of each tensor from the lanes kernel alone (waits; for tests and the
+    reference comparison on CUDA or under the interpreter)."""
+    flat = [materialized(t) for t in locs]
+    plan = _build(list(map(_DATA_PTR, flat)), list(map(_NBYTES, flat)),
+                  list(map(_DTYPE, flat)), flat[0].device, block * iters)
+    lanes = torch.zeros(max(plan.n, 1), 4, dtype=torch.int64, device=plan.device)
+    if plan.rows:
+        _kernels().digest_lanes[(plan.rows,)](plan.table, lanes, BLOCK=block, ITERS=iters,
+                                              B_MULT=B_MULT)
+    return [[v & _M64 for v in row] for row in lanes[:plan.n].cpu().tolist()]

@@ -469,6 +469,25 @@ def _refuse(msg: str) -> None:
         os._exit(EXIT_USAGE)
 
 
+class _OldNames:
+    """The gloo group as the emulating group calls it, on a torch that names its single-tensor
+    collectives the old way (2.11: ``alltoall_base``, ``_allgather_base``,
+    ``_reduce_scatter_base``, ``reduce_scatter_tensor_coalesced``,
+    ``allgather_into_tensor_coalesced``; the new names came with 2.12). Everything else is the
+    group's own (feature-detected in ``_create``: ``ProcessGroup.all_to_all_single``)."""
+
+    _NEW = {"all_to_all_single": "alltoall_base", "all_gather_single": "_allgather_base",
+            "reduce_scatter_single": "_reduce_scatter_base",
+            "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+            "all_gather_single_coalesced": "allgather_into_tensor_coalesced"}
+
+    def __init__(self, group):
+        self.__dict__["group"] = group
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["group"], self._NEW.get(name, name))
+
+
 def _create(opts, _backend_options=None):
     """Backend creator (``Backend.register_backend(..., extended_api=True)``, which hands over
     the group's global ranks): a gloo group wrapped in the emulation, at the topology the
@@ -497,12 +516,16 @@ def _create(opts, _backend_options=None):
         inner._register_backend(dev, ProcessGroup.BackendType.GLOO, gloo)
     if _GROUP_CLASS is None:
         _GROUP_CLASS = _make_group_class()
-    outer = _GROUP_CLASS(inner, rank, size, sub, ranks)
+    outer = _GROUP_CLASS(inner if hasattr(inner, "all_to_all_single") else _OldNames(inner),
+                         rank, size, sub, ranks)
     # The C++ functional all-gather with an out= buffer (bucketed graphs) calls ProcessGroup
     # methods that have no Python trampoline; they reach this gloo backend directly. That is
     # right for copies; that no reduction takes this way is checked once (_probe).
     for dev in devices:
         outer._register_backend(dev, ProcessGroup.BackendType.GLOO, gloo)
+    # torch 2.15's init_process_group asks the new group's default backend at once (its flight
+    # recorder hook, distributed_c10d._maybe_attach_flight_recorder): gloo's, as for inner
+    outer._set_default_backend(ProcessGroup.BackendType.GLOO)
     return outer
 
 

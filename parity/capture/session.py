@@ -28,6 +28,7 @@ once, removes the hooks and lets training go on.
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import os
 import sys
@@ -112,7 +113,10 @@ class Session(RankRecord, StepClock, ParamTable):
         self.loss_ref = None
         self._step_loss = None
         self._step_sampled = True
-        self._grad_rows: dict[int, bytes] = {}  # table row -> digest of the gradient consumed
+        self._grad_rows: dict[int, int] = {}  # table row -> its part in _grad_parts
+        self._grad_parts: list = []  # (rows or None: all, hashing.Digests) of this step's grads
+        self._opt_rows: dict[int, tuple] = {}  # id(optimizer) -> (its _opt_sigs entry, rows)
+        self._inflight: collections.deque = collections.deque()  # written steps not yet resolved
         self._consumed_handles: dict[int, object] = {}  # id(optimizer) -> our last pre-hook
         self.written = -1  # last step written
         # parameter table

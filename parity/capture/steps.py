@@ -15,6 +15,7 @@ initialised in ``Session.__init__``).
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import time
 import weakref
@@ -22,8 +23,10 @@ import weakref
 import torch
 
 from parity.capture import loss
-from parity.capture.hashing import digest_tensors
+from parity.capture.hashing import digest_tensors_async
 from parity.capture.patches import _tracing
+
+_GRAD = operator.attrgetter("grad")
 
 
 def sampled(step: int, every: int) -> bool:
@@ -101,26 +104,41 @@ class StepClock:
         return None
 
     def _note_consumed(self, opt) -> None:
-        """Hash the gradients of ``opt``'s parameters as its step is about to consume them."""
-        rows = [self._table_ids.get(id(p), -1) for g in opt.param_groups for p in g["params"]]
-        rows = [i for i in rows if i >= 0]
+        """Hash the gradients of ``opt``'s parameters as its step is about to consume them.
+        Its rows are looked up again only when its parameter groups changed (``_opt_sigs``)."""
+        sig = self._opt_sigs.get(id(opt))
+        cached = self._opt_rows.get(id(opt))
+        if cached is not None and sig is not None and cached[0] is sig:
+            rows = cached[1]
+        else:
+            rows = [self._table_ids.get(id(p), -1) for g in opt.param_groups for p in g["params"]]
+            rows = [i for i in rows if i >= 0]
+            self._opt_rows[id(opt)] = (sig, rows)
         self._note_rows(rows)
 
     def _note_rows(self, rows) -> None:
+        """Queue the digests of the gradients of table ``rows`` (one part of this step's line;
+        a later part wins for a row noted twice)."""
         rows = list(rows)
         if not rows:
             return
-        d = digest_tensors([self.table[i].grad for i in rows], self.hasher)
-        n = len(d) // len(rows)
-        for k, i in enumerate(rows):
-            self._grad_rows[i] = d[k * n:(k + 1) * n]
+        table = self.table
+        if rows == list(range(len(table))):  # every row, in order: rows 0..n-1 (an int)
+            owners, key = table, len(table)
+        else:
+            owners, key = list(map(table.__getitem__, rows)), rows
+        grads = list(map(_GRAD, owners))
+        self._grad_rows.update(dict.fromkeys(rows, len(self._grad_parts)))
+        self._grad_parts.append((key, digest_tensors_async(grads, self.hasher, owners=owners)))
 
-    def _grad_line(self) -> bytes:
-        """This step's gradient digests in table order: as consumed (see _note_consumed), else
-        (a row no optimizer stepped) as they are now."""
-        missing = [i for i in range(len(self.table)) if i not in self._grad_rows]
-        self._note_rows(missing)
-        return b"".join(self._grad_rows[i] for i in range(len(self.table)))
+    def _grad_line(self) -> list:
+        """This step's gradient digests in table order, as parts still perhaps on the device
+        (writing.py resolves them): as consumed (see _note_consumed), else (a row no optimizer
+        stepped) as they are now."""
+        if len(self._grad_rows) < len(self.table):
+            missing = [i for i in range(len(self.table)) if i not in self._grad_rows]
+            self._note_rows(missing)
+        return list(self._grad_parts)
 
     def _wrap_closure(self, args, kwargs):
         """``opt.step(closure)`` (LBFGS and the like) computes the step's loss and gradients
@@ -187,6 +205,7 @@ class StepClock:
                         self._write_first()
                     elif self._step_sampled:
                         self._write(self.k, self._grad_line() if self.grads else None)
+                    self._resolve(before=self._step_base + self.k)  # earlier steps' digests
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         self.capture_seconds += time.perf_counter() - t0
@@ -200,3 +219,4 @@ class StepClock:
         self._step_sampled = sampled(self.k, self.every)
         self._step_loss = loss.step_loss(self)  # the sum over this step's backward calls
         self._grad_rows = {}
+        self._grad_parts = []

@@ -230,6 +230,8 @@ class ParamTable:
 
     def _tensors(self) -> list:
         """What the table's rows hold now (parameters, and buffers looked up on their module)."""
+        if not self._buffer_keys:  # no buffer rows: the table itself (a copy)
+            return list(self.table)
         return [p.tensor() if type(p) is _Buffer else p for p in self.table]
 
     def _add_params(self, opt) -> None:

@@ -18,11 +18,12 @@ import time
 import torch
 
 from parity import __version__
-from parity.artifacts import RankWriter
+from parity.artifacts import HASH_BYTES, RankWriter
 from parity.capture import env as cenv
 from parity.capture import fingerprint, gpu_facts, nccl_emulation
 from parity.capture.env import env_int as _env_int
-from parity.capture.hashing import device_backend, digest_tensors, host_digest, local_tensor
+from parity.capture.hashing import (DEVICE_DIGEST_VERSION, device_backend, digest_tensors_async,
+                                    host_digest, local_tensor)
 from parity.rundir import RANK_FILES, rank_dir
 from parity.capture.claims import ClaimRefused, claim_rank
 from parity.capture.table import _Buffer
@@ -57,6 +58,8 @@ class RankRecord:
                 "manifests_requested": self.manifests,
                 "hasher": self._resolved_hasher or self.hasher, "hasher_option": self.hasher,
                 "device_digest": device_backend() if self._resolved_hasher == "device" else None,
+                "device_digest_version": (DEVICE_DIGEST_VERSION
+                                          if self._resolved_hasher == "device" else None),
                 "source": self.source, "warnings": list(self.warnings), "disabled": self.failed,
                 "recorded_steps": self.recorded_steps, "steps": self.done,
                 "optimizers": len(self._optimizers),
@@ -159,10 +162,20 @@ class RankRecord:
         return [*old, {"attempt": attempt, "after_step": self._step_base, "time": time.time()}]
 
     # ----------------------------------------------------------------------------- writing
-    def _loss(self, ref) -> tuple[float | None, str | None]:
+    # A recorded step is written in two halves. ``_write`` queues its digests (on a GPU:
+    # kernels, and copies into pinned memory behind CUDA events; nothing waits) and appends it
+    # to ``_inflight``; ``_resolve`` writes queued steps in step order once their digests are
+    # on the host: at the next step's end (waiting then if they are not: the GPU is busy with
+    # that next step by then, so the wait drains nothing), or at close. On CPU every digest is
+    # known at once and the step is written at once. A job killed between the two halves loses
+    # its last recorded step (steps.jsonl never lists a step whose hashes were not written).
+    def _loss(self, ref):
+        """The step's loss and its hash, or a _LossCopy on its way from the device."""
         if ref is None:
             return None, None
         lt = local_tensor(ref)
+        if lt.is_cuda:
+            return _LossCopy(lt)
         return float(lt.item()), host_digest(lt).hex()
 
     def _write_first(self) -> None:
@@ -186,13 +199,31 @@ class RankRecord:
             self._table_dirty = False
         self._write(1, self._grad_line() if self.grads else None)
 
-    def _write(self, step: int, grads: bytes | None) -> None:
-        params = digest_tensors(self._tensors(), self.hasher)
-        loss, loss_hash = self._loss(self._step_loss)
-        self._ensure_writer().write_step(self._step_base + step, params, grads, loss, loss_hash)
+    def _write(self, step: int, grads: list | None) -> None:
+        """Queue step ``step`` (its parameter digests now; ``grads``: the parts of its gradient
+        line, steps.py) and write every step that is ready."""
+        params = digest_tensors_async(self._tensors(), self.hasher, stable=True)
+        self._ensure_writer()
+        self._inflight.append(_InFlight(self._step_base + step, len(self.table), params, grads,
+                                        self._loss(self._step_loss)))
         if step > self.written:
             self.recorded_steps += 1
         self.written = step
+        self._resolve(before=self._step_base + step)
+
+    def _resolve(self, before: int | None = None) -> None:
+        """Write the queued steps in order: those before step ``before`` (waiting for their
+        digests if needed), then any whose digests are already on the host; every one when
+        ``before`` is None (close)."""
+        q = self._inflight
+        while q:
+            head = q[0]
+            if before is not None and head.step >= before and not head.ready():
+                return
+            q.popleft()
+            loss, loss_hash = head.loss_value()
+            self._ensure_writer().write_step(head.step, head.params.result(), head.grad_line(),
+                                             loss, loss_hash)
 
     def flush_final(self) -> None:
         """Write the last finished step if sampling skipped it (params and loss; no grads)."""
@@ -203,8 +234,67 @@ class RankRecord:
             with self._lock:
                 if self.depth == 0 and self.done >= 1 and self.written < self.done:
                     self._write(self.done, None)
+                self._resolve()
                 if self.writer is not None:
                     self.writer.update_meta(capture=self._capture_meta())
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         self.capture_seconds += time.perf_counter() - t0
+
+
+class _LossCopy:
+    """A CUDA loss on its way to pinned host memory (its value and hash read at resolution)."""
+
+    __slots__ = ("host", "event")
+
+    def __init__(self, lt: torch.Tensor):
+        self.host = torch.empty(lt.shape, dtype=lt.dtype, pin_memory=True)
+        self.host.copy_(lt.detach(), non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def ready(self) -> bool:
+        return self.event.query()
+
+    def value(self) -> tuple[float, str]:
+        self.event.synchronize()
+        return float(self.host.item()), host_digest(self.host).hex()
+
+
+class _InFlight:
+    """A recorded step whose digests may still be on the device (see RankRecord._resolve)."""
+
+    __slots__ = ("step", "rows", "params", "grads", "loss")
+
+    def __init__(self, step: int, rows: int, params, grads: list | None, loss):
+        self.step, self.rows, self.params, self.grads, self.loss = step, rows, params, grads, loss
+
+    def ready(self) -> bool:
+        return (self.params.ready() and all(d.ready() for _, d in self.grads or ())
+                and (not isinstance(self.loss, _LossCopy) or self.loss.ready()))
+
+    def loss_value(self) -> tuple[float | None, str | None]:
+        return self.loss.value() if isinstance(self.loss, _LossCopy) else self.loss
+
+    def grad_line(self) -> bytes | None:
+        """The gradient digests in table order from the parts (rows: a list, or an int n for
+        rows 0..n-1; a later part wins for a row noted twice)."""
+        if self.grads is None:
+            return None
+        parts = self.grads
+        for i in range(len(parts) - 1, -1, -1):
+            if parts[i][0] == self.rows:  # a part of every row: the ones before it do not matter
+                parts = parts[i:]
+                break
+        if len(parts) == 1 and parts[0][0] == self.rows:
+            return parts[0][1].result()
+        import numpy as np
+
+        out = np.zeros((self.rows, HASH_BYTES), dtype=np.uint8)
+        for rows, d in parts:
+            got = np.frombuffer(d.result(), dtype=np.uint8).reshape(-1, HASH_BYTES)
+            if isinstance(rows, int):
+                out[:rows] = got
+            else:
+                out[np.asarray(rows, dtype=np.int64)] = got
+        return out.tobytes()

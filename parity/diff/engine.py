@@ -178,13 +178,18 @@ def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: boo
 
 
 def _hashers(run: Run) -> set[str]:
-    """The digests a run's ranks used (meta.json ``capture.hasher``): xxh3 and the device
-    checksum never agree, so runs that differ here are not comparable."""
+    """The digests a run's ranks used (meta.json ``capture.hasher``; the device digest with its
+    ``device_digest_version``, 1 when a run from before versions were recorded has none): xxh3
+    and the device checksum never agree, nor do two versions of the device checksum, so runs
+    that differ here are not comparable."""
     out = set()
     for rd in run.ranks.values():
         if not rd.steps:  # a rank that recorded nothing never resolved "auto"
             continue
-        h = (rd.meta.get("capture") or {}).get("hasher")
+        cap = rd.meta.get("capture") or {}
+        h = cap.get("hasher")
+        if h == "device":
+            h = f"device v{cap.get('device_digest_version') or 1}"
         if isinstance(h, str):
             out.add(h)
     return out
@@ -329,7 +334,8 @@ def _comparable_world_size(run_a: Run, run_b: Run) -> int:
     if h_a and h_b and h_a != h_b:
         raise ParityError(f"the runs used different hashers (A {'/'.join(sorted(h_a))}, "
                           f"B {'/'.join(sorted(h_b))}): their hashes cannot be compared; "
-                          "capture both with the same --hasher")
+                          "capture both with the same --hasher (and the same parity version "
+                          "for device digests)")
     check_same_emulation(run_a, run_b)  # emulated numbers differ from plain ones on purpose
     return ws
 

@@ -112,7 +112,8 @@ def print_summary_pair(a: dict | None, b: dict | None, console, moved: list | No
     figure whose values differ."""
     if not (a and a.get("graphs")) and not (b and b.get("graphs")):
         return
-    console.print(T(f"Bucketing: A {headline(a) or 'no manifests'} | B {headline(b) or 'no manifests'}"))
+    none = "no buckets recorded"
+    console.print(T(f"Bucketing: A {headline(a) or none} | B {headline(b) or none}"))
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("collective", no_wrap=True)
     table.add_column("figure", no_wrap=True)

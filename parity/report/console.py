@@ -40,6 +40,22 @@ _ORDER_TEXT = {
 }
 
 
+def _order_text(r) -> tuple[str, str]:
+    """The bucket layouts' verdict words; when nothing was compared because one side's job
+    issued no bucketed collective of a kind (a one-rank compiled job has none), it says that
+    instead of blaming missing manifests."""
+    o = r.order
+    if o.verdict == "unavailable" and not o.compared:
+        only = [n.split(": only ", 1) for n in o.notes
+                if ": only " in n and "recorded buckets" in n]
+        if only:
+            said = "; ".join(f"{side[0]} recorded {coll} buckets, {'B' if side[0] == 'A' else 'A'} "
+                             "none" for coll, side in only)
+            ranks = "1 rank, " if getattr(r, "world_size", None) == 1 else ""
+            return f"not compared ({ranks}{said}: no bucketed collective on one side)", "yellow"
+    return _ORDER_TEXT.get(o.verdict, (o.verdict, ""))
+
+
 def make_console(file=None, width: int | None = None, force_terminal: bool | None = None) -> Console:
     """A console for reports: colours on a terminal, plain text (no ANSI codes) when piped,
     100 columns when not a terminal and COLUMNS is unset."""
@@ -119,7 +135,7 @@ def _verdict_lines(r: DiffResult, fail_on: str = "hash") -> list:
     if r.verdict != "incomplete" and r.incomplete:
         lines.append(_indent(T(f"and the data is incomplete: {r.incomplete[0]}", "yellow")))
     o = r.order
-    text, style = _ORDER_TEXT.get(o.verdict, (o.verdict, ""))
+    text, style = _order_text(r)
     line = T("Bucket layouts: ")
     line.append(text, style=style)
     fb = o.first_bucket
@@ -191,7 +207,7 @@ def _summary(r: DiffResult) -> Panel:
     else:
         g.add_row("Loss", T(f"first differs at step {loss.first_divergent_step}", "red"))
     o = r.order
-    t = T(_ORDER_TEXT.get(o.verdict, (o.verdict, ""))[0], _ORDER_TEXT.get(o.verdict, ("", ""))[1])
+    t = T(*_order_text(r))
     if o.compared:
         parts = []
         for c in o.compared:

@@ -272,8 +272,8 @@ def bucketing_section(d: dict) -> str:
     a, b = bk.get("a"), bk.get("b")
     if not (a and a.get("graphs")) and not (b and b.get("graphs")):
         return ""
-    heads = (f"<p>A <code>{_e((a or {}).get('headline') or 'no manifests')}</code> &nbsp; B "
-             f"<code>{_e((b or {}).get('headline') or 'no manifests')}</code> <span class=muted>"
+    heads = (f"<p>A <code>{_e((a or {}).get('headline') or 'no buckets recorded')}</code> &nbsp; B "
+             f"<code>{_e((b or {}).get('headline') or 'no buckets recorded')}</code> <span class=muted>"
              "collectives before -> after the passes (docs/inspect.md)</span></p>")
     return ("<h2>Bucketing, A vs B</h2>" + heads + bucketing_svg(a, b) + attribution_html(a, b)
             + moved_html(bk.get("moved") or []))

@@ -159,14 +159,14 @@ def _make_job(sp: Spec, cell: Cell, side: str, sweep_dir: Path, cwd: Path | None
     cdir = st.cell_dir(sweep_dir, cell.id)
     sj = cell.sides[side]
     return Job(cell_id=cell.id, side=side, entry_argv=list(sj.entry_argv), nnodes=sp.nnodes,
-               nproc_per_node=sp.nproc_per_node, env=dict(sj.env), run_dir=cdir / side,
+               nproc_per_node=cell.nproc_per_node, env=dict(sj.env), run_dir=cdir / side,
                log_dir=cdir / "logs" / side, timeout=sp.timeout,
                console_log=cdir / "logs" / f"{side}.console.log", cwd=sp.workdir or cwd,
-               capture=sp.capture, emulate_nccl=sp.emulate_nccl)
+               capture=sp.capture, emulate_nccl=cell.emulate_nccl)
 
 
 def _skip_reason(sp: Spec, lnch: Launcher, cell: Cell) -> str:
-    why = lnch.unsupported(sp.nnodes, sp.nproc_per_node)
+    why = lnch.unsupported(sp.nnodes, cell.nproc_per_node)
     if why:
         return why
     for req in cell.requires:
@@ -413,7 +413,7 @@ class _Run:
         self.jobs_run += 1
         status, reason = res.status, res.reason
         if status == "failed" and res.exit_code is not None and self.sp.tolerate_teardown_exit and (
-                clean_finish(job.run_dir, self.sp.world_size, self.steps)):
+                clean_finish(job.run_dir, cell.world_size, self.steps)):
             status, reason = OK, (f"exit code {res.exit_code} after every rank recorded every "
                                   "step (tolerate_teardown_exit)")
         logs = [{k: (st.rel(v, self.dir) if k in ("stdout", "stderr", "error") else v)
@@ -459,7 +459,7 @@ class _Run:
         cdir = st.cell_dir(self.dir, cell.id)
         _, why, diff = compare_cell(self._run_dir(cell, "reference"), cdir / "candidate",
                                     cdir / "diff.json", self.dir,
-                                    tolerate_exit=self.sp.tolerate_teardown_exit, at=self.sp.at)
+                                    tolerate_exit=self.sp.tolerate_teardown_exit, at=cell.at)
         if not diff:
             return
         steps = diff.get("steps_compared") or []
@@ -475,7 +475,7 @@ class _Run:
         stopped = [x for x in SIDES if s["sides"].get(x, {}).get("status") == STOPPED]
         status, reason, diff = compare_cell(
             self._run_dir(cell, "reference"), cdir / "candidate", cdir / "diff.json", self.dir,
-            tolerate_exit=self.sp.tolerate_teardown_exit or bool(stopped), at=self.sp.at)
+            tolerate_exit=self.sp.tolerate_teardown_exit or bool(stopped), at=cell.at)
         if cell.id in self.early and stopped:
             first, last = self.early[cell.id]
             s["early_stop"] = {"k": self.sp.stop_after_divergence, "first_divergent_step": first,
@@ -632,7 +632,7 @@ class _Run:
                 ref_dir = (self._run_dir(cell, "reference") if owner == cid
                            else st.cell_dir(self.dir, owner) / "reference")
                 w = self.watches[cid] = DivergenceWatch(
-                    ref_dir, st.cell_dir(self.dir, cid) / "candidate", self.sp.world_size, k)
+                    ref_dir, st.cell_dir(self.dir, cid) / "candidate", cell.world_size, k)
             hit = w.poll()
             if hit is None:
                 continue

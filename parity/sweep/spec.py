@@ -39,7 +39,10 @@ RESERVED_PLACEHOLDERS = ("steps", "seed", "nproc_per_node", "nnodes", "world_siz
 _TOP_KEYS = {"name", "description", "steps", "seed", "nproc_per_node", "nnodes", "timeout", "env",
              "tolerate_teardown_exit", "at", "control", "stop_after_divergence", "emulate_nccl",
              "workdir", "requires", "capture", "axes", "reference", "candidate", "launcher"}
-_AXIS_KEYS = {"values", "flags", "requires"}
+_AXIS_KEYS = {"values", "flags", "requires", "set"}
+# what an axis value may set for its cells instead of the spec's top-level value ("" turns
+# emulate_nccl / at off): e.g. CUDA-graph cells at one rank on NCCL in an emulated sweep
+_CELL_KEYS = ("nproc_per_node", "emulate_nccl", "at")
 _SIDE_KEYS = {"label", "builtin", "args", "argv", "env", "flags"}
 _SLURM_KEYS = {"partition": str, "nodes": int, "ntasks_per_node": int, "gpus_per_node": int,
                "time": (str, int), "account": str, "sbatch_options": list}
@@ -81,6 +84,7 @@ class Axis:
     values: list
     flags: dict[str, list[str]] = field(default_factory=dict)  # value key -> args (both sides)
     requires: dict[str, list[str]] = field(default_factory=dict)  # value key -> requirements
+    sets: dict[str, dict] = field(default_factory=dict)  # value key -> {_CELL_KEYS: value}
 
     @property
     def keys(self) -> list[str]:
@@ -118,9 +122,9 @@ class SideJob:
     def fingerprint(self, spec: "Spec", cell: "Cell") -> str:
         blob = json.dumps({
             "entry_argv": self.entry_argv, "env": self.env, "nnodes": spec.nnodes,
-            "nproc_per_node": spec.nproc_per_node, "capture": spec.capture,
+            "nproc_per_node": cell.nproc_per_node, "capture": spec.capture,
             "workdir": str(spec.workdir) if spec.workdir else None,
-            **({"emulate_nccl": spec.emulate_nccl} if spec.emulate_nccl else {}),
+            **({"emulate_nccl": cell.emulate_nccl} if cell.emulate_nccl else {}),
         }, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -131,6 +135,15 @@ class Cell:
     axes: dict  # axis name -> value (TOML-typed), in spec order
     requires: list[str]
     sides: dict[str, SideJob]
+    # the spec's values, or what one of the cell's axis values sets (``[axes.X.set.V]``)
+    nproc_per_node: int = 1
+    emulate_nccl: str | None = None
+    at: str | None = None
+    nnodes: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
 
     def label(self) -> str:
         return ",".join(f"{k}={value_key(v)}" for k, v in self.axes.items()) or "(no axes)"
@@ -191,13 +204,14 @@ class Spec:
                 for r in a.requires.get(value_key(v), []):
                     if r not in requires:
                         requires.append(r)
+            world = self.cell_world(combo)
             sides = {}
             for sname, side in self.sides.items():
                 values = {a.name: value_key(v) for a, v in zip(self.axes, combo)}
                 values.update(steps=str(steps), seed=str(self.seed),
-                              nproc_per_node=str(self.nproc_per_node), nnodes=str(self.nnodes),
-                              world_size=str(self.world_size), side=sname, cell=cid,
-                              run_dir=str(sweep_dir / CELLS_DIR / cid / sname))
+                              nproc_per_node=str(world["nproc_per_node"]), nnodes=str(self.nnodes),
+                              world_size=str(world["nproc_per_node"] * self.nnodes), side=sname,
+                              cell=cid, run_dir=str(sweep_dir / CELLS_DIR / cid / sname))
                 argv = [substitute(t, values) for t in side.template]
                 for a, v in zip(self.axes, combo):
                     table = side.flags.get(a.name, a.flags)
@@ -206,8 +220,35 @@ class Spec:
                 argv = torchtitan_args.adapt_for_installed(argv, self.workdir, f"{cid} {sname}: ")
                 env = {k: substitute(t, values) for k, t in {**self.env, **side.env}.items()}
                 sides[sname] = SideJob(sname, side.label, argv, env)
-            cells.append(Cell(cid, axes, requires, sides))
+            cells.append(Cell(cid, axes, requires, sides, nnodes=self.nnodes, **world))
         return cells
+
+    def cell_world(self, combo) -> dict:
+        """nproc_per_node, emulate_nccl and at of the cell of axis values ``combo``: the spec's,
+        unless one of the values sets them (two values setting one key differently: SpecError)."""
+        world = {"nproc_per_node": self.nproc_per_node, "emulate_nccl": self.emulate_nccl,
+                 "at": self.at}
+        by: dict[str, str] = {}
+        for a, v in zip(self.axes, combo):
+            for k, val in a.sets.get(value_key(v), {}).items():
+                if k in by and world[k] != val:
+                    raise SpecError(f"{self.source}: axes.{a.name}.set.{value_key(v)}.{k}: "
+                                    f"conflicts with {by[k]} for the same cell")
+                world[k] = val
+                by[k] = f"axes.{a.name}.set.{value_key(v)}"
+        return world
+
+    @property
+    def worlds(self) -> list[int]:
+        """Every world size a cell of this spec runs at (the spec's first)."""
+        out = [self.world_size]
+        for a in self.axes:
+            for sets in a.sets.values():
+                if "nproc_per_node" in sets:
+                    w = sets["nproc_per_node"] * self.nnodes
+                    if w not in out:
+                        out.append(w)
+        return out
 
 
 # ------------------------------------------------------------------------------ ids and filters
@@ -531,9 +572,11 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
             v.template(t, _join(f"{sname}.env" if k in sides[sname].env else "env", k), known)
 
     launcher = _launcher(v, doc.get("launcher", "local"), nnodes)
-    return Spec(name, description, source, text, steps, seed, nproc, nnodes, timeout, env, workdir,
+    spec = Spec(name, description, source, text, steps, seed, nproc, nnodes, timeout, env, workdir,
                 requires, capture, axes, sides, launcher, tolerate_teardown_exit=tolerate, at=at,
                 control=control, stop_after_divergence=stop_after, emulate_nccl=emulate)
+    _check_cell_worlds(v, spec)
+    return spec
 
 
 def _parse_axes(v: _V, doc: dict) -> list[Axis]:
@@ -574,6 +617,7 @@ def _parse_axes(v: _V, doc: dict) -> list[Axis]:
         axis = Axis(aname, list(values))
         axis.flags = _value_map(v, adef.get("flags", {}), f"{key}.flags", axis, "flags")
         axis.requires = _value_map(v, adef.get("requires", {}), f"{key}.requires", axis, "requires")
+        axis.sets = _axis_sets(v, adef.get("set", {}), f"{key}.set", axis)
         axes.append(axis)
     return axes
 
@@ -616,7 +660,7 @@ def _parse_side(v: _V, doc: dict, sname: str, axis_by_name: dict[str, Axis],
     return SideSpec(sname, label, template, senv, sflags, builtin)
 
 
-def _at(v, doc: dict) -> str | None:
+def _at(v, doc: dict, key: str = "at") -> str | None:
     """``at = "8x8"`` or ``at = ["1x8", "8x8", "32x8"]`` (or ``"1x8,8x8"``): the topologies every
     cell's diff predicts at (docs/reduction-order.md), checked here; kept as one comma-joined
     string (``parity diff --at`` reads the same)."""
@@ -625,20 +669,69 @@ def _at(v, doc: dict) -> str | None:
     from parity.diff.reduction import split_topologies
 
     raw = doc["at"]
-    items = raw if isinstance(raw, list) else [v.string(raw, "at")]
+    items = raw if isinstance(raw, list) else [v.string(raw, key)]
     specs = []
     for i, item in enumerate(items):
         if not isinstance(item, str):
-            v.fail(f"at[{i}]", f"expected a topology string, got {type(item).__name__}")
+            v.fail(f"{key}[{i}]", f"expected a topology string, got {type(item).__name__}")
         try:
             for spec in split_topologies(item):
                 parse_topology(spec)
                 specs.append(spec)
         except ParityError as e:
-            v.fail("at", str(e))
+            v.fail(key, str(e))
     if not specs:
-        v.fail("at", "no topology given (e.g. \"8x8\" or [\"1x8\", \"8x8\"])")
+        v.fail(key, "no topology given (e.g. \"8x8\" or [\"1x8\", \"8x8\"])")
     return ",".join(specs)
+
+
+def _axis_sets(v: _V, table, key: str, axis: Axis) -> dict[str, dict]:
+    """``[axes.X.set.V]``: the keys of _CELL_KEYS that value V sets for its cells (checked
+    against the cell's world in parse_spec)."""
+    v.table(table, key)
+    out: dict[str, dict] = {}
+    for vk, sets in table.items():
+        ikey = _join(key, vk)
+        if vk not in axis.keys:
+            v.fail(ikey, f"{vk!r} is not a value of axis {axis.name} (values: "
+                         f"{', '.join(axis.keys)})")
+        v.table(sets, ikey, set(_CELL_KEYS))
+        got: dict = {}
+        for k, val in sets.items():
+            if k == "nproc_per_node":
+                got[k] = v.integer(val, _join(ikey, k), 1)
+            else:
+                text = v.string(val, _join(ikey, k), nonempty=False).strip()
+                got[k] = text or None  # "" turns the spec's value off
+                if text and k == "at":  # several topologies: one row each
+                    got[k] = _at(v, {"at": text}, _join(ikey, k))
+                elif text:
+                    try:
+                        topo = parse_topology(text)
+                    except Exception as e:  # noqa: BLE001 - its one line names the problem
+                        v.fail(_join(ikey, k), str(e))
+                    if k == "emulate_nccl":
+                        got[k] = topo.spec()
+        out[vk] = got
+    return out
+
+
+def _check_cell_worlds(v: _V, spec: "Spec") -> None:
+    """Every cell's emulation fits its own world size (NODES x GPUS ranks), and no two axis
+    values set one key differently for one cell."""
+    combos = itertools.product(*[a.values for a in spec.axes]) if spec.axes else [()]
+    for combo in combos:
+        world = spec.cell_world(combo)
+        emu = world["emulate_nccl"]
+        if emu:
+            topo = parse_topology(emu)
+            ranks = world["nproc_per_node"] * spec.nnodes
+            if topo.world != ranks:
+                where = ",".join(f"{a.name}={value_key(x)}" for a, x in zip(spec.axes, combo))
+                v.fail("emulate_nccl", f"{emu!r} needs {topo.world} ranks (NODES x GPUS); the "
+                                       f"cell {where or 'base'} runs {ranks}")
+            if not spec.capture:
+                v.fail("emulate_nccl", "needs capture = true (parity exec runs the emulation)")
 
 
 def _emulate_nccl(v: _V, doc: dict, world: int) -> str | None:

@@ -252,9 +252,10 @@ def run(args: argparse.Namespace) -> None:
 
     # Different data per rank, as in a data-parallel job.
     generator = torch.Generator().manual_seed(args.seed * 100003 + 1 + rank)
-    times = []
+    times, starts = [], []
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
+        starts.append(t0)
         tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
         tokens = tokens.to(device)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -269,11 +270,18 @@ def run(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t0)
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f} time_ms {times[-1] * 1e3:.1f}", flush=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the wall time below ends when the GPU is done
     if rank == 0 and times:
         rest = times[1:] or times
+        # wall_step_ms: steps 2..N from start to the GPU's end, prints and syncs included (on a
+        # GPU, mean_step_ms is the host's time to queue a step, which a sync inside it inflates)
+        wall = (time.perf_counter() - starts[1]) / (len(starts) - 1) if len(starts) > 1 else \
+            times[0]
         print(
             f"done mode={args.mode} world_size={world_size} steps={args.steps} "
-            f"first_step_ms={times[0] * 1e3:.1f} mean_step_ms={sum(rest) / len(rest) * 1e3:.1f}",
+            f"first_step_ms={times[0] * 1e3:.1f} mean_step_ms={sum(rest) / len(rest) * 1e3:.1f} "
+            f"wall_step_ms={wall * 1e3:.1f}",
             flush=True,
         )
 

@@ -2,7 +2,8 @@
 :class:`~parity.records.BucketRecord` per all-gather / reduce-scatter), with no hook and no state.
 
 Buckets are recovered structurally from the collective's input (``cat`` /
-``copy_(slice(buf), cat(...))`` / ``bucketing._pre_bucket_*`` / ``fsdp.all_gather_copy_in``);
+``copy_(slice(buf), cat(...))`` / ``_foreach_copy_`` into ``split(slice(buf))`` /
+``bucketing._pre_bucket_*`` / ``fsdp.all_gather_copy_in``);
 which parameter each payload is comes from the FQNs of the graph's inputs and outputs
 (graph_fqns.py). Nothing here assumes who built the graph.
 
@@ -183,6 +184,9 @@ def _payload_pieces(buffer: Any, warnings: list[str] | None = None
     (``_pre_bucket_all_gather`` with ``out_dtype_ints``). An unbucketed
     collective yields ``[buffer]``.
     """
+    foreach = _foreach_copied(buffer)
+    if foreach is not None:
+        return foreach[0], foreach[1], "foreach_copy"
     cur = buffer
     for _ in range(64):
         if cur is None or cur.op != "call_function":
@@ -196,9 +200,7 @@ def _payload_pieces(buffer: Any, warnings: list[str] | None = None
         if name in _PRE_AG_OPS and isinstance(cur.args[0], (list, tuple)):
             dtypes = None
             try:
-                from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
-
-                dtypes = [_ALL_DTYPES[i] for i in cur.args[3]]
+                dtypes = _pre_bucket_dtypes(cur, len(cur.args[0]))
             except Exception as e:  # said: the sizes then come from the traced values' dtypes
                 if warnings is not None:
                     warnings.append(f"{cur.name}: payload dtypes not read from torch's bucketing "
@@ -216,6 +218,59 @@ def _payload_pieces(buffer: Any, warnings: list[str] | None = None
             break
         cur = nxt
     return [buffer], None, "single"
+
+
+def _foreach_copied(buffer: Any) -> tuple[list[Any], list[Any]] | None:
+    """(sources, dtypes) when ``buffer`` is filled in place by one ``_foreach_copy_`` into its
+    ``split_with_sizes`` pieces, in split order; None otherwise. torch 2.11's default-mode
+    all-gather bucketing (``torch/_inductor/fx_passes/bucketing.py``,
+    ``merge_all_gather_bucket``) writes its payloads so, into a slice of the output buffer; a
+    payload's dtype is its destination piece's (the copy casts)."""
+    if buffer is None or getattr(buffer, "op", None) != "call_function":
+        return None
+    for split in buffer.users:
+        if op_name(split) not in _SPLIT_OPS:
+            continue
+        pieces = {g.args[1]: g for g in split.users
+                  if op_name(g) == "getitem" and isinstance(g.args[1], int)}
+        if not pieces or set(pieces) != set(range(len(pieces))):
+            continue
+        sources, dtypes = [], []
+        for i in range(len(pieces)):
+            g = pieces[i]
+            copy = next((u for u in g.users if op_name(u) == "aten::_foreach_copy_"), None)
+            if copy is None or g not in copy.args[0]:
+                return None
+            sources.append(copy.args[1][list(copy.args[0]).index(g)])
+            val = _val(g)
+            dtypes.append(val.dtype if val is not None else None)
+        return sources, (dtypes if None not in dtypes else None)
+    return None
+
+
+def _pre_bucket_dtypes(node: Any, n: int) -> list[Any]:
+    """The dtype each payload of a ``bucketing::_pre_bucket_all_gather`` node is copied in,
+    read by the op's own argument names (its schema), which moved between torch versions
+    (``torch/_inductor/fx_passes/bucketing.py``, ``_pre_bucket_all_gather``):
+
+    * 2.11: ``(ag_ins, group_size, group_name, dtype, rank)``: every payload is cast to the
+      one bucket ``dtype``;
+    * later: ``(ag_ins, group_size, [group_name,] dtype, out_dtype_ints, rank, ...)``: payload
+      i in ``_ALL_DTYPES[out_dtype_ints[i]]`` (indices into that torch's own dtype tuple).
+    """
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs or {})
+    ints = bound.get("out_dtype_ints")
+    if ints is not None:
+        from torch._inductor.fx_passes.bucketing import _ALL_DTYPES
+
+        return [_ALL_DTYPES[i] for i in ints]
+    dtype = bound.get("dtype")
+    if dtype is None or not hasattr(dtype, "itemsize"):
+        raise TypeError(f"no out_dtype_ints or dtype argument in {names or 'its arguments'}")
+    return [dtype] * n
 
 
 def _group_size(arg: Any) -> int:
