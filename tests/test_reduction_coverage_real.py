@@ -7,7 +7,8 @@ consistent reorder, measured.
 Jobs (module-scoped): late_grad.py with the adapter registered last / first, plain and emulated at
 2x2:channels=4; side_allreduce.py (a flat buffer, packed in order / reversed) plain and emulated,
 and one all-reduce per gradient; hsdp_fsdp2.py emulated at 4x1 (shard groups across nodes) twice,
-plain with and without a reordered block; sparse_ddp.py emulated."""
+plain with and without a reordered block; ddp_buckets.py with its layers registered in two
+orders; sparse_ddp.py emulated."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ JOBS = {  # name: (trainer, env, exec args)
     "hsdp_emu_again": ("hsdp_fsdp2.py", {}, ["--emulate-nccl", "4x1"]),
     "hsdp": ("hsdp_fsdp2.py", {}, []),
     "hsdp_reorder": ("hsdp_fsdp2.py", {"HS_REORDER": "1"}, []),
+    "ddp": ("ddp_buckets.py", {"DB_STEPS": "3"}, []),
+    "ddp_reorder": ("ddp_buckets.py", {"DB_STEPS": "3", "DB_REORDER": "1"}, []),
 }
 
 
@@ -143,6 +146,29 @@ def test_hsdp_replicate_all_reduces_are_predicted_at_the_target(runs):
     assert "all_reduce" in kinds
     assert all(g.startswith("1x8") for c, g in groups if c == "reduce_scatter")
     assert all(g.startswith("8x1") for c, g in groups if c == "all_reduce")
+
+
+# -------------------------------------------------------------------------------------- DDP
+
+
+def test_ddp_buckets_are_recorded_compared_and_predicted(runs):
+    """DDP's C++ Reducer all-reduces its buckets where no Python hook sees them; capture reads
+    their layout from DDP's own report: the initial buckets at step 1, the buckets rebuilt in
+    gradient-ready order from step 2 on."""
+    recs = [r for r in _buckets(runs["ddp"], "c10d") if r["group"] == "ddp"]
+    by_step: dict[int, list] = {}
+    for r in recs:
+        by_step.setdefault(r["step"], []).append([e["fqn"] for e in r["entries"]])
+    assert sorted(by_step) == [1, 2]
+    assert by_step[1] == [["head.bias", "head.weight", "b.bias", "b.weight", "a.bias",
+                           "a.weight"]]
+    assert [f for b in by_step[2] for f in b] == by_step[1][0] and len(by_step[2]) == 2
+    r = diff_runs(runs["ddp"], runs["ddp_reorder"], at="2x2:algo=Ring")
+    assert any(p.collective == "all_reduce" and p.verdict != "identical" for p in r.order.pairs)
+    assert r.exit_code("reduction") == 1
+    ro = r.reduction_order
+    assert ro.verdict == "differs" and {x.bucket["collective"] for x in ro.at_risk} == {
+        "all_reduce"}
 
 
 # ---------------------------------------------------------------------- sparse gradient

@@ -372,6 +372,10 @@ def _colls(kind: str, buckets: list[Bucket], topo: Topology, ctx: _Context, sub:
     out, bad = [], {}
     for b in buckets:
         gw = group_size_of(b)
+        if getattr(b, "sparse", False):
+            bad[b.index] = ("a sparse gradient (DDP all-reduces it sparse): the model covers "
+                            "dense buffers")
+            continue
         if kind == RS and sub:  # HSDP: shard groups of one node at the target (said)
             gt, owners, n, check = _group_topo(topo, 1, topo.gpus), topo.gpus, topo.gpus, gw
         elif kind == RS:

@@ -40,10 +40,13 @@ def records_at(records: list[dict], step: int) -> list[dict]:
     by_source: dict[str, list[dict]] = {}
     for r in records:
         if step_of(r) <= step:
-            by_source.setdefault(r.get("source") or "?", []).append(r)
+            source = r.get("source") or "?"
+            if source == SOURCE_C10D and r.get("group") == "ddp":
+                source = "c10d ddp"  # DDP's buckets: a sequence of their own
+            by_source.setdefault(source, []).append(r)
     keep: list[dict] = []
     for source, recs in by_source.items():
-        if source in (SOURCE_DTENSOR, SOURCE_C10D):
+        if source in (SOURCE_DTENSOR, SOURCE_C10D, "c10d ddp"):
             last = max(step_of(r) for r in recs)
             keep += [r for r in recs if step_of(r) == last]
         elif source == SOURCE_GRAPH:
@@ -105,6 +108,7 @@ def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
         b.op = str(rec.extra.get("op") or "sum")
         b.group_size = rec.world_size
         b.coalesced = bool(rec.extra.get("coalesced"))
+        b.sparse = bool(rec.extra.get("sparse"))
         out.append(b)
     return out
 

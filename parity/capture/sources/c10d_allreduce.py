@@ -24,6 +24,14 @@ payloads (entries), found without running any collective:
   gradient tried). A slice no gradient equals is an entry without a name. Matched once per call
   site, size and dtype; later calls of the same signature reuse the layout.
 
+DDP's buckets are all-reduced by its C++ Reducer, where no Python hook sees them; their layout is
+read after each optimizer step from what DDP itself reports (``_get_ddp_logging_data()``:
+``rebuilt_per_bucket_param_indices`` once DDP has rebuilt its buckets in gradient-ready order
+after the first iteration; before that, ``bucket_sizes`` over the parameters in reverse order, as
+``_ddp_init_helper`` assigns them), one bucket line each with ``group: "ddp"``, in the order the
+buckets are all-reduced. A bucket holding a sparse gradient (``nn.Embedding(sparse=True)``) says
+so (``sparse``); reading these needs no collective.
+
 Extra fields (kept by the reader): ``op`` (``sum``/``avg``/...), ``ranks`` (the group's global
 ranks when it is not the whole world), ``coalesced`` (an ``all_reduce_coalesced`` call: one
 collective per entry, in one NCCL group). ``module`` is the calling function (``file:function``)
@@ -88,6 +96,11 @@ class C10dAllReduces(ManifestSource):
         self.layouts: dict[tuple, list[BucketEntry]] = {}  # flat buffers matched: call site...
         self._by_shape: dict[tuple, list[tuple[str, Any]]] | None = None
         self.rebuilds = 3  # the parameter map is rebuilt (a gc scan) at most this often
+        self._ddps: list | None = None  # weak references to the job's DDP modules
+        self._ddp_scans = 3  # gc scans for them while none is found
+        self._ddp_sig: tuple | None = None  # the DDP buckets last written, and their step
+        self._ddp_step: int | None = None
+        self._ddp_rebuilt = False
         self.busy = False
 
     def ready(self) -> bool:
@@ -281,8 +294,78 @@ class C10dAllReduces(ManifestSource):
             rec.extra["coalesced"] = True
         self.current.append(rec)
 
+    def _ddp_modules(self) -> list:
+        """The job's DistributedDataParallel modules (a gc scan, at most a few times while none
+        exists; once found, weak references)."""
+        import weakref
+
+        mod = sys.modules.get("torch.nn.parallel.distributed")
+        if mod is None:
+            return []
+        if self._ddps is None or (not self._ddps and self._ddp_scans):
+            self._ddp_scans -= 1
+            found = [r for r in _module_roots() if isinstance(r, mod.DistributedDataParallel)]
+            self._ddps = [weakref.ref(r) for r in found]
+        return [d for d in (r() for r in self._ddps) if d is not None]
+
+    def _ddp_records(self) -> list[BucketRecord]:
+        """One all-reduce bucket line per DDP bucket, in the order DDP all-reduces them."""
+        import torch
+
+        out: list[BucketRecord] = []
+        for ddp in self._ddp_modules():
+            try:
+                info = ddp._get_ddp_logging_data()
+            except Exception:  # noqa: BLE001 - an older DDP: nothing to read
+                continue
+            ignore = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+            params = [(normalize_fqn(n), p) for n, p in ddp.module.named_parameters()
+                      if p.requires_grad and n not in ignore]
+            sparse = {id(p) for m in ddp.module.modules()
+                      if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                      and getattr(m, "sparse", False) for p in m.parameters(recurse=False)}
+            groups = _ddp_groups(info, params)
+            if groups is None:
+                continue
+            size = ddp.process_group.size() if getattr(ddp, "process_group", None) else 1
+            for idx in groups:
+                entries, off = [], 0
+                for i in idx:
+                    fqn, p = params[i]
+                    es = p.element_size()
+                    entries.append(BucketEntry(fqn, off, p.numel() * es, p.numel(),
+                                               dtype_name(p.dtype), list(p.shape)))
+                    off += p.numel() * es
+                dtypes = {e.dtype for e in entries}
+                rec = BucketRecord(SOURCE_C10D, "all_reduce", len(out), entries, group="ddp",
+                                   dtype=dtypes.pop() if len(dtypes) == 1 else "",
+                                   world_size=size, total_bytes=off)
+                rec.extra["op"] = "sum"
+                if any(id(params[i][1]) in sparse for i in idx):
+                    rec.extra["sparse"] = True
+                out.append(rec)
+        return out
+
+    def _new_ddp_step(self) -> None:
+        """DDP's buckets, written when they change. DDP rebuilds them once, in gradient-ready
+        order, at the start of its second iteration; its logging data shows the rebuilt ones a
+        step later, so they are stamped with the step after the first one recorded."""
+        recs = self._ddp_records()
+        sig = tuple((r.world_size, tuple((e.fqn, e.numel) for e in r.entries)) for r in recs)
+        if not recs or sig == self._ddp_sig:
+            return
+        step = self.step()
+        if self._ddp_sig is not None and self._ddp_step is not None and not self._ddp_rebuilt:
+            step = self._ddp_step + 1  # the rebuilt buckets ran from DDP's second iteration on
+            self._ddp_rebuilt = True
+        self._ddp_sig, self._ddp_step = sig, step
+        for r in recs:
+            r.step = step
+            self.emit(r)
+
     def new_step(self) -> None:
         """End of an optimizer step: write this step's sequence if it is new."""
+        self._new_ddp_step()
         calls, self.current = self.current, []
         if self.rebuilds and any(e.fqn is None for c in calls for e in c.entries):
             self.rebuilds -= 1  # a model built after the first all-reduce: look again
@@ -298,3 +381,34 @@ class C10dAllReduces(ManifestSource):
         for c in calls:
             c.step = step
             self.emit(c)
+
+
+def _ddp_groups(info: dict, params: list) -> list[list[int]] | None:
+    """Per DDP bucket, the indices of its parameters (into ``params``), in bucket order, from
+    DDP's logging data: the rebuilt buckets (``"5 4 3 2, 1 0"``), else the initial ones (the
+    parameters in reverse order, cut at ``bucket_sizes`` bytes)."""
+    text = info.get("rebuilt_per_bucket_param_indices") if info.get("has_rebuilt_buckets") \
+        else None
+    if isinstance(text, str) and text.strip():
+        groups = [[int(x) for x in part.split()] for part in text.split(",") if part.strip()]
+        if all(0 <= i < len(params) for g in groups for i in g):
+            return groups
+        return None
+    sizes = info.get("bucket_sizes")
+    if not isinstance(sizes, str) or not sizes.strip():
+        return None
+    want = [int(x) for x in sizes.replace(",", " ").split()]
+    order = list(range(len(params)))[::-1]
+    groups, cur, got = [], [], 0
+    for i in order:
+        cur.append(i)
+        got += params[i][1].numel() * params[i][1].element_size()
+        if len(groups) < len(want) and got >= want[len(groups)]:
+            groups.append(cur)
+            cur, got = [], 0
+    if cur:
+        groups.append(cur)
+    sizes_ok = [sum(params[i][1].numel() * params[i][1].element_size() for i in g)
+                for g in groups] == want
+    return groups if sizes_ok else None
+
