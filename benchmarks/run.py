@@ -10,8 +10,15 @@ sizes the targets were not set for, a figure short of its target is said as such
   hash_gbps, read_gbps, sha256_gbps   parity's hasher vs a plain memory read (numpy sum of the
                                       same bytes) vs torchtitan-style SHA-256 over tobytes()
   hash_vs_read  >= 0.9                hash_vs_sha256 >= 15
+  hash_figures_gbps, figures_cost     the digests with the per-tensor figures capture records
+                                      next to them (fp64 sum, sum of squares, max |x|; issue 34):
+                                      throughput, and its time / the digests' alone
   capture_overhead <= 1.05            built-in workload mean step time with parameter and
-                                      gradient hashes every step / without capture
+                                      gradient hashes (and their figures) every step / without
+                                      capture
+  capture_ms_per_step                 capture's own time per rank and recorded step (meta.json
+                                      capture.seconds): what the ratio above is made of, and far
+                                      less sensitive to machine load than the step times
   diff_seconds_identical < 0.5 s, diff_seconds_step20 < 1 s
                                       THE TARGETS are judged on these: the whole command as users
                                       run it, `python -m parity diff A B` (a child process:
@@ -193,6 +200,7 @@ def bench_hash(quick: bool) -> dict:
     nbytes = sum(_local(t).numel() * _local(t).element_size() for t in tensors)
     reps = 3 if quick else 7
     t_hash = _best(lambda: digest_tensors(tensors, "xxh3"), reps)
+    t_fig = _best(lambda: digest_tensors(tensors, "xxh3", figures=True), reps)
     t_read = _best(lambda: _read(tensors), reps)
     sha_tensors = tensors[: max(8, len(tensors) // (4 if quick else 1))]
     sha_bytes = sum(_local(t).numel() * _local(t).element_size() for t in sha_tensors)
@@ -203,6 +211,8 @@ def bench_hash(quick: bool) -> dict:
         "hash_bytes": nbytes,
         "hash_tensors": len(tensors),
         "hash_gbps": nbytes / t_hash / gb,
+        "hash_figures_gbps": nbytes / t_fig / gb,
+        "figures_cost": t_fig / t_hash,
         "read_gbps": nbytes / t_read / gb,
         "sha256_gbps": sha_bytes / t_sha / gb,
         "device_digest_cpu_gbps": nbytes / t_dev / gb,
@@ -235,16 +245,28 @@ def _mean_step_ms(cmd: list[str], cwd: Path, figure: str = "mean_step_ms") -> fl
 def bench_capture(quick: bool, tmp: Path) -> dict:
     steps = 30 if quick else 100
     rounds = 1 if quick else 3
-    base, capt = [], []
+    base, capt, own = [], [], []
     for i in range(rounds):  # interleaved, so drift in machine load hits both sides alike
         base.append(_mean_step_ms(_train_cmd(steps), ROOT))
         out = tmp / f"capture-{i}"
         capt.append(_mean_step_ms([sys.executable, "-m", "parity", "exec",
                                    "--out", str(out), "--"] + _train_cmd(steps), ROOT))
+        own.append(_capture_ms_per_step(out))
         shutil.rmtree(out, ignore_errors=True)
     b, c = statistics.median(base), statistics.median(capt)
     return {"step_ms_no_capture": b, "step_ms_capture": c, "capture_overhead": c / b,
-            "capture_steps": steps}
+            "capture_ms_per_step": statistics.median(own), "capture_steps": steps}
+
+
+def _capture_ms_per_step(run: Path) -> float:
+    """Capture's own time per rank and recorded step, from each rank's meta.json
+    (``capture.seconds`` / ``capture.recorded_steps``), averaged over the ranks."""
+    per = []
+    for meta in sorted(run.glob("rank-*/meta.json")):
+        cap = json.loads(meta.read_text()).get("capture") or {}
+        if cap.get("recorded_steps"):
+            per.append(1000 * cap["seconds"] / cap["recorded_steps"])
+    return statistics.mean(per) if per else float("nan")
 
 
 # ---------------------------------------------------------------------------------------- diff

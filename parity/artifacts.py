@@ -41,6 +41,15 @@ NO_HASH = b"\0" * HASH_BYTES  # a parameter with no gradient at that step
 HASH_RECORD = struct.Struct("<4sIqI")
 HASH_MAGIC = b"PRH2"
 KIND_CODES = {"param": 0, "grad": 1}
+# a figures record (issue 34): the same header with its own magic, then n x 24 bytes: per row
+# three little-endian float64, the fp64 sum, the sum of squares and max |x| of the tensor
+# Summaries for the size of a difference, never part of a verdict. A row (NaN, -1, NaN) is a
+# tensor that was not there (a parameter without a gradient): a sum of squares is never
+# negative, so it cannot be a tensor's, not even one holding NaN (whose figures are NaN).
+FIGURES_MAGIC = b"PRF2"
+FIGURE_FIELDS = ("sum", "sumsq", "max_abs")
+FIGURE_BYTES = 8 * len(FIGURE_FIELDS)
+NO_FIGURES = struct.pack("<3d", float("nan"), -1.0, float("nan"))
 
 
 def write_text_atomic(path: str | os.PathLike, data: str) -> None:
@@ -203,17 +212,36 @@ class RankWriter:
             HASH_RECORD.pack(HASH_MAGIC, KIND_CODES[kind], step, n) + raw)
         return offset, rollup_digest(raw)
 
+    def _figures_record(self, step: int, kind: str, raw: bytes) -> int:
+        n = len(raw) // FIGURE_BYTES
+        return self._hashes.append_bytes(
+            HASH_RECORD.pack(FIGURES_MAGIC, KIND_CODES[kind], step, n) + raw)
+
     def write_step(self, step: int, param_hashes: bytes, grad_hashes: bytes | None = None,
-                   loss: float | None = None, loss_hash: str | None = None) -> None:
-        """Record one step: ``*_hashes`` are the raw 16-byte hashes concatenated in table order."""
+                   loss: float | None = None, loss_hash: str | None = None, *,
+                   param_figures: bytes | None = None,
+                   grad_figures: bytes | None = None) -> None:
+        """Record one step: ``*_hashes`` are the raw 16-byte hashes concatenated in table order;
+        ``*_figures`` the 24-byte figures of the same rows (``FIGURE_FIELDS``), when capture
+        computed them: a figures record follows each hash record, and the line gets their
+        offsets and one digest of both (written only when set: a run without figures writes
+        the bytes it always did)."""
         p_off, p_digest = self._hash_record(step, "param", param_hashes)
         g_off = g_digest = None
         if grad_hashes is not None:
             g_off, g_digest = self._hash_record(step, "grad", grad_hashes)
-        self._steps.append(
-            {"v": SCHEMA_VERSION, "step": step, "param_digest": p_digest, "grad_digest": g_digest,
-             "loss": loss, "loss_hash": loss_hash, "param_offset": p_off, "grad_offset": g_off}
-        )  # no wall time: two runs that train alike write the same bytes (the reader shares them)
+        line = {"v": SCHEMA_VERSION, "step": step, "param_digest": p_digest,
+                "grad_digest": g_digest, "loss": loss, "loss_hash": loss_hash,
+                "param_offset": p_off, "grad_offset": g_off}
+        if param_figures is not None:
+            line["param_figures_offset"] = self._figures_record(step, "param", param_figures)
+            both = param_figures
+            if grad_figures is not None and grad_hashes is not None:
+                line["grad_figures_offset"] = self._figures_record(step, "grad", grad_figures)
+                both += grad_figures
+            line["figures_digest"] = rollup_digest(both)
+        # no wall time: two runs that train alike write the same bytes (the reader shares them)
+        self._steps.append(line)
 
     def write_bucket(self, bucket: dict) -> None:
         self._buckets.append({"v": SCHEMA_VERSION, **bucket})
@@ -555,6 +583,56 @@ class RankData:
 
         return np.frombuffer(raw, dtype=np.uint8).reshape(-1, HASH_BYTES)
 
+    def figures(self, step: int, kind: str = "param") -> np.ndarray | None:
+        """Per-parameter figures of one step (``FIGURE_FIELDS``: fp64 sum, sum of squares,
+        max |x|) as an (n, 3) float64 array, rows of ``NO_FIGURES`` where there was no tensor
+        (padded likewise for rows that joined later); None when the step has
+        none (a run captured before figures existed) or they are damaged (reported: the bytes
+        must have the line's ``figures_digest``). Summaries for the size of a difference: the
+        verdict never reads them."""
+        got = self._figures.get(step)
+        if got is None:
+            got = self._figures[step] = self._read_figures(step)
+        arr = got.get(kind)
+        if arr is None:
+            return None
+        n = arr.shape[0]
+        if n < self.n_params and all(
+                isinstance(p.get("since"), int) and p["since"] > step for p in self.params[n:]):
+            import numpy as np
+
+            pad = np.frombuffer(NO_FIGURES * (self.n_params - n), dtype="<f8")
+            arr = np.concatenate([arr, pad.reshape(-1, len(FIGURE_FIELDS))])
+        return arr
+
+    def _read_figures(self, step: int) -> dict:
+        rec = self.steps.get(step)
+        if rec is None or not isinstance(rec.get("param_figures_offset"), int):
+            return {}
+        raw: dict[str, bytes] = {}
+        try:
+            for kind in ("param", "grad"):
+                off = rec.get(f"{kind}_figures_offset")
+                if not isinstance(off, int):
+                    continue
+                r_step, r_kind, data = self._read_record(off, FIGURES_MAGIC, FIGURE_BYTES)
+                if r_step != step or r_kind != kind:
+                    raise ValueError("mismatched")
+                raw[kind] = data
+        except (OSError, ValueError):
+            self.problems.append(f"{self.path / HASHES_FILE}: step {step} figures record "
+                                 "unreadable; sizes of differences not shown")
+            return {}
+        if rollup_digest(b"".join(raw.values())) != rec.get("figures_digest"):
+            self.problems.append(f"{self.path / HASHES_FILE}: step {step} figures do not have "
+                                 "the digest steps.jsonl recorded (corrupted); not shown")
+            return {}
+        import numpy as np
+
+        return {k: np.frombuffer(v, dtype="<f8").reshape(-1, len(FIGURE_FIELDS))
+                for k, v in raw.items()}
+
+    _figures: dict = field(default_factory=dict, repr=False, compare=False)
     _read_hint: int = field(default=1 << 16, repr=False, compare=False)
 
     def _read_line(self, fname: str, offset: int) -> bytes:
@@ -573,17 +651,19 @@ class RankData:
         self._read_hint = end + 64
         return buf[:end]
 
-    def _read_record(self, offset: int) -> tuple[int, str, bytes]:
-        """(step, kind, raw hashes) of the hashes.bin record at ``offset``."""
+    def _read_record(self, offset: int, want: bytes = HASH_MAGIC,
+                     row_bytes: int = HASH_BYTES) -> tuple[int, str, bytes]:
+        """(step, kind, payload) of the hashes.bin record at ``offset``: a hash record, or with
+        ``FIGURES_MAGIC`` / ``FIGURE_BYTES`` a figures record."""
         with open(self.path / HASHES_FILE, "rb", buffering=0) as f:
             f.seek(offset)
             buf = f.read(max(self._read_hint, HASH_RECORD.size))
             if len(buf) < HASH_RECORD.size:
                 raise ValueError("record cut short")
             magic, code, step, n = HASH_RECORD.unpack_from(buf)
-            if magic != HASH_MAGIC or code not in (0, 1):
+            if magic != want or code not in (0, 1):
                 raise ValueError("not a hash record")
-            size = HASH_RECORD.size + n * HASH_BYTES
+            size = HASH_RECORD.size + n * row_bytes
             if len(buf) < size:
                 buf += f.read(size - len(buf))
                 if len(buf) < size:

@@ -491,6 +491,12 @@ def analyse_rank(a_recs: list[dict], b_recs: list[dict], layouts: str | None = N
     # Where the difference enters when the first differing op did not compute it itself: the
     # first region not recorded op by op whose outputs the other side never had.
     entering = _entering(a, b, a_recs, b_recs) if inputs.get("differed") is not False else []
+    if entering and inputs.get("differed") and not inputs.get("reordered"):
+        e = entering[0]
+        inputs = {**inputs, "detail": f"yes: its inputs on {'B' if e['side'] == 'B' else 'A'} "
+                  f"are values the other side never had: they come from {e['region']} "
+                  f"({e['side']}{', ' + e['module'] if e['module'] else ''}), where the "
+                  "difference enters"}
     out.update(verdict="differs", first={"a": _describe(a), "b": _describe(b)},
                last_match={"a": _describe(last[0]), "b": _describe(last[1])} if last else None,
                inputs=inputs, enters=entering[0] if entering else None,
@@ -646,6 +652,7 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
                                     "index": f["a"]["index"]} if f else
                                    {"verdict": res["verdict"]})
     report["bucket_layouts"] = layouts
+    report["headline"] = headline(report)
     if not report["a"].get("complete") or not report["b"].get("complete"):
         report["warnings"].append("a side's op record is incomplete (the job ended inside "
                                   f"step {step})")
@@ -662,12 +669,39 @@ def _op_line(d: dict) -> str:
     return f"{what} in {where} ({d['phase']}) -> {shapes}"
 
 
+PROCESS_WORDS = {"mixed": "eager with compiled blocks"}
+
+
+def headline(rep: dict) -> dict | None:
+    """What bisect found first, in execution order (bisect.json ``headline``): the region not
+    recorded op by op where values the other side never computed come out, when the first
+    differing op did not compute the difference itself (``kind: region``); else that op
+    (``op``, or ``gradient`` for a gradient as the optimizer consumes it); None without one.
+    A gradient that differs downstream of a region is never the headline."""
+    enters, f = rep.get("enters"), rep.get("first")
+    if enters:
+        other = "A" if enters["side"] == "B" else "B"
+        name = enters["region"]
+        where = "" if name.startswith("inside") else "in "
+        return {"kind": "region", "side": enters["side"], "region": name,
+                "module": enters.get("module") or "",
+                "text": f"first difference: {where}{name} ({enters['side']}"
+                        + (f", {enters['module']}" if enters.get("module") else "")
+                        + f"): values {other} never computed come out of it"}
+    if f:
+        kind = "gradient" if f["a"].get("param") else "op"
+        return {"kind": kind, "text": f"first differing op: {_op_line(f['a'])}"}
+    return None
+
+
 def format_report(rep: dict) -> str:
     if rep.get("verdict") == "nothing_to_bisect":
         return f"nothing to bisect: {rep['detail']}"
     lines = [f"step {rep['step']} ({rep['step_source']}), rank {rep['rank']}: "
-             f"A {rep['a'].get('process')} ({rep['a'].get('ops')} ops), "
-             f"B {rep['b'].get('process')} ({rep['b'].get('ops')} ops)"]
+             f"A {PROCESS_WORDS.get(rep['a'].get('process'), rep['a'].get('process'))} "
+             f"({rep['a'].get('ops')} ops), "
+             f"B {PROCESS_WORDS.get(rep['b'].get('process'), rep['b'].get('process'))} "
+             f"({rep['b'].get('ops')} ops)"]
     few = rep.get("too_few_ops")
     enters = rep.get("enters")
     if few:
@@ -677,16 +711,16 @@ def format_report(rep: dict) -> str:
                          ": compared by the outputs of the regions not recorded op by op"
                          if enters else ": what follows says little about where the difference "
                          "enters"))
-    if enters:
-        other = "A" if enters["side"] == "B" else "B"
-        name = enters["region"]
-        lines.append(f"the difference enters {'' if name.startswith('inside') else 'in '}{name} "
-                     f"({enters['side']}" + (f", {enters['module']}" if enters["module"] else "")
-                     + f"): values {other} never computed come out of it")
+    head = rep.get("headline") or headline(rep)
+    if head:
+        lines.append(head["text"])
     f = rep.get("first")
     if f:
         a, b = f["a"], f["b"]
-        lines.append(f"first differing op: {_op_line(a)}")
+        if enters:
+            lines.append(f"first differing op recorded op by op after it: {_op_line(a)}")
+        elif not head:
+            lines.append(f"first differing op: {_op_line(a)}")
         lines.append(f"  A #{a['index']}{' ' + a['node'] if a.get('node') else ''}: "
                      f"{', '.join(h or '-' for h in a['hashes'])}")
         lines.append(f"  B #{b['index']}{' ' + b['node'] if b.get('node') else ''}: "

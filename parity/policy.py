@@ -20,7 +20,8 @@ Statuses of a compared pair (a sweep cell's ``status`` and diff.json's ``status`
 layouts differ), ``incomplete`` (no difference in what was compared, but data is missing; a sweep
 shows such a cell as ``failed``). A sweep cell's status is decided here too (:func:`cell_status`
 from its diff, :func:`settled_cell` when the sweep stopped). This module imports nothing from the
-rest of parity but errors and consequences (the classes of a bucket difference, base layer).
+rest of parity but errors, consequences (the classes of a bucket difference) and text (ranges),
+all base layer.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parity import consequences
+from parity.text import ranges
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE, ParityError
 
 POLICIES = {
@@ -207,11 +209,17 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         ranks = fd.get("ranks") or []
         if ranks:
             what += f" on rank {', '.join(str(r) for r in ranks[:8])}"
-        if fd.get("origin"):
-            what += f" ({fd['origin']})"
+        if fd.get("label") or fd.get("origin"):  # what was compared and found, not a pass
+            what += f" ({fd.get('label') or fd['origin']})"
         (v.failed if fails_on_hash(policy) else v.tolerated).append(what)
     elif hv == "match":
         v.held.append(f"hashes bitwise identical over {scope} ({', '.join(kinds)})")
+    elif d.get("steps_compared") and d.get("params_compared"):
+        # incomplete, nothing differs in what both sides recorded: what matched comes first
+        # (a 4-step run against a longer interrupted one: steps 0-4 matched), then what is
+        # missing (not compared, below)
+        v.held.append(f"hashes bitwise identical where both sides recorded: steps "
+                      f"{ranges(d['steps_compared'])} ({scope}; {', '.join(kinds)})")
     reduction_fails = policy == "reduction" and state in (None, "fails")
     if ov in ORDER_FAILURES:
         phrase = order_phrase(ov, order.get("first_bucket")) + consequences.order_suffix(order)

@@ -190,6 +190,13 @@ def _no_fsync():
         os.fsync = real
 
 
+def _figures_of(raw: bytes) -> bytes:
+    """Per-row figures (sum, sum of squares, max |x|) that follow the hashes: equal hashes give
+    equal figures, differing ones differing figures (what capture's figures would show)."""
+    u = np.frombuffer(raw, dtype="<u8").reshape(-1, 2).astype(np.float64) / 2.0 ** 64
+    return np.stack([u[:, 0] - 0.5, u[:, 0] ** 2 + u[:, 1], np.abs(u[:, 1])], 1).astype("<f8").tobytes()
+
+
 def make_run(
     out_dir: str | os.PathLike,
     world_size: int = 2,
@@ -221,6 +228,7 @@ def make_run(
     run_json: bool = True,
     fsync: bool = False,
     schema: int = 2,
+    figures: bool = False,
 ) -> Path:
     """Write a synthetic run directory; returns its path. See the module docstring.
 
@@ -230,7 +238,8 @@ def make_run(
     ``torn_tail``: ranks whose steps.jsonl and hashes file end with half a line (record).
     ``extra_buckets``: more bucket records appended on every rank (e.g. a later layout change).
     ``schema=1``: written by the schema-1 writer (tests/schema_v1.py), as parity wrote runs
-    before schema 2.
+    before schema 2. ``figures``: figures records next to the hashes (issue 34), as capture
+    writes them since.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -326,7 +335,12 @@ def make_run(
                     if flip_loss:
                         lv = float(np.nextafter(lv, np.inf))
                     lh = np.float64(lv).tobytes().hex().ljust(2 * HASH_BYTES, "0")
-                w.write_step(s, ph, gh, loss=lv, loss_hash=lh)
+                if figures and schema == 2:  # issue 34: figures follow the hashes (equal with them)
+                    w.write_step(s, ph, gh, loss=lv, loss_hash=lh,
+                                 param_figures=_figures_of(ph),
+                                 grad_figures=None if gh is None else _figures_of(gh))
+                else:
+                    w.write_step(s, ph, gh, loss=lv, loss_hash=lh)
             w.close(status=status)
             if r in torn_tail:
                 with open(w.dir / "steps.jsonl", "ab") as f:

@@ -218,3 +218,32 @@ def test_moved_names_payloads_carried_by_an_unrelated_modules_bucket():
                                        modules={"layers.0.wq.weight": "layers.1.wq"})])
     assert [(m["a_module"], m["b_module"]) for m in moved_between(eager, sibling)] == [
         ("layers.0", "layers.1.wq")]
+
+
+def test_console_marks_fsdp2_backward_regathers_as_harmless():
+    """Issue 34: the console's side-by-side table marks eager FSDP2's backward all-gather counts
+    "~" (copies, values unchanged), never "*" (a difference)."""
+    import io
+
+    from parity.report.bucket_summary import print_summary_pair
+    from parity.report.console import make_console
+
+    def row(coll, graph, source, before, after):
+        return {"source": source, "graph": graph, "graph_id": None if source == "fsdp2" else 0,
+                "collective": coll, "count_before": before, "count_after": after, "buckets": after,
+                "bytes": {"min": 100, "median": 100, "max": 100}, "sizes": [100] * after,
+                "spans": None, "max_span": None, "max_consec_compute_between_rs": None,
+                "around_bucketing": None}
+
+    a = {"graphs": [row("all_gather", "backward", "fsdp2", 18, 2),
+                    row("reduce_scatter", "backward", "fsdp2", 21, 3)], "attribution": []}
+    b = {"graphs": [row("reduce_scatter", "backward", "graph", 21, 1)], "attribution": []}
+    buf = io.StringIO()
+    print_summary_pair(a, b, make_console(file=buf, width=120))
+    lines = buf.getvalue().splitlines()
+    ag = next(i for i, x in enumerate(lines) if "AG (backward)" in x)
+    count = next(x for x in lines[ag:] if "count before" in x)
+    assert count.rstrip().endswith("~") and "*" not in count
+    rs = next(i for i, x in enumerate(lines) if "RS (backward)" in x)
+    assert next(x for x in lines[rs:] if "count before" in x).rstrip().endswith("*")
+    assert "values unchanged" in buf.getvalue()

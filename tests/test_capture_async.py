@@ -32,7 +32,8 @@ class FakeWriter:
     def __init__(self):
         self.steps = []
 
-    def write_step(self, step, params, grads, loss, loss_hash):
+    def write_step(self, step, params, grads, loss, loss_hash, param_figures=None,
+                   grad_figures=None):  # figures (issue 34): None for Digests without them
         self.steps.append((step, params, grads, loss))
 
 

@@ -255,3 +255,87 @@ def test_torch_ops_lanes_wrap_and_carry_like_uint64(monkeypatch):
     assert spec_lanes([7], first=2**31) == spec_lanes([7], first=0)
     assert hashing.B_MULT == 0x9E3779B1
 
+
+
+# ------------------------------------------------------------------ figures (issue 34)
+
+
+def _reference_figures(t):
+    """(sum, sum of squares, max |x|) of ``t`` in float64, the slow obvious way."""
+    v = torch.view_as_real(t) if t.is_complex() else t
+    v = v.to(torch.float64).reshape(-1)
+    if not v.numel():
+        return (0.0, 0.0, 0.0)
+    return (v.sum().item(), (v * v).sum().item(), v.abs().max().item())
+
+
+def _figures(raw: bytes):
+    return [tuple(row) for row in np.frombuffer(raw, "<f8").reshape(-1, 3).tolist()]
+
+
+FIG_CASES = [torch.randn(100), torch.randn(70_000), torch.randn(300, 3).t(), torch.randn(300, 301),
+             torch.randn(40, 2000).to(torch.bfloat16).t(),
+             torch.randn(50).to(torch.bfloat16), torch.randn(66_001).to(torch.bfloat16),
+             torch.randint(-50, 50, (33,)), torch.rand(20) > 0.5, torch.zeros(0),
+             torch.randn(7, dtype=torch.complex64), torch.tensor(3.5), torch.randn(9).half()]
+
+
+def test_figures_come_with_the_same_digests_and_the_obvious_values():
+    """``digest_tensors(..., figures=True)``: the digests are those without figures, and each
+    tensor's figures are its float64 sum, sum of squares and max |x|, on the host path (small
+    tensors together, large ones chunk by chunk) and on the torch-ops device path alike."""
+    from parity.artifacts import NO_FIGURES
+
+    tensors = [*FIG_CASES, None]
+    for hasher in ("xxh3", "device"):
+        digests, raw = digest_tensors(tensors, hasher, figures=True)
+        assert digests == digest_tensors(tensors, hasher)
+        got = _figures(raw)
+        assert raw[-24:] == NO_FIGURES and got[-1][1] == -1.0  # no tensor: never a real row
+        for t, fig in zip(FIG_CASES, got):
+            want = _reference_figures(t)
+            assert np.allclose(fig, want, rtol=1e-12, atol=1e-12), (hasher, t.dtype, fig, want)
+    from parity.capture.hashing import tensor_figures  # one tensor, as the host path records it
+
+    host = _figures(digest_tensors(FIG_CASES, "xxh3", figures=True)[1])
+    for t, fig in zip(FIG_CASES, host):
+        assert np.allclose(tensor_figures(t), fig, rtol=1e-12, atol=1e-12)
+
+
+def test_large_tensors_hash_in_chunks_to_the_one_shot_digest():
+    """A tensor larger than FIG_CHUNK is fed to a streaming xxh3 chunk by chunk (each chunk
+    summed while in cache): the digest is still xxh3-128 of the whole bytes."""
+    from parity.capture import hashing
+
+    for shape in ((hashing.FIG_CHUNK + 1,), (3, hashing.FIG_CHUNK), (517, 640),
+                  (5, 3, hashing.FIG_CHUNK // 8 + 7)):
+        t = torch.randn(shape)
+        d, raw = digest_tensors([t], "xxh3", figures=True)
+        assert d == xxhash.xxh3_128_digest(t.numpy().tobytes()) == host_digest(t)
+        assert np.allclose(_figures(raw)[0], _reference_figures(t), rtol=1e-12)
+
+
+def test_figures_see_a_last_bit_change_in_the_sum():
+    """One element one ulp up: the float64 sum moves by exactly that ulp (the figures resolve
+    last-bit differences of float32 values)."""
+    t = torch.randn(1000)
+    u = t.clone()
+    u[17] = torch.nextafter(u[17], torch.tensor(float("inf")))
+    (_, fa), (_, fb) = (digest_tensors([x], "xxh3", figures=True) for x in (t, u))
+    sa, sb = _figures(fa)[0][0], _figures(fb)[0][0]
+    assert sb - sa == pytest.approx(float(u[17]) - float(t[17]), rel=1e-6)
+
+
+def test_pending_device_figures_read_back_like_the_host_ones():
+    """The figures a device path queues behind its digests (``_figures_pending``: torch ops on
+    the tensors' device, read back through ``Pending``) are the host path's, in list order."""
+    from parity.capture import hashing
+
+    ts = [torch.randn(100), torch.randn(70_000), torch.randn(33).to(torch.bfloat16)]
+    pending = hashing._figures_pending(ts)
+    d = hashing.Digests(4, [([0, 1, 3], digest_tensors(ts, "xxh3"))], [],
+                        [([0, 1, 3], pending)])
+    got, host = _figures(d.figures()), _figures(digest_tensors(ts, "xxh3", figures=True)[1])
+    assert np.allclose([got[0], got[1], got[3]], host, rtol=1e-12)
+    assert got[2][1] == -1.0  # position 2: no tensor (NO_FIGURES)
+    assert d.ready()

@@ -111,3 +111,30 @@ def test_perturbed_gradient_is_reported_at_its_step_rank_and_bucket(runs):
     assert r.exit_code("hash") == 1
     text = _render(r)
     assert PERTURBED in text and "step 2" in text
+
+
+def test_perturbed_gradient_is_labelled_by_what_was_compared_and_sized(runs):
+    """Issue 34: the label names what was compared ("loss equal, gradients differ"), never a
+    pass; the size of each difference comes from the figures capture keeps next to each hash,
+    and grows over the steps that follow."""
+    r = diff_runs(runs["eager"], runs["perturbed"])
+    fd = r.first_divergence
+    assert fd.label == "loss equal, gradients differ"
+    assert "look at the backward" not in fd.explanation and "do not tell which pass" in \
+        fd.explanation
+    text = _render(r)
+    assert "Diverged first in" not in text and "[backward]" not in text
+    assert text.splitlines()[0].startswith("PARITY FAILS under --fail-on hash (exit 1): hash "
+                                           "mismatch from step 2 on rank 1 (loss equal, "
+                                           "gradients differ)")
+    m = r.magnitude
+    assert m["recorded"] and m["params"][0]["fqn"] == PERTURBED
+    first = m["params"][0]["steps"][0]
+    assert first["step"] == 2 and first["rel"] > 0 and first["ulps"] > 1
+    steps = [s["step"] for s in m["per_step"]]
+    assert steps == [2, 3] and m["per_step"][0]["rank"] == 1
+    # after the optimizer step every parameter of rank 1 differs: the difference spreads
+    assert m["per_step"][1]["param"]["differ"] > m["per_step"][0]["param"]["differ"]
+    assert "rel >=" in text and "not proofs" in text
+    same = diff_runs(runs["eager"], runs["registration"])
+    assert same.verdict == "match" and same.magnitude == {}

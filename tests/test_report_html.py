@@ -164,9 +164,12 @@ def test_diff_page_has_its_own_wording_and_the_consoles_content(mismatch_diff):
         assert sweep_word not in page
     assert "<h1>parity diff</h1>" in page
     assert "PARITY FAILS under --fail-on hash (exit 1)" in page
-    assert "Loss of rank" in page and "Divergent per step" in page
+    assert "Loss, side by side" in page and "Divergent per step" in page
     assert "step 0: initial parameters" in page
-    assert "First divergence" in page and ("[backward]" in page or "[forward]" in page)
+    # the label names what was compared and found, never a pass (issue 34)
+    fd = result.first_divergence
+    assert "First divergence" in page and f"<b>{fd.label}</b>" in page
+    assert "Diverged first in" not in page and "[backward]" not in page
 
 
 def test_diff_page_charts_loss_divergence_and_bucketing(mismatch_diff):
@@ -192,3 +195,32 @@ def test_bucket_table_shows_both_sizes_where_they_differ():
     assert _size_cell({"size": 64}, {"size": 64}) == "64"
     assert "64 / 128" in _size_cell({"size": 64}, {"size": 128})
     assert _size_cell({}, {"size": 128}) == "128"
+
+
+def test_fsdp2_backward_regathers_are_grey_not_red_and_the_legend_is_plain():
+    """Issue 34: eager FSDP2 gathers parameters again in the backward (copies), a compiled graph
+    does not: those counts differ by design and are not drawn as a difference; a reduce-scatter
+    count that differs still is. The bucket bars' legend says what the minimum width is."""
+    from parity.report.html import bucket_svg
+    from parity.report.html_charts import DIFF_COLOUR, bucketing_svg
+
+    def row(coll, graph, source, before, after):
+        return {"source": source, "graph": graph, "graph_id": None if source == "fsdp2" else 0,
+                "collective": coll, "count_before": before, "count_after": after,
+                "sizes": [100] * after, "spans": None, "max_span": None,
+                "max_consec_compute_between_rs": None}
+
+    a = {"graphs": [row("all_gather", "forward", "fsdp2", 21, 3),
+                    row("all_gather", "backward", "fsdp2", 18, 2),
+                    row("reduce_scatter", "backward", "fsdp2", 21, 3)]}
+    b = {"graphs": [row("all_gather", "forward", "graph", 21, 3),
+                    row("reduce_scatter", "backward", "graph", 21, 1)]}
+    svg = bucketing_svg(a, b)
+    assert 'class="regather"' in svg and "values unchanged" in svg
+    red = [seg for seg in svg.split("<text") if f'fill="{DIFF_COLOUR}"' in seg]
+    assert red and all("count 21 -&gt; 1" in seg or "count 21 -&gt; 3" in seg for seg in red)
+    assert not any("18 -&gt; 2" in seg for seg in red)
+    fb = {"rows": [{"position": 0, "a": {"fqn": "x", "offset": 0, "size": 8}, "b":
+                    {"fqn": "x", "offset": 0, "size": 8}, "same": True}], "position": None}
+    legend = bucket_svg(fb)
+    assert "34/1000" not in legend and "at least 3.4% of the bar wide" in legend

@@ -23,6 +23,10 @@ ENV_EMULATE_NCCL = "PARITY_CAPTURE_EMULATE_NCCL"
 ENV_ACTIVE = "PARITY_CAPTURE_ACTIVE"
 ALL_ENV = (ENV_DIR, ENV_EVERY, ENV_GRADS, ENV_MANIFESTS, ENV_HASHER, ENV_ACTIVE,
            ENV_EMULATE_NCCL)
+# Written into the run directory by `parity exec` when it forwards Ctrl-C or SIGTERM to the job
+# (launch.py): the job's processes then end without the traceback of the signal parity sent them
+# (inject.quiet_when_interrupted); parity says it in one line.
+INTERRUPTED_FILE = ".parity-interrupted"
 
 # Programs that are never ranks, recognized from the command line.
 AGENT_MODULES = ("torch.distributed.run", "torch.distributed.launch")

@@ -21,23 +21,42 @@ Two digests, both 16 raw bytes:
 digested by kernels queued on the current stream and their 16-byte digests copied into pinned
 host memory behind a CUDA event; ``Digests.result()`` waits for that event (capture resolves a
 step's digests one step later, or at close: steps.py / writing.py).
+
+With ``figures=True`` both also give, per tensor, three cheap figures of its values computed in
+the same call: the fp64 sum, the fp64 sum of squares and max |x| (``artifacts.FIGURE_FIELDS``,
+24 bytes each; ``artifacts.NO_FIGURES`` for a missing tensor): ``digest_tensors(...,
+figures=True)`` returns ``(digests, figures)``, ``Digests.figures()`` the figures. They size a
+difference the hashes found (docs/diff.md "Size of a difference"); they are summaries, never part
+of a verdict. Where they are computed (what a new device path must produce: the same three
+float64 per tensor, in the same order):
+
+* host (xxh3): tensors of up to ``FIG_CHUNK`` elements are summed together after their digests
+  (one numpy concatenation in float64 and three ``reduceat``: a few calls for a whole table);
+  larger ones chunk by chunk, each chunk fed to a streaming xxh3 and summed while it is in
+  cache (``_digest_and_figures``): one read of the bytes for both.
+* device, torch ops (``device_lanes_torch(..., figures=True)``): on the device, in the same
+  call as the lanes, crossing to the host in the same transfer.
+* device, Triton kernels (``hashing_triton``): ``_figures_pending``, torch ops on the device
+  queued behind the kernels, copied into pinned memory behind a CUDA event like the digests
+  (no wait in the digest path); the kernels can compute them in their own pass.
 """
 
 from __future__ import annotations
 
 import struct
 
+import numpy as np
 import torch
 import xxhash
 
-from parity.artifacts import HASH_BYTES, NO_HASH
+from parity.artifacts import HASH_BYTES, NO_FIGURES, NO_HASH
 from parity.capture import hashing_triton
 from parity.capture.hashing_triton import dtype_key
 from parity.capture.hashing_triton import materialized as _materialized
 
 __all__ = ["local_tensor", "host_digest", "device_digest", "device_digests", "device_lanes_torch",
            "digest_tensors", "digest_tensors_async", "Digests", "finish", "HASHERS",
-           "DEVICE_DIGEST_VERSION"]
+           "DEVICE_DIGEST_VERSION", "tensor_figures", "batch_figures"]
 
 HASHERS = ("auto", "xxh3", "device")
 
@@ -83,6 +102,99 @@ def _xxh3(t: torch.Tensor) -> bytes:
 def host_digest(t: torch.Tensor) -> bytes:
     """xxh3-128 (16 raw bytes) of the local bytes of ``t``. Zero-copy for contiguous CPU tensors."""
     return _xxh3(_local(t))
+
+
+# ------------------------------------------------------------------------------------ figures
+# Three float64 per tensor (artifacts.FIGURE_FIELDS): sum, sum of squares, max |x|, all of the
+# local data, accumulated in float64. Cheap summaries that size a difference the hashes found;
+# the same tensor always gives the same figures here, so equal hashes never come with other
+# figures from one code path.
+FIG_CHUNK = 1 << 16  # elements: larger tensors are summed chunk by chunk, each while in cache
+# dtypes whose elements numpy reads as they are (a zero-copy view of the hashed bytes)
+_NUMPY_DTYPES = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
+                 torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16,
+                 torch.int8: np.int8, torch.uint8: np.uint8, torch.bool: np.bool_}
+
+
+def _numeric(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (local, materialized, flat) as a tensor whose dtype numpy reads: bfloat16, float8
+    and the like widened to float32 (exact), complex as its real and imaginary parts."""
+    if t.is_complex():
+        t = torch.view_as_real(t).reshape(-1)
+    if t.dtype not in _NUMPY_DTYPES:
+        t = t.to(torch.float32)
+    return t
+
+
+def _np_view(flat: torch.Tensor, raw: np.ndarray | None = None) -> np.ndarray:
+    """The values of a flat CPU tensor as numpy: ``raw`` (its byte view, already exposed for
+    the digest) reinterpreted when numpy knows the dtype, else a widened copy."""
+    if raw is not None and flat.dtype in _NUMPY_DTYPES:
+        return raw.view(_NUMPY_DTYPES[flat.dtype])
+    return _numeric(flat).numpy()
+
+
+def _chunk_figures(vals: np.ndarray, buf: np.ndarray, acc: list) -> None:
+    """Add one chunk's sum, sum of squares and max |x| (in float64) to ``acc``."""
+    d = buf[:vals.size]
+    np.copyto(d, vals, casting="unsafe")
+    acc[0] += float(d.sum())
+    acc[1] += float(np.einsum("i,i->", d, d))  # not BLAS: no thread pool of its own
+    np.abs(d, out=d)
+    acc[2] = float(np.maximum(acc[2], d.max()))  # NaN anywhere stays NaN
+
+
+def _digest_and_figures(t: torch.Tensor) -> tuple[bytes, tuple[float, float, float] | None,
+                                                  np.ndarray | None]:
+    """Host digest of a local tensor and its figures in one read of its bytes: (digest,
+    figures, None) for a tensor of more than ``FIG_CHUNK`` elements (each chunk hashed by a
+    streaming xxh3, whose digest equals the one-shot digest, and summed while in cache), else
+    (digest, None, its values as numpy) for ``batch_figures``."""
+    if t.numel() == 0:
+        return _EMPTY, (0.0, 0.0, 0.0), None  # (reduceat needs at least one element)
+    if not t.is_cpu:
+        t = t.cpu()
+    t = _materialized(t.detach())
+    raw = _byte_view(t).numpy().reshape(-1)  # flat bytes (the view keeps the tensor's dims)
+    flat = t.reshape(-1)
+    n = flat.numel()
+    if n <= FIG_CHUNK:
+        return _xxh3_128(raw), None, _np_view(flat, raw)
+    h = xxhash.xxh3_128()
+    size = flat.element_size()
+    native = flat.dtype in _NUMPY_DTYPES and not flat.is_complex()
+    vals = raw.view(_NUMPY_DTYPES[flat.dtype]) if native else None
+    buf = np.empty(FIG_CHUNK * (2 if flat.is_complex() else 1), dtype=np.float64)
+    acc = [0.0, 0.0, 0.0]
+    for start in range(0, n, FIG_CHUNK):
+        stop = min(n, start + FIG_CHUNK)
+        h.update(raw[start * size:stop * size])
+        _chunk_figures(vals[start:stop] if native else _numeric(flat[start:stop]).numpy(),
+                       buf, acc)
+    return h.digest(), (acc[0], acc[1], acc[2]), None
+
+
+def batch_figures(arrays: list[np.ndarray]) -> np.ndarray:
+    """Figures of many small non-empty arrays in a few numpy calls, as a (len, 3) float64
+    array: one float64 concatenation, then ``reduceat`` per figure (sequential float64 sums:
+    exact enough for up to ``FIG_CHUNK`` elements, and the same for the same values)."""
+    sizes = [a.size for a in arrays]
+    offsets = np.zeros(len(arrays), dtype=np.int64)
+    np.cumsum(sizes[:-1], out=offsets[1:])
+    d = np.concatenate([a.reshape(-1) for a in arrays], dtype=np.float64, casting="unsafe")
+    out = np.empty((len(arrays), 3), dtype="<f8")
+    np.add.reduceat(d, offsets, out=out[:, 0])
+    np.add.reduceat(d * d, offsets, out=out[:, 1])
+    np.abs(d, out=d)
+    np.maximum.reduceat(d, offsets, out=out[:, 2])
+    return out
+
+
+def tensor_figures(t: torch.Tensor) -> tuple[float, float, float]:
+    """(sum, sum of squares, max |x|) of ``t``'s local data, in float64, as capture records
+    them (host path)."""
+    _, fig, vals = _digest_and_figures(_local(t))
+    return fig if fig is not None else tuple(batch_figures([vals])[0].tolist())
 
 
 # ------------------------------------------------------------------------------ device digest
@@ -205,19 +317,40 @@ def finish(lanes: list[int], nbytes: int, dtype: torch.dtype) -> bytes:
     return struct.pack("<QQ", x, y)
 
 
-def device_lanes_torch(tensors: list[torch.Tensor]) -> list[list[int]]:
+def _figures_torch(t: torch.Tensor) -> torch.Tensor:
+    """The three figures of a local tensor as a float64 (3,) tensor on its device, accumulated
+    chunk by chunk (bounded temporaries)."""
+    v = _numeric(_materialized(t).reshape(-1))
+    fig = torch.zeros(3, dtype=torch.float64, device=v.device)
+    for start in range(0, v.numel(), _CHUNK):
+        c = v[start:start + _CHUNK].to(torch.float64)
+        fig[0] += c.sum()
+        fig[1] += torch.dot(c, c)
+        fig[2] = torch.maximum(fig[2], c.abs().max())  # NaN anywhere stays NaN
+    return fig
+
+
+def device_lanes_torch(tensors: list[torch.Tensor], figures: bool = False):
     """The four lanes of each tensor computed with torch ops, one device-to-host transfer per
-    device. The reference for ``hashing_triton.device_lanes``."""
+    device. The reference for ``hashing_triton.device_lanes``. With ``figures``: (lanes,
+    figures), the figures computed on the device in the same call and carried by the same
+    transfer (their float64 bits beside the lanes)."""
     locals_ = [local_tensor(t) for t in tensors]
     host: list[list[int] | None] = [None] * len(tensors)
+    figs: list[tuple | None] = [None] * len(tensors)
     by_dev: dict[torch.device, list[int]] = {}
     for i, t in enumerate(locals_):
         by_dev.setdefault(t.device, []).append(i)
     for idx in by_dev.values():
-        stacked = torch.stack([_lanes_torch(locals_[i]) for i in idx]).cpu().tolist()
-        for i, halves in zip(idx, stacked):
-            host[i] = _combine(halves)
-    return host  # type: ignore[return-value]
+        rows = [_lanes_torch(locals_[i]).reshape(-1) for i in idx]
+        if figures:
+            rows = [torch.cat([r, _figures_torch(locals_[i]).view(torch.int64)])
+                    for r, i in zip(rows, idx)]
+        for i, row in zip(idx, torch.stack(rows).cpu().tolist()):
+            host[i] = _combine([row[:4], row[4:8]])
+            if figures:
+                figs[i] = struct.unpack("<3d", struct.pack("<3q", *row[8:]))
+    return (host, figs) if figures else host
 
 
 def device_backend() -> str:
@@ -233,9 +366,26 @@ def device_digest(t: torch.Tensor) -> bytes:
     return device_digests([t])[0]
 
 
-def _digests_torch(locals_: list[torch.Tensor]) -> list[bytes]:
-    lanes = device_lanes_torch(locals_)
-    return [finish(ln, t.numel() * t.element_size(), t.dtype) for ln, t in zip(lanes, locals_)]
+def _digests_torch(locals_: list[torch.Tensor], figures: bool = False):
+    """Digests (and with ``figures`` their figures, as a (k, 3) array) by torch ops."""
+    got = device_lanes_torch(locals_, figures)
+    lanes, figs = got if figures else (got, None)
+    digests = [finish(ln, t.numel() * t.element_size(), t.dtype) for ln, t in zip(lanes, locals_)]
+    return (digests, np.array(figs, dtype="<f8").reshape(-1, 3)) if figures else digests
+
+
+def _figures_pending(tensors: list[torch.Tensor]):
+    """The figures of device tensors queued on the device and copied into pinned host memory
+    behind a CUDA event, like the Triton kernels' digests (``hashing_triton.Pending``, 24 bytes
+    per tensor): no wait in the digest path."""
+    rows = torch.stack([_figures_torch(t) for t in tensors])
+    if rows.device.type != "cuda":
+        return hashing_triton.Pending(rows.cpu(), None, None)
+    host = torch.empty(rows.shape, dtype=torch.float64, pin_memory=True)
+    host.copy_(rows, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return hashing_triton.Pending(host, event, rows)
 
 
 def device_digests(tensors: list[torch.Tensor]) -> list[bytes]:
@@ -251,17 +401,35 @@ class Digests:
     """The digests of a list of tensors, some perhaps still being computed on a device.
 
     ``parts`` are (positions, bytes) already known and (positions, pending) device results
-    (``hashing_triton.Pending``: 16 bytes per position once its event has completed)."""
+    (``hashing_triton.Pending``: 16 bytes per position once its event has completed). ``figs``
+    (with ``figures=True``): the same for the figures, 24 bytes per position (the known ones
+    as (positions, (k, 3) float64 array)); None without figures."""
 
-    __slots__ = ("n", "known", "pending")
+    __slots__ = ("n", "known", "pending", "figs")
 
     def __init__(self, n: int, known: list[tuple[list[int] | None, bytes]],
-                 pending: list[tuple[list[int] | None, object]]):
-        self.n, self.known, self.pending = n, known, pending
+                 pending: list[tuple[list[int] | None, object]], figs: list | None = None):
+        self.n, self.known, self.pending, self.figs = n, known, pending, figs
 
     def ready(self) -> bool:
-        """True when ``result()`` would not wait for a device."""
-        return all(p.ready() for _, p in self.pending)
+        """True when neither ``result()`` nor ``figures()`` would wait for a device."""
+        return all(p.ready() for _, p in self.pending) and all(
+            p.ready() for _, p in self.figs or () if not isinstance(p, np.ndarray))
+
+    def figures(self) -> bytes | None:
+        """The 24-byte figures in list order (``NO_FIGURES`` where there was no tensor; waits
+        for the device if needed); None when they were not asked for."""
+        if self.figs is None:
+            return None
+        out = np.frombuffer(NO_FIGURES * self.n, dtype="<f8").reshape(-1, 3).copy()
+        for pos, part in self.figs:
+            rows = part if isinstance(part, np.ndarray) else np.frombuffer(
+                part.result(), dtype="<f8").reshape(-1, 3)
+            if pos is None:
+                out[:] = rows
+            elif len(pos):
+                out[np.asarray(pos, dtype=np.int64)] = rows
+        return out.tobytes()
 
     def result(self) -> bytes:
         """The concatenated 16-byte digests in list order (waits for the device if needed)."""
@@ -281,43 +449,69 @@ class Digests:
 
 
 def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = False,
-                         owners: list | None = None) -> Digests:
+                         owners: list | None = None, figures: bool = False) -> Digests:
     """``digest_tensors`` without waiting for a device: CUDA tensors (``device``/``auto``) go to
     the Triton kernels where they are usable and come back as a pending part; everything else
     (xxh3, the torch-ops fallback) is computed now. ``stable`` says the list holds the same
     tensor objects from call to call (the parameter table), ``owners`` that ``tensors[i]`` is
     ``owners[i].grad`` for parameters that stay the same: hashing_triton then reuses its device
-    table after checking little more than the addresses."""
+    table after checking little more than the addresses. ``figures``: the figures too
+    (``Digests.figures()``; where each path computes them: the module docstring)."""
     n = len(tensors)
-    if hasher == "xxh3":
+    if hasher == "xxh3" and not figures:
         return Digests(n, [(None, b"".join(NO_HASH if t is None else _xxh3(_local(t))
                                            for t in tensors))], [])
     if n and hasher in ("auto", "device"):
         fast = hashing_triton.digest_all_cuda(tensors, stable, owners)  # the common case
         if fast is not None:
-            return Digests(n, [], [(None, fast)])
+            figs = None
+            if figures:
+                present = [i for i, t in enumerate(tensors) if t is not None]
+                figs = [(present, _figures_pending([_local(tensors[i]) for i in present]))] \
+                    if present else []
+            return Digests(n, [], [(None, fast)], figs)
     known: list[tuple[list[int] | None, bytes]] = []
     pending: list[tuple[list[int] | None, object]] = []
+    figs: list | None = [] if figures else None
     host_pos, host_raw, dev_pos, dev_t = [], [], [], []
+    fig_pos, fig_rows, small_pos, small = [], [], [], []
     for i, t in enumerate(tensors):
         if t is None:
             continue
         lt = _local(t)
-        if hasher == "device" or lt.is_cuda:
+        if hasher == "device" or (hasher == "auto" and lt.is_cuda):
             dev_pos.append(i)
             dev_t.append(lt)
-        else:
+        elif not figures:
             host_pos.append(i)
             host_raw.append(_xxh3(lt))
+        else:  # digest and figures in one read of the bytes (small ones summed together below)
+            digest, fig, vals = _digest_and_figures(lt)
+            host_pos.append(i)
+            host_raw.append(digest)
+            if vals is not None:
+                small_pos.append(i)
+                small.append(vals)
+            else:
+                fig_pos.append(i)
+                fig_rows.append(fig)
     if host_pos:
         known.append((host_pos, b"".join(host_raw)))
+    if figures:
+        if fig_pos:
+            figs.append((fig_pos, np.array(fig_rows, dtype="<f8").reshape(-1, 3)))
+        if small:  # a few numpy calls for the whole table
+            figs.append((small_pos, batch_figures(small)))
     if dev_pos:
         cuda = [k for k, t in enumerate(dev_t) if t.is_cuda]
         if cuda:
             p = hashing_triton.digest_cuda([dev_t[k] for k in cuda]) if hashing_triton.usable() \
                 else None
             if p is not None:
-                pending.append(([dev_pos[k] for k in cuda], p))
+                pos = [dev_pos[k] for k in cuda]
+                pending.append((pos, p))
+                if figures:
+                    figs.append((pos, _figures_pending([dev_t[k] for k in cuda])))
                 done = set(cuda)
                 rest = [k for k in range(len(dev_t)) if k not in done]
             else:
@@ -325,11 +519,19 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
         else:
             rest = list(range(len(dev_t)))
         if rest:
-            known.append(([dev_pos[k] for k in rest],
-                          b"".join(_digests_torch([dev_t[k] for k in rest]))))
-    return Digests(n, known, pending)
+            pos = [dev_pos[k] for k in rest]
+            got = _digests_torch([dev_t[k] for k in rest], figures)
+            known.append((pos, b"".join(got[0] if figures else got)))
+            if figures:
+                figs.append((pos, got[1]))
+    return Digests(n, known, pending, figs)
 
 
-def digest_tensors(tensors: list[torch.Tensor | None], hasher: str = "auto") -> bytes:
-    """Concatenated 16-byte digests in list order; ``None`` -> ``NO_HASH``."""
-    return digest_tensors_async(tensors, hasher).result()
+def digest_tensors(tensors: list[torch.Tensor | None], hasher: str = "auto",
+                   figures: bool = False) -> bytes | tuple[bytes, bytes]:
+    """Concatenated 16-byte digests in list order; ``None`` -> ``NO_HASH``. With ``figures``:
+    ``(digests, figures)``, the figures 24 bytes per tensor in the same order (sum, sum of
+    squares, max |x| as little-endian float64; ``NO_FIGURES`` for ``None``), computed in the
+    same call (where, per path: the module docstring)."""
+    d = digest_tensors_async(tensors, hasher, figures=figures)
+    return (d.result(), d.figures()) if figures else d.result()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 
-from parity.capture.env import rank_skip_reason
+from parity.capture.env import ENV_DIR, INTERRUPTED_FILE, rank_skip_reason
 from parity.capture.post_import import when_imported
 
 
@@ -35,9 +35,35 @@ def _activate(_torch_module) -> None:
         ops.activate_from_env(s)
 
 
+def quiet_when_interrupted() -> None:
+    """Chain a ``sys.excepthook`` that prints nothing for the exception a signal forwarded by
+    `parity exec` raises (torchrun's ``SignalException``, a rank's ``KeyboardInterrupt``) once
+    `parity exec` has marked the run interrupted (``INTERRUPTED_FILE``): parity says it in one
+    line and exits 130. Any other exception, and these before parity forwarded anything, print
+    as ever."""
+    out = os.environ.get(ENV_DIR)
+    if not out:
+        return
+    import sys
+
+    marker = os.path.join(out, INTERRUPTED_FILE)
+    previous = sys.excepthook
+
+    def excepthook(tp, value, tb):
+        if (issubclass(tp, KeyboardInterrupt) or tp.__name__ == "SignalException") \
+                and os.path.exists(marker):
+            return None
+        return previous(tp, value, tb)
+
+    sys.excepthook = excepthook
+
+
 def boot() -> None:
     """Called by the bootstrap sitecustomize in a process that may be a rank."""
-    if rank_skip_reason() is not None:
+    why = rank_skip_reason()
+    if why is None or why == "torchrun agent":
+        quiet_when_interrupted()
+    if why is not None:
         return
     # PARITY_CAPTURE_ACTIVE (children of a capturing rank stay out) is set by the session when
     # it starts recording, after ``import torch``: a wrapper that starts the real trainer as a

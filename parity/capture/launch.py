@@ -11,7 +11,10 @@ environment plus:
 ``run.json`` is written atomically at start (status ``running``) and at the end (exit code and
 status). SIGTERM, SIGINT and SIGHUP received by parity are forwarded to the command's process
 group; parity then waits for the command and returns its exit code (128 + N if it was killed by
-signal N), or 2 if it could not be started.
+signal N), or 2 if it could not be started. Interrupted (a forwarded signal, and the command did
+not exit 0): one line on stderr, exit 130, and what the ranks recorded before is kept; the run
+directory is marked (``env.INTERRUPTED_FILE``) so that the job's processes end without printing
+the traceback of the signal parity sent them (inject.quiet_when_interrupted).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from parity import __version__
 from parity.artifacts import SCHEMA_VERSION, write_json_atomic
 from parity.capture import env as cenv
 from parity.capture import env_record
-from parity.errors import EXIT_INCOMPLETE, EXIT_OK, EXIT_SIGNALED, EXIT_USAGE, ParityError
+from parity.errors import (EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK, EXIT_SIGNALED, EXIT_USAGE,
+                           ParityError)
 from parity.pidlock import PidLock
 from parity.rundir import (META_FILE, RUN_FILE, STEPS_FILE, looks_like_run, rank_dirs,
                            refused_records)
@@ -214,7 +218,7 @@ def _clear_previous(out: Path) -> None:
     """A run directory holds one run: drop the artifacts an earlier run left (ours only)."""
     for _, child in rank_dirs(out):
         shutil.rmtree(child, ignore_errors=True)
-    for name in (RUN_FILE, STARTED_FILE):
+    for name in (RUN_FILE, STARTED_FILE, cenv.INTERRUPTED_FILE):
         try:
             (out / name).unlink()
         except FileNotFoundError:
@@ -296,6 +300,11 @@ def _exec_locked(out: Path, command: list[str], *, every: int, grads: bool, mani
     child: list[subprocess.Popen] = []
 
     def forward(signum, _frame):
+        if not received:  # before the job hears it: its processes end quietly (inject.py)
+            try:
+                (out / cenv.INTERRUPTED_FILE).write_text(_signal_name(signum) + "\n")
+            except OSError:
+                pass
         received.append(signum)
         if child:
             try:
@@ -342,6 +351,13 @@ def _exec_locked(out: Path, command: list[str], *, every: int, grads: bool, mani
             signal.signal(sig, h)
 
     summary, captured = summarize(out)
+    if received and rc != 0:  # interrupted: one line, what was recorded is kept
+        how = (f"killed by {_signal_name(-rc)}" if rc < 0 else f"exited with code {rc}")
+        finish(EXIT_INTERRUPTED, "failed",
+               f"interrupted: parity forwarded {_signal_name(received[0])}; the command {how}")
+        _say(f"interrupted ({_signal_name(received[0])}): the job was stopped; kept what it "
+             f"recorded in {out}: {summary} (exit {EXIT_INTERRUPTED})")
+        return EXIT_INTERRUPTED
     _say(summary)
     refused = refused_claims(out)
     if rc == 0 and not captured:

@@ -11,15 +11,21 @@ order, to ``RUN_DIR/ops/rank-NNNNN.jsonl``:
 
 * eager processes: a ``TorchDispatchMode`` sees every ATen op (forward, backward, optimizer);
   ``ModTracker`` names the module whose forward or backward is running.
-* compiled processes (``torch.compile`` was called): a TorchDispatchMode around a compiled call
-  breaks it ("non-infra torch dispatch mode present"), so no mode runs during forward/backward.
-  Instead the compiled graphs, hooked where graph.py already wraps aot_autograd's compilers
-  (``graph.set_runtime_hook``), are run at step K by an ``fx.Interpreter`` that hashes every
-  node's output. That is exact for aot_eager-style graphs (the nodes ARE the ops that run);
-  for inductor the interpreter would run different kernels than the job, so the record says
-  which backend ran (it cannot tell: docs/bisect.md states the aot_eager requirement). The
-  module of a node is its ``nn_module_stack`` (forward) or ``fwd_nn_module_stack`` (backward).
-  The optimizer step runs eagerly and is recorded by the dispatch mode in both kinds.
+* compiled processes (the model itself compiled, ``torch.compile(model)``): a TorchDispatchMode
+  around a compiled call breaks it ("non-infra torch dispatch mode present"), so no mode runs
+  during forward/backward. Instead the compiled graphs, hooked where graph.py already wraps
+  aot_autograd's compilers (``graph.set_runtime_hook``), are run at step K by an
+  ``fx.Interpreter`` that hashes every node's output. That is exact for aot_eager-style graphs
+  (the nodes ARE the ops that run); an inductor graph is one opaque record with hashed outputs
+  (interpreting it would run other kernels than the job; docs/bisect.md). The module of a node
+  is its ``nn_module_stack`` (forward) or ``fwd_nn_module_stack`` (backward). The optimizer
+  step runs eagerly and is recorded by the dispatch mode in both kinds.
+* mixed processes (some blocks compiled, ``block.compile()`` or ``torch.compile(block)``, the
+  model around them eager, as torchtitan compiles per block): the eager ops around the
+  compiled blocks are recorded op by op by the dispatch mode and ``ModTracker``, as in an eager
+  process; each compiled block's call runs as the job runs it (the mode popped, ModTracker's
+  global hooks taken off for the call: a compiled frame sees no hook and no mode it did not see
+  when it was compiled) and its graphs are recorded as in a compiled process.
 * at the start of step K's optimizer step, one ``parity.grad`` record per parameter: the hash
   of the gradient the optimizer consumes, i.e. after the reduce-scatter. Collectives are not
   hashed (their outputs are not ready before the wait, and eager and compiled jobs bucket them
@@ -33,6 +39,7 @@ steps cannot tell bisect anything.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import operator
@@ -289,7 +296,9 @@ class OpRecorder:
         self.step = step
         self.exit_after = exit_after
         self.records: list[dict] = []
-        self.compiled = False  # torch.compile was called in this process
+        self.compiled = False  # torch.compile was called on a module in this process
+        self.mixed = False  # compiled blocks inside an eager model: eager ops recorded around them
+        self._job_depth = 0  # nesting of _as_the_job_runs
         self.backends: list[str] = []  # the backends torch.compile was asked for, in order
         self.recording = False
         self.in_optimizer = False
@@ -343,9 +352,12 @@ class OpRecorder:
             if not is_module and callable(out) and target is not None:
                 return self._compiled_function(out, getattr(target, "__name__", None)
                                                or type(target).__name__)
+            if is_module and not isinstance(target, torch.nn.Module) and callable(out):
+                return self._compiled_block(out)  # module.compile(): its _compiled_call_impl
             return out
 
         torch.compile = compile
+        self._patch_optimized_module()
         from parity.capture.sources import graph_makefx
 
         graph_makefx.set_runtime_hook(self._makefx_interpreter)
@@ -370,9 +382,12 @@ class OpRecorder:
         h, self._fwd_handle = self._fwd_handle, None
         if h is not None:
             h.remove()
-        if self.compiled or type(module).__name__ == "OptimizedModule":
+        if type(module).__name__ == "OptimizedModule" or getattr(
+                module, "_compiled_call_impl", None) is not None:
             self.compiled = True
-            return None  # forward/backward come from the compiled graphs
+            return None  # the model itself is compiled: forward/backward from its graphs
+        # an eager model, perhaps around compiled blocks: its own ops recorded op by op
+        self.mixed = self.compiled
         try:
             from torch.distributed._tools.mod_tracker import ModTracker
 
@@ -518,8 +533,9 @@ class OpRecorder:
         compiled one (no dispatch mode: every op of the step is a node of that graph)."""
         if not self._graph_recording():
             return None
-        if not self.compiled:
+        if not self.compiled or self.mixed:
             self.compiled = True
+            self.mixed = False
             h, self._fwd_handle = self._fwd_handle, None
             if h is not None:
                 h.remove()
@@ -543,9 +559,71 @@ class OpRecorder:
         return self.recording and not self.in_optimizer and os.getpid() == self.pid
 
     def _eager_recording(self) -> bool:
-        """An eager process recording forward/backward with its dispatch mode."""
+        """An eager (or mixed) process recording forward/backward with its dispatch mode."""
         return (self.recording and self.mode is not None and not self.in_optimizer
-                and not self.compiled and os.getpid() == self.pid)
+                and (not self.compiled or self.mixed) and os.getpid() == self.pid)
+
+    @contextlib.contextmanager
+    def _as_the_job_runs(self):
+        """Around a compiled block's call (or a compiled graph run from autograd) in a mixed
+        process at step K: our dispatch mode popped when it is the top one, ModTracker's global
+        module hooks taken off, both put back after. The compiled frame then sees the hooks and
+        modes it was compiled with (none of ours): no guard fails, nothing recompiles."""
+        from torch.utils import _python_dispatch as pd
+
+        self._job_depth += 1
+        tracker = self.tracker if self._job_depth == 1 else None  # the outermost call only
+        if tracker is not None:
+            tracker._fw_pre_handle.remove()
+            tracker._fw_post_handle.remove()
+        try:
+            if self.mode is not None and pd._get_current_dispatch_mode() is self.mode:
+                with pd._pop_mode_temporarily():
+                    yield
+            else:
+                yield
+        finally:
+            self._job_depth -= 1
+            if tracker is not None and tracker is self.tracker:
+                tracker.__enter__()  # registers its two global hooks again
+
+    def _compiled_block(self, fn):
+        """``module.compile()``'s compiled call: as the job runs it when a mixed process records
+        (:meth:`_as_the_job_runs`), its graphs recorded through the runtime hook."""
+        rec = self
+
+        @functools.wraps(fn)
+        def compiled_block(*args, **kwargs):
+            if torch.compiler.is_compiling() or not (rec.mixed and rec._eager_recording()):
+                return fn(*args, **kwargs)
+            with rec._as_the_job_runs():
+                return fn(*args, **kwargs)
+
+        return compiled_block
+
+    def _patch_optimized_module(self) -> None:
+        """``torch.compile(block)`` returns an OptimizedModule whose ``__call__`` runs global
+        module hooks (and warns about them) before its compiled frame: in a mixed process at
+        step K its call runs as :meth:`_compiled_block`'s. Class-level, once per process, and a
+        plain pass-through whenever this recorder is not recording a mixed step."""
+        try:
+            from torch._dynamo.eval_frame import OptimizedModule
+        except Exception:  # noqa: BLE001 - no dynamo: nothing compiled to wrap
+            return
+        original = OptimizedModule.__call__
+        if getattr(original, "_parity_ops", False):
+            return
+        rec = self
+
+        @functools.wraps(original)
+        def __call__(mod, *args, **kwargs):
+            if not (rec.mixed and rec._eager_recording()) or torch.compiler.is_compiling():
+                return original(mod, *args, **kwargs)
+            with rec._as_the_job_runs():
+                return original(mod, *args, **kwargs)
+
+        __call__._parity_ops = True  # type: ignore[attr-defined]
+        OptimizedModule.__call__ = __call__
 
     def _compiled_function(self, fn, name: str):
         """A function compiled inside an eager trainer (flex attention): at step K, its call
@@ -604,7 +682,12 @@ class OpRecorder:
                 return out
 
         def recorded(*args):
-            return run(*args) if self._graph_recording() else compiled(*args)
+            if not self._graph_recording():
+                return compiled(*args)
+            if self.mixed:  # a backward run from autograd under our mode: off for the graph
+                with self._as_the_job_runs():
+                    return run(*args)
+            return run(*args)
 
         if boxed:
             recorded._boxed_call = True  # type: ignore[attr-defined]
@@ -654,7 +737,8 @@ class OpRecorder:
         path = ops_path(self.session.out_dir, rank)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         meta = {"meta": {"step": self.step, "rank": rank, "complete": complete,
-                         "process": "compiled" if self.compiled else "eager",
+                         "process": ("mixed" if self.mixed else "compiled" if self.compiled
+                                     else "eager"),
                          "graphs_run": self.graphs_run, "ops": len(self.records),
                          "compile_backends": self.backends,
                          "warnings": self.warnings, "time": time.time()}}

@@ -114,7 +114,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self._step_loss = None
         self._step_sampled = True
         self._grad_rows: dict[int, int] = {}  # table row -> its part in _grad_parts
-        self._grad_parts: list = []  # (rows or None: all, hashing.Digests) of this step's grads
+        self._grad_parts: list = []  # (rows or n: all, hashing.Digests with figures) of this step's grads
         self._opt_rows: dict[int, tuple] = {}  # id(optimizer) -> (its _opt_sigs entry, rows)
         self._inflight: collections.deque = collections.deque()  # written steps not yet resolved
         self._consumed_handles: dict[int, object] = {}  # id(optimizer) -> our last pre-hook
@@ -125,7 +125,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self.entries: list[dict] = []
         self._table_final = False
         self._table_dirty = False
-        self._p0: list[bytes] = []
+        self._p0: list[tuple[bytes, bytes]] = []  # step 0: (digests, figures) per group
         self._buffer_keys: set[tuple[int, str]] = set()  # (id(module), name) of buffer rows
         self._buffers_dirty = True
         self._registration_handles: list = []

@@ -129,11 +129,12 @@ class StepClock:
             owners, key = list(map(table.__getitem__, rows)), rows
         grads = list(map(_GRAD, owners))
         self._grad_rows.update(dict.fromkeys(rows, len(self._grad_parts)))
-        self._grad_parts.append((key, digest_tensors_async(grads, self.hasher, owners=owners)))
+        self._grad_parts.append((key, digest_tensors_async(grads, self.hasher, owners=owners,
+                                                               figures=True)))
 
     def _grad_line(self) -> list:
-        """This step's gradient digests in table order, as parts still perhaps on the device
-        (writing.py resolves them): as consumed (see _note_consumed), else (a row no optimizer
+        """This step's gradient digests (and their figures) in table order, as parts still
+        perhaps on the device (writing.py resolves them): as consumed (see _note_consumed), else (a row no optimizer
         stepped) as they are now."""
         if len(self._grad_rows) < len(self.table):
             missing = [i for i in range(len(self.table)) if i not in self._grad_rows]

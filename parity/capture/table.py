@@ -249,7 +249,7 @@ class ParamTable:
             names = self._names(new)
             for p in new:
                 self._append_param(p, *names.get(id(p), (None, None)))
-            self._p0.append(digest_tensors(new, self.hasher))
+            self._p0.append(digest_tensors(new, self.hasher, figures=True))
             self._table_dirty = True
         self._sync_buffers(None)
 
@@ -302,7 +302,7 @@ class ParamTable:
         if not bufs:
             return 0
         if since is None:
-            self._p0.append(digest_tensors(bufs, self.hasher))
+            self._p0.append(digest_tensors(bufs, self.hasher, figures=True))
             self._table_dirty = True
         else:
             self._ensure_writer().write_params(self.entries)

@@ -18,7 +18,7 @@ import time
 import torch
 
 from parity import __version__
-from parity.artifacts import HASH_BYTES, RankWriter
+from parity.artifacts import HASH_BYTES, NO_FIGURES, RankWriter
 from parity.capture import env as cenv
 from parity.capture import fingerprint, gpu_facts, nccl_emulation
 from parity.capture.env import env_int as _env_int
@@ -195,14 +195,15 @@ class RankRecord:
             w.update_meta()
             w.write_params(self.entries)
             if not self._step_base:  # a restarted attempt continues its rank's steps
-                w.write_step(0, b"".join(self._p0))
+                w.write_step(0, b"".join(d for d, _ in self._p0),
+                             param_figures=b"".join(f for _, f in self._p0))
             self._table_dirty = False
         self._write(1, self._grad_line() if self.grads else None)
 
     def _write(self, step: int, grads: list | None) -> None:
         """Queue step ``step`` (its parameter digests now; ``grads``: the parts of its gradient
         line, steps.py) and write every step that is ready."""
-        params = digest_tensors_async(self._tensors(), self.hasher, stable=True)
+        params = digest_tensors_async(self._tensors(), self.hasher, stable=True, figures=True)
         self._ensure_writer()
         self._inflight.append(_InFlight(self._step_base + step, len(self.table), params, grads,
                                         self._loss(self._step_loss)))
@@ -222,8 +223,11 @@ class RankRecord:
                 return
             q.popleft()
             loss, loss_hash = head.loss_value()
-            self._ensure_writer().write_step(head.step, head.params.result(), head.grad_line(),
-                                             loss, loss_hash)
+            grads = head.grad_line()
+            self._ensure_writer().write_step(head.step, head.params.result(), grads, loss,
+                                             loss_hash, param_figures=head.params.figures(),
+                                             grad_figures=None if grads is None else
+                                             head.grad_figures())
 
     def flush_final(self) -> None:
         """Write the last finished step if sampling skipped it (params and loss; no grads)."""
@@ -293,6 +297,23 @@ class _InFlight:
         out = np.zeros((self.rows, HASH_BYTES), dtype=np.uint8)
         for rows, d in parts:
             got = np.frombuffer(d.result(), dtype=np.uint8).reshape(-1, HASH_BYTES)
+            if isinstance(rows, int):
+                out[:rows] = got
+            else:
+                out[np.asarray(rows, dtype=np.int64)] = got
+        return out.tobytes()
+
+    def grad_figures(self) -> bytes | None:
+        """The gradients' figures in table order, assembled from the parts as ``grad_line``
+        (None when a part was digested without figures)."""
+        parts = self.grads or []
+        if any(d.figs is None for _, d in parts):
+            return None
+        import numpy as np
+
+        out = np.frombuffer(NO_FIGURES * self.rows, dtype="<f8").reshape(-1, 3).copy()
+        for rows, d in parts:
+            got = np.frombuffer(d.figures(), dtype="<f8").reshape(-1, 3)
             if isinstance(rows, int):
                 out[:rows] = got
             else:

@@ -20,6 +20,7 @@ from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_b
                                  explain_eager)
 from parity.diff.emulation import check_same_emulation, emulation_gaps
 from parity.diff.env import numerics_env_differences
+from parity.diff.magnitude import size_of_difference
 from parity.diff.reduction import assess, observe
 from parity.diff.one_sided import one_sided, refused_processes, same_run
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, HashComparison, ParamIndex,
@@ -114,42 +115,65 @@ def _compare_loss(ra: list[RankData], rb: list[RankData], ranks: list[int],
     return LossComparison(captured, ranks[0] if ranks else None, first, rows)
 
 
+# Without op-level evidence the hashes say WHAT differs at a step, not which pass made it
+# differ: a forward that differs can leave the loss bitwise equal (the rounding absorbed it) and
+# still change every gradient; the forward, the backward and the gradient reduction all feed
+# the gradients. So the label names what was compared and found ("loss equal, gradients
+# differ"), and the explanation says what that does and does not tell; `parity bisect` compares
+# op by op. Only what the records prove is named: a loss that differs from equal parameters
+# (the forward of that step computed another loss), parameters that differ from equal
+# gradients and equal parameters before (the optimizer step).
+BISECT_HINT = "`parity bisect` compares op by op and names where it enters"
+
+
 def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
             loss_div: bool | None, grads_compared: bool,
-            buffers_only: list[str] | None = None) -> tuple[str, str]:
+            buffers_only: list[str] | None = None) -> tuple[str, str, str]:
+    """(origin code, label, explanation) of the first divergent step (docs/diff.md)."""
     before = (f"the parameters of step {prev} match" if prev is not None
               else "no earlier step was captured")
     if prev is not None and prev != step - 1:
         before += f" (steps {prev + 1}-{step - 1} not captured)" if step - 1 > prev + 1 else \
             f" (step {step - 1} not captured)"
     if buffers_only and not grad_div and not loss_div:
-        return "buffer", (f"only buffers differ at step {step} ({_names(buffers_only, 3)}) while "
-                          f"every parameter matches and {before}: buffer updates in the forward "
-                          "pass (BatchNorm running statistics and the like) or a buffer set "
-                          "differently, not the optimizer")
+        return "buffer", "only buffers differ", (
+            f"only buffers differ at step {step} ({_names(buffers_only, 3)}) while every "
+            f"parameter matches and {before}: buffer updates in the forward pass (BatchNorm "
+            "running statistics and the like) or a buffer set differently, not the optimizer")
     if step == 0 and param_div and not grad_div:
-        return "init", ("the parameters differ before the first optimizer step: initialization, "
-                        "loading or sharding")
+        return "init", "parameters differ before the first optimizer step", (
+            "the parameters differ before the first optimizer step: initialization, loading or "
+            "sharding")
     if loss_div and not grad_div and grads_compared:
-        return "loss", (f"the loss of step {step} differs while its gradients match and "
-                         f"{before}: the loss computation or its reduction")
+        return "loss", "loss differs, gradients equal", (
+            f"the loss of step {step} differs while its gradients match and {before}: the loss "
+            "computation or its reduction")
     if loss_div:
-        return "forward", (f"the loss of step {step} differs while {before}: the forward pass "
-                           "(all-gathers or compute) diverged")
+        grads = (", gradients differ" if grad_div else
+                 ", gradients not recorded" if not grads_compared else "")
+        return "forward", "loss differs" + grads, (
+            f"the loss of step {step} differs while {before}: the forward computation of step "
+            f"{step} (or its input) differs; {BISECT_HINT}")
     if grad_div:
-        where = ("the backward pass or the reduce-scatter" if loss_div is False
-                 else "the forward/backward pass or the reduce-scatter")
-        return "backward", (f"the gradients of step {step} differ while {before}"
-                            + (" and the loss matches" if loss_div is False else "")
-                            + f": look at {where}")
+        if loss_div is False:
+            return "backward", "loss equal, gradients differ", (
+                f"the gradients of step {step} differ while its loss is bitwise equal and "
+                f"{before}. The hashes do not tell which pass: a forward that differs can leave "
+                "the loss equal (the rounding absorbs it), and the backward and the gradient "
+                f"reduction feed the gradients too; {BISECT_HINT}")
+        return "backward", "gradients differ, loss not recorded", (
+            f"the gradients of step {step} differ while {before} (the loss was not recorded): "
+            f"the forward, the backward or the gradient reduction; {BISECT_HINT}")
     if param_div:
         if grads_compared:
-            return "optimizer", (f"the parameters of step {step} differ while its gradients "
-                                 f"match and {before}: the optimizer step")
-        return "param", (f"the parameters of step {step} differ while {before} (the gradients "
-                         f"of step {step} were not recorded, so the passes cannot be told from "
-                         "the optimizer)")
-    return "loss", (f"the loss of step {step} differs while every hash of that step matches")
+            return "optimizer", "gradients equal, parameters differ", (
+                f"the parameters of step {step} differ while its gradients match and {before}: "
+                "the optimizer step")
+        return "param", "parameters differ, gradients not recorded", (
+            f"the parameters of step {step} differ while {before} (the gradients of step "
+            f"{step} were not recorded, so the passes cannot be told from the optimizer)")
+    return "loss", "loss differs, every hash equal", (
+        f"the loss of step {step} differs while every hash of that step matches")
 
 
 def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: bool = False,
@@ -270,6 +294,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     if reduction is not None:  # an emulated pair: predicted against observed
         observe(reduction, divergent, first)
 
+    # the size of each difference, from the figures next to the hashes (summaries, no verdict)
+    magnitude = size_of_difference(ra, rb, ranks, aligns, index, divergent,
+                                   divergent[0].step if divergent else None, steps_compared)
     _lazy_problems(ra, rb, n_before, problems)  # tables parsed for the checks above
     verdict = _verdict(first, incomplete)
     sides = _sides(run_a, run_b, ws, usable, side_steps, layouts)
@@ -283,7 +310,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
         problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
-        reduction_order=reduction,
+        reduction_order=reduction, magnitude=magnitude,
     )
 
 
@@ -492,8 +519,8 @@ def _first_divergence(run_a: Run, ra: list[RankData], rb: list[RankData], ranks:
         div_params = [index.names[g] for g, _ in det.grouped("param")] if at_first else []
         only_buffers = (div_params if div_params and buffers
                         and all(n.split("#", 1)[0] in buffers for n in div_params) else None)
-        origin, why = _origin(first, prev, grad_div, param_div, loss_div, grads_here,
-                              only_buffers)
+        origin, label, why = _origin(first, prev, grad_div, param_div, loss_div, grads_here,
+                                     only_buffers)
         loc_a, loc_b = layouts["a"].locate(), layouts["b"].locate()
         rank_set: set[int] = set()
         n_kind = {}
@@ -513,7 +540,7 @@ def _first_divergence(run_a: Run, ra: list[RankData], rb: list[RankData], ranks:
         why = _explain_eager(why, divergent, run_a, ranks, layouts, order)
         fd = FirstDivergence(first, origin, grad_div, prev, n_kind["param"],
                              n_kind["grad"] if hc.grads_compared else None, sorted(rank_set),
-                             loss_div, why)
+                             loss_div, why, label)
     return first, fd, divergent
 
 
@@ -677,9 +704,12 @@ def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
     if neither.any():
         cols = np.flatnonzero(neither.any(axis=0))
         rws = np.flatnonzero(neither.any(axis=1))
-        incomplete.append(f"{int(neither.sum())} (rank, step) record(s) missing on both sides: "
-                          f"step(s) {ranges([steps[j] for j in cols])} on {len(rws)} rank(s) "
-                          f"(first: rank {ranks[rws[0]]})")
+        # a step some rank recorded and this (rank, step) on neither side: the ranks of a run
+        # stopped at different steps (a job interrupted mid-step), not data lost on both sides
+        incomplete.append(f"step(s) {ranges([steps[j] for j in cols])} recorded by some ranks "
+                          f"only: {int(neither.sum())} (rank, step) record(s) neither side has, "
+                          f"on {len(rws)} rank(s) (first: rank {ranks[rws[0]]}; its run stopped "
+                          "earlier there)")
 
 
 def _unaligned(ranks, aligns, glob_only: set, incomplete: list[str]) -> None:

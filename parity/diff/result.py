@@ -5,6 +5,7 @@ the ``--fail-on`` verdict it asks parity.policy for. The engine (engine.py) buil
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,9 @@ class FirstDivergence:
     ranks: list[int]
     loss_differs: bool | None
     explanation: str
+    # what was compared and found, in those words ("loss equal, gradients differ at step 1"):
+    # the label reports show; ``origin`` is its code, not a claim about which pass differs
+    label: str | None = None
 
 
 @dataclass
@@ -82,6 +86,31 @@ class LossStep:
     # every compared rank's loss, in ranks_compared order (the HTML report's per-rank lines)
     a_ranks: list | None = None
     b_ranks: list | None = None
+
+    def shown(self, ranks: list[int], rank: int | None) -> tuple[int | None, object, object]:
+        """(rank, A's loss, B's loss) for a one-row-per-step table: ``rank``'s (the lowest
+        compared), unless the loss differs at this step and ``rank``'s two values are equal;
+        then the first rank whose values differ, so a row marked as differing shows the
+        difference."""
+        if self.equal is False and _same_float(self.a, self.b):
+            for r, x, y in zip(ranks, self.a_ranks or [], self.b_ranks or []):
+                if not _same_float(x, y):
+                    return r, x, y
+        return rank, self.a, self.b
+
+    def delta(self, ranks: list[int], rank: int | None) -> float | None:
+        """(B - A) / |A| of the shown rank's loss (None: not both numbers, or A is 0)."""
+        _, x, y = self.shown(ranks, rank)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y)):
+            return None
+        return (y - x) / abs(x) if x else None
+
+
+def _same_float(x, y) -> bool:
+    """Bitwise the same number (or both missing)."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (x, y)):
+        return x is None and y is None
+    return struct.pack("<d", float(x)) == struct.pack("<d", float(y))
 
 
 @dataclass
@@ -128,6 +157,9 @@ class DiffResult:
     bucketing: dict = field(default_factory=dict)  # parity.diff.bucket_summary.summarize_pair
     # ``--at``: parity.diff.reduction.ReductionPrediction (None: no topology asked)
     reduction_order: object | None = None
+    # the size of the differences, from the figures next to each hash (parity/diff/magnitude.py):
+    # summaries, never part of the verdict; {} when nothing diverged
+    magnitude: dict = field(default_factory=dict)
 
     # -- policy (parity.policy owns the rule and the words)
     def exit_code(self, fail_on: str = "hash") -> int:
@@ -152,7 +184,7 @@ class DiffResult:
             "steps_compared": self.steps_compared, "ranks_compared": self.ranks_compared,
             "params_compared": self.params_compared, "first_divergent_step":
             self.first_divergent_step, "first_divergence": None if fd is None else
-            {"ranks": list(fd.ranks), "origin": fd.origin},
+            {"ranks": list(fd.ranks), "origin": fd.origin, "label": fd.label},
             "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket,
                       "consequences": self.order.consequences},
             "reduction_order": self._reduction_dict(),
@@ -187,6 +219,7 @@ class DiffResult:
                 "ranks": list(self.first_divergence.ranks),
                 "loss_differs": self.first_divergence.loss_differs,
                 "explanation": self.first_divergence.explanation,
+                "label": self.first_divergence.label,
             },
             "divergent": [{"step": d.step, "fqn": d.fqn, "kind": d.kind, "ranks": list(d.ranks),
                            "buckets": d.buckets} for d in self.divergent],
@@ -217,6 +250,7 @@ class DiffResult:
                          for w in self.warnings],
             "stats": dict(self.stats),
             "bucketing": dict(self.bucketing),
+            "magnitude": dict(self.magnitude),
         }
 
     def write_json(self, path: str | Path) -> None:
@@ -295,7 +329,7 @@ def from_dict(d: dict) -> DiffResult:
         first_divergence=None if fd is None else FirstDivergence(
             fd.get("step"), fd.get("origin"), fd.get("grad_before_param"),
             fd.get("previous_step"), fd.get("params"), fd.get("grads"), fd.get("ranks") or [],
-            fd.get("loss_differs"), fd.get("explanation")),
+            fd.get("loss_differs"), fd.get("explanation"), fd.get("label")),
         divergent=[Divergence(x.get("step"), x.get("fqn"), x.get("kind"), x.get("ranks") or [],
                               {coll: sides for coll, sides in obj(x.get("buckets")).items()
                                if isinstance(sides, dict)})
@@ -321,7 +355,8 @@ def from_dict(d: dict) -> DiffResult:
                   for x in objs(d.get("warnings"))],
         schema_version=d.get("schema_version", SCHEMA_VERSION), bucketing=d.get("bucketing") or {},
         reduction_order=RecordedPrediction(reduction) if isinstance(reduction, (dict, list))
-        else None)
+        else None,
+        magnitude=obj(d.get("magnitude")))
 
 
 def _pair_from_dict(p: dict) -> BucketPair:

@@ -41,6 +41,20 @@ def _num(value) -> str:
     return "-" if value is None else str(value)
 
 
+REGATHER_NOTE = ("eager FSDP2 all-gathers again in the backward (reshard_after_forward): "
+                 "copies of the same parameters, values unchanged; not a difference")
+
+
+def regather(pair: dict) -> bool:
+    """A side-by-side row of backward all-gathers where a side is eager FSDP2: FSDP2 re-gathers
+    the parameters it resharded after the forward (torch/distributed/fsdp/_fully_shard/
+    _fsdp_param_group.py, ``FSDPParamGroup.pre_backward`` -> ``unshard``, torch 2.13), a
+    compiled graph keeps or recomputes them instead. Copies, never sums: its counts differ by
+    design and are shown, not marked as a difference."""
+    return pair.get("collective") == "all_gather" and pair.get("phase") == "backward" and any(
+        (pair.get(k) or {}).get("source") == "fsdp2" for k in ("a", "b"))
+
+
 def print_summary(summary: dict | None, console, title: str = "Bucketing") -> None:
     """One run: a row per graph and collective kind, then the attribution lines."""
     if not summary or not summary.get("graphs"):
@@ -120,8 +134,10 @@ def print_summary_pair(a: dict | None, b: dict | None, console, moved: list | No
     table.add_column("A", justify="right", no_wrap=True)
     table.add_column("B", justify="right", no_wrap=True)
     table.add_column("", width=1)
+    said_regather = False
     for pair in pair_rows(a, b):
         ra, rb = pair["a"], pair["b"]
+        harmless = regather(pair)
         table.add_row(T(f"{_ABBR.get(pair['collective'], pair['collective'])} ({pair['phase']})"), T("graph"),
                       T(side_label(ra)), T(side_label(rb)), T(""))
         for name, fmt in FIGURES:
@@ -130,7 +146,14 @@ def print_summary_pair(a: dict | None, b: dict | None, console, moved: list | No
                 continue
             # a span or gap one side cannot know is no finding
             differs = va != vb and (name.startswith(("count", "bytes")) or "-" not in (va, vb))
+            if differs and harmless:
+                said_regather = True
+                table.add_row(T(""), T(name), T(va), T(vb), T("~", "dim"))
+                continue
             table.add_row(T(""), T(name), T(va), T(vb), T("*" if differs else "", "bold red"))
+    if said_regather:
+        table.caption = f"* differs   ~ {REGATHER_NOTE}"
+        table.caption_justify = "left"
     console.print(table)
     print_attribution((a or {}).get("attribution") or [], console, "A")
     print_attribution((b or {}).get("attribution") or [], console, "B")

@@ -19,6 +19,7 @@ from rich.text import Text
 
 from parity import consequences, policy
 from parity.diff import DiffResult
+from parity.diff.magnitude import first_sizes, rel_text, size_texts, ulps_text
 from parity.text import ranges
 from parity.report.reduction import reduction_section
 from parity.report.stdout import make_rich_console
@@ -125,7 +126,7 @@ def _verdict_lines(r: DiffResult, fail_on: str = "hash") -> list:
                 line.append(f": {' and '.join(bits)} differ on rank(s) {_ranks(fd.ranks)}")
             elif fd.loss_differs:
                 line.append(": the loss differs")
-            line.append(f" ({fd.origin})")
+            line.append(f" ({fd.label or fd.origin})")
     else:
         line.append("INCOMPLETE", "bold yellow")
         line.append(" " + (r.incomplete[0] if r.incomplete else "data incomplete"))
@@ -193,12 +194,9 @@ def _summary(r: DiffResult) -> Panel:
         g.add_row("First divergence", T("none", "green"))
     else:
         t = T(f"step {fd.step}", "bold red")
-        t.append(f"  [{fd.origin}] ")
+        t.append(f"  {fd.label or fd.origin}: ")  # what was compared and found, not a pass
         t.append(T(fd.explanation))
         g.add_row("First divergence", t)
-        g.add_row("Diverged first in", T(
-            "gradients (the backward pass differs before any parameter)" if fd.grad_before_param
-            else "parameters (no gradient differed before)"))
     loss = r.loss
     if not loss.captured:
         g.add_row("Loss", T("not captured", "dim"))
@@ -222,7 +220,7 @@ def _summary(r: DiffResult) -> Panel:
 def _bucket_cell(ref: dict | None, coll: str) -> Text:
     if not ref:
         return T("-", "dim")
-    return T(f"{_ABBR[coll]}#{ref['index']} @ {ref.get('offset')}")
+    return T(f"{_ABBR[coll]}#{ref['index']}@{ref.get('offset')}")
 
 
 def _title(s: str) -> Text:
@@ -232,21 +230,81 @@ def _title(s: str) -> Text:
 def _divergent_table(r: DiffResult) -> Table:
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     t.add_column("kind", no_wrap=True)
-    t.add_column("parameter", overflow="fold")
-    t.add_column("ranks", overflow="fold", max_width=24)
-    t.add_column("A bucket @ offset", no_wrap=True)
-    t.add_column("B bucket @ offset", no_wrap=True)
+    t.add_column("parameter", overflow="fold", ratio=1)
+    t.add_column("ranks", overflow="fold", max_width=16)
+    sizes = first_sizes(r.magnitude) if (r.magnitude or {}).get("recorded") else {}
+    if sizes:  # the size of each difference (summaries: docs/diff.md); buckets in one column
+        t.add_column("bucket @ offset A / B", no_wrap=True)
+        t.add_column("rel >=", justify="right", no_wrap=True)
+        t.add_column("ulps", justify="right", no_wrap=True)
+    else:
+        t.add_column("A bucket @ offset", no_wrap=True)
+        t.add_column("B bucket @ offset", no_wrap=True)
     shown = r.divergent[:MAX_DIVERGENT_ROWS]
     for d in shown:
         coll = _KIND_COLL[d.kind]
         links = d.buckets.get(coll, {})
+        a, b = _bucket_cell(links.get("a"), coll), _bucket_cell(links.get("b"), coll)
+        if sizes:
+            cells = [a + T(" / ") + b, *map(T, size_texts(sizes.get(
+                (d.fqn, d.kind, d.ranks[0] if d.ranks else None))))]
+        else:
+            cells = [a, b]
         t.add_row(T(d.kind, "red" if d.kind == "grad" else "magenta"), T(d.fqn),
-                  T(_ranks(d.ranks)), _bucket_cell(links.get("a"), coll),
-                  _bucket_cell(links.get("b"), coll))
+                  T(_ranks(d.ranks, 16)), *cells)
     if len(r.divergent) > len(shown):
         t.add_row("", T(f"... and {len(r.divergent) - len(shown)} more (--json has all)", "dim"),
-                  "", "", "")
+                  "", "", "", *([""] if sizes else []))
+    if sizes:
+        t.caption = ("sizes on the first rank listed: a lower bound from per-tensor figures, "
+                     "not a proof (docs/diff.md)")
+        t.caption_justify = "left"
     return t
+
+
+def _size_section(r: DiffResult) -> list:
+    """How big the differences are and how they grow over the steps, from the figures next to
+    each hash (parity/diff/magnitude.py): summaries, not proofs."""
+    m = r.magnitude or {}
+    if not m:
+        return []
+    if not m.get("recorded"):
+        return [T("Size of the difference: not shown (the runs carry no per-tensor figures: "
+                  "recorded before parity kept them, or by another hasher)", "dim")]
+    rows = [s for s in m.get("per_step") or [] if isinstance(s, dict)]
+    out: list = [_title(f"Size of the difference per step, rank {rows[0]['rank'] if rows else '?'}"
+                        " (largest over the parameters)"),
+                 _indent(T(m.get("note") or "", "dim"))]
+    if not rows:
+        return out
+    t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    t.add_column("step", justify="right")
+    for kind in ("params", "grads"):
+        t.add_column(f"{kind} differ", justify="right", no_wrap=True)
+        t.add_column("rel >=", justify="right", no_wrap=True)
+        t.add_column("ulps", justify="right", no_wrap=True)
+    t.add_column("largest", overflow="fold", ratio=1)
+    for i in _window(len(rows), 0, MAX_STEP_ROWS):
+        if i is None:
+            t.add_row("...", *[""] * 7)
+            continue
+        s = rows[i]
+        cells = [T(s["step"])]
+        top = None
+        for kind in ("param", "grad"):
+            k = s.get(kind)
+            if not isinstance(k, dict):
+                cells += [T("-", "dim")] * 3
+                continue
+            cells += [T(f"{k.get('differ')}" + (f" ({k['nonfinite']} NaN/inf)"
+                                                if k.get("nonfinite") else "")),
+                      T(rel_text(k.get("rel"))), T(ulps_text(k.get("ulps")))]
+            if isinstance(k.get("rel"), (int, float)) and (top is None or k["rel"] > top[1]):
+                top = (kind, k["rel"], k.get("fqn"))
+        cells.append(T(f"{top[2]} ({top[0]})" if top else "", "dim"))
+        t.add_row(*cells)
+    out.append(t)
+    return out
 
 
 def _window(n: int, focus: int | None, size: int) -> list[int | None]:
@@ -288,29 +346,44 @@ def _loss_table(r: DiffResult) -> Table:
     loss = r.loss
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     t.add_column("", no_wrap=True)
-    t.add_column("step", justify="right")
-    t.add_column("A", justify="right")
-    t.add_column("B", justify="right")
-    t.add_column("bitwise", no_wrap=True)
     rows = loss.steps
+    other = any(s.shown(r.ranks_compared, loss.rank)[0] != loss.rank for s in rows)
+    t.add_column("step", justify="right")
+    if other:  # a step whose loss differs on another rank only: that rank is shown
+        t.add_column("rank", justify="right")
+    t.add_column("A", justify="right", no_wrap=True)
+    t.add_column("B", justify="right", no_wrap=True)
+    t.add_column("(B-A)/|A|", justify="right", no_wrap=True)
+    t.add_column("bitwise", no_wrap=True)
     totals = any(s.a_total is not None or s.b_total is not None for s in rows)
     if totals:  # the global loss a trainer such as torchtitan logs: the ranks' shares summed
-        t.add_column("A all ranks", justify="right")
-        t.add_column("B all ranks", justify="right")
+        t.add_column("A all ranks", justify="right", no_wrap=True)
+        t.add_column("B all ranks", justify="right", no_wrap=True)
     focus = next((i for i, s in enumerate(rows) if s.step == loss.first_divergent_step), None)
     for i in _window(len(rows), focus, MAX_STEP_ROWS):
         if i is None:
-            t.add_row("", "...", "", "", "", *(["", ""] if totals else []))
+            t.add_row("", "...", *([""] if other else []), "", "", "", "",
+                      *(["", ""] if totals else []))
             continue
         s = rows[i]
+        shown_rank, a, b = s.shown(r.ranks_compared, loss.rank)
+        delta = s.delta(r.ranks_compared, loss.rank)
         first = i == focus
         eq = ("equal" if s.equal else ("-" if s.equal is None else
                                         f"DIFFERS ({_plural(s.ranks_differing, 'rank')})"))
         style = "bold red" if first else ("red" if s.equal is False else None)
         extra = ([T(f"{s.a_total:.6g}" if s.a_total is not None else "-"),
                   T(f"{s.b_total:.6g}" if s.b_total is not None else "-")] if totals else [])
-        t.add_row(T(">" if first else ""), T(s.step), T(repr(s.a) if s.a is not None else "-"),
-                  T(repr(s.b) if s.b is not None else "-"), T(eq), *extra, style=style)
+        t.add_row(T(">" if first else ""), T(s.step),
+                  *([T(shown_rank if shown_rank == loss.rank else f"{shown_rank}*")]
+                    if other else []),
+                  T(repr(a) if a is not None else "-"), T(repr(b) if b is not None else "-"),
+                  T("0" if delta == 0 else f"{delta:.2g}" if delta is not None else "-"),
+                  T(eq), *extra, style=style)
+    if other:
+        t.caption = (f"* rank {loss.rank}'s loss is equal at that step: the first rank whose "
+                     "loss differs is shown")
+        t.caption_justify = "left"
     return t
 
 
@@ -438,8 +511,13 @@ def print_diff(result: DiffResult, console: Console | None = None, fail_on: str 
     if len(r.per_step) > 1:
         c.print(_title("Divergent per step (parameters whose hash differs on any rank)"))
         c.print(_per_step_table(r))
+    for part in _size_section(r):
+        c.print(part)
     if r.loss.captured and (r.loss.first_divergent_step is not None or r.verdict != "match"):
-        c.print(_title(f"Loss of rank {r.loss.rank}, side by side"))
+        c.print(_title(f"Loss of rank {r.loss.rank} (* another rank), side by side"
+                       if any(s.shown(r.ranks_compared, r.loss.rank)[0] != r.loss.rank
+                              for s in r.loss.steps) else
+                       f"Loss of rank {r.loss.rank}, side by side"))
         c.print(_loss_table(r))
     section = _bucket_section(r)
     if section:

@@ -25,6 +25,7 @@ import shlex
 import time
 
 from parity.consequences import WORDS
+from parity.diff.magnitude import first_sizes, size_texts
 from parity.report.html_reduction import (SWEEP_EXTRA_BUCKETS, buckets_html, pair_views,
                                          prediction_html)
 from parity import policy
@@ -165,7 +166,7 @@ def bucket_svg(fb: dict, ref_label: str = "reference", cand_label: str = "candid
     rows = fb.get("rows") or []
     first = fb.get("position")
     bar_h, label_h, gap = 34, 28, 24
-    height = 2 * (label_h + bar_h) + gap + 26
+    height = 2 * (label_h + bar_h) + gap + 40
     parts = []
     totals = {side: sum(int((r.get(side) or {}).get("size") or 0) for r in rows if r.get(side))
               for side in ("a", "b")}
@@ -202,9 +203,13 @@ def bucket_svg(fb: dict, ref_label: str = "reference", cand_label: str = "candid
                 parts.append(f'<path class="marker" d="M{cx:.2f},{y - 1} l-6,-9 h12 z" '
                              f'fill="{fill}" stroke="{MARK}" stroke-width="1.5"/>')
             x += w
-    parts.append(f'<text x="0" y="{height - 6}" font-size="11" fill="#555">payload order, left to '
-                 f'right; bar lengths by total bytes (one scale for A and B); segments at least '
-                 f'{MIN_SEGMENT}/{BAR_WIDTH}, the rest by size (true offsets in the table)</text>')
+    parts.append(f'<text class="legend-line" x="0" y="{height - 20}" font-size="11" fill="#555">'
+                 'payload order, left to right; bar lengths by total bytes (one scale for A and B)'
+                 f'</text><text class="legend-line" x="0" y="{height - 6}" font-size="11" '
+                 f'fill="#555">each parameter\'s box is at least '
+                 f'{100 * MIN_SEGMENT / BAR_WIDTH:.1f}% of the bar wide, so small ones stay '
+                 'visible; the rest of the width is shared by size (true offsets and sizes: the '
+                 'table, the tooltips)</text>')
     return (f'<svg class="bars" viewBox="-2 -2 {BAR_WIDTH + 4} {height + 4}" role="img" '
             f'preserveAspectRatio="xMinYMin meet" aria-label="bucket layout">'
             f'{"".join(parts)}</svg>')
@@ -297,9 +302,13 @@ def _bucket_findings(cells: list[tuple[CellResult, DiffResult | None]],
 
 def _divergent_table(cells: list[tuple[CellResult, DiffResult | None, str]],
                      show_cell: bool = True) -> str:
-    """Every divergent parameter of each (cell, its diff, the anchor of its bucket picture)."""
+    """Every divergent parameter of each (cell, its diff, the anchor of its bucket picture),
+    with the size of its difference where the runs recorded figures."""
     rows = []
+    sized = any(diff is not None and (diff.magnitude or {}).get("recorded")
+                for _, diff, _ in cells)
     for cell, diff, anchor in cells:
+        sizes = first_sizes(diff.magnitude) if diff is not None else {}
         for div in diff.divergent if diff else []:
             where = []
             for coll, refs in div.buckets.items():  # collective -> {"a": ref, "b": ref}
@@ -310,16 +319,23 @@ def _divergent_table(cells: list[tuple[CellResult, DiffResult | None, str]],
                                         f"{ref.get('offset')}"))
             link = f'<a href="#{anchor}">bucket picture</a>' if anchor else ""
             first = f"<td>{_e(got(cell.id))}</td>" if show_cell else ""
+            size = ""
+            if sized:
+                rel, ulps = size_texts(sizes.get((div.fqn, div.kind,
+                                                  div.ranks[0] if div.ranks else None)))
+                size = f"<td>{_e(rel)}</td><td>{_e(ulps)}</td>"
             rows.append(f"<tr>{first}<td>{_e(div.step)}</td>"
                         f"<td>{_e(div.kind)}</td><td class=mono>{_e(div.fqn)}</td>"
                         f"<td>{_e(','.join(map(str, div.ranks)))}</td>"
-                        f"<td class=loc>{'<br>'.join(where)}</td><td>{link}</td></tr>")
+                        f"<td class=loc>{'<br>'.join(where)}</td>{size}<td>{link}</td></tr>")
     if not rows:
         return "<p class=muted>No divergent parameters: every compared hash is equal.</p>"
     head = "<th>cell</th>" if show_cell else ""
+    size_head = ("<th title=\"a lower bound from per-tensor figures (summaries, not proofs), on "
+                 "the first rank listed\">rel. diff &gt;=</th><th>ulps</th>" if sized else "")
     return (f"<div class=wide><table><tr>{head}<th>step</th><th>kind</th><th>parameter</th>"
-            "<th>ranks</th><th>bucket @ byte offset</th><th></th></tr>" + "".join(rows[:500])
-            + "</table></div>")
+            f"<th>ranks</th><th>bucket @ byte offset</th>{size_head}<th></th></tr>"
+            + "".join(rows[:500]) + "</table></div>")
 
 
 def _run_meta(run_dir: str | None) -> dict:
@@ -486,13 +502,10 @@ def render_diff_html(diff: DiffResult | dict, fail_on: str = "hash") -> str:
         ("Parameters", f"{_e(result.params_compared)} "
                        f"<span class=muted>({_e(', '.join(result.kinds_compared))})</span>"),
     ]
-    if fd:
-        first = "gradients (the backward pass differs first)" if fd.grad_before_param \
-            else "parameters"
-        summary.append(("First divergence", f"step {_e(fd.step)} [{_e(fd.origin)}] "
-                                            f"on rank(s) {_e(','.join(map(str, fd.ranks)))}: "
+    if fd:  # the label says what was compared and found, not which pass
+        summary.append(("First divergence", f"step {_e(fd.step)}: <b>{_e(fd.label or fd.origin)}"
+                                            f"</b> on rank(s) {_e(','.join(map(str, fd.ranks)))}: "
                                             f"{_e(fd.explanation)}"))
-        summary.append(("Diverged first in", _e(first)))
     else:
         summary.append(("First divergence", "none"))
     summary.append(("Bucket layouts", _e(order.verdict) + (
@@ -501,16 +514,27 @@ def render_diff_html(diff: DiffResult | dict, fail_on: str = "hash") -> str:
     table = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in summary)
     loss = result.loss
     loss_rows = []
+    other = False
     for step in loss.steps:
         style = ' style="background:#fde2e0"' if step.equal is False else ""
-        bitwise = "equal" if step.equal else ("-" if step.equal is None else "DIFFERS")
-        loss_rows.append(f"<tr{style}><td>{_e(step.step)}</td><td class=mono>"
-                         f"{_e(repr(step.a))}</td><td class=mono>{_e(repr(step.b))}</td>"
-                         f"<td>{bitwise}</td></tr>")
+        bitwise = "equal" if step.equal else ("-" if step.equal is None else
+                                               f"DIFFERS on {step.ranks_differing} rank(s)")
+        # a step whose loss differs on another rank only shows that rank's values
+        rank, la, lb = step.shown(result.ranks_compared, loss.rank)
+        other = other or rank != loss.rank
+        delta = step.delta(result.ranks_compared, loss.rank)
+        loss_rows.append(f"<tr{style}><td>{_e(step.step)}</td>"
+                         f"<td>{_e(rank)}{'*' if rank != loss.rank else ''}</td><td class=mono>"
+                         f"{_e(repr(la))}</td><td class=mono>{_e(repr(lb))}</td>"
+                         f"<td>{_e('0' if delta == 0 else f'{delta:.2g}' if delta is not None else '-')}"
+                         f"</td><td>{bitwise}</td></tr>")
     loss_rows = "".join(loss_rows)
-    loss_html = (f"<h2>Loss of rank {_e(loss.rank)}, side by side</h2>"
+    note = (f"<p class=muted>* rank {_e(loss.rank)}'s loss is equal at that step; the first rank "
+            "whose loss differs is shown.</p>" if other else "")
+    loss_html = (f"<h2>Loss, side by side</h2>"
                  f"{charts.loss_svg(d.get('loss') or {}, result.ranks_compared)}<table><tr><th>step"
-                 f"</th><th>A</th><th>B</th><th>bitwise</th></tr>{loss_rows}</table>"
+                 f"</th><th>rank</th><th>A</th><th>B</th><th>(B-A)/|A|</th><th>bitwise</th></tr>"
+                 f"{loss_rows}</table>{note}"
                  if loss.captured and loss_rows else "<p class=muted>Loss not captured.</p>")
     per_html = ""
     if result.per_step:
@@ -532,7 +556,7 @@ def render_diff_html(diff: DiffResult | dict, fail_on: str = "hash") -> str:
         _said_html(result),
         f"<table>{table}</table>",
         f"<p>Steps: {_strip(cell, result, strip_steps)}</p>", _legend(),
-        loss_html, per_html,
+        loss_html, per_html, charts.size_section(d),
         "<h2>Divergent parameters</h2>",
         _divergent_table([(cell, result, anchors.get(None, ""))], show_cell=False),
         "<h2>Differing buckets, most consequential first</h2>",

@@ -14,6 +14,8 @@ import html
 import math
 
 from parity.diff.bucket_summary import pair_rows, side_label
+from parity.diff.magnitude import rel_text, ulps_text
+from parity.report.bucket_summary import REGATHER_NOTE, regather
 
 W = 1000  # SVG user units
 A_COLOUR, B_COLOUR, DIFF_COLOUR = "#2f6db5", "#e08a1e", "#d0392b"
@@ -200,8 +202,10 @@ def bucketing_svg(a: dict | None, b: dict | None) -> str:
     left, bar_w, bar_h, gap = 200, 430, 22, 8
     y = 0.0
     parts = []
+    any_regather = False
     for pair in pairs:
         ra, rb = pair["a"], pair["b"]
+        harmless = regather(pair)  # FSDP2's backward re-gathers: copies, shown, never red
         totals = [sum(r.get("sizes") or []) for r in (ra, rb) if r]
         scale = bar_w / max(totals + [1])
         title = f"{pair['collective']} ({pair['phase']})"
@@ -238,6 +242,12 @@ def bucketing_svg(a: dict | None, b: dict | None) -> str:
             for k, (t, tx) in enumerate(zip(texts, (12, 105, 195))):
                 # a count that differs is a finding; a span or gap only when both sides know it
                 red = mine[k] != other[k] and (k == 0 or None not in (mine[k], other[k]))
+                if red and harmless:
+                    any_regather = True
+                    parts.append(f'<text class="regather" x="{left + bar_w + tx}" '
+                                 f'y="{y + 15:.1f}" font-size="11.5" fill="#777">{_e(t)}'
+                                 f'<title>{_e(REGATHER_NOTE)}</title></text>')
+                    continue
                 mark = f' fill="{DIFF_COLOUR}" font-weight="600"' if red else ""
                 parts.append(f'<text x="{left + bar_w + tx}" y="{y + 15:.1f}" font-size="11.5"'
                              f'{mark}>{_e(t)}</text>')
@@ -245,7 +255,126 @@ def bucketing_svg(a: dict | None, b: dict | None) -> str:
         y += 10
     parts.append(f'<text x="0" y="{y + 8:.1f}" font-size="11" fill="#555">one segment per bucket, '
                  f'width by bytes (one scale per collective); red: differs between A and B</text>')
+    if any_regather:
+        y += 16
+        parts.append(f'<text x="0" y="{y + 8:.1f}" font-size="11" fill="#777">grey: '
+                     f'{_e(REGATHER_NOTE)}</text>')
     return _svg(y + 14, parts, "bucketing summary")
+
+
+# ------------------------------------------------------------------ size of the difference
+
+
+def size_svg(d: dict) -> str:
+    """How the size of the difference grows over the steps: the relative difference (at least,
+    from the per-tensor figures) per step on a log scale, one thin line per divergent parameter
+    of the first divergent step (at most 8) and a thick line for the largest over every
+    parameter and gradient of the first divergent rank. "" without figures."""
+    m = d.get("magnitude") if isinstance(d.get("magnitude"), dict) else {}
+    if not m.get("recorded"):
+        return ""
+    envelope = []
+    for s in m.get("per_step") or []:
+        best = max((_num((s.get(k) or {}).get("rel")) or 0.0 for k in ("param", "grad")),
+                   default=0.0)
+        if isinstance(s.get("step"), int):
+            envelope.append((s["step"], best))
+    series = []
+    for p in (m.get("params") or [])[:8]:
+        pts = [(x["step"], _num(x.get("rel"))) for x in p.get("steps") or []
+               if isinstance(x.get("step"), int) and _num(x.get("rel")) is not None]
+        if pts:
+            series.append((f"{p.get('fqn')} ({p.get('kind')}, rank {p.get('rank')})", pts))
+    values = [v for _, v in envelope if v > 0] + [v for _, pts in series for _, v in pts if v > 0]
+    xs = sorted({x for x, _ in envelope} | {x for _, pts in series for x, _ in pts})
+    if not values or not xs:
+        return ""
+    lo = math.floor(math.log10(min(values)))
+    hi = math.ceil(math.log10(max(values)))
+    hi = hi if hi > lo else lo + 1
+    floor_v = 10.0 ** lo
+    left, right, top, h = 90, 20, 14, 190
+    x0, x1 = xs[0], xs[-1]
+
+    def px(x):
+        return left + (W - left - right) * ((x - x0) / (x1 - x0) if x1 != x0 else 0.5)
+
+    def py(v):
+        v = max(v, floor_v)  # 0 (the figures agree) drawn on the floor
+        return top + h * (1 - (math.log10(v) - lo) / (hi - lo))
+
+    parts = [f'<line x1="{left}" y1="{top + h}" x2="{W - right}" y2="{top + h}" stroke="#999"/>',
+             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + h}" stroke="#999"/>']
+    for e in range(lo, hi + 1):
+        yy = py(10.0 ** e)
+        parts.append(f'<line x1="{left}" y1="{yy:.1f}" x2="{W - right}" y2="{yy:.1f}" '
+                     f'stroke="#eee"/><text x="{left - 6}" y="{yy + 4:.1f}" font-size="11" '
+                     f'text-anchor="end">1e{e}</text>')
+    for x in xs:
+        parts.append(f'<text x="{px(x):.1f}" y="{top + h + 16}" font-size="11" '
+                     f'text-anchor="middle">{_e(x)}</text>')
+    for k, (name, pts) in enumerate(series):
+        colour = f"hsl({(k * 47) % 360},55%,50%)"
+        path = " ".join(f"{px(x):.1f},{py(v):.1f}" for x, v in pts)
+        parts.append(f'<polyline class="size-param" points="{path}" fill="none" stroke="{colour}" '
+                     f'stroke-width="1.2" stroke-opacity="0.8"><title>{_e(name)}</title></polyline>')
+        for x, v in pts:
+            parts.append(f'<circle cx="{px(x):.1f}" cy="{py(v):.1f}" r="2.5" fill="{colour}">'
+                         f'<title>{_e(name)} step {x}: relative difference >= {rel_text(v)}'
+                         f'</title></circle>')
+    if envelope:
+        path = " ".join(f"{px(x):.1f},{py(v):.1f}" for x, v in envelope)
+        parts.append(f'<polyline class="size-max" points="{path}" fill="none" '
+                     f'stroke="{DIFF_COLOUR}" stroke-width="2.5"><title>largest over every '
+                     f'parameter and gradient</title></polyline>')
+        for x, v in envelope:
+            parts.append(f'<circle cx="{px(x):.1f}" cy="{py(v):.1f}" r="3.5" fill="{DIFF_COLOUR}">'
+                         f'<title>step {x}: largest relative difference >= {rel_text(v)}</title>'
+                         f'</circle>')
+    parts.append(f'<line x1="{left}" y1="{top + h + 32}" x2="{left + 28}" y2="{top + h + 32}" '
+                 f'stroke="{DIFF_COLOUR}" stroke-width="2.5"/><text x="{left + 34}" '
+                 f'y="{top + h + 36}" font-size="12">largest over every parameter and gradient'
+                 f'</text><text x="{left + 330}" y="{top + h + 36}" font-size="11" fill="#555">'
+                 'thin lines: the parameters that differed first; relative difference, log scale; '
+                 '0 drawn on the floor</text>')
+    return _svg(top + h + 44, parts, "size of the difference per step")
+
+
+def size_section(d: dict) -> str:
+    """The diff page's section on the size of the differences: the chart and a per-step table,
+    said to be summaries (docs/diff.md)."""
+    m = d.get("magnitude") if isinstance(d.get("magnitude"), dict) else {}
+    if not m:
+        return ""
+    if not m.get("recorded"):
+        return ("<h2>Size of the difference</h2><p class=muted>Not shown: the runs carry no "
+                "per-tensor figures (recorded before parity kept them, or by another hasher)."
+                "</p>")
+    rows = []
+    for s in m.get("per_step") or []:
+        cells = [f"<td>{_e(s.get('step'))}</td>"]
+        for kind in ("param", "grad"):
+            k = s.get(kind)
+            if not isinstance(k, dict):
+                cells.append("<td colspan=4 class=muted>not recorded</td>")
+                continue
+            nonfinite = f" ({k['nonfinite']} NaN/inf)" if k.get("nonfinite") else ""
+            cells.append(f"<td>{_e(k.get('differ'))}{_e(nonfinite)}</td>"
+                         f"<td>{_e(rel_text(k.get('rel')))}</td>"
+                         f"<td>{_e(ulps_text(k.get('ulps')))}</td>"
+                         f"<td class=mono>{_e(k.get('fqn') or '')}</td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    rank = (m.get("per_step") or [{}])[0].get("rank")
+    return ("<h2>Size of the difference</h2>"
+            f"<p class=muted>Per step on rank {_e(rank)}, from figures capture keeps next to "
+            f"each hash: {_e(m.get('note'))}. The relative difference is a lower bound on "
+            "||B - A|| / ||A||; ulps are that bound in units of the last bit of a typical "
+            "element (about 1: a last-bit difference; thousands: drift).</p>"
+            + size_svg(d)
+            + "<div class=wide><table><tr><th rowspan=2>step</th><th colspan=4>parameters</th>"
+            "<th colspan=4>gradients</th></tr><tr><th>differ</th><th>rel &gt;=</th><th>ulps</th>"
+            "<th>largest</th><th>differ</th><th>rel &gt;=</th><th>ulps</th><th>largest</th></tr>"
+            + "".join(rows) + "</table></div>")
 
 
 def attribution_html(a: dict | None, b: dict | None) -> str:

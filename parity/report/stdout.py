@@ -2,7 +2,10 @@
 
 A console report is a convenience; the files a command writes and its exit code are the result.
 So commands write their files first, then print through :func:`print_safely`: if stdout is gone,
-the rest of the output is dropped with one line on stderr, and the exit code stays the verdict's.
+the rest of the output is dropped and the exit code stays the verdict's. A reader that closed
+the pipe (``| head -1``, ``| grep -m1``) asked for no more: nothing is said, as ``cat`` says
+nothing. A full or failing stdout (``> /dev/full``, a disk out of space) is an error the user
+did not ask for: one line on stderr.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ def _to_devnull() -> None:
 
 
 def print_safely(render) -> bool:
-    """Call ``render()`` (which prints to stdout) and flush; False if stdout was closed or full."""
+    """Call ``render()`` (which prints to stdout) and flush; False if stdout was closed or full
+    (said on stderr only when full: a closed pipe is a reader that has read enough)."""
     try:
         render()
         sys.stdout.flush()
@@ -53,11 +57,14 @@ def print_safely(render) -> bool:
     except OSError as e:
         if not isinstance(e, BrokenPipeError) and e.errno not in _GONE:
             raise
+        closed = isinstance(e, BrokenPipeError) or e.errno == errno.EPIPE
     # Point fd 1 at /dev/null: the interpreter's final flush must not fail (and exit 120) too.
     _to_devnull()
+    if closed:
+        return False
     try:
-        sys.stderr.write("parity: stdout closed or full; the rest of the console output was "
-                         "dropped (files written and the exit code are not affected)\n")
+        sys.stderr.write("parity: stdout is full or failing; the rest of the console output "
+                         "was dropped (files written and the exit code are not affected)\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass

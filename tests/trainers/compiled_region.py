@@ -12,6 +12,11 @@ Options (on the command line, so that `parity bisect` reruns them from run.json'
                       and rounds once: other values than eager's op-by-op rounding.
   --alt-norm          the norm computes ``x / sqrt(ms + eps)`` instead of ``x * rsqrt(ms + eps)``
                       (a deliberate formula change, found op by op under eager and aot_eager)
+  --compile-blocks I  compile only these blocks (comma-separated indexes, default all): a
+                      process that compiles some blocks and runs the rest eagerly
+  --eps E             the norm's epsilon (default 1e-6): a planted forward change
+  --wrap              compile a block as ``model.layers[i] = torch.compile(block)`` (an
+                      OptimizedModule in the model) instead of ``block.compile()``
 """
 
 import argparse
@@ -26,6 +31,7 @@ from torch.distributed.fsdp import fully_shard
 VOCAB = 64
 DIM = 48
 ALT_NORM = False
+EPS = 1e-6
 
 
 class RMSNorm(nn.Module):
@@ -37,7 +43,7 @@ class RMSNorm(nn.Module):
         # in bfloat16, as mixed-precision trainers run norms: eager rounds every op's output to
         # bfloat16, inductor's fused kernel keeps float32 inside and rounds once
         x = x.to(torch.bfloat16)
-        ms = x.pow(2).mean(-1, keepdim=True) + 1e-6
+        ms = x.pow(2).mean(-1, keepdim=True) + EPS
         h = x / torch.sqrt(ms) if ALT_NORM else x * torch.rsqrt(ms)
         return (h * self.weight.to(torch.bfloat16)).float()
 
@@ -70,13 +76,18 @@ class Model(nn.Module):
 
 
 def main():
-    global ALT_NORM
+    global ALT_NORM, EPS
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--backend", default="eager")
     ap.add_argument("--alt-norm", action="store_true")
+    ap.add_argument("--compile-blocks", default=None)
+    ap.add_argument("--eps", type=float, default=1e-6)
+    ap.add_argument("--wrap", action="store_true")
     args = ap.parse_args()
     ALT_NORM = args.alt_norm
+    EPS = args.eps
+    only = None if args.compile_blocks is None else {int(i) for i in args.compile_blocks.split(",")}
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -84,10 +95,13 @@ def main():
     torch.manual_seed(0)
     model = Model()
     backend = args.backend
-    for block in model.layers:
-        if backend != "eager":
+    for i, block in enumerate(model.layers):
+        compiled = backend != "eager" and (only is None or i in only)
+        if compiled and not args.wrap:
             block.compile(backend=backend, fullgraph=True)
         fully_shard(block, mesh=mesh)
+        if compiled and args.wrap:
+            model.layers[i] = torch.compile(block, backend=backend, fullgraph=True)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(100 + rank)
