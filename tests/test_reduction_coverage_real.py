@@ -8,7 +8,7 @@ Jobs (module-scoped): late_grad.py with the adapter registered last / first, pla
 2x2:channels=4; side_allreduce.py (a flat buffer, packed in order / reversed) plain and emulated,
 and one all-reduce per gradient; hsdp_fsdp2.py emulated at 4x1 (shard groups across nodes) twice,
 plain with and without a reordered block; ddp_buckets.py with its layers registered in two
-orders; sparse_ddp.py emulated."""
+orders, and with a sparse embedding under emulation."""
 
 from __future__ import annotations
 
@@ -178,11 +178,11 @@ def test_a_sparse_gradient_is_one_line_and_named_in_the_verdict(tmp_path):
     run = tmp_path / "sparse"
     cmd = [*exe("parity", "parity"), "exec", "--emulate-nccl", EMU, "--out", str(run), "--",
            *exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node", "4",
-           str(TRAINERS / "sparse_ddp.py")]
+           str(TRAINERS / "ddp_buckets.py")]
     import os
 
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "DB_SPARSE": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
     said = [x for x in p.stderr.splitlines() if "NOT emulated" in x]
