@@ -463,6 +463,9 @@ def _refuse(msg: str) -> None:
     give numbers the user did not ask for."""
     say(f"error: {msg}")
     try:
+        from parity.capture.launch import note_refusal
+
+        note_refusal(msg)  # parity exec then exits 2 too, not torchrun's 1
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
