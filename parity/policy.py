@@ -238,7 +238,7 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         v.not_compared.append(order_phrase(ov) + _one_sided(order))
     predicted = consequences.reduction_phrase(d.get("reduction_order"))
     if predicted:  # --at: the prediction's own finding, under the policy
-        ro_verdict = d["reduction_order"].get("verdict")
+        ro_verdict = consequences.prediction_verdict(d["reduction_order"])
         if ro_verdict == "same":
             v.held.append(predicted)
         elif ro_verdict == "differs":

@@ -18,12 +18,12 @@ from parity.artifacts import RankData, Run, gc_paused, read_run
 from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
                                  explain_eager)
-from parity.diff.emulation import check_same_emulation
+from parity.diff.emulation import check_same_emulation, emulation_gaps
 from parity.diff.final_state import compare_final
 from parity.diff.scaled_loss import scaled_loss_notes, skipped_note
 from parity.diff.env import numerics_env_differences
 from parity.diff.magnitude import size_of_difference
-from parity.diff.reduction import assess
+from parity.diff.reduction import assess, observe
 from parity.diff.one_sided import damaged, one_sided, refused_processes, same_run, unhashed
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, HashComparison, ParamIndex,
                                 compare_hashes, param_keys, step_fields)
@@ -280,6 +280,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     # what one side recorded and the other did not is not compared: parity is not proven
     incomplete += one_sided(ra, rb, ranks, steps, _loss_bits)
     incomplete += refused_processes(run_a, run_b)
+    incomplete += emulation_gaps(run_a, run_b)  # sums gloo made under --emulate-nccl
     incomplete += unhashed(run_a, run_b)
     same = same_run(run_a, run_b)
     if same:
@@ -294,6 +295,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     # -- first divergence
     first, fd, divergent = _first_divergence(run_a, ra, rb, ranks, steps_compared, index, hc,
                                              loss, layouts, order)
+    if reduction is not None:  # an emulated pair: predicted against observed
+        observe(reduction, divergent, first)
 
     # -- the state the runs ended with (after the trainer's last edit)
     final = compare_final(ranks, ra, rb, aligns, index)

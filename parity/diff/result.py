@@ -300,10 +300,10 @@ class RecordedPrediction:
     """``reduction_order`` as a diff JSON recorded it (``from_dict`` does not rebuild the
     topology): what ``DiffResult.exit_code``, ``judge`` and ``to_dict`` need of it."""
 
-    data: dict
+    data: dict | list  # a list: several topologies (``--at 1x8,8x8``)
 
-    def to_dict(self) -> dict:
-        return dict(self.data)
+    def to_dict(self) -> dict | list:
+        return [dict(x) for x in self.data] if isinstance(self.data, list) else dict(self.data)
 
 
 def from_dict(d: dict) -> DiffResult:
@@ -362,7 +362,8 @@ def from_dict(d: dict) -> DiffResult:
         warnings=[CaptureWarning(x.get("side"), x.get("ranks"), x.get("message"))
                   for x in objs(d.get("warnings"))],
         schema_version=d.get("schema_version", SCHEMA_VERSION), bucketing=d.get("bucketing") or {},
-        reduction_order=RecordedPrediction(reduction) if isinstance(reduction, dict) else None,
+        reduction_order=RecordedPrediction(reduction) if isinstance(reduction, (dict, list))
+        else None,
         magnitude=obj(d.get("magnitude")), final_state=obj(d.get("final_state")))
 
 
