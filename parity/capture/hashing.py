@@ -36,9 +36,15 @@ float64 per tensor, in the same order):
   cache (``_digest_and_figures``): one read of the bytes for both.
 * device, torch ops (``device_lanes_torch(..., figures=True)``): on the device, in the same
   call as the lanes, crossing to the host in the same transfer.
-* device, Triton kernels (``hashing_triton``): ``_figures_pending``, torch ops on the device
-  queued behind the kernels, copied into pinned memory behind a CUDA event like the digests
-  (no wait in the digest path); the kernels can compute them in their own pass.
+* device, Triton kernels (``hashing_triton``, ``digest_kernels``): in the digest's own pass
+  over the words (each row's float64 partials, then one launch that adds each tensor's rows in
+  a fixed order), in the same pinned copy behind the same CUDA event as the digests; dtypes
+  the kernels do not decode (float8, uint16/32/64) by ``_figures_pending``, torch ops queued
+  behind them. They equal the host's figures up to the order of float64 additions (tested).
+
+Host and device paths add in different orders, so their figures may differ in the last bits;
+the two are never compared (runs of different hashers are not: docs/capture.md). Within one
+path the order is fixed: the same tensor gives the same figures every time.
 """
 
 from __future__ import annotations
@@ -375,9 +381,11 @@ def _digests_torch(locals_: list[torch.Tensor], figures: bool = False):
 
 
 def _figures_pending(tensors: list[torch.Tensor]):
-    """The figures of device tensors queued on the device and copied into pinned host memory
-    behind a CUDA event, like the Triton kernels' digests (``hashing_triton.Pending``, 24 bytes
-    per tensor): no wait in the digest path."""
+    """The figures of device tensors by torch ops (``_figures_torch``) queued on the device and
+    copied into pinned host memory behind a CUDA event, like the Triton kernels' results
+    (``hashing_triton.Pending``, 24 bytes per tensor): no wait in the digest path. Used with
+    the kernels only for the dtypes they do not decode (``hashing_triton.Pending.fallback``):
+    about five launches per tensor and 256 Ki elements."""
     rows = torch.stack([_figures_torch(t) for t in tensors])
     if rows.device.type != "cuda":
         return hashing_triton.Pending(rows.cpu(), None, None)
@@ -462,13 +470,14 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
         return Digests(n, [(None, b"".join(NO_HASH if t is None else _xxh3(_local(t))
                                            for t in tensors))], [])
     if n and hasher in ("auto", "device"):
-        fast = hashing_triton.digest_all_cuda(tensors, stable, owners)  # the common case
+        fast = hashing_triton.digest_all_cuda(tensors, stable, owners, figures)  # common case
         if fast is not None:
             figs = None
             if figures:
-                present = [i for i, t in enumerate(tensors) if t is not None]
-                figs = [(present, _figures_pending([_local(tensors[i]) for i in present]))] \
-                    if present else []
+                figs = [(None, fast.figures())]
+                if fast.fallback:  # dtypes the kernels do not decode: torch ops, later part wins
+                    fb = list(fast.fallback)
+                    figs.append((fb, _figures_pending([_local(tensors[i]) for i in fb])))
             return Digests(n, [], [(None, fast)], figs)
     known: list[tuple[list[int] | None, bytes]] = []
     pending: list[tuple[list[int] | None, object]] = []
@@ -505,13 +514,16 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
     if dev_pos:
         cuda = [k for k, t in enumerate(dev_t) if t.is_cuda]
         if cuda:
-            p = hashing_triton.digest_cuda([dev_t[k] for k in cuda]) if hashing_triton.usable() \
-                else None
+            p = hashing_triton.digest_cuda([dev_t[k] for k in cuda], figures) \
+                if hashing_triton.usable() else None
             if p is not None:
                 pos = [dev_pos[k] for k in cuda]
                 pending.append((pos, p))
                 if figures:
-                    figs.append((pos, _figures_pending([dev_t[k] for k in cuda])))
+                    figs.append((pos, p.figures()))
+                    if p.fallback:
+                        figs.append(([pos[j] for j in p.fallback],
+                                     _figures_pending([dev_t[cuda[j]] for j in p.fallback])))
                 done = set(cuda)
                 rest = [k for k in range(len(dev_t)) if k not in done]
             else:
