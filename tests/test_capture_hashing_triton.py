@@ -97,7 +97,7 @@ def _close_figures(kernel, host, n: int, abs_sum: float) -> str | None:
 
 
 @need_triton
-def test_kernel_figures_are_the_host_figures_up_to_the_order_of_additions(interpreted_figures):
+def test_kernel_figures_under_the_interpreter_are_the_host_figures(interpreted_figures):
     """The digest kernels' own figures (one pass with the digest, row partials reduced in a
     fixed order) against ``hashing.tensor_figures`` on every decoded dtype, odd sizes, whole
     and partial rows, unaligned views, NaN, inf, -0.0, subnormals, extreme integers and 60
@@ -125,7 +125,7 @@ def test_kernel_figures_are_the_host_figures_up_to_the_order_of_additions(interp
 
 
 @need_triton
-def test_kernel_figures_are_the_same_bits_every_time_and_at_every_address(interpreted_figures):
+def test_kernel_figures_under_the_interpreter_same_bits_at_any_address(interpreted_figures):
     """Fixed order, no float atomics: the same call twice, a tensor alone or among others, and
     the same values at another alignment (FULL, masked and byte-composed rows) give the same
     figure bytes; so two equal tensors never get different figures."""
@@ -134,7 +134,7 @@ def test_kernel_figures_are_the_same_bits_every_time_and_at_every_address(interp
 
 
 @need_triton
-def test_figures_through_the_capture_path_in_one_pass(interpreted_figures):
+def test_figures_under_the_interpreter_through_the_capture_path(interpreted_figures):
     """``digest_tensors_async(..., "device", figures=True)`` as capture calls it (a stable list:
     the table built once, then reused): one kernel result carries digests and figures; float8
     and uint16 tensors get torch-ops figures in a part of their own."""

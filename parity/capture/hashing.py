@@ -30,10 +30,14 @@ difference the hashes found (docs/diff.md "Size of a difference"); they are summ
 of a verdict. Where they are computed (what a new device path must produce: the same three
 float64 per tensor, in the same order):
 
-* host (xxh3): tensors of up to ``FIG_CHUNK`` elements are summed together after their digests
-  (one numpy concatenation in float64 and three ``reduceat``: a few calls for a whole table);
-  larger ones chunk by chunk, each chunk fed to a streaming xxh3 and summed while it is in
-  cache (``_digest_and_figures``): one read of the bytes for both.
+* host (xxh3): tensors of up to ``FIG_CHUNK`` elements are summed together after their digests,
+  in batches of about ``FIG_CHUNK`` elements (one float64 concatenation and a few ``reduceat``
+  per batch, while the batch is in cache); larger ones chunk by chunk, each chunk fed to a
+  streaming xxh3 and summed while it is in cache (``_digest_and_figures``): one read of the
+  bytes for both. Per chunk: one cast into a float64 buffer, numpy's ``sum`` and ``einsum``
+  over it, max |x| from the max and min of the native values. The same operations over the
+  same chunks as the first version of the figures, so old and new runs have the same figures
+  bit for bit (``tests/test_capture_hashing.py``); what they cost: docs/capture.md.
 * device, torch ops (``device_lanes_torch(..., figures=True)``): on the device, in the same
   call as the lanes, crossing to the host in the same transfer.
 * device, Triton kernels (``hashing_triton``, ``digest_kernels``): in the digest's own pass
@@ -140,14 +144,35 @@ def _np_view(flat: torch.Tensor, raw: np.ndarray | None = None) -> np.ndarray:
     return _numeric(flat).numpy()
 
 
-def _chunk_figures(vals: np.ndarray, buf: np.ndarray, acc: list) -> None:
-    """Add one chunk's sum, sum of squares and max |x| (in float64) to ``acc``."""
-    d = buf[:vals.size]
-    np.copyto(d, vals, casting="unsafe")
+def _max_abs(hi: float, lo: float) -> float:
+    """max |x| from the largest and the smallest value (exact: |x| <= max(hi, -lo) for every x;
+    NaN when they are, as numpy's and torch's max and min both are when any value is NaN;
+    +0.0, never -0.0, for zeros). Python floats: a chunk pays no numpy scalar operations."""
+    return abs(hi if hi >= -lo else -lo)
+
+
+def _chunk_figures(vals: np.ndarray | None, chunk: torch.Tensor, buf: np.ndarray,
+                   acc: list) -> None:
+    """Add one chunk's sum, sum of squares and max |x| (in float64) to ``acc``: ``vals`` its
+    values as numpy (None for a dtype numpy lacks: ``chunk`` is cast by torch). One cast into
+    the float64 buffer, then ``sum`` and ``einsum`` over it (the same two reductions over the
+    same 64 Ki chunk as before 2026-11-27: the same bits), and max |x| from the native max and
+    min (no |x| pass). No BLAS (``np.dot`` would bring its thread pool), no thread."""
+    d = buf[:chunk.numel()]
+    if vals is not None:
+        np.copyto(d, vals, casting="unsafe")
+        m = _max_abs(float(vals.max()), float(vals.min()))
+    else:  # bfloat16, float8: widened exactly, straight into the buffer
+        torch.from_numpy(d).copy_(chunk)
+        if chunk.dtype == torch.bfloat16:  # max and min of the 2-byte values: one short pass
+            lo, hi = torch.aminmax(chunk)
+            m = _max_abs(float(hi), float(lo))
+        else:
+            m = _max_abs(float(d.max()), float(d.min()))
     acc[0] += float(d.sum())
     acc[1] += float(np.einsum("i,i->", d, d))  # not BLAS: no thread pool of its own
-    np.abs(d, out=d)
-    acc[2] = float(np.maximum(acc[2], d.max()))  # NaN anywhere stays NaN
+    if m > acc[2] or m != m:  # NaN anywhere stays NaN
+        acc[2] = m
 
 
 def _digest_and_figures(t: torch.Tensor) -> tuple[bytes, tuple[float, float, float] | None,
@@ -175,24 +200,35 @@ def _digest_and_figures(t: torch.Tensor) -> tuple[bytes, tuple[float, float, flo
     for start in range(0, n, FIG_CHUNK):
         stop = min(n, start + FIG_CHUNK)
         h.update(raw[start * size:stop * size])
-        _chunk_figures(vals[start:stop] if native else _numeric(flat[start:stop]).numpy(),
-                       buf, acc)
+        if native:
+            _chunk_figures(vals[start:stop], flat[start:stop], buf, acc)
+        elif flat.is_complex():  # its real and imaginary parts, as float32 or float64 values
+            parts = torch.view_as_real(flat[start:stop]).reshape(-1)
+            _chunk_figures(parts.numpy() if parts.dtype in _NUMPY_DTYPES else None, parts,
+                           buf, acc)
+        else:
+            _chunk_figures(None, flat[start:stop], buf, acc)
     return h.digest(), (acc[0], acc[1], acc[2]), None
 
 
 def batch_figures(arrays: list[np.ndarray]) -> np.ndarray:
     """Figures of many small non-empty arrays in a few numpy calls, as a (len, 3) float64
-    array: one float64 concatenation, then ``reduceat`` per figure (sequential float64 sums:
-    exact enough for up to ``FIG_CHUNK`` elements, and the same for the same values)."""
+    array: one float64 concatenation, then ``reduceat`` per figure (float64 sums: exact enough
+    for up to ``FIG_CHUNK`` elements, and the same for the same values); max |x| from the
+    segments' max and min, the squares in place (no temporaries)."""
     sizes = [a.size for a in arrays]
     offsets = np.zeros(len(arrays), dtype=np.int64)
     np.cumsum(sizes[:-1], out=offsets[1:])
     d = np.concatenate([a.reshape(-1) for a in arrays], dtype=np.float64, casting="unsafe")
     out = np.empty((len(arrays), 3), dtype="<f8")
     np.add.reduceat(d, offsets, out=out[:, 0])
-    np.add.reduceat(d * d, offsets, out=out[:, 1])
-    np.abs(d, out=d)
-    np.maximum.reduceat(d, offsets, out=out[:, 2])
+    hi = np.maximum.reduceat(d, offsets)
+    lo = np.minimum.reduceat(d, offsets)
+    np.negative(lo, out=lo)
+    np.maximum(hi, lo, out=hi)
+    np.abs(hi, out=out[:, 2])  # (+0.0 for zeros)
+    np.multiply(d, d, out=d)
+    np.add.reduceat(d, offsets, out=out[:, 1])
     return out
 
 
@@ -483,7 +519,7 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
     pending: list[tuple[list[int] | None, object]] = []
     figs: list | None = [] if figures else None
     host_pos, host_raw, dev_pos, dev_t = [], [], [], []
-    fig_pos, fig_rows, small_pos, small = [], [], [], []
+    fig_pos, fig_rows, small_pos, small, small_n = [], [], [], [], 0
     for i, t in enumerate(tensors):
         if t is None:
             continue
@@ -501,6 +537,10 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
             if vals is not None:
                 small_pos.append(i)
                 small.append(vals)
+                small_n += vals.size
+                if small_n >= FIG_CHUNK:  # summed together while still in cache
+                    figs.append((small_pos, batch_figures(small)))
+                    small_pos, small, small_n = [], [], 0
             else:
                 fig_pos.append(i)
                 fig_rows.append(fig)
@@ -509,7 +549,7 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
     if figures:
         if fig_pos:
             figs.append((fig_pos, np.array(fig_rows, dtype="<f8").reshape(-1, 3)))
-        if small:  # a few numpy calls for the whole table
+        if small:
             figs.append((small_pos, batch_figures(small)))
     if dev_pos:
         cuda = [k for k, t in enumerate(dev_t) if t.is_cuda]
