@@ -29,14 +29,19 @@ need_cuda = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()),
                                reason="needs CUDA and triton")
 
 
-@pytest.fixture(scope="module")
-def interpreted():
+def _interpret(script: str) -> dict:
+    """Run tests/``script`` under the Triton interpreter in a child; its JSON output."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(root / "tests" / "triton_interpret_cases.py")],
+    proc = subprocess.run([sys.executable, str(root / "tests" / script)],
                           env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return _interpret("triton_interpret_cases.py")
 
 
 @need_triton
@@ -67,12 +72,7 @@ def test_kernel_equals_reference_bit_for_bit_under_the_interpreter(interpreted):
 
 @pytest.fixture(scope="module")
 def interpreted_figures():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(root / "tests" / "triton_interpret_figures.py")],
-                          env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return _interpret("triton_interpret_figures.py")
 
 
 U = 2.0 ** -53  # float64's unit roundoff

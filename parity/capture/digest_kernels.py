@@ -139,8 +139,10 @@ def _iabs(x):
 
 
 @triton.jit
-def _word_figures(w, fs, fq, fm, KIND: tl.constexpr):
-    """Add the values of uint32 words ``w`` (one per lane) to the lanes' figures."""
+def _word_figures(w, fs, fq, fm, KIND):
+    """Add the values of uint32 words ``w`` (one per lane) to the lanes' figures. ``KIND`` is a
+    constexpr in the unrolled loops (Triton specializes the call: one branch compiled) and the
+    row's run-time kind in the masked loop (a branch per kind)."""
     if KIND == _K_F32:
         fs, fq = _add(w.to(tl.float32, bitcast=True).to(tl.float64), fs, fq)
         fm = tl.maximum(fm, (w & 0x7FFFFFFF).to(tl.uint64))
@@ -182,8 +184,9 @@ def _word_figures(w, fs, fq, fm, KIND: tl.constexpr):
 
 
 @triton.jit
-def _elem_figures(v, fs, fq, fm, KIND: tl.constexpr):
-    """Add the values of uint64 units ``v`` (one per lane) to the lanes' figures."""
+def _elem_figures(v, fs, fq, fm, KIND):
+    """Add the values of uint64 units ``v`` (one per lane) to the lanes' figures (``KIND``: as
+    in ``_word_figures``)."""
     if KIND == _K_F64:
         fs, fq = _add(v.to(tl.float64, bitcast=True), fs, fq)
         fm = tl.maximum(fm, v & 0x7FFFFFFFFFFFFFFF)
@@ -197,39 +200,6 @@ def _elem_figures(v, fs, fq, fm, KIND: tl.constexpr):
         fs, fq = _add(lo.to(tl.float32, bitcast=True).to(tl.float64), fs, fq)
         fs, fq = _add(hi.to(tl.float32, bitcast=True).to(tl.float64), fs, fq)
         fm = tl.maximum(fm, tl.maximum(lo & 0x7FFFFFFF, hi & 0x7FFFFFFF).to(tl.uint64))
-    return fs, fq, fm
-
-
-@triton.jit
-def _word_figures_rt(w, kind, fs, fq, fm):
-    """``_word_figures`` for a kind known at run time (the masked rows)."""
-    if kind == _K_F32:
-        fs, fq, fm = _word_figures(w, fs, fq, fm, _K_F32)
-    elif kind == _K_BF16:
-        fs, fq, fm = _word_figures(w, fs, fq, fm, _K_BF16)
-    elif kind == _K_F16:
-        fs, fq, fm = _word_figures(w, fs, fq, fm, _K_F16)
-    elif kind == _K_I8:
-        fs, fq, fm = _word_figures(w, fs, fq, fm, _K_I8)
-    elif kind == _K_U8:
-        fs, fq, fm = _word_figures(w, fs, fq, fm, _K_U8)
-    elif kind == _K_BOOL:
-        fs, fq, fm = _word_figures(w, fs, fq, fm, _K_BOOL)
-    elif kind == _K_I16:
-        fs, fq, fm = _word_figures(w, fs, fq, fm, _K_I16)
-    elif kind == _K_I32:
-        fs, fq, fm = _word_figures(w, fs, fq, fm, _K_I32)
-    return fs, fq, fm
-
-
-@triton.jit
-def _elem_figures_rt(v, kind, fs, fq, fm):
-    if kind == _K_F64:
-        fs, fq, fm = _elem_figures(v, fs, fq, fm, _K_F64)
-    elif kind == _K_I64:
-        fs, fq, fm = _elem_figures(v, fs, fq, fm, _K_I64)
-    elif kind == _K_C64:
-        fs, fq, fm = _elem_figures(v, fs, fq, fm, _K_C64)
     return fs, fq, fm
 
 
@@ -365,7 +335,7 @@ def digest_lanes(table_ptr, out_ptr, fig_ptr, BLOCK: tl.constexpr, ITERS: tl.con
                     acc_a += w * a
                     acc_b += w * b
                     if FIGURES:
-                        fs, fq, fm = _word_figures_rt(w32, kind, fs, fq, fm)
+                        fs, fq, fm = _word_figures(w32, fs, fq, fm, kind)
                 elif how == _BYTES:
                     p8 = addr.to(tl.pointer_type(tl.uint8))
                     byte = idx * 4
@@ -376,7 +346,7 @@ def digest_lanes(table_ptr, out_ptr, fig_ptr, BLOCK: tl.constexpr, ITERS: tl.con
                     acc_a += w * a
                     acc_b += w * b
                     if FIGURES:
-                        fs, fq, fm = _word_figures_rt(w.to(tl.uint32), kind, fs, fq, fm)
+                        fs, fq, fm = _word_figures(w.to(tl.uint32), fs, fq, fm, kind)
                 else:
                     ptr = addr.to(tl.pointer_type(tl.uint64))
                     v = tl.load(ptr + idx, mask=idx < n, other=0)
@@ -387,7 +357,7 @@ def digest_lanes(table_ptr, out_ptr, fig_ptr, BLOCK: tl.constexpr, ITERS: tl.con
                     acc_ah += hi * a
                     acc_bh += hi * b
                     if FIGURES:
-                        fs, fq, fm = _elem_figures_rt(v, kind, fs, fq, fm)
+                        fs, fq, fm = _elem_figures(v, fs, fq, fm, kind)
     out = out_ptr + slot * 4
     tl.atomic_add(out, tl.sum(acc_a, axis=0).to(tl.int64, bitcast=True))
     tl.atomic_add(out + 2, tl.sum(acc_b, axis=0).to(tl.int64, bitcast=True))
