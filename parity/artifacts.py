@@ -40,7 +40,17 @@ NO_HASH = b"\0" * HASH_BYTES  # a parameter with no gradient at that step
 # a hashes.bin record: magic, kind (0 param, 1 grad), step, n; then n raw 16-byte hashes
 HASH_RECORD = struct.Struct("<4sIqI")
 HASH_MAGIC = b"PRH2"
-KIND_CODES = {"param": 0, "grad": 1}
+# param: the table after optimizer step k (step 0: before the first); grad: the gradients step
+# k consumed; entry: the parameters as step k's optimizer step found them, written only when
+# they changed after step k-1's (an edit between step() calls); final: the table when capture
+# stopped (the state the trainer ends with), written only when it differs from the last step's
+KIND_CODES = {"param": 0, "grad": 1, "entry": 2, "final": 3}
+KIND_NAMES = {v: k for k, v in KIND_CODES.items()}
+_OFFSET_FIELD = {"param": "param_offset", "grad": "grad_offset", "entry": "entry_offset",
+                 "final": "param_offset"}
+_DIGEST_FIELD = {"param": "param_digest", "grad": "grad_digest", "entry": "entry_digest",
+                 "final": "param_digest"}
+FINAL = "final"  # the ``step`` of the final-state line in steps.jsonl
 # a figures record (issue 34): the same header with its own magic, then n x 24 bytes: per row
 # three little-endian float64, the fp64 sum, the sum of squares and max |x| of the tensor
 # Summaries for the size of a difference, never part of a verdict. A row (NaN, -1, NaN) is a
@@ -106,36 +116,60 @@ def rollup_digest(raw_hashes: bytes) -> str:
 
 
 # --------------------------------------------------------------------------- closed-file records
-# meta.json's ``closed_files``: each file's size and times as its writer closed it (and the
-# xxh3-128 of buckets.jsonl). A reader that finds a file as recorded trusts what the writer
-# knew of it (the digest of buckets.jsonl, the header digest of params.json) instead of reading
-# its bytes again; a file changed, copied or touched since is read and checked as ever. This is
-# rsync's quick check, made stricter by the change time, which no tool can set back (kernels
-# before Linux 6.13 stamp times from a 1-10 ms tick: docs/artifacts.md says what that leaves).
-CLOSED_FILES = (PARAMS_FILE, BUCKETS_FILE)
+# meta.json's ``closed_files``: each record file's size, times and xxh3-128 as its writer closed
+# it. A reader that finds a file as recorded trusts what the writer knew of it (a digest it has
+# already parsed, the header digest of params.json, the roll-ups of hashes.bin) instead of
+# reading its bytes again; a file changed, copied or touched since is read and checked against
+# the recorded digest (a copy reads as intact; an edit, a truncation or a flipped byte is
+# damage, said and never compared). This is rsync's quick check, made stricter by the change
+# time, which no tool can set back (kernels before Linux 6.13 stamp times from a 1-10 ms tick:
+# docs/artifacts.md says what that leaves).
+CLOSED_FILES = (PARAMS_FILE, STEPS_FILE, HASHES_FILE, BUCKETS_FILE)
 
 
 def _stat_record(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
+def _file_digest(path: str) -> tuple[int, str]:
+    """(size, xxh3-128 hex) of a file read in chunks (hashes.bin can be large)."""
+    h = xxhash.xxh3_128()
+    size = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while True:
+            chunk = os.read(fd, 1 << 24)
+            if not chunk:
+                break
+            h.update(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    return size, h.hexdigest()
+
+
 def closed_files(rank_folder: str | os.PathLike) -> dict[str, dict]:
-    """``{name: {"stat": [size, mtime_ns, ctime_ns]}}`` of the files in CLOSED_FILES that exist
-    in ``rank_folder``, with ``"xxh3"`` for buckets.jsonl: read back once here, at close, not
-    hashed line by line inside the training steps that write it."""
+    """``{name: {"stat": [size, mtime_ns, ctime_ns], "xxh3": "<32 hex>"}}`` of the files in
+    CLOSED_FILES that exist in ``rank_folder``: read back once here, at close, not hashed
+    record by record inside the training steps that write them."""
     out: dict[str, dict] = {}
     for name in CLOSED_FILES:
         path = os.path.join(rank_folder, name)
         try:
             st = os.stat(path)
             out[name] = {"stat": _stat_record(st)}
-            if name == BUCKETS_FILE:
-                data = _read_bytes(path)
-                if len(data) == st.st_size:  # nothing appended in between
-                    out[name]["xxh3"] = xxhash.xxh3_128_hexdigest(data)
+            size, digest = _file_digest(path)
+            if size == st.st_size:  # nothing appended in between
+                out[name]["xxh3"] = digest
         except OSError:
             continue
     return out
+
+
+def _recorded_digest(rec) -> str | None:
+    """The xxh3 a closed-file record holds, if it is one."""
+    d = rec.get("xxh3") if isinstance(rec, dict) else None
+    return d if isinstance(d, str) and len(d) == 32 else None
 
 
 def _as_closed(path: str, rec) -> dict | None:
@@ -219,13 +253,22 @@ class RankWriter:
 
     def write_step(self, step: int, param_hashes: bytes, grad_hashes: bytes | None = None,
                    loss: float | None = None, loss_hash: str | None = None, *,
-                   param_figures: bytes | None = None,
-                   grad_figures: bytes | None = None) -> None:
-        """Record one step: ``*_hashes`` are the raw 16-byte hashes concatenated in table order;
-        ``*_figures`` the 24-byte figures of the same rows (``FIGURE_FIELDS``), when capture
+                   param_figures: bytes | None = None, grad_figures: bytes | None = None,
+                   entry_hashes: bytes | None = None, loss_scale: float | None = None,
+                   skipped: str | None = None) -> tuple[int, str]:
+        """Record one step: ``*_hashes`` are the raw 16-byte hashes concatenated in table order.
+        ``*_figures``: the 24-byte figures of the same rows (``FIGURE_FIELDS``), when capture
         computed them: a figures record follows each hash record, and the line gets their
-        offsets and one digest of both (written only when set: a run without figures writes
-        the bytes it always did)."""
+        offsets and one digest of both.
+        ``entry_hashes``: the parameters as this step's optimizer step found them, when they
+        changed since the previous step's record (an edit between ``step()`` calls);
+        ``loss_scale``: the scale of a scaled loss (``loss`` is then the unscaled value);
+        ``skipped``: why the optimizer step did not run (``"inf"``: GradScaler found inf/NaN
+        gradients). The optional keys are written only when set, so a run without them writes
+        the bytes it always did. Returns (offset, roll-up) of the parameter record."""
+        entry = None
+        if entry_hashes is not None:
+            entry = self._hash_record(step, "entry", entry_hashes)
         p_off, p_digest = self._hash_record(step, "param", param_hashes)
         g_off = g_digest = None
         if grad_hashes is not None:
@@ -240,8 +283,30 @@ class RankWriter:
                 line["grad_figures_offset"] = self._figures_record(step, "grad", grad_figures)
                 both += grad_figures
             line["figures_digest"] = rollup_digest(both)
+        if entry is not None:
+            line["entry_offset"], line["entry_digest"] = entry
+        if loss_scale is not None:
+            line["loss_scale"] = loss_scale
+        if skipped is not None:
+            line["skipped"] = skipped
         # no wall time: two runs that train alike write the same bytes (the reader shares them)
         self._steps.append(line)
+        return p_off, p_digest
+
+    def write_final(self, after_step: int, hashes: bytes | None = None,
+                    same_as: tuple[int, str] | None = None) -> None:
+        """The state the trainer ended with, after step ``after_step``: ``hashes`` (a new
+        ``final`` record), or ``same_as`` (offset, roll-up) of that step's parameter record
+        when nothing changed since it (no bytes written twice)."""
+        if hashes is not None:
+            off, digest = self._hash_record(after_step, "final", hashes)
+        elif same_as is not None:
+            off, digest = same_as
+        else:
+            raise ValueError("write_final: hashes or same_as")
+        self._steps.append({"v": SCHEMA_VERSION, "step": FINAL, "after_step": after_step,
+                            "param_digest": digest, "param_offset": off,
+                            "changed": hashes is not None})
 
     def write_bucket(self, bucket: dict) -> None:
         self._buckets.append({"v": SCHEMA_VERSION, **bucket})
@@ -329,7 +394,8 @@ def _share_key(path: str | Path, digest: bytes, size: int) -> bytes:
 
 def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...],
                 shared: dict[bytes, list[dict]] | None = None, check=None,
-                closed: dict | None = None, tail: str | None = None) -> list[dict]:
+                closed: dict | None = None, tail: str | None = None, record=None,
+                damage: list[str] | None = None) -> list[dict]:
     """Every valid record of a JSON-lines file; what is not valid goes to ``problems``.
 
     With ``shared``, a file whose bytes equal an earlier clean file's returns that file's list
@@ -337,9 +403,17 @@ def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...]
     length and xxh3-128, the digest every other equality in the schema rests on (Python's own
     bytes hash is ~5x slower). ``closed``: meta.json's record of the file, when the file is as
     its writer closed it (``_as_closed``): its recorded digest finds an earlier equal file
-    without reading this one. ``tail``: the last key of each line, whose values repeat
+    without reading this one. ``record``: that record whether or not the file is still so;
+    bytes that are not the recorded ones, and (in a file its writer closed) a cut last line,
+    are damage (``damage``, also said in ``problems``). A line that is not JSON or not of the
+    schema is damage wherever it is. ``tail``: the last key of each line, whose values repeat
     (``_tail_sharing_parser``).
     """
+    def hurt(msg: str) -> None:
+        problems.append(msg)
+        if damage is not None:
+            damage.append(msg)
+
     known = None
     if shared is not None and closed is not None and isinstance(closed.get("xxh3"), str):
         try:
@@ -354,19 +428,24 @@ def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...]
         data = _read_bytes(path)
     except FileNotFoundError:
         problems.append(f"{path}: missing")
+        if record is not None and damage is not None:  # its writer closed it: it was there
+            damage.append(f"{path}: missing")
         return []
     except OSError as e:
-        problems.append(f"{path}: unreadable ({e.strerror or e})")
+        hurt(f"{path}: unreadable ({e.strerror or e})")
         return []
     key = None
-    if shared is not None:
-        key = _share_key(path, xxhash.xxh3_128_digest(data), len(data))
-        if known is not None and key != known:  # size and times as recorded, bytes not
-            problems.append(f"{path}: its bytes are not those recorded when it was closed; "
-                            "read as found")
-        hit = shared.get(key)
-        if hit is not None:
-            return hit
+    want = _recorded_digest(record if record is not None else closed)
+    if shared is not None or want is not None:
+        digest = xxhash.xxh3_128_digest(data)
+        key = _share_key(path, digest, len(data))
+        if want is not None and digest.hex() != want:
+            hurt(f"{path}: its bytes are not those recorded when it was closed (changed after "
+                 "its run closed); read as found")
+        if shared is not None:
+            hit = shared.get(key)
+            if hit is not None:
+                return hit
     n_problems = len(problems)
     records = []
     try:
@@ -376,18 +455,22 @@ def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...]
         lines, parse = data.split(b"\n"), json.loads
     if lines and lines[-1]:
         cut = len(data) - data.rfind(b"\n") - 1
-        problems.append(f"{path}: last line truncated ({cut} bytes), ignored")
+        msg = f"{path}: last line truncated ({cut} bytes), ignored"
+        if record is not None:
+            hurt(msg)  # a closed file ends with its last complete line
+        else:
+            problems.append(msg)  # what a killed writer leaves
     need = frozenset(required)
     for lineno, line in enumerate(lines[:-1], 1):
         try:
             rec = parse(line)
         except (ValueError, UnicodeDecodeError):
             if line.strip():
-                problems.append(f"{path}:{lineno}: not JSON, skipped")
+                hurt(f"{path}:{lineno}: not JSON, skipped")
             continue
         if type(rec) is not dict or rec.get("v") not in READABLE_VERSIONS or not (
                 rec.keys() >= need) or (check is not None and not check(rec)):
-            problems.append(f"{path}:{lineno}: not a schema-{SCHEMA_VERSION} record, skipped")
+            hurt(f"{path}:{lineno}: not a schema-{SCHEMA_VERSION} record, skipped")
             continue
         records.append(rec)
     if shared is not None and len(problems) == n_problems:
@@ -424,11 +507,20 @@ class Table:
     data: bytes | None = field(default=None, repr=False)  # the checked bytes, until decoded
 
 
-def _read_table(path: str | Path, problems: list[str], closed: dict | None = None) -> Table | None:
+def _read_table(path: str | Path, problems: list[str], closed: dict | None = None,
+                record=None, damage: list[str] | None = None) -> Table | None:
     """A rank's params.json: schema 2 is checked by its digest and not parsed; schema 1 is
     parsed (its digest: of its bytes). ``closed`` (the file is as its writer closed it,
     ``_as_closed``): only a schema-2 header is read; the rows' bytes are read, and checked
-    against the header's digest, if they are ever needed (``RankData.params``)."""
+    against the header's digest, if they are ever needed (``RankData.params``). A table read
+    whole is also checked against ``record`` (meta.json's record of it at close: bytes not
+    those recorded are damage) and its ``keys`` against its ``fqn`` column. What is wrong goes
+    to ``problems`` and ``damage``; such a table is not compared (None)."""
+    def hurt(msg: str) -> None:
+        problems.append(msg)
+        if damage is not None:
+            damage.append(msg)
+
     if closed is not None:
         try:
             head = _read_bytes(path, params_codec.HEADER_BYTES)
@@ -441,24 +533,36 @@ def _read_table(path: str | Path, problems: list[str], closed: dict | None = Non
         data = _read_bytes(path)
     except FileNotFoundError:
         problems.append(f"{path}: missing")
+        if record is not None and damage is not None:
+            damage.append(f"{path}: missing")
         return None
     except OSError as e:
-        problems.append(f"{path}: unreadable ({e.strerror or e})")
+        hurt(f"{path}: unreadable ({e.strerror or e})")
         return None
+    want = _recorded_digest(record)
+    changed = (f"{path}: its bytes are not those recorded when it was closed (changed after "
+               "its run closed); not compared")
     if params_codec.is_v2(data):
         try:
             digest, n, keys = params_codec.read_header(data)
-        except ValueError as e:
-            problems.append(f"{path}: {e}; not compared")
+            params_codec.check_keys(params_codec.fqn_column(data), n, keys)
+        except (ValueError, UnicodeDecodeError) as e:
+            hurt(f"{path}: {e}; not compared")
+            return None
+        if want is not None and xxhash.xxh3_128_hexdigest(data) != want:
+            hurt(changed)
             return None
         return Table(digest, keys, n, 2, data=data)
+    if want is not None and xxhash.xxh3_128_hexdigest(data) != want:
+        hurt(changed)
+        return None
     try:
         obj = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
-        problems.append(f"{path}: unreadable ({e.__class__.__name__})")
+        hurt(f"{path}: unreadable ({e.__class__.__name__})")
         return None
     if not isinstance(obj, dict) or obj.get("v") != 1:
-        problems.append(f"{path}: not a schema-{SCHEMA_VERSION} file")
+        hurt(f"{path}: not a schema-{SCHEMA_VERSION} file")
         return None
     rows = obj.get("params") if isinstance(obj.get("params"), list) else []
     rows = [p for p in rows if isinstance(p, dict) and isinstance(p.get("fqn"), str)]
@@ -540,6 +644,12 @@ class RankData:
             return []
     # processes that also claimed this rank and were not recorded (rundir.refused_records)
     refused: list[dict] = field(default_factory=list)
+    # the final-state line of steps.jsonl (``"step": "final"``): the table when capture stopped
+    final: dict | None = None
+    # what of this rank's records is damaged (also in ``problems``): a file changed after its
+    # run closed, a record that cannot be read or fails its checksum, a missing meta.json.
+    # The diff makes a pair with any of it incomplete, whether or not the verdict needed it.
+    damage: list[str] = field(default_factory=list)
 
     @property
     def fqns(self) -> list[str]:
@@ -547,12 +657,19 @@ class RankData:
 
     def hashes(self, step: int, kind: str = "param") -> np.ndarray | None:
         """Per-parameter hashes of one step as an (n, 16) uint8 array, or None if absent/bad.
-        The bytes read must have the step's roll-up (steps.jsonl): a corrupted record is
-        reported and not compared, never taken for a divergence."""
-        rec = self.steps.get(step)
+        ``kind``: ``param``, ``grad``, ``entry`` (the parameters as step ``step``'s optimizer
+        step found them; None when they had not changed since step ``step - 1``: see
+        ``entry_hashes``) or ``final`` (the final state; ``step`` is ignored). The bytes read
+        must have the roll-up steps.jsonl recorded: a corrupted record is reported and not
+        compared, never taken for a divergence."""
+        if kind == "final":
+            rec = self.final
+            step = rec.get("after_step") if rec is not None else None
+        else:
+            rec = self.steps.get(step)
         if rec is None:
             return None
-        offset = rec.get("param_offset" if kind == "param" else "grad_offset")
+        offset = rec.get(_OFFSET_FIELD[kind])
         if not isinstance(offset, int):
             return None
         v1 = rec.get("v") == 1
@@ -566,17 +683,21 @@ class RankData:
         except (OSError, ValueError, KeyError, TypeError):
             self.problems.append(f"{self.path / fname}: step {step} {kind} record unreadable")
             return None
-        if r_step != step or r_kind != kind or len(raw) % HASH_BYTES:
+        # a final state equal to its last step's refers to that step's parameter record
+        kinds = ("final", "param") if kind == "final" else (kind,)
+        if r_step != step or r_kind not in kinds or len(raw) % HASH_BYTES:
             self.problems.append(f"{self.path / fname}: step {step} {kind} record mismatched")
             return None
-        want = rec.get("param_digest" if kind == "param" else "grad_digest")
+        want = rec.get(_DIGEST_FIELD[kind])
         if isinstance(want, str) and rollup_digest(raw) != want:
             self.problems.append(f"{self.path / fname}: step {step} {kind} hashes do not have "
                                  f"the roll-up steps.jsonl recorded (corrupted); not compared")
             return None
         n = len(raw) // HASH_BYTES
+        # an entry record is taken before the rows that join at its step are added
+        cut = step - 1 if kind == "entry" else step
         if n < self.n_params and all(
-                isinstance(p.get("since"), int) and p["since"] > step for p in self.params[n:]):
+                isinstance(p.get("since"), int) and p["since"] > cut for p in self.params[n:]):
             # parameters that joined the optimizers after this step: not recorded yet (NO_HASH)
             raw += NO_HASH * (len(self.params) - n)
         import numpy as np
@@ -633,6 +754,26 @@ class RankData:
                 for k, v in raw.items()}
 
     _figures: dict = field(default_factory=dict, repr=False, compare=False)
+    def entry_hashes(self, step: int) -> np.ndarray | None:
+        """The parameters as step ``step``'s optimizer step found them: its ``entry`` record
+        when capture wrote one, else (nothing changed after step ``step - 1``) that step's
+        parameter record. Buffer rows are zero either way: a buffer changes in the forward pass
+        by design (BatchNorm statistics), so only parameters say whether the trainer edited the
+        model between ``step()`` calls."""
+        rec = self.steps.get(step)
+        if rec is None:
+            return None
+        if isinstance(rec.get("entry_offset"), int):
+            return self.hashes(step, "entry")
+        h = self.hashes(step - 1, "param")
+        if h is None:
+            return None
+        buffers = [i for i, p in enumerate(self.params[:len(h)]) if p.get("kind") == "buffer"]
+        if buffers:
+            h = h.copy()
+            h[buffers] = 0
+        return h
+
     _read_hint: int = field(default=1 << 16, repr=False, compare=False)
 
     def _read_line(self, fname: str, offset: int) -> bytes:
@@ -661,7 +802,7 @@ class RankData:
             if len(buf) < HASH_RECORD.size:
                 raise ValueError("record cut short")
             magic, code, step, n = HASH_RECORD.unpack_from(buf)
-            if magic != want or code not in (0, 1):
+            if magic != want or code not in KIND_NAMES:
                 raise ValueError("not a hash record")
             size = HASH_RECORD.size + n * row_bytes
             if len(buf) < size:
@@ -669,7 +810,7 @@ class RankData:
                 if len(buf) < size:
                     raise ValueError("record cut short")
         self._read_hint = size
-        return step, ("param", "grad")[code], buf[HASH_RECORD.size:size]
+        return step, KIND_NAMES[code], buf[HASH_RECORD.size:size]
 
 
 def _parse_hash_line(line: bytes) -> tuple[dict, bytes]:
@@ -760,24 +901,198 @@ def gc_paused():
             gc.enable()
 
 
+def _check_records(base: str, steps: dict[int, dict], final: dict | None, record,
+                   problems: list[str], damage: list[str]) -> set[tuple]:
+    """Every hash record steps.jsonl refers to, checked against its roll-up: the (step, kind)
+    keys whose record cannot be read or does not have its roll-up (said in ``problems`` and
+    ``damage``). ``record``: meta.json's record of hashes.bin at close; a file whose bytes
+    are those is not parsed record by record (a copy of a run reads as intact)."""
+    path = base + HASHES_FILE
+    want = _recorded_digest(record)
+    refs = []
+    for s, rec in steps.items():
+        for kind in ("param", "grad", "entry"):
+            off = rec.get(_OFFSET_FIELD[kind])
+            if isinstance(off, int) and not isinstance(off, bool):
+                refs.append((s, kind, rec))
+    off = final.get("param_offset") if final is not None else None
+    if isinstance(off, int) and not isinstance(off, bool):
+        refs.append((FINAL, "final", final))
+    if not refs and want is None:
+        return set()
+    v1 = [x for x in refs if x[2].get("v") == 1]
+    refs = [x for x in refs if x[2].get("v") != 1]
+    data = b""
+    if refs or want is not None:
+        try:
+            data = _read_bytes(path)
+        except FileNotFoundError:
+            data = None
+        except OSError as e:
+            msg = f"{path}: unreadable ({e.strerror or e})"
+            problems.append(msg)
+            damage.append(msg)
+            return {(s, k) for s, k, _ in refs}
+    if data is None:
+        if refs or record is not None:
+            msg = f"{path}: missing; {len(refs)} record(s) not compared"
+            problems.append(msg)
+            damage.append(msg)
+        return {(s, k) for s, k, _ in refs}
+    if want is not None and xxhash.xxh3_128_hexdigest(data) == want and not v1:
+        return set()  # the bytes closed: every roll-up was computed from them
+    bad: dict[tuple, str] = {}
+    for s, kind, rec in refs:
+        off = rec[_OFFSET_FIELD[kind]]
+        step = rec.get("after_step") if kind == "final" else s
+        end = off + HASH_RECORD.size
+        if off < 0 or end > len(data):
+            bad[(s, kind)] = "record unreadable (cut short)"
+            continue
+        magic, code, r_step, n = HASH_RECORD.unpack_from(data, off)
+        kinds = ("final", "param") if kind == "final" else (kind,)
+        if magic != HASH_MAGIC or code not in KIND_NAMES:
+            bad[(s, kind)] = "record unreadable (not a hash record)"
+            continue
+        if KIND_NAMES[code] not in kinds or r_step != step:
+            bad[(s, kind)] = "record mismatched"
+            continue
+        raw = data[end:end + n * HASH_BYTES]
+        if len(raw) < n * HASH_BYTES:
+            bad[(s, kind)] = "record unreadable (cut short)"
+        elif rollup_digest(raw) != rec.get(_DIGEST_FIELD[kind]):
+            bad[(s, kind)] = _ROLLUP_FAILS
+    fig_bad = _check_figures(data, steps) if refs else []
+    data1 = None
+    if v1:  # schema 1: hex lines in hashes.jsonl, read once
+        try:
+            data1 = _read_bytes(base + HASHES_V1_FILE)
+        except OSError:
+            data1 = b""
+    for s, kind, rec in v1:
+        try:
+            off = rec[_OFFSET_FIELD[kind]]
+            end = data1.find(b"\n", off)
+            if off < 0 or end < 0:
+                raise ValueError("line without end")
+            hrec, raw = _parse_hash_line(data1[off:end])
+            if hrec.get("step") != s or hrec.get("kind") != kind:
+                bad[(s, kind)] = "record mismatched"
+            elif rollup_digest(raw) != rec.get(_DIGEST_FIELD[kind]):
+                bad[(s, kind)] = _ROLLUP_FAILS
+        except (OSError, ValueError, KeyError, TypeError, binascii.Error):
+            bad[(s, kind)] = "record unreadable"
+    if bad:
+        first = sorted(bad, key=lambda x: (x[0] == FINAL, x[0] if x[0] != FINAL else 0, x[1]))
+        shown = ", ".join(f"{'final state' if s == FINAL else f'step {s}'} {k} {bad[(s, k)]}"
+                          for s, k in first[:3])
+        msg = (f"{path}: {len(bad)} damaged record(s) ({shown}"
+               f"{', ...' if len(bad) > 3 else ''}); not compared")
+        problems.append(msg)
+        damage.append(msg)
+    if fig_bad:
+        msg = (f"{path}: {len(fig_bad)} damaged figures record(s) ({', '.join(fig_bad[:3])}"
+               f"{', ...' if len(fig_bad) > 3 else ''}); sizes of differences not shown there")
+        problems.append(msg)
+        damage.append(msg)
+    elif not bad and want is not None and not v1:
+        msg = (f"{path}: its bytes are not those recorded when it was closed (changed after its "
+               "run closed; every record steps.jsonl refers to still checks)")
+        problems.append(msg)
+        damage.append(msg)
+    return set(bad)
+
+
+def _check_figures(data: bytes, steps: dict[int, dict]) -> list[str]:
+    """Every figures record steps.jsonl refers to (``*_figures_offset``), checked against the
+    line's ``figures_digest``: what is damaged, in words ("step 3 record cut short"). Figures
+    are never part of a verdict, but damage anywhere in a run is said."""
+    out = []
+    for s, rec in steps.items():
+        if rec.get("v") == 1 or not isinstance(rec.get("param_figures_offset"), int):
+            continue
+        raw, why = b"", None
+        for kind in ("param", "grad"):
+            off = rec.get(f"{kind}_figures_offset")
+            if not isinstance(off, int) or isinstance(off, bool):
+                continue
+            end = off + HASH_RECORD.size
+            if off < 0 or end > len(data):
+                why = "record cut short"
+                break
+            magic, code, r_step, n = HASH_RECORD.unpack_from(data, off)
+            if magic != FIGURES_MAGIC or KIND_NAMES.get(code) != kind or r_step != s:
+                why = "not its figures record"
+                break
+            body = data[end:end + n * FIGURE_BYTES]
+            if len(body) < n * FIGURE_BYTES:
+                why = "record cut short"
+                break
+            raw += body
+        if why is None and rollup_digest(raw) != rec.get("figures_digest"):
+            why = "figures do not have the digest steps.jsonl recorded"
+        if why is not None:
+            out.append(f"step {s} {why}")
+    return out
+
+
+_UNVERIFIED_LOSS = {"loss": None, "loss_hash": None}
+_ROLLUP_FAILS = "hashes do not have the roll-up steps.jsonl recorded (corrupted)"
+
+
 def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = None) -> RankData:
     """One rank folder: meta.json, the table's digests (params.json), the steps' roll-ups and
-    the bucket records; per-parameter hashes and table rows wait until asked for."""
+    the bucket records; per-parameter hashes and table rows wait until asked for.
+
+    Damage is looked for in every file whether or not a verdict will need it: a file that is
+    as its writer closed it (meta.json ``closed_files``: size, times) is trusted without
+    reading; any other is read and checked (against the recorded digest, else record by
+    record). A step whose hash record is damaged is dropped (not compared); a steps.jsonl
+    changed after close keeps only the steps whose roll-ups its hash records confirm, without
+    their losses (which nothing else confirms)."""
     problems: list[str] = []
+    damage: list[str] = []
     base = os.path.join(path, "")  # plain strings: pathlib's joins cost more than the reads
-    meta = _read_json(base + META_FILE, problems) or {}
+    meta = _read_json(base + META_FILE, problems)
+    if meta is None:
+        damage.append(problems[-1] + ": its status, capture warnings, hasher and closed-file "
+                      "records are unknown")
+        meta = {}
     closed = meta.get("closed_files")
     closed = closed if isinstance(closed, dict) else {}
     table = _read_table(base + PARAMS_FILE, problems,
-                        _as_closed(base + PARAMS_FILE, closed.get(PARAMS_FILE)))
+                        _as_closed(base + PARAMS_FILE, closed.get(PARAMS_FILE)),
+                        closed.get(PARAMS_FILE), damage)
     steps: dict[int, dict] = {}
-    for rec in _read_lines(base + STEPS_FILE, problems, ("step", "param_digest"), _shared):
-        if isinstance(rec["step"], int):
-            steps[rec["step"]] = rec
+    final = None
+    steps_closed = _as_closed(base + STEPS_FILE, closed.get(STEPS_FILE))
+    n_damage = len(damage)
+    lines = _read_lines(base + STEPS_FILE, problems, ("step", "param_digest"), _shared,
+                        closed=steps_closed, record=closed.get(STEPS_FILE), damage=damage)
+    steps_changed = len(damage) > n_damage
+    for rec in lines:
+        s = rec["step"]
+        if isinstance(s, int) and not isinstance(s, bool):
+            steps[s] = rec
+        elif s == FINAL and isinstance(rec.get("after_step"), int):
+            final = rec
+    if final is not None and steps and max(steps) > final["after_step"]:
+        final = None  # an earlier torchelastic attempt's: this attempt went on past it
+    hashes_closed = _as_closed(base + HASHES_FILE, closed.get(HASHES_FILE))
+    if steps_closed is None or hashes_closed is None:
+        bad = _check_records(base, steps, final, closed.get(HASHES_FILE), problems, damage)
+        if bad or steps_changed:
+            steps = {s: rec for s, rec in steps.items()
+                     if not any((s, k) in bad for k in ("param", "grad", "entry"))}
+            if final is not None and (FINAL, "final") in bad:
+                final = None
+            if steps_changed:  # the losses are not confirmed by anything: not compared
+                steps = {s: {**rec, **_UNVERIFIED_LOSS} for s, rec in steps.items()}
     buckets = _read_lines(base + BUCKETS_FILE, problems,
                           ("source", "collective", "index", "entries"), _shared,
                           check=lambda b: isinstance(b["entries"], list), tail="entries",
-                          closed=_as_closed(base + BUCKETS_FILE, closed.get(BUCKETS_FILE)))
+                          closed=_as_closed(base + BUCKETS_FILE, closed.get(BUCKETS_FILE)),
+                          record=closed.get(BUCKETS_FILE), damage=damage)
     if problems and problems[-1] == f"{base}{BUCKETS_FILE}: missing":
         problems.pop()  # a run without bucket manifests (--no-manifests, or none issued)
     said = meta.get("rank")
@@ -785,8 +1100,9 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
         # A directory renamed, copied or swapped: its hashes belong to another rank.
         problems.append(f"{path}: meta.json says rank {said}, the directory rank {rank} "
                         "(swapped or copied directories?); not compared")
-        table, steps = None, {}
-    return RankData(rank, path, meta, steps, buckets, problems, table, refused_records(path))
+        table, steps, final = None, {}, None
+    return RankData(rank, path, meta, steps, buckets, problems, table, refused_records(path),
+                    final, damage)
 
 
 def read_run(path: str | os.PathLike, _shared: dict | None = None) -> Run:

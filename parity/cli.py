@@ -130,10 +130,11 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, emulate_nccl, fo
               help="Also write a self-contained HTML page to FILE [default: not written].")
 @click.option("--fail-on", type=FAIL_ON, default=DEFAULT_POLICY, show_default=True,
               help=POLICY_HELP)
-@click.option("--at", "at", metavar="TOPOLOGY",
-              help="Predict which gradient elements NCCL Ring would sum in another rank order "
-                   "on NODESxGPUS[:channels=C] (e.g. 8x8, 32x8:channels=16); "
-                   "docs/reduction-order.md [default: no prediction].")
+@click.option("--at", "at", metavar="TOPOLOGY[,TOPOLOGY...]", multiple=True,
+              help="Predict which gradient elements NCCL would sum in another rank order on "
+                   "NODESxGPUS[:channels=C,...] (e.g. 8x8, 32x8:channels=16); several, one row "
+                   "each: --at 1x8,2x8,8x8,32x8 (or --at repeated); docs/reduction-order.md "
+                   "[default: no prediction].")
 @click.option("--nccl-log", "nccl_log", type=click.Path(),
               help="Predict with the rings and channel choices of a real NCCL_DEBUG=INFO "
                    "(+TUNING) log [default: none].")
@@ -148,11 +149,12 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on, at, nccl_log):
 
     from parity.diff.reduction import topology_of
 
-    topo, notes = topology_of(at, nccl_log)  # bad input: one line, exit 2, before reading
+    topo, notes = topology_of(list(at) or None, nccl_log)  # bad input: exit 2, before reading
     result = diff_runs(a_dir, b_dir, at=topo)
-    if result.reduction_order is not None:
-        result.reduction_order.source = nccl_log or "model"
-        result.reduction_order.notes[:0] = notes
+    ro = result.reduction_order
+    for pred in (ro if isinstance(ro, list) else [ro] if ro is not None else []):
+        pred.source = nccl_log or "model"
+        pred.notes[:0] = notes
     code = result.exit_code(fail_on)
     # files first: a closed or full stdout must cost neither them nor the exit code
     if json_file:

@@ -69,44 +69,96 @@ def counts_phrase(counts: dict | None) -> str:
     return ", ".join(parts)
 
 
-def reduction_phrase(ro: dict | None) -> str | None:
-    """The prediction in a few words: 'reduction order at 8x8 (nccl-ring-cbd/1): 1,024 elements
-    of 3 parameters at risk' (None without a prediction)."""
-    if not isinstance(ro, dict):
-        return None
-    topo = (ro.get("topology") or {}).get("spec") if isinstance(ro.get("topology"), dict) else None
-    from parity.nccl.probe_file import topology_label  # a probe's file: name + agreement
+def predictions(ro) -> list[dict]:
+    """``reduction_order`` as a list of per-topology objects: one object (``--at 8x8``), a list
+    (``--at 1x8,8x8``), or nothing."""
+    if isinstance(ro, dict):
+        return [ro]
+    if isinstance(ro, list):
+        return [x for x in ro if isinstance(x, dict)]
+    return []
 
-    head = (f"reduction order at {topology_label(topo, ro.get('topology_file'))} "
-            f"({ro.get('model')})")
+
+def prediction_verdict(ro) -> str | None:
+    """The prediction's verdict over every topology: ``differs`` if one differs, else
+    ``unknown`` if one is unknown (or not a verdict), else ``same``; None without one."""
+    vs = [x.get("verdict") for x in predictions(ro)]
+    if not vs:
+        return None
+    if "differs" in vs:
+        return "differs"
+    return "same" if all(v == "same" for v in vs) else "unknown"
+
+
+def _one_prediction(ro: dict) -> str:
     risk = [x for x in ro.get("at_risk") or [] if isinstance(x, dict)]
     if ro.get("verdict") == "same":
-        return head + ": same sums predicted"
-    n = sum(int(x.get("elements") or 0) for x in risk)
-    what = head + f": {n:,} elements of {len(risk)} parameter{'s' if len(risk) != 1 else ''} " \
-                  "at risk"
+        return "same sums predicted"
+    if ro.get("verdict") == "differs":
+        n = sum(int(x.get("elements") or 0) for x in risk)
+        what = f"{n:,} elements of {len(risk)} parameter{'s' if len(risk) != 1 else ''} at risk"
+    else:
+        unknown = [u for u in ro.get("unknown") or [] if isinstance(u, dict)]
+        what = "unknown" + (f" ({unknown[0].get('reason')})" if unknown else "")
     unp = ro.get("unpredicted") or []
     if unp:
         what += f", {len(unp)} bucket{'s' if len(unp) != 1 else ''} not predicted"
     return what
 
 
+def reduction_phrase(ro) -> str | None:
+    """The prediction in a few words: 'reduction order at 8x8 (nccl-ring-cbd/1): 1,024 elements
+    of 3 parameters at risk (an upper bound), for the captured model's bucket sizes'; several
+    topologies one after the other (None without a prediction). Where the runs were emulated at
+    another topology, both are said; where at this one, what the emulation showed."""
+    ros = predictions(ro)
+    if not ros:
+        return None
+    from parity.nccl.probe_file import topology_label  # a probe's file: name + agreement
+
+    parts = []
+    for k, x in enumerate(ros):
+        topo = (x.get("topology") or {}).get("spec") if isinstance(x.get("topology"),
+                                                                   dict) else None
+        label = topology_label(topo, x.get("topology_file"))
+        head = f"reduction order at {label} ({x.get('model')})" if k == 0 else f"at {label}"
+        parts.append(f"{head}: {_one_prediction(x)}")
+    what = "; ".join(parts)
+    if any(x.get("verdict") == "differs" for x in ros):
+        what += " (an upper bound)"
+    what += ", for the captured model's bucket sizes"
+    first = ros[0]
+    emu = first.get("emulated")
+    obs = next((x.get("observed") for x in ros if isinstance(x.get("observed"), dict)), None)
+    if obs and not obs.get("diverged"):
+        what += f"; emulated at {obs.get('topology')}: no gradient diverged"
+    elif obs:
+        missed = obs.get("not_predicted") or []
+        what += (f"; emulated at {obs.get('topology')}: {obs.get('diverged')} gradient(s) "
+                 f"diverged at step {obs.get('step')}, "
+                 + ("every one predicted" if not missed else
+                    f"{len(missed)} NOT predicted ({', '.join(map(str, missed[:3]))})"))
+    elif isinstance(emu, str):
+        what += f"; hashes compared under emulation at {emu}"
+    return what
+
+
 def reduction_state(d: dict) -> str | None:
     """What policy ``reduction`` makes of a diff (``DiffResult.to_dict()`` or a cell's diff):
-    ``fails`` (a reduction difference, predicted at risk when a prediction was asked),
-    ``unknown`` (a reduction difference the prediction could not derive), ``tolerated``
-    (copy-only differences, or reductions predicted to give the same sums), None (a diff
-    written without consequence classes)."""
+    ``fails`` (a reduction difference, predicted at risk at some topology when a prediction was
+    asked), ``unknown`` (a reduction difference the prediction could not derive), ``tolerated``
+    (copy-only differences, or reductions predicted to give the same sums everywhere), None (a
+    diff written without consequence classes)."""
     order = d.get("order") if isinstance(d.get("order"), dict) else {}
     counts = order.get("consequences")
     if not isinstance(counts, dict):
         return None
     if not any(counts.get(c) for c in REDUCTIONS):
         return "tolerated"
-    ro = d.get("reduction_order")
-    if not isinstance(ro, dict):
+    verdict = prediction_verdict(d.get("reduction_order"))
+    if verdict is None:
         return "fails"
-    return {"differs": "fails", "same": "tolerated"}.get(ro.get("verdict"), "unknown")
+    return {"differs": "fails", "same": "tolerated"}.get(verdict, "unknown")
 
 
 def order_suffix(order: dict) -> str:

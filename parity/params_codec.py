@@ -12,7 +12,8 @@ they are the ones it has already seen.
   two tables with equal digests hold the same rows.
 * ``keys``: xxh3-128 of the ``fqn`` column's JSON (``keys_digest``). Ranks whose tables list the
   same names in the same order align the same way, so the diff parses one table per distinct
-  key sequence, not one per rank.
+  key sequence, not one per rank. A reader that reads a table whole checks ``keys`` against
+  the column (``check_keys``): the digest alone would accept names edited with it.
 * ``columns``: one entry per row key, ``fqn`` first, the others in order of first appearance;
   each is a list (one value per row) or an object:
   ``{"all": v}`` every row has the value v; ``{"fqn_prefix": p}`` every row's value is p followed
@@ -101,6 +102,33 @@ def read_header(data: bytes, verify: bool = True) -> tuple[str, int, str]:
     return digest.decode(), n, keys
 
 
+_FQN_COLUMN = '"columns":{"fqn":'
+_decoder = json.JSONDecoder()
+
+
+def fqn_column(data: bytes) -> list[str]:
+    """The ``fqn`` column of a schema-2 table, parsed alone (the writer puts it first, so the
+    other columns are not parsed); ValueError when it is not a list of names."""
+    text = data.decode()
+    i = text.find(_FQN_COLUMN)
+    if i < 0:
+        raise ValueError("no fqn column")
+    fqns, _ = _decoder.raw_decode(text, i + len(_FQN_COLUMN))
+    if not isinstance(fqns, list) or not all(type(f) is str for f in fqns):
+        raise ValueError("the fqn column is not a list of names")
+    return fqns
+
+
+def check_keys(fqns: list[str], n: int, keys: str) -> None:
+    """ValueError unless ``fqns`` are ``n`` names whose ``keys_digest`` is the header's
+    ``keys``: a table whose digest was recomputed after an edit of its names (or of ``keys``)
+    would otherwise align its hashes by names it does not hold."""
+    if len(fqns) != n:
+        raise ValueError(f"its fqn column has {len(fqns)} names, its header says {n}")
+    if keys_digest(fqns) != keys:
+        raise ValueError("its keys do not match its fqn column (edited?)")
+
+
 def decode(data: bytes) -> list[dict]:
     """The rows of a schema-2 table (whose digest was checked); ValueError if they do not
     decode (a writer bug: the bytes are what was written)."""
@@ -111,6 +139,9 @@ def decode(data: bytes) -> list[dict]:
     fqns = cols.get("fqn")
     if not isinstance(fqns, list) or len(fqns) != n or not all(type(f) is str for f in fqns):
         raise ValueError("the fqn column is not n names")
+    keys = obj.get("keys")
+    if isinstance(keys, str):
+        check_keys(fqns, n, keys)
     rows = [{"fqn": f} for f in fqns]
     for k, c in cols.items():
         if k == "fqn":

@@ -200,17 +200,25 @@ def judge_pair(d: dict, policy: str) -> Verdict:
     kinds = list(d.get("kinds_compared") or [])
     if (d.get("loss") or {}).get("captured"):
         kinds.append("loss")
+    final = d.get("final_state") if isinstance(d.get("final_state"), dict) else {}
+    if final.get("compared"):
+        kinds.append("final state")
     scope = (f"{_plural(len(d.get('steps_compared') or []), 'step')} x "
              f"{_plural(len(d.get('ranks_compared') or []), 'rank')} x "
              f"{_plural(int(d.get('params_compared') or 0), 'parameter')}")
     if hv == "hash_mismatch":
         fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else {}
-        what = f"hash mismatch from step {d.get('first_divergent_step')}"
+        if fd.get("origin") == "final":  # every step matched: the state the runs ended with
+            what = f"hash mismatch in the final state ({fd.get('phase') or 'when the run ended'})"
+        else:
+            what = f"hash mismatch from step {d.get('first_divergent_step')}"
         ranks = fd.get("ranks") or []
         if ranks:
             what += f" on rank {', '.join(str(r) for r in ranks[:8])}"
-        if fd.get("label") or fd.get("origin"):  # what was compared and found, not a pass
-            what += f" ({fd.get('label') or fd['origin']})"
+        if fd.get("origin") == "between" and fd.get("phase"):
+            what += f" (between steps: {fd['phase']})"
+        elif fd.get("origin") != "final" and (fd.get("label") or fd.get("origin")):
+            what += f" ({fd.get('label') or fd['origin']})"  # what was compared and found
         (v.failed if fails_on_hash(policy) else v.tolerated).append(what)
     elif hv == "match":
         v.held.append(f"hashes bitwise identical over {scope} ({', '.join(kinds)})")
@@ -230,7 +238,7 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         v.not_compared.append(order_phrase(ov) + _one_sided(order))
     predicted = consequences.reduction_phrase(d.get("reduction_order"))
     if predicted:  # --at: the prediction's own finding, under the policy
-        ro_verdict = d["reduction_order"].get("verdict")
+        ro_verdict = consequences.prediction_verdict(d["reduction_order"])
         if ro_verdict == "same":
             v.held.append(predicted)
         elif ro_verdict == "differs":
@@ -289,7 +297,13 @@ def _cell_status(d: dict) -> tuple[str, str]:
         if names:
             what = ": " + ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3
                                                   else "")
-        reason = f"first divergent step {step}{what}"
+        fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else {}
+        if fd.get("origin") == "final":
+            reason = f"final state differs ({fd.get('phase') or 'when the run ended'}){what}"
+        elif fd.get("origin") == "between" and fd.get("phase"):
+            reason = f"first divergent step {step} (between steps: {fd['phase']}){what}"
+        else:
+            reason = f"first divergent step {step}{what}"
         if order_note and oval in ORDER_FAILURES:
             reason += f"; {order_note}"
         return HASH_MISMATCH, reason

@@ -30,6 +30,7 @@ class _Absent:
 SOURCE_FSDP2 = "fsdp2"  # eager FSDP2's collectives (capture/sources/fsdp2.py)
 SOURCE_GRAPH = "graph"  # a compiled graph (capture/sources/graph.py, capture/sources/graph_makefx.py)
 SOURCE_DTENSOR = "dtensor"  # DTensor redistributions outside graphs (capture/sources/eager_collectives.py)
+SOURCE_C10D = "c10d"  # plain c10d all-reduces outside graphs: HSDP, hand-written (capture/sources/c10d_allreduce.py)
 
 ABSENT: Any = _Absent()
 # optional record keys, written after the required ones when present (docs/artifacts.md)

@@ -195,6 +195,17 @@ def _figures_of(raw: bytes) -> bytes:
     equal figures, differing ones differing figures (what capture's figures would show)."""
     u = np.frombuffer(raw, dtype="<u8").reshape(-1, 2).astype(np.float64) / 2.0 ** 64
     return np.stack([u[:, 0] - 0.5, u[:, 0] ** 2 + u[:, 1], np.abs(u[:, 1])], 1).astype("<f8").tobytes()
+def unclose(run: str | os.PathLike, rank: int) -> None:
+    """Drop ``closed_files`` from a rank's meta.json: its files then read as those of a writer
+    that was killed (or of a parity before the record), checked by their contents alone. A test
+    that edits a closed rank's files to build a case (a table rewritten with a consistent
+    digest, a torn tail) calls it first; otherwise the edit is damage (docs/artifacts.md)."""
+    import json
+
+    path = Path(run) / f"rank-{rank:05d}" / "meta.json"
+    meta = json.loads(path.read_text())
+    meta.pop("closed_files", None)
+    path.write_text(json.dumps(meta))
 
 
 def make_run(
@@ -235,7 +246,8 @@ def make_run(
     ``param_order``: storage order of params.json/hashes (``"reversed"``, ``"shuffled"`` or a
     permutation of registration indices). ``missing_ranks``: ranks with no directory.
     ``stop_after``: last step recorded (an int for every rank or ``{rank: step}``), as if killed.
-    ``torn_tail``: ranks whose steps.jsonl and hashes file end with half a line (record).
+    ``torn_tail``: ranks whose steps.jsonl and hashes file end with half a line (record), as a
+    killed writer leaves them (no closed-file record: :func:`unclose`).
     ``extra_buckets``: more bucket records appended on every rank (e.g. a later layout change).
     ``schema=1``: written by the schema-1 writer (tests/schema_v1.py), as parity wrote runs
     before schema 2. ``figures``: figures records next to the hashes (issue 34), as capture
@@ -342,7 +354,8 @@ def make_run(
                 else:
                     w.write_step(s, ph, gh, loss=lv, loss_hash=lh)
             w.close(status=status)
-            if r in torn_tail:
+            if r in torn_tail:  # as a killed writer leaves its files: no closed-file record
+                unclose(out, r)
                 with open(w.dir / "steps.jsonl", "ab") as f:
                     f.write(b'{"v": 1, "step": 99, "param_dig')
                 if schema == 1:

@@ -20,7 +20,7 @@ from parity import params_codec  # noqa: E402
 from parity.artifacts import RankData, read_run  # noqa: E402
 from parity.diff import diff_runs  # noqa: E402
 from parity.diff.bucket_summary import summarize_run  # noqa: E402
-from tests.synth import make_run  # noqa: E402
+from tests.synth import make_run, unclose  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "v1"
 
@@ -205,6 +205,7 @@ def test_a_table_that_checks_but_does_not_decode_is_said(tmp_path):
     a = make_run(tmp_path / "a", world_size=2, steps=2, n_params=4)
     b = make_run(tmp_path / "b", world_size=2, steps=2, n_params=4)
     p = b / "rank-00001" / "params.json"
+    unclose(b, 1)  # as its writer wrote it (after close, the edit would be damage)
     data = p.read_bytes()
     body = data[params_codec._BODY:].replace(b'"dtype":{"all":"float32"}', b'"dtype":{"some":1}')
     p.write_bytes(params_codec.PREFIX + params_codec.xxhash.xxh3_128_hexdigest(body).encode()

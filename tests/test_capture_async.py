@@ -33,8 +33,9 @@ class FakeWriter:
         self.steps = []
 
     def write_step(self, step, params, grads, loss, loss_hash, param_figures=None,
-                   grad_figures=None):  # figures (issue 34): None for Digests without them
+                   grad_figures=None, **extra):  # figures (issue 34): None for Digests without them
         self.steps.append((step, params, grads, loss))
+        self.extra = getattr(self, "extra", []) + [extra]
 
 
 class Recorder(RankRecord):
@@ -116,3 +117,20 @@ def test_digests_mix_known_missing_and_pending_parts(monkeypatch):
     assert got.ready()
     assert got.result() == hashing.device_digest(a) + NO_HASH + hashing.device_digest(b)
     assert np.frombuffer(got.result(), np.uint8).reshape(-1, 16).shape == (3, 16)
+
+
+def test_an_entry_record_is_written_only_when_the_parameters_changed_between_steps():
+    """Issue 32: step k's entry digests are queued with it and compared, when it is written,
+    with step k-1's record (buffer rows left out); equal: no entry record."""
+    rec = Recorder()
+    p1 = _d(1) + _d(9)  # row 0 a parameter, row 1 a buffer
+    rec._inflight.append(_InFlight(1, 2, Digests(2, [(None, p1)], []), None, (1.0, "h")))
+    same = (Digests(2, [(None, _d(1) + NO_HASH)], []), [1])  # the buffer changed: not an edit
+    rec._inflight.append(_InFlight(2, 2, Digests(2, [(None, _d(2) + _d(8))], []), None,
+                                   (1.0, "h"), entry=same))
+    edited = (Digests(2, [(None, _d(7) + NO_HASH)], []), [1])  # the parameter changed
+    rec._inflight.append(_InFlight(3, 2, Digests(2, [(None, _d(3) + _d(8))], []), None,
+                                   (1.0, "h"), entry=edited, skipped="inf"))
+    rec._resolve()
+    assert [x.get("entry_hashes") for x in rec.writer.extra] == [None, None, _d(7) + NO_HASH]
+    assert [x.get("skipped") for x in rec.writer.extra] == [None, None, "inf"]

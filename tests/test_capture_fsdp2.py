@@ -85,6 +85,7 @@ dist.destroy_process_group()
     rd = read_run(tmp_path / "run").ranks[0]
     assert sorted(rd.steps) == [0, 1, 2] and rd.buckets == []
     assert rd.steps[2]["grad_digest"] is not None
-    # FSDP2 imports DTensor, whose eager collectives are hooked (none is issued here)
-    assert rd.meta["capture"]["manifests"] in ([], ["dtensor"])
+    # FSDP2 imports DTensor, whose eager collectives are hooked, and c10d, whose all-reduces
+    # are (none is issued here)
+    assert set(rd.meta["capture"]["manifests"]) <= {"dtensor", "c10d"}
     assert rd.meta["capture"]["warnings"] == [lines[0].removeprefix("parity: ")]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from synth import default_fqns, make_run  # noqa: E402
+from synth import default_fqns, make_run, unclose  # noqa: E402
 
 from parity import params_codec  # noqa: E402
 from parity.diff import diff_runs, load_diff_json  # noqa: E402
@@ -318,6 +318,7 @@ def test_shape_differences_are_reported(tmp_path, schemas):
         obj["params"][2]["shape"] = [99, 16]
         p.write_text(json.dumps(obj))
     else:  # rewritten as the writer would have written it (a consistent digest)
+        unclose(b, 0)  # else an edit after close: damage, not compared
         rows = params_codec.decode(p.read_bytes())
         rows[2]["shape"] = [99, 16]
         p.write_bytes(params_codec.encode(rows))

@@ -168,7 +168,9 @@ def test_order_beats_layout_in_the_verdict(tmp_path):
     assert r.order.first_bucket["collective"] == "reduce_scatter"  # an order difference first
 
 
-def test_later_layout_change_is_noted_and_the_first_compared(tmp_path):
+def test_later_layout_change_is_noted_and_compared_at_its_step(tmp_path):
+    """Issue 30: every step's layouts are compared (a late gradient joins its bucket at a later
+    step); A's step-3 bucket differs from B's, which never changed."""
     later = {"source": "fsdp2", "collective": "reduce_scatter", "graph": None, "graph_id": None,
              "step": 3, "index": 0, "group": "layers.1", "node": None, "dtype": "float32",
              "world_size": 2, "total_bytes": 512,
@@ -176,7 +178,8 @@ def test_later_layout_change_is_noted_and_the_first_compared(tmp_path):
                          {"fqn": F[5], "offset": 192, "size": 192, "numel": 48, "dtype": "float32"},
                          {"fqn": F[7], "offset": 384, "size": 192, "numel": 48, "dtype": "float32"}]}
     r = run_pair(tmp_path, steps=4, a={"extra_buckets": [later]})
-    assert r.order.verdict == "identical"
+    assert r.order.verdict == "partition_differs"
+    assert any(p.detail.startswith("at step 3: ") for p in r.order.pairs)
     assert any("A: reduce_scatter bucket 0 (layers.1) recorded again at step 3: parameters "
                "change" in n for n in r.order.notes)
 

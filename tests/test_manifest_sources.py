@@ -12,7 +12,8 @@ from parity.capture.session import Session
 
 def test_every_source_is_named_once_and_writes_a_known_source():
     assert len(sources.BY_NAME) == len(sources.SOURCES)
-    known = {records.SOURCE_FSDP2, records.SOURCE_GRAPH, records.SOURCE_DTENSOR}
+    known = {records.SOURCE_FSDP2, records.SOURCE_GRAPH, records.SOURCE_DTENSOR,
+             records.SOURCE_C10D}
     for cls in sources.SOURCES:
         assert issubclass(cls, ManifestSource) and cls.source in known, cls
         assert cls.trigger and cls.unavailable, cls

@@ -94,6 +94,50 @@ def test_ring_sums_match_a_per_element_numpy_reference():
     assert avg_scale(torch.bfloat16, 3).dtype == torch.bfloat16
 
 
+def test_a_groups_topology_is_the_cluster_its_ranks_make():
+    from parity.capture.nccl_emulation import group_topology
+
+    t = parse_topology("4x2:channels=4")
+    assert group_topology(t, []) is t and group_topology(t, range(8)) is t
+    assert (group_topology(t, [0, 2, 4, 6]).nodes, group_topology(t, [0, 2, 4, 6]).gpus) == (4, 1)
+    assert (group_topology(t, [2, 3]).nodes, group_topology(t, [2, 3]).gpus) == (1, 2)
+    assert (group_topology(t, [0, 1, 2, 3]).nodes, group_topology(t, [0, 1, 2, 3]).gpus) == (2, 2)
+    assert "unequal" in group_topology(t, [0, 1, 2])
+    assert "not ranks" in group_topology(t, [0, 9])
+
+
+def _ring_arithmetic(device):
+    """reduce_scatter_rows / all_reduce_rows on ``device`` equal the CPU computation bit for bit
+    (bf16: one rounding per hop, in the dtype, on the device)."""
+    import torch
+
+    from parity.capture.nccl_emulation import all_reduce_rows, reduce_scatter_rows
+
+    topo = parse_topology(TOPO)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = torch.randn(4, 40000, generator=torch.Generator().manual_seed(5)).to(dtype)
+        dev = rows.to(device)
+        for owner in range(4):
+            got = reduce_scatter_rows(dev, owner, topo)
+            assert got.device.type == torch.device(device).type and got.dtype == dtype
+            assert torch.equal(got.cpu(), reduce_scatter_rows(rows, owner, topo))
+        got = all_reduce_rows(dev, topo)
+        assert got.device.type == torch.device(device).type
+        assert torch.equal(got.cpu(), all_reduce_rows(rows, topo))
+
+
+def test_ring_arithmetic_on_cpu_tensors():
+    pytest.importorskip("torch")
+    _ring_arithmetic("cpu")
+
+
+def test_ring_arithmetic_on_cuda_tensors():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _ring_arithmetic("cuda")
+
+
 # ------------------------------------------------------------------------ a real job
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
@@ -119,6 +163,13 @@ def _inputs(case, dtype):
         g = torch.Generator().manual_seed(1000 + r + 17 * case)
         out.append(torch.randn(n, generator=g).to(dtype))
     return out
+
+
+def _case(case, rank, numel):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + rank + 17 * case)
+    return torch.randn(numel, generator=g)
 
 
 def _scale(xs, avg):
@@ -183,6 +234,18 @@ def test_every_reduction_is_summed_in_the_models_ring_order(job):
         for r in range(4):
             want = _expected_rs(xs, r, topo) if kind == "rs" else _expected_ar(xs, topo)
             assert _bits_equal(outs[r][key], want), (key, r)
+    # the sub-groups {0, 2} and {1, 3}: one rank on each node, a 2x1 cluster of their own
+    from parity.capture.nccl_emulation import group_topology
+
+    for ranks in ([0, 2], [1, 3]):
+        sub = group_topology(topo, ranks)
+        assert (sub.nodes, sub.gpus) == (2, 1)
+        rs_in = [_case(30, r, 2 * COUNT) for r in ranks]
+        ar_in = [_case(31, r, 2 * COUNT) for r in ranks]
+        ar = _expected_ar(ar_in, sub)
+        for i, r in enumerate(ranks):
+            assert _bits_equal(outs[r]["group_rs"], _expected_rs(rs_in, i, sub)), r
+            assert _bits_equal(outs[r]["group_ar"], ar), r
 
 
 def test_the_emulated_order_is_not_gloos(job):
@@ -201,7 +264,8 @@ def test_meta_records_the_emulation_and_diff_refuses_a_plain_run(job, tmp_path):
     meta = json.loads((run / "rank-00000" / "meta.json").read_text())
     emu = meta["nccl_emulation"]
     assert emu["topology"] == TOPO and emu["model"] == MODEL
-    assert emu["emulated"]["reduce_scatter"] >= 6 and emu["emulated"]["all_reduce"] >= 5
+    assert emu["emulated"]["reduce_scatter"] >= 7 and emu["emulated"]["all_reduce"] >= 6
+    assert emu["groups"].get("2x1:channels=4") == 1 and emu["not_emulated"] == {}
     assert json.loads((run / "run.json").read_text())["capture"]["emulate_nccl"] == TOPO
     same = shutil.copytree(run, tmp_path / "same")  # a directory with itself is incomplete
     assert _parity("diff", str(run), str(same)).returncode == 0

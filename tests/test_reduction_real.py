@@ -56,11 +56,15 @@ def test_graph_order_leads_with_the_reduce_scatter_and_is_predicted_at_risk(runs
     assert risky and risky <= moved  # only parameters whose reduce-scatter layout changed
     assert all(0 < x.elements <= x.numel for x in ro.at_risk)
     assert predict_runs(runs["eager"], runs["graph"], AT).fqns() == risky
-    # NCCL gives these small buckets 4 channels at 2x2 too (the cut leaves 6 of 4): at risk
+    # issue 30: NCCL gives these buckets several channels at 2x2 too (the cut counts the whole
+    # input, only Ring LL's threshold scales with the ranks): at risk without forcing channels
     assert diff_runs(runs["eager"], runs["graph"], at="2x2").reduction_order.verdict == "differs"
-    # one node: every channel replays one ring, so nothing is at risk
-    one = diff_runs(runs["eager"], runs["graph"], at="1x4:channels=4")
+    # one node, Ring pinned: every channel replays one ring, so nothing is at risk
+    one = diff_runs(runs["eager"], runs["graph"], at="1x4:channels=4,algo=Ring")
     assert one.reduction_order.verdict == "same"
+    # one node unpinned: the graph's op is not recorded, a SUM may run NVLS: unknown, exit 3
+    nvls = diff_runs(runs["eager"], runs["graph"], at="1x4:channels=4")
+    assert nvls.reduction_order.verdict == "unknown" and nvls.exit_code("reduction") == 3
     # the policy: a reduction difference fails; predicted the same on one node, tolerated
     assert r.exit_code("reduction") == 1 and one.exit_code("reduction") == 0
     assert r.exit_code("hash") == 0 and diff_runs(runs["eager"], runs["graph"]).exit_code(
@@ -68,6 +72,28 @@ def test_graph_order_leads_with_the_reduce_scatter_and_is_predicted_at_risk(runs
     line = one.judge("reduction").line()
     assert line.startswith("PARITY HOLDS under --fail-on reduction (exit 0)")
     assert "same sums predicted" in line and "reduce_scatter bucket" in line
+
+
+def test_the_headline_question_at_8x8_is_not_answered_same(runs):
+    """Issue 30: `parity diff --at 8x8 --fail-on reduction` on the built-in workload's
+    graph-order pair said "same sums predicted" and exited 0. NCCL gives its buckets several
+    channels at 8x8 (and at 2x8 and 32x8): the answer is at risk, one row per topology."""
+    p = _cli("diff", str(runs["eager"]), str(runs["graph"]), "--at", "8x8", "--fail-on",
+             "reduction")
+    first = p.stdout.splitlines()[0]
+    assert p.returncode == 1 and "same sums predicted" not in first, first
+    assert "reduction order at 8x8" in first and "at risk" in first
+    assert "for the captured model's bucket sizes" in first
+    assert "bytes/rank" in p.stdout and "channels A / B" in p.stdout  # per bucket
+    rows = diff_runs(runs["eager"], runs["graph"], at="1x8,2x8,8x8,32x8").reduction_order
+    assert [x.topology.spec() for x in rows] == ["1x8", "2x8", "8x8", "32x8"]
+    assert [x.verdict for x in rows][1:] == ["differs"] * 3
+    assert rows[0].verdict == "unknown"  # one node: NVLS may run a SUM
+    for x in rows[1:]:
+        d = x.to_dict()
+        assert "channels" not in d["topology"] and d["topology"]["comm_channels_assumed"]
+        assert all(s["channels"]["a"] and s["protocol"] and s["family"]
+                   for b in d["buckets"] for s in b["scenarios"] if s["channels"]["a"] is not None)
 
 
 def test_registration_order_is_the_fix(runs):

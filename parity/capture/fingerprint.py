@@ -9,19 +9,22 @@ that differs between two runs as a possible cause (parity/diff/env.py).
 
 Zero-modification rule: everything is read from what the process already has. Inductor's config
 is read only if inductor compiled a graph in this process by the first step (``sys.modules``);
-otherwise ``inductor`` is None and nothing is imported. The NCCL version is asked only when
+otherwise ``inductor`` is None and nothing is imported. Inductor's settings are those each
+compiled region was compiled with (its mode preset and options: see "compiled regions" below),
+refreshed when the run ends. The NCCL version is asked only when
 CUDA is already initialized in this process. Called once, after the trainer's first step. A fact
 that cannot be read is None.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
 import torch
 
-__all__ = ["collect", "NCCL_ENV", "INDUCTOR_KEYS"]
+__all__ = ["collect", "refresh", "install_compile_hook", "regions", "NCCL_ENV", "INDUCTOR_KEYS"]
 
 # the NCCL environment that changes the reduction order (always recorded, None when unset)
 NCCL_ENV = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS",
@@ -57,14 +60,14 @@ def _plain(v):
     return str(v)
 
 
-def _inductor() -> dict | None:
-    """Inductor's settings, if inductor lowered a graph in this process (``torch._inductor.graph``
-    is imported then; ``torch._dynamo`` alone imports the config, eager jobs included)."""
-    cfg = sys.modules.get("torch._inductor.config")
-    if cfg is None or "torch._inductor.graph" not in sys.modules:
-        return None
+def _settings(cfg, patch: dict | None = None) -> dict:
+    """INDUCTOR_KEYS as inductor applies them: ``patch`` (a compile's own options) over the
+    global config ``cfg``. A key this torch lacks is left out."""
     out = {}
     for key in INDUCTOR_KEYS:
+        if patch and key in patch:
+            out[key] = _plain(patch[key])
+            continue
         obj, ok = cfg, True
         for part in key.split("."):
             try:
@@ -75,6 +78,94 @@ def _inductor() -> dict | None:
         if ok:
             out[key] = _plain(obj)
     return out
+
+
+def _inductor() -> dict | None:
+    """Inductor's settings, if inductor lowered a graph in this process (``torch._inductor.graph``
+    is imported then; ``torch._dynamo`` alone imports the config, eager jobs included): those
+    of the compiled regions themselves when any was seen (:func:`install_compile_hook`; a key
+    on which the regions disagree holds their values in compile order), else the global
+    config (a backend that calls ``compile_fx`` without options compiles with it)."""
+    cfg = sys.modules.get("torch._inductor.config")
+    if cfg is None or ("torch._inductor.graph" not in sys.modules and not _REGIONS):
+        return None
+    if not _REGIONS:
+        return _settings(cfg)
+    out: dict = {}
+    for key in INDUCTOR_KEYS:
+        vals: list = []
+        for r in _REGIONS:
+            if key in r["inductor"] and r["inductor"][key] not in vals:
+                vals.append(r["inductor"][key])
+        if vals:
+            out[key] = vals[0] if len(vals) == 1 else vals
+    return out
+
+
+# ------------------------------------------------------------------------- compiled regions
+# ``torch.compile(model, mode="max-autotune-no-cudagraphs")`` (or ``options={...}``) does not
+# change the global inductor config: the mode preset and the options become a per-compile patch
+# (``_TorchCompileInductorWrapper.config``, torch/__init__.py), which ``compile_fx`` applies with
+# ``config.patch(config_patches)`` around the compilation and again around ``inner_compile``
+# for the backward compiled later (torch/_inductor/compile_fx.py, ``compile_fx``; torch 2.13).
+# Reading the global config after the fact says ``max_autotune: false``. So each call of the
+# wrapper (one per graph dynamo hands to inductor) is noted with its patch and the settings it
+# gives: a pass-through that reads a dict, never inside a trace, changing no guard, cache key or
+# config (no recompile).
+_REGIONS: list[dict] = []  # one per distinct patch: compile ids, the patch, the settings
+_MAX_IDS = 8
+
+
+def _note_region(wrapper, extra) -> None:
+    patch = {**(getattr(wrapper, "config", None) or {}), **(extra or {})}
+    from torch._inductor import config as cfg  # what the wrapper imports next (compile_fx)
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        cid = None if cid is None else str(cid)
+    except Exception:  # noqa: BLE001
+        cid = None
+    plain = {str(k): _plain(v) for k, v in sorted(patch.items())}
+    for r in _REGIONS:
+        if r["patch"] == plain:
+            if cid is not None and cid not in r["compile_ids"] and len(r["compile_ids"]) < _MAX_IDS:
+                r["compile_ids"].append(cid)
+            r["graphs"] += 1
+            return
+    _REGIONS.append({"compile_ids": [] if cid is None else [cid], "graphs": 1,
+                     "name": getattr(wrapper, "name", None), "patch": plain,
+                     "inductor": _settings(cfg, patch)})
+
+
+def install_compile_hook() -> bool:
+    """Note every inductor compilation's own options (``_TorchCompileInductorWrapper.__call__``,
+    a class attribute looked up at each call, wrapped once per process); False when this torch
+    has no such wrapper."""
+    cls = getattr(torch, "_TorchCompileInductorWrapper", None)
+    orig = getattr(cls, "__call__", None)
+    if orig is None:
+        return False
+    if getattr(orig, "_parity_wrapped", False):
+        return True
+
+    @functools.wraps(orig)
+    def __call__(self, model_, inputs_, *args, **kwargs):
+        try:
+            _note_region(self, kwargs.get("config_patches"))
+        except Exception:  # noqa: BLE001 - never get in the way of compilation
+            pass
+        return orig(self, model_, inputs_, *args, **kwargs)
+
+    __call__._parity_wrapped = True  # type: ignore[attr-defined]
+    cls.__call__ = __call__
+    return True
+
+
+def regions() -> list[dict]:
+    """The compiled regions noted so far (meta.json ``numerics.inductor_regions``)."""
+    return [{k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v)
+             for k, v in r.items() if k != "inductor"} for r in _REGIONS]
 
 
 def _nccl_env() -> dict:
@@ -136,5 +227,19 @@ def collect() -> dict:
         "backend": _backend(),
         "deterministic_algorithms": det,
         "inductor": inductor,
+        "inductor_regions": regions(),
         "cuda_graphs": _cuda_graphs(inductor),
     }
+
+
+def refresh(numerics) -> dict | None:
+    """``numerics`` (as collected at the first step) with the inductor facts of the regions
+    compiled since (a later recompile, a model compiled after step 1); the rest unchanged (at
+    the end of a run the process group may be gone)."""
+    if not isinstance(numerics, dict):
+        return numerics
+    inductor = _inductor()
+    if inductor is None:
+        return numerics
+    return {**numerics, "inductor": inductor, "inductor_regions": regions(),
+            "cuda_graphs": _cuda_graphs(inductor)}

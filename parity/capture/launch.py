@@ -84,6 +84,33 @@ NOTHING_CAPTURED = ("nothing was captured: no process of the command imported to
 STARTED_FILE = ".parity-sessions"
 
 
+# A rank that ``--emulate-nccl`` refuses (nccl_emulation._refuse: a collective or backend it
+# cannot emulate) appends its one line here before it exits 2, so that ``parity exec`` exits 2
+# as documented even when torchrun reports the failed worker as its own exit 1.
+EMULATION_REFUSED_FILE = ".parity-emulation-refused"
+
+
+def note_refusal(msg: str) -> None:
+    """Called in a rank (see EMULATION_REFUSED_FILE); never raises."""
+    out = os.environ.get(cenv.ENV_DIR)
+    if not out:
+        return
+    try:
+        with open(os.path.join(out, EMULATION_REFUSED_FILE), "a") as f:
+            f.write(" ".join(msg.split()) + "\n")
+    except OSError:
+        pass
+
+
+def emulation_refusal(out: Path) -> str | None:
+    """The first refusal a rank of this run noted (note_refusal), or None."""
+    try:
+        lines = (out / EMULATION_REFUSED_FILE).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return next((x for x in lines if x.strip()), None)
+
+
 def nothing_captured(out: Path, step_on: str | None = None) -> str:
     """Why a command that exited 0 recorded no step, as accurately as the run directory tells."""
     try:
@@ -111,23 +138,27 @@ def _say(msg: str) -> None:
         pass
 
 
-def _steps_of(rank_folder: Path) -> tuple[int, int]:
-    """(last step number, steps recorded after step 0) of a rank's steps.jsonl."""
+def _steps_of(rank_folder: Path) -> tuple[int, int, int]:
+    """(last step number, steps recorded after step 0, lines written again for a step) of a
+    rank's steps.jsonl. A step is counted once however many lines it has: optimizers stepping
+    back to back (``opt_a.step(); opt_b.step()``) are one step, written again by each."""
     import json
 
-    last, recorded = 0, 0
+    seen: set[int] = set()
+    again = 0
     try:
         data = (rank_folder / STEPS_FILE).read_bytes()
     except OSError:
-        return 0, 0
+        return 0, 0, 0
     for line in data.split(b"\n"):
         try:
             step = json.loads(line)["step"]
         except (ValueError, KeyError, TypeError):
             continue
         if isinstance(step, int) and step >= 1:
-            last, recorded = max(last, step), recorded + 1
-    return last, recorded
+            again += step in seen
+            seen.add(step)
+    return max(seen, default=0), len(seen), again
 
 
 def summarize(out: Path) -> tuple[str, bool]:
@@ -139,14 +170,15 @@ def summarize(out: Path) -> tuple[str, bool]:
     import json
 
     ranks, steps, recs, sources, warnings, disabled, world = [], [], [], set(), 0, 0, None
-    optimizers = 0
+    optimizers, together = 0, False
     for _, child in rank_dirs(out):
         try:
             meta = json.loads((child / META_FILE).read_text())
         except (OSError, ValueError):
             meta = {}
         cap = meta.get("capture") if isinstance(meta.get("capture"), dict) else {}
-        last, recorded = _steps_of(child)
+        last, recorded, again = _steps_of(child)
+        together = together or again > 0
         ranks.append(child.name)
         steps.append(last)
         recs.append(recorded)
@@ -166,8 +198,9 @@ def summarize(out: Path) -> tuple[str, bool]:
 
     line = (f"captured {len(ranks)}" + (f" of {world}" if world and world != len(ranks) else "")
             + f" rank(s) x {span(steps)} step(s) ({span(recs)} recorded"
-            + (f"; {optimizers} optimizers: each step() after its own backward is a step"
-               if optimizers > 1 else "")
+            + (f"; {optimizers} optimizers: " + (
+                "those stepped back to back count as one step" if together else
+                "each step() after its own backward is a step") if optimizers > 1 else "")
             + "), manifests: " + (", ".join(sorted(sources)) or "none")
             + f", {warnings} warning(s)")
     if disabled:
@@ -218,7 +251,7 @@ def _clear_previous(out: Path) -> None:
     """A run directory holds one run: drop the artifacts an earlier run left (ours only)."""
     for _, child in rank_dirs(out):
         shutil.rmtree(child, ignore_errors=True)
-    for name in (RUN_FILE, STARTED_FILE, cenv.INTERRUPTED_FILE):
+    for name in (RUN_FILE, STARTED_FILE, cenv.INTERRUPTED_FILE, EMULATION_REFUSED_FILE):
         try:
             (out / name).unlink()
         except FileNotFoundError:
@@ -360,6 +393,13 @@ def _exec_locked(out: Path, command: list[str], *, every: int, grads: bool, mani
         return EXIT_INTERRUPTED
     _say(summary)
     refused = refused_claims(out)
+    emulation = emulation_refusal(out) if rc != 0 else None
+    if emulation:
+        # a rank stopped because --emulate-nccl cannot run its job: bad input (exit 2, as
+        # documented), whatever code the launcher (torchrun: 1) made of the rank's exit 2
+        finish(EXIT_USAGE, "failed", emulation)
+        _say(f"error: {emulation} (exit {EXIT_USAGE}; the command exited {rc})")
+        return EXIT_USAGE
     if rc == 0 and not captured:
         # The command "worked" but there is nothing to compare: never let that pass as success.
         why = disabled_reason(out) or nothing_captured(out, step_on)

@@ -18,21 +18,29 @@ fine); that the functional reductions do come through Python on this torch is ch
 right after ``init_process_group``, with one tiny reduce-scatter and all-reduce (:func:`_probe`):
 if they did not, the job stops (exit 2) instead of being summed by gloo in silence.
 
-What is computed, per collective of a floating dtype with op SUM or AVG on a group of
-NODES x GPUS ranks:
+What is computed, per collective of a floating dtype with op SUM or AVG, on the tensors' own
+device (CPU or CUDA: gloo carries host copies, the sums run where the tensors live):
 
+* Every group is a communicator of its own: the default group is the whole NODES x GPUS
+  cluster; a sub-group (an HSDP shard or replicate group, a DeviceMesh dimension) is the cluster
+  its global ranks make (:func:`group_topology`: k ranks on each of n nodes -> n x k, e.g. the
+  replicate groups of a 2x2 HSDP mesh are 2x1, shard groups that span two nodes 2x1 too).
 * reduce-scatter: one gloo all-to-all brings every rank's row d to rank d; rank d sums each
-  channel range of ``reduce_scatter_segments`` in ``sum_order(ring, d)``, one add per hop in the
-  collective's dtype (torch rounds each add to the dtype, like NCCL's per-hop store).
-* all-reduce: one gloo all-gather; every rank computes every chunk of ``all_reduce_segments`` in
-  its order (all ranks compute the same bits, as NCCL's all-gather phase copies them).
+  channel range of the model's split (:func:`rs_ranges`) in ``sum_order(ring, d)``, one add per
+  hop in the collective's dtype (torch rounds each add to the dtype, like NCCL's per-hop store).
+* all-reduce: one gloo all-gather; every rank computes every chunk of the model's split
+  (:func:`ar_chunks`) in its owner's order (all ranks compute the same bits, as NCCL's
+  all-gather phase copies them).
 * AVG on floats is NCCL's PreMulSum (``hostToDevRedOp`` in ``src/enqueue.cc``): every input is
   multiplied by ``1/nRanks`` (a float rounded to the dtype) before the ring sum.
 
-Passed to gloo unchanged: integer/bool dtypes (their sums do not depend on order), MIN/MAX/
-PRODUCT, groups whose size is not NODES x GPUS (counted and warned), every other collective
-(all-gather, broadcast, all-to-all, send/recv: copies). Refused: PREMUL_SUM (gloo cannot run it
-either), ``reduce`` to one root of a float SUM (not modelled).
+Passed to gloo unchanged, because order cannot matter (meta.json ``passed_to_gloo``): integer/
+bool dtypes, MIN/MAX/PRODUCT, one-rank groups, every other collective (all-gather, broadcast,
+all-to-all, send/recv: copies). Summed by gloo although order matters, each said once on stderr,
+counted in meta.json ``not_emulated`` and named by ``parity diff`` as incomplete (exit 3): a
+sparse tensor (the model covers dense buffers), a group whose ranks sit unevenly on the nodes.
+Refused (one line, exit 2): PREMUL_SUM (gloo cannot run it either), ``reduce`` to one root of a
+float SUM (not modelled), an NCCL backend.
 """
 
 from __future__ import annotations
@@ -46,9 +54,9 @@ import torch
 
 from parity.capture.env import say
 from parity.errors import EXIT_USAGE, ParityError
+from parity.nccl import (MODEL, MODEL_LIMITS, Topology, parse_topology, primary_scenario,
+                         sum_order)
 from parity.nccl.probe_file import describe_file
-from parity.nccl import (MODEL, MODEL_LIMITS, Topology, all_reduce_segments,
-                               parse_topology, reduce_scatter_segments, sum_order)
 
 BACKEND_NAME = "parity_nccl_emu"
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -56,17 +64,77 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _lock = threading.Lock()
 _topology: Topology | None = None
 _counts: collections.Counter = collections.Counter()  # kind -> collectives emulated
-_passed: collections.Counter = collections.Counter()  # reason -> collectives left to gloo
+_passed: collections.Counter = collections.Counter()  # reason -> left to gloo, order-free
+_gaps: collections.Counter = collections.Counter()  # reason -> summed by gloo, NOT emulated
+_groups: collections.Counter = collections.Counter()  # sub-topology spec -> groups emulated
 _warned: set[str] = set()
+_env: dict[str, str] = {}  # the job's NCCL_* settings: the model applies them (the fingerprint's)
+
+
+# ------------------------------------------------------------------- the model, in one place
+def _segments(topo: Topology, kind: str, count: int, esize: int) -> list:
+    """The model's primary scenario (``parity.nccl.primary_scenario``: the pinned protocol else
+    Simple, the first channel count and ring family) for one collective, under the job's NCCL
+    settings: what one emulated run computes (a prediction covers every scenario)."""
+    s = primary_scenario(topo, kind, count, esize, env=_env)
+    return list(s.segments) if s is not None else []
+
+
+def rs_ranges(topo: Topology, count: int, esize: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(lo, hi, ring) per channel range of a reduce-scatter whose per-rank output has ``count``
+    elements of ``esize`` bytes: rank d's elements in [lo, hi) are summed in
+    ``sum_order(ring, d)``. The one call of the model's reduce-scatter split."""
+    return [(g.lo, g.hi, g.order) for g in _segments(topo, "reduce_scatter", count, esize)]
+
+
+def ar_chunks(topo: Topology, count: int, esize: int) -> list[tuple[int, int, tuple[int, ...]]]:
+    """(lo, hi, sum order) per chunk of an all-reduce of ``count`` elements (chunk sizes and
+    owners as the model gives them: the owner is ``ring->index`` steps from rank 0): the order
+    in which the chunk's owner adds the ranks' values. The one call of the model's all-reduce
+    split."""
+    return [(g.lo, g.hi, g.order) for g in _segments(topo, "all_reduce", count, esize)]
+
+
+def group_topology(topo: Topology, ranks) -> Topology | str:
+    """The topology of a communicator over global ``ranks`` (a sub-group: an HSDP shard or
+    replicate group, a DeviceMesh dimension) of the emulated cluster, or why it cannot be
+    modelled. Global rank r sits on node ``r // gpus``; NCCL numbers a communicator's ranks in
+    the order given (torch's ``new_group`` sorts them), so a group of k ranks on each of n nodes,
+    listed node by node, is an n x k cluster of its own: its rings and channels are the model's
+    for n x k. A group with unequal ranks per node is not modelled (NCCL's rings over it are not
+    the model's)."""
+    ranks = list(ranks) if ranks else list(range(topo.world))
+    if ranks == list(range(topo.world)):
+        return topo
+    if any(not 0 <= r < topo.world for r in ranks) or len(set(ranks)) != len(ranks):
+        return f"ranks {_short(ranks)} are not ranks of {topo.spec()}"
+    per_node: dict[int, list[int]] = {}
+    for r in ranks:
+        per_node.setdefault(r // topo.gpus, []).append(r)
+    sizes = {len(v) for v in per_node.values()}
+    if len(sizes) != 1:
+        return (f"ranks {_short(ranks)} put {sorted(len(v) for v in per_node.values())} ranks "
+                "on its nodes (unequal: not modelled)")
+    if ranks != sorted(ranks):
+        return f"ranks {_short(ranks)} are not in node order (not modelled)"
+    from dataclasses import replace
+
+    return replace(topo, nodes=len(per_node), gpus=sizes.pop(), rings=None, tuning=None,
+                   ring_prefixes=None, nics=None, source=None)
+
+
+def _short(ranks) -> str:
+    ranks = list(ranks)
+    return "[" + ",".join(map(str, ranks[:8])) + (",...]" if len(ranks) > 8 else "]")
 
 
 # ----------------------------------------------------------------------------- the arithmetic
-def avg_scale(dtype: torch.dtype, nranks: int) -> torch.Tensor:
+def avg_scale(dtype: torch.dtype, nranks: int, device=None) -> torch.Tensor:
     """NCCL's ncclAvg scalar for a float dtype: ``float(1.0/nRanks)`` converted to the dtype
-    (``__float2half`` / ``__float2bfloat16`` of the float; a double for fp64)."""
+    (``__float2half`` / ``__float2bfloat16`` of the float; a double for fp64), on ``device``."""
     if dtype == torch.float64:
-        return torch.tensor(1.0 / nranks, dtype=torch.float64)
-    return torch.tensor(1.0 / nranks, dtype=torch.float32).to(dtype)
+        return torch.tensor(1.0 / nranks, dtype=torch.float64, device=device)
+    return torch.tensor(1.0 / nranks, dtype=torch.float32).to(device=device, dtype=dtype)
 
 
 def ring_sum(rows: torch.Tensor, order, lo: int, hi: int) -> torch.Tensor:
@@ -80,21 +148,22 @@ def ring_sum(rows: torch.Tensor, order, lo: int, hi: int) -> torch.Tensor:
 def reduce_scatter_rows(rows: torch.Tensor, owner: int, topo: Topology) -> torch.Tensor:
     """Rank ``owner``'s reduce-scatter output from ``rows`` ([nranks, count]: row s is rank s's
     contribution to ``owner``'s segment, pre-multiplied already for AVG), per channel range of
-    :func:`~parity.nccl.reduce_scatter_segments` in ``sum_order(ring, owner)``."""
+    :func:`rs_ranges` in ``sum_order(ring, owner)``; computed on ``rows``' device, in its
+    dtype."""
     count = rows.shape[1]
-    out = torch.empty(count, dtype=rows.dtype)
-    for seg in reduce_scatter_segments(topo, count, rows.element_size()):
-        out[seg.lo:seg.hi] = ring_sum(rows, sum_order(seg.order, owner), seg.lo, seg.hi)
+    out = torch.empty(count, dtype=rows.dtype, device=rows.device)
+    for lo, hi, ring in rs_ranges(topo, count, rows.element_size()):
+        out[lo:hi] = ring_sum(rows, sum_order(ring, owner), lo, hi)
     return out
 
 
 def all_reduce_rows(rows: torch.Tensor, topo: Topology) -> torch.Tensor:
-    """The all-reduce of ``rows`` ([nranks, count]) chunk by chunk of
-    :func:`~parity.nccl.all_reduce_segments`, each in its owner's sum order."""
+    """The all-reduce of ``rows`` ([nranks, count]) chunk by chunk of :func:`ar_chunks`, each
+    in its owner's sum order; on ``rows``' device, in its dtype."""
     count = rows.shape[1]
-    out = torch.empty(count, dtype=rows.dtype)
-    for seg in all_reduce_segments(topo, count, rows.element_size()):
-        out[seg.lo:seg.hi] = ring_sum(rows, seg.order, seg.lo, seg.hi)
+    out = torch.empty(count, dtype=rows.dtype, device=rows.device)
+    for lo, hi, order in ar_chunks(topo, count, rows.element_size()):
+        out[lo:hi] = ring_sum(rows, order, lo, hi)
     return out
 
 
@@ -135,12 +204,15 @@ def _make_group_class():
         """A process group whose reduce-scatters and all-reduces follow the NCCL Ring model;
         everything else goes to the gloo group ``inner``."""
 
-        def __init__(self, inner, rank: int, size: int, topo: Topology):
+        def __init__(self, inner, rank: int, size: int, topo: Topology | str, ranks=()):
             super().__init__(rank, size)
             self.inner = inner
             self._rank = rank
             self._size = size
-            self.topo = topo
+            # the communicator's own topology (group_topology), or why it has none
+            self.topo = topo if isinstance(topo, Topology) else None
+            self.why_not = topo if isinstance(topo, str) else None
+            self.ranks = list(ranks)
 
         # identity: kept on the inner group (no backend is registered on this one)
         def getBackendName(self):
@@ -169,49 +241,58 @@ def _make_group_class():
 
         # which collectives are emulated
         def _emulated(self, tensors, opts, kind: str) -> str | None:
-            """None if gloo can run it unchanged, else 'sum' | 'avg'."""
+            """None if gloo runs it (order-free, a one-rank group, or a gap said in meta.json),
+            else 'sum' | 'avg'."""
             op = _op_kind(opts)
             if op == "premul":
                 _refuse("--emulate-nccl: PREMUL_SUM is not emulated (gloo cannot run it "
                         "either)")
+            if any(t.layout != torch.strided for t in tensors):
+                if op != "other" and any(t.dtype in _FLOATS for t in tensors):
+                    _note_gap(f"{kind} of a sparse tensor (e.g. a sparse embedding gradient): "
+                              "summed by gloo, the Ring model covers dense buffers only")
+                else:
+                    _note_passed(f"{kind} of a sparse integer tensor or MIN/MAX/PRODUCT "
+                                 "(order-independent)")
+                return None
             if op == "other" or any(t.dtype not in _FLOATS for t in tensors):
                 _note_passed(f"{kind}: integer dtype or MIN/MAX/PRODUCT (order-independent)")
                 return None
-            if any(t.device.type != "cpu" for t in tensors):
-                _refuse(f"--emulate-nccl: only CPU tensors can be emulated, got "
-                        f"{tensors[0].device}")
-            if self._size != self.topo.world:
-                _note_passed(f"{kind} on a group of {self._size} ranks (the topology has "
-                             f"{self.topo.world}): summed by gloo")
-                return None
             if self._size == 1:
+                return None
+            if self.topo is None:
+                _note_gap(f"{kind} on a group of {self._size} ranks: {self.why_not}; summed by "
+                          "gloo")
                 return None
             return op
 
         def _rows_to_owner(self, inp: torch.Tensor, count: int) -> torch.Tensor:
-            """all-to-all: row d of every rank's ``inp`` ([size * count]) to rank d."""
+            """all-to-all: row d of every rank's ``inp`` ([size * count]) to rank d, on
+            ``inp``'s device (gloo carries host copies)."""
             send = inp.reshape(-1).contiguous()
-            recv = torch.empty_like(send)
-            self.inner.all_to_all_single(_bytes(recv), _bytes(send), [], []).wait()
-            return recv.view(self._size, count)
+            host = send if send.device.type == "cpu" else send.cpu()
+            recv = torch.empty_like(host)
+            self.inner.all_to_all_single(_bytes(recv), _bytes(host), [], []).wait()
+            return recv.view(self._size, count).to(inp.device)
 
         def _all_rows(self, t: torch.Tensor) -> torch.Tensor:
             send = t.reshape(-1).contiguous()
-            recv = torch.empty(self._size * send.numel(), dtype=send.dtype)
-            self.inner.all_gather_single(_bytes(recv), _bytes(send)).wait()
-            return recv.view(self._size, send.numel())
+            host = send if send.device.type == "cpu" else send.cpu()
+            recv = torch.empty(self._size * host.numel(), dtype=host.dtype)
+            self.inner.all_gather_single(_bytes(recv), _bytes(host)).wait()
+            return recv.view(self._size, host.numel()).to(t.device)
 
         def _reduce_scatter_one(self, out: torch.Tensor, inp: torch.Tensor, op: str) -> None:
             rows = self._rows_to_owner(inp, out.numel())
             if op == "avg":
-                rows = rows * avg_scale(rows.dtype, self._size)
+                rows = rows * avg_scale(rows.dtype, self._size, rows.device)
             out.copy_(reduce_scatter_rows(rows, self._rank, self.topo).view(out.shape))
             _count("reduce_scatter")
 
         def _all_reduce_one(self, t: torch.Tensor, op: str) -> None:
             rows = self._all_rows(t)
             if op == "avg":
-                rows = rows * avg_scale(rows.dtype, self._size)
+                rows = rows * avg_scale(rows.dtype, self._size, rows.device)
             t.copy_(all_reduce_rows(rows, self.topo).view(t.shape))
             _count("all_reduce")
 
@@ -336,7 +417,8 @@ def _make_group_class():
             return self.inner.abort(*a, **k)
 
         def __repr__(self):
-            return f"EmulatedRingGroup({self.topo.spec()}, rank {self._rank} of {self._size})"
+            what = self.topo.spec() if self.topo is not None else f"not modelled: {self.why_not}"
+            return f"EmulatedRingGroup({what}, rank {self._rank} of {self._size})"
 
     return EmulatedRingGroup
 
@@ -350,12 +432,30 @@ def _count(kind: str) -> None:
 
 
 def _note_passed(reason: str) -> None:
+    """A collective gloo runs unchanged because its result cannot depend on the order."""
+    _note(_passed, reason, "passed to gloo")
+
+
+def _note_gap(reason: str) -> None:
+    """A float reduction summed by gloo in gloo's order, not the modelled one: meta.json's
+    ``not_emulated`` names it and ``parity diff`` makes the comparison incomplete (exit 3)."""
+    _note(_gaps, reason, "NOT emulated")
+
+
+def _note(counter: collections.Counter, reason: str, what: str) -> None:
+    """Count ``reason``; rank 0 says it once (every rank records it in meta.json)."""
     with _lock:
-        _passed[reason] += 1
+        counter[reason] += 1
         if reason in _warned:
             return
         _warned.add(reason)
-    say(f"--emulate-nccl: not emulated: {reason}")
+    if _says():
+        say(f"--emulate-nccl: {what}: {reason}")
+
+
+def _says() -> bool:
+    """Rank 0 says what the emulation left to gloo (every rank records it in meta.json)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _refuse(msg: str) -> None:
@@ -363,6 +463,9 @@ def _refuse(msg: str) -> None:
     give numbers the user did not ask for."""
     say(f"error: {msg}")
     try:
+        from parity.capture.launch import note_refusal
+
+        note_refusal(msg)  # parity exec then exits 2 too, not torchrun's 1
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
@@ -388,28 +491,41 @@ class _OldNames:
         return getattr(self.__dict__["group"], self._NEW.get(name, name))
 
 
-def _create(store, rank, size, timeout):
-    """Backend creator (``Backend.register_backend``): a gloo group wrapped in the emulation."""
+def _create(opts, _backend_options=None):
+    """Backend creator (``Backend.register_backend(..., extended_api=True)``, which hands over
+    the group's global ranks): a gloo group wrapped in the emulation, at the topology the
+    group's ranks make on the emulated cluster (:func:`group_topology`)."""
     global _GROUP_CLASS
     from torch.distributed import ProcessGroup, ProcessGroupGloo
 
+    store, rank, size, timeout = opts.store, opts.group_rank, opts.group_size, opts.timeout
+    ranks = list(opts.global_ranks_in_group or [])
     topo = _topology
     if _counts["groups"] == 0 and size != topo.world:
         _refuse(f"--emulate-nccl {topo.spec()} needs {topo.world} ranks (NODES x GPUS); "
                 f"this job has {size}")
     _count("groups")
+    sub = group_topology(topo, ranks or range(size))
+    if isinstance(sub, Topology) and size > 1:
+        with _lock:
+            _groups[sub.spec()] += 1
     gloo = ProcessGroupGloo(store, rank, size, timeout)
     inner = ProcessGroup(store, rank, size)
     inner._set_default_backend(ProcessGroup.BackendType.GLOO)
-    inner._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():  # gloo copies CUDA tensors too (the out= all-gather below)
+        devices.append(torch.device("cuda"))
+    for dev in devices:
+        inner._register_backend(dev, ProcessGroup.BackendType.GLOO, gloo)
     if _GROUP_CLASS is None:
         _GROUP_CLASS = _make_group_class()
     outer = _GROUP_CLASS(inner if hasattr(inner, "all_to_all_single") else _OldNames(inner),
-                         rank, size, topo)
+                         rank, size, sub, ranks)
     # The C++ functional all-gather with an out= buffer (bucketed graphs) calls ProcessGroup
     # methods that have no Python trampoline; they reach this gloo backend directly. That is
     # right for copies; that no reduction takes this way is checked once (_probe).
-    outer._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, gloo)
+    for dev in devices:
+        outer._register_backend(dev, ProcessGroup.BackendType.GLOO, gloo)
     # torch 2.15's init_process_group asks the new group's default backend at once (its flight
     # recorder hook, distributed_c10d._maybe_attach_flight_recorder): gloo's, as for inner
     outer._set_default_backend(ProcessGroup.BackendType.GLOO)
@@ -417,16 +533,20 @@ def _create(store, rank, size, timeout):
 
 
 # ----------------------------------------------------------------------------------- install
+_GLOO_SPELLINGS = {"gloo", "cpu:gloo", "cuda:gloo", "cpu:gloo,cuda:gloo", "cuda:gloo,cpu:gloo",
+                   "undefined"}
+
+
 def _redirect(backend):
-    """The backend the trainer asked for -> ours; refuse what cannot run on CPU/gloo."""
-    if backend is None or str(backend).lower() in ("gloo", "cpu:gloo", "undefined"):
-        if backend is None and torch.cuda.is_available():
-            _refuse("--emulate-nccl runs CPU/gloo jobs; this machine has CUDA and the trainer "
-                    "chose no backend (pass backend='gloo')")
+    """The backend the trainer asked for -> ours; refuse what gloo does not run. gloo (for CPU
+    and CUDA tensors) or none becomes the emulation; a CUDA tensor's ring sums are computed on
+    its device. NCCL is refused: the job would need real NCCL communicators."""
+    if backend is None or str(backend).lower().replace(" ", "") in _GLOO_SPELLINGS:
         return BACKEND_NAME
     if str(backend).lower() == BACKEND_NAME:
         return backend
-    _refuse(f"--emulate-nccl runs CPU/gloo jobs; the trainer asked for backend {backend!r}")
+    _refuse(f"--emulate-nccl runs gloo jobs (CPU or CUDA tensors); the trainer asked for "
+            f"backend {backend!r} (use gloo)")
     return backend
 
 
@@ -513,8 +633,11 @@ def install(spec: str) -> Topology:
         raise ParityError("--emulate-nccl: the process group was initialized before capture "
                           "started")
     _topology = topo
+    _env.clear()
+    _env.update({k: v for k, v in os.environ.items() if k.startswith("NCCL_")})
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
+                                      devices=["cpu", "cuda"])
     _patch_module(distributed_c10d)
     _patch_module(dist)
     from parity.capture.post_import import when_imported
@@ -543,11 +666,11 @@ def describe() -> dict | None:
         return None
     with _lock:
         counts = {k: v for k, v in _counts.items() if k != "groups"}
-        passed = dict(_passed)
+        passed, gaps, groups = dict(_passed), dict(_gaps), dict(_groups)
     return {"topology": _topology.spec(), "detail": _topology.to_dict(), "model": MODEL,
             "topology_file": describe_file(_topology),  # a probe's file: its agreement
             "limits": MODEL_LIMITS, "backend": BACKEND_NAME, "emulated": counts,
-            "passed_to_gloo": passed}
+            "groups": groups, "passed_to_gloo": passed, "not_emulated": gaps}
 
 
 def record_in(meta: dict) -> None:

@@ -38,7 +38,7 @@ import traceback
 import torch
 
 from parity.artifacts import RankWriter
-from parity.capture import nccl_emulation, patches, post_import, table
+from parity.capture import fingerprint, loss, nccl_emulation, patches, post_import, table
 from parity.capture.env import one_line as _one_line
 from parity.capture.env import say as _say
 from parity.capture.hashing import HASHERS
@@ -117,6 +117,16 @@ class Session(RankRecord, StepClock, ParamTable):
         self._grad_parts: list = []  # (rows or n: all, hashing.Digests with figures) of this step's grads
         self._opt_rows: dict[int, tuple] = {}  # id(optimizer) -> (its _opt_sigs entry, rows)
         self._inflight: collections.deque = collections.deque()  # written steps not yet resolved
+        # the last parameter record written (its hashes, (offset, roll-up), step): what the
+        # next step's entry (steps.py) and the final state (writing.py) are compared with
+        self._last_params: bytes | None = None
+        self._last_param_ref: tuple[int, str] | None = None
+        self._last_param_step = -1
+        self._prev_params: tuple = (None, -1)  # the record of the step before that one
+        self._entry = None  # this step's entry digests (hashing.Digests), compared when written
+        self._loss_scale = None  # the scale of this step's loss (GradScaler), a tensor
+        self._skipped: str | None = None  # why this step's optimizer step did not run
+        self._opt_pre_calls = 0  # optimizer pre-hooks seen (a GradScaler.step that ran none)
         self._consumed_handles: dict[int, object] = {}  # id(optimizer) -> our last pre-hook
         self.written = -1  # last step written
         # parameter table
@@ -151,6 +161,9 @@ class Session(RankRecord, StepClock, ParamTable):
             if self.started:
                 return self
             patches.install(current)
+            # a GradScaler's loss is recorded unscaled, its scale apart
+            loss.install_scaler_hooks(current, patches._tracing)
+            fingerprint.install_compile_hook()  # each compiled region's inductor options
             self.started = True
             _ACTIVE = self
         try:
@@ -186,6 +199,7 @@ class Session(RankRecord, StepClock, ParamTable):
             if not self.failed:
                 try:
                     self.flush_final()
+                    self.write_final_state()  # after the trainer's last edit
                 except Exception as e:  # noqa: BLE001
                     self._fail(e)
             self.stopped = True
@@ -201,6 +215,9 @@ class Session(RankRecord, StepClock, ParamTable):
             if self.writer is not None:
                 try:
                     self.writer.meta["capture"] = self._capture_meta()
+                    if "numerics" in self.writer.meta:  # regions compiled after step 1
+                        self.writer.meta["numerics"] = fingerprint.refresh(
+                            self.writer.meta["numerics"])
                     nccl_emulation.record_in(self.writer.meta)
                     self.writer.close(status=status, error=error)
                 except Exception as e:  # noqa: BLE001

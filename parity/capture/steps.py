@@ -25,6 +25,7 @@ import torch
 from parity.capture import loss
 from parity.capture.hashing import digest_tensors_async
 from parity.capture.patches import _tracing
+from parity.capture.table import _Buffer
 
 _GRAD = operator.attrgetter("grad")
 
@@ -40,6 +41,7 @@ class StepClock:
 
     # -------------------------------------------------------------------------- step hooks
     def _pre_hook(self, opt, args, kwargs):
+        self._opt_pre_calls += 1  # a GradScaler.step that ran no optimizer step: loss.py
         if self.failed or self.stopped or os.getpid() != self.pid:
             return None
         t0 = time.perf_counter()
@@ -219,5 +221,34 @@ class StepClock:
         self.step_opts = set()
         self._step_sampled = sampled(self.k, self.every)
         self._step_loss = loss.step_loss(self)  # the sum over this step's backward calls
+        self._loss_scale = loss.step_scale(self)
         self._grad_rows = {}
         self._grad_parts = []
+        self._skipped = None
+        self._entry = self._entry_hashes()
+
+    def _skipped_step(self, opt, why: str) -> None:
+        """A step whose optimizer step did not run (``GradScaler.step`` found inf/NaN gradients
+        and skipped ``opt.step()``: loss.py): recorded as a step all the same, marked
+        ``skipped``, so that both runs number their iterations alike and the diff can say which
+        side skipped. Parity's own optimizer hooks run around it, as for ``--step-on``."""
+        if self.failed or self.stopped or os.getpid() != self.pid:
+            return
+        self._pre_hook(opt, (opt,), {})
+        self._skipped = why
+        self._post_hook(opt, (opt,), {})
+
+    def _entry_hashes(self):
+        """The digests of the parameters as this step's optimizer step finds them (queued like
+        every digest: hashing.Digests), and the buffer rows left out (NO_HASH: the forward pass
+        changes buffers by design); None when the previous step was not recorded or this one is
+        not. Compared with the previous step's record when this step is written (writing.py):
+        an entry record is written only when the trainer changed the parameters in between (a
+        clamp, an EMA update, weights loaded)."""
+        if not self._step_sampled or self.written != self.k - 1 or self.k < 2:
+            return None
+        buffers = [i for i, p in enumerate(self.table) if type(p) is _Buffer]
+        rows = self._tensors()
+        for i in buffers:
+            rows[i] = None
+        return digest_tensors_async(rows, self.hasher), buffers

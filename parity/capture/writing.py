@@ -18,7 +18,7 @@ import time
 import torch
 
 from parity import __version__
-from parity.artifacts import HASH_BYTES, NO_FIGURES, RankWriter
+from parity.artifacts import HASH_BYTES, NO_FIGURES, NO_HASH, RankWriter
 from parity.capture import env as cenv
 from parity.capture import fingerprint, gpu_facts, nccl_emulation
 from parity.capture.env import env_int as _env_int
@@ -31,6 +31,12 @@ from parity.capture.table import _Buffer
 
 class RankRecord:
     """Rank identity, meta.json and step writes (state in ``Session.__init__``)."""
+
+    # the last parameter record written, and the one of the step before it (_resolve)
+    _last_params: bytes | None = None
+    _last_param_ref: tuple[int, str] | None = None
+    _last_param_step = -1
+    _prev_params: tuple = (None, -1)
 
     # ----------------------------------------------------------------------------- metadata
     @property
@@ -202,11 +208,17 @@ class RankRecord:
 
     def _write(self, step: int, grads: list | None) -> None:
         """Queue step ``step`` (its parameter digests now; ``grads``: the parts of its gradient
-        line, steps.py) and write every step that is ready."""
+        line, steps.py; the entry digests, the loss scale and a skip when it is the step in
+        progress) and write every step that is ready."""
         params = digest_tensors_async(self._tensors(), self.hasher, stable=True, figures=True)
         self._ensure_writer()
-        self._inflight.append(_InFlight(self._step_base + step, len(self.table), params, grads,
-                                        self._loss(self._step_loss)))
+        current = step == self.k
+        scale = self._loss_scale if current else None
+        self._inflight.append(_InFlight(
+            self._step_base + step, len(self.table), params, grads, self._loss(self._step_loss),
+            entry=self._entry if current else None,
+            scale=None if scale is None else self._loss(scale),
+            skipped=self._skipped if current else None))
         if step > self.written:
             self.recorded_steps += 1
         self.written = step
@@ -223,11 +235,58 @@ class RankRecord:
                 return
             q.popleft()
             loss, loss_hash = head.loss_value()
+            params = head.params.result()
             grads = head.grad_line()
-            self._ensure_writer().write_step(head.step, head.params.result(), grads, loss,
-                                             loss_hash, param_figures=head.params.figures(),
-                                             grad_figures=None if grads is None else
-                                             head.grad_figures())
+            ref = self._ensure_writer().write_step(
+                head.step, params, grads, loss, loss_hash,
+                param_figures=head.params.figures(),
+                grad_figures=None if grads is None else head.grad_figures(),
+                entry_hashes=self._changed_entry(head), loss_scale=head.scale_value(),
+                skipped=head.skipped)
+            if head.step != self._last_param_step:  # (a sibling optimizer writes a step again)
+                self._prev_params = (self._last_params, self._last_param_step)
+            self._last_params, self._last_param_ref, self._last_param_step = \
+                params, ref, head.step
+
+    def _changed_entry(self, head) -> bytes | None:
+        """Step ``head``'s entry digests (steps.py ``_entry_hashes``) when they differ from the
+        previous step's parameter record, its buffer rows left out; else None (nothing to
+        write: the step found what the previous step left)."""
+        last, step = self._last_params, self._last_param_step
+        if step == head.step:  # written again: compare with the step before, as the first time
+            last, step = self._prev_params
+        if head.entry is None or last is None or step != head.step - 1:
+            return None
+        digests, buffers = head.entry
+        now, last = digests.result(), bytearray(last)
+        for i in buffers:
+            last[i * HASH_BYTES:(i + 1) * HASH_BYTES] = NO_HASH
+        n = min(len(now), len(last))
+        return None if now[:n] == bytes(last[:n]) else now
+
+    def write_final_state(self) -> None:
+        """Hash every row once more when capture stops (the process ends, or ``stop()``),
+        after the trainer's last edit, and write it as the final state: a new record when it
+        differs from the last step's, else a line that refers to that step's record. A
+        failure is a warning (the diff then says the final state was recorded by one side
+        only); capture is stopping anyway."""
+        if (self.failed or self.stopped or os.getpid() != self.pid or self.writer is None
+                or self.done < 1):
+            return
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                self._resolve()
+                now = digest_tensors_async(self._tensors(), self.hasher, stable=True).result()
+                after = self._step_base + self.done
+                if self._last_param_step == after and self._last_params == now:
+                    self.writer.write_final(after, same_as=self._last_param_ref)
+                else:
+                    self.writer.write_final(after, hashes=now)
+        except Exception as e:  # noqa: BLE001
+            self.warn(f"the final state (after step {self.done}) was not recorded: "
+                      f"{cenv.one_line(e)}")
+        self.capture_seconds += time.perf_counter() - t0
 
     def flush_final(self) -> None:
         """Write the last finished step if sampling skipped it (params and loss; no grads)."""
@@ -268,17 +327,27 @@ class _LossCopy:
 class _InFlight:
     """A recorded step whose digests may still be on the device (see RankRecord._resolve)."""
 
-    __slots__ = ("step", "rows", "params", "grads", "loss")
+    __slots__ = ("step", "rows", "params", "grads", "loss", "entry", "scale", "skipped")
 
-    def __init__(self, step: int, rows: int, params, grads: list | None, loss):
+    def __init__(self, step: int, rows: int, params, grads: list | None, loss, *,
+                 entry=None, scale=None, skipped: str | None = None):
         self.step, self.rows, self.params, self.grads, self.loss = step, rows, params, grads, loss
+        self.entry, self.scale, self.skipped = entry, scale, skipped
 
     def ready(self) -> bool:
         return (self.params.ready() and all(d.ready() for _, d in self.grads or ())
-                and (not isinstance(self.loss, _LossCopy) or self.loss.ready()))
+                and (not isinstance(self.loss, _LossCopy) or self.loss.ready())
+                and (self.entry is None or self.entry[0].ready())
+                and (not isinstance(self.scale, _LossCopy) or self.scale.ready()))
 
     def loss_value(self) -> tuple[float | None, str | None]:
         return self.loss.value() if isinstance(self.loss, _LossCopy) else self.loss
+
+    def scale_value(self) -> float | None:
+        """The loss scale (a GradScaler's), or None."""
+        if self.scale is None:
+            return None
+        return (self.scale.value() if isinstance(self.scale, _LossCopy) else self.scale)[0]
 
     def grad_line(self) -> bytes | None:
         """The gradient digests in table order from the parts (rows: a list, or an int n for

@@ -24,7 +24,8 @@ from itertools import zip_longest
 
 from parity import consequences
 from parity.artifacts import Run
-from parity.records import SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord, as_int, as_str
+from parity.records import (SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord,
+                            as_int, as_str)
 from parity.text import ranges
 
 COLLECTIVES = ("all_gather", "reduce_scatter")
@@ -145,7 +146,8 @@ def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None
     sources = {r.get("source") for r in records}
     source = next((s for s in prefer if s in sources), None)
     if source is None:
-        source = next((s for s in sorted(x for x in sources if isinstance(x, str))), None)
+        source = next((s for s in sorted(x for x in sources if isinstance(x, str)
+                                         and x != SOURCE_C10D)), None)  # all-reduces: reduction.py
     if _memo is None:
         return _select(records, source, rank, None)
     key = ("layout", id(records), source)

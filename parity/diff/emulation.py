@@ -34,3 +34,33 @@ def check_same_emulation(run_a, run_b) -> None:
                           "(parity exec --emulate-nccl) or neither")
     raise ParityError(f"cannot compare runs emulated under different NCCL topologies: A {ea}, "
                       f"B {eb}")
+
+
+def emulation_gaps(run_a, run_b) -> list[str]:
+    """What an emulated run left to gloo although the order matters (meta.json ``nccl_emulation``
+    ``not_emulated``: a sparse gradient, a sub-group the model does not cover), one line per side
+    and reason: the diff's ``incomplete`` list, so a verdict never holds on sums gloo made. A run
+    written before ``not_emulated`` existed listed such groups under ``passed_to_gloo`` ("...
+    summed by gloo"); they count too."""
+    out = []
+    for side, run in (("A", run_a), ("B", run_b)):
+        gaps: dict[str, int] = {}
+        ranks: dict[str, list[int]] = {}
+        for r, rd in sorted(run.ranks.items()):
+            emu = (rd.meta or {}).get("nccl_emulation")
+            if not isinstance(emu, dict):
+                continue
+            found = dict(emu.get("not_emulated") or {}) if isinstance(
+                emu.get("not_emulated"), dict) else {}
+            old = emu.get("passed_to_gloo")
+            if "not_emulated" not in emu and isinstance(old, dict):
+                found.update({k: v for k, v in old.items() if "summed by gloo" in str(k)})
+            for reason, n in found.items():
+                gaps[str(reason)] = gaps.get(str(reason), 0) + (n if isinstance(n, int) else 1)
+                ranks.setdefault(str(reason), []).append(r)
+        for reason, n in gaps.items():
+            rs = ranks[reason]
+            where = f"rank {rs[0]}" if len(rs) == 1 else f"{len(rs)} ranks"
+            out.append(f"{side}: {n} reduction(s) not emulated, summed by gloo ({where}): "
+                       f"{reason}")
+    return out

@@ -18,11 +18,13 @@ from parity.artifacts import RankData, Run, gc_paused, read_run
 from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
                                  explain_eager)
-from parity.diff.emulation import check_same_emulation
+from parity.diff.emulation import check_same_emulation, emulation_gaps
+from parity.diff.final_state import compare_final
+from parity.diff.scaled_loss import scaled_loss_notes, skipped_note
 from parity.diff.env import numerics_env_differences
 from parity.diff.magnitude import size_of_difference
-from parity.diff.reduction import assess
-from parity.diff.one_sided import one_sided, refused_processes, same_run
+from parity.diff.reduction import assess, observe
+from parity.diff.one_sided import damaged, one_sided, refused_processes, same_run
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, HashComparison, ParamIndex,
                                 compare_hashes, param_keys, step_fields)
 from parity.diff.result import (CaptureWarning, ComparedRun, DiffResult, Divergence,
@@ -247,6 +249,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     order the report prints them."""
     problems = _run_problems(run_a, run_b)
     incomplete = _failed_jobs(run_a, run_b, tolerate_exit, problems)
+    incomplete += damaged(run_a, run_b)
     ws = _comparable_world_size(run_a, run_b)
     problems += [Problem(None, m) for m in numerics_env_differences(
         run_a.ranks[min(run_a.ranks)].meta if run_a.ranks else None,
@@ -277,6 +280,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     # what one side recorded and the other did not is not compared: parity is not proven
     incomplete += one_sided(ra, rb, ranks, steps, _loss_bits)
     incomplete += refused_processes(run_a, run_b)
+    incomplete += emulation_gaps(run_a, run_b)  # sums gloo made under --emulate-nccl
     same = same_run(run_a, run_b)
     if same:
         incomplete.insert(0, same)
@@ -290,6 +294,20 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     # -- first divergence
     first, fd, divergent = _first_divergence(run_a, ra, rb, ranks, steps_compared, index, hc,
                                              loss, layouts, order)
+    if reduction is not None:  # an emulated pair: predicted against observed
+        observe(reduction, divergent, first)
+
+    # -- the state the runs ended with (after the trainer's last edit)
+    final = compare_final(ranks, ra, rb, aligns, index)
+    incomplete += final.incomplete
+    if first is None and final.ranks:
+        buffers = {p["fqn"] for x in ra[:1] + rb[:1] for p in x.params
+                   if p.get("kind") == "buffer"}
+        fd, divergent = _final_divergence(final, index, buffers, layouts)
+        first = fd.step
+    problems += scaled_loss_notes(ra, rb, ranks, steps)
+    if fd is not None:
+        fd.explanation += skipped_note(ra, rb, fd.step)
 
     # the size of each difference, from the figures next to the hashes (summaries, no verdict)
     magnitude = size_of_difference(ra, rb, ranks, aligns, index, divergent,
@@ -307,7 +325,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
         problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
-        reduction_order=reduction, magnitude=magnitude,
+        reduction_order=reduction, magnitude=magnitude, final_state=final.to_dict(index),
     )
 
 
@@ -507,6 +525,7 @@ def _first_divergence(run_a: Run, ra: list[RankData], rb: list[RankData], ranks:
                 loss_div = None if ls.equal is None else not ls.equal
         grad_div = bool(at_first and det.any("grad"))
         param_div = bool(at_first and det.any("param"))
+        entry_div = bool(at_first and det.any("entry"))
         prev_steps = [s for s in steps_compared if s < first]
         prev = prev_steps[-1] if prev_steps else None
         grads_here = hc.grads_compared and all(
@@ -516,29 +535,90 @@ def _first_divergence(run_a: Run, ra: list[RankData], rb: list[RankData], ranks:
         div_params = [index.names[g] for g, _ in det.grouped("param")] if at_first else []
         only_buffers = (div_params if div_params and buffers
                         and all(n.split("#", 1)[0] in buffers for n in div_params) else None)
-        origin, label, why = _origin(first, prev, grad_div, param_div, loss_div, grads_here,
-                                     only_buffers)
+        phase = None
+        if entry_div:
+            origin, why, phase = _between(first, prev, loss_div, grad_div)
+            label = "parameters changed between step() calls"
+        else:
+            origin, label, why = _origin(first, prev, grad_div, param_div, loss_div,
+                                         grads_here, only_buffers)
         loc_a, loc_b = layouts["a"].locate(), layouts["b"].locate()
         rank_set: set[int] = set()
         n_kind = {}
-        for kind in ("grad", "param"):
+        listed: set[tuple[str, str]] = set()
+        # an edit between step() calls first (the parameters the step found), then the step
+        for kind in ("entry", "grad", "param"):
             grouped = det.grouped(kind) if det else []
             n_kind[kind] = len(grouped)
             for gid, rks in grouped:
                 name = index.names[gid]
+                row_kind = "buffer" if kind == "param" and buffers and \
+                    name.split("#", 1)[0] in buffers else ("param" if kind == "entry" else kind)
+                if (name, row_kind) in listed:
+                    continue
+                listed.add((name, row_kind))
                 rank_set.update(rks)
-                divergent.append(Divergence(
-                    det.step, name, "buffer" if kind == "param" and buffers
-                    and name.split("#", 1)[0] in buffers else kind, rks,
-                    _links(name, loc_a, loc_b)))
+                divergent.append(Divergence(det.step, name, row_kind, rks,
+                                            _links(name, loc_a, loc_b)))
+        if entry_div:
+            n_kind["param"] = n_kind["entry"]
         if not at_first:
             n_kind = {"param": 0, "grad": 0}
             rank_set = set()
         why = _explain_eager(why, divergent, run_a, ranks, layouts, order)
         fd = FirstDivergence(first, origin, grad_div, prev, n_kind["param"],
                              n_kind["grad"] if hc.grads_compared else None, sorted(rank_set),
-                             loss_div, why, label)
+                             loss_div, why, label, phase)
     return first, fd, divergent
+
+
+def _between(step: int, prev: int | None, loss_div: bool | None,
+             grad_div: bool) -> tuple[str, str, str]:
+    """(origin, explanation, phase) of parameters that changed between ``step()`` calls: the
+    ones step ``step``'s optimizer step found differ while step ``step - 1``'s records match.
+    Where in the interval it happened is read from what the step itself recorded: a loss that
+    differs too says the forward already used the edited parameters; a matching loss cannot
+    place it closer than before the optimizer step (an EMA copy is not in the forward)."""
+    after = f"after step {step - 1}'s optimizer step" if step > 1 else "after step 0"
+    if loss_div:
+        where = f"before step {step}'s forward (its loss differs too)"
+    elif loss_div is False and not grad_div:
+        where = (f"before step {step}'s optimizer step (its loss and gradients match: after its "
+                 "backward, or in parameters its forward does not use, such as an EMA copy)")
+    elif loss_div is False:
+        where = (f"before step {step}'s optimizer step (its loss matches, its gradients "
+                 "differ)")
+    else:
+        where = f"before step {step}'s optimizer step"
+    phase = f"{after}, {where.split(' (')[0]}"
+    before = (f"the parameters of step {prev} match" if prev is not None
+              else "no earlier step was captured")
+    return "between", (f"the parameters changed {after} and {where}, while {before}: the "
+                       "trainer edited them between step() calls (a clamp, an EMA or weight "
+                       "update by hand, weights loaded), not a forward, backward or optimizer "
+                       "step"), phase
+
+
+def _final_divergence(fc, index: ParamIndex, buffers: set[str], layouts: dict[str, Layout]
+                      ) -> tuple[FirstDivergence, list[Divergence]]:
+    """What differs in the final state when every step matched: the trainer changed the model
+    after its last ``step()``."""
+    k = fc.after_step
+    loc_a, loc_b = layouts["a"].locate(), layouts["b"].locate()
+    divergent = []
+    for gid, rks in fc.differs:
+        name = index.names[gid]
+        kind = "buffer" if name.split("#", 1)[0] in buffers else "param"
+        divergent.append(Divergence(k, name, kind, rks, _links(name, loc_a, loc_b)))
+    n_buf = sum(1 for d in divergent if d.kind == "buffer")
+    what = (f"{len(divergent) - n_buf} parameter(s)" + (f" and {n_buf} buffer(s)" if n_buf else ""))
+    why = (f"every step matches, but the state the runs ended with differs ({what}, on rank(s) "
+           f"{ranges(fc.ranks)}): the model was changed after step {k}'s optimizer step, when "
+           "the run ended (an edit after the last step(), a last update by hand, an evaluation "
+           "forward that updated buffers)")
+    phase = f"after step {k}'s optimizer step, when the run ended"
+    return FirstDivergence(k, "final", False, k, len(divergent), None, sorted(fc.ranks), None,
+                           why, "final state differs", phase), divergent
 
 
 def _verdict(first: int | None, incomplete: list[str]) -> str:

@@ -30,8 +30,12 @@ from parity.artifacts import RankData, rollup_digest
 if TYPE_CHECKING:  # numpy is imported where something differs (see the module docstring)
     import numpy as np
 
-KINDS = ("param", "grad")
-_DIGEST_FIELD = {"param": "param_digest", "grad": "grad_digest"}
+# entry: the parameters as step k's optimizer step found them (artifacts.RankData.entry_hashes):
+# recorded only where they changed after step k-1's record, so an absent entry digest on both
+# sides is "equal" (step k-1's parameters, compared at k-1), and one present on one side only
+# is a change that side made between step() calls
+KINDS = ("param", "grad", "entry")
+_DIGEST_FIELD = {"param": "param_digest", "grad": "grad_digest", "entry": "entry_digest"}
 DEFAULT_COUNT_BUDGET = 20_000
 _FQN = operator.itemgetter("fqn")  # drilled (rank, step, kind) cells after the first divergent step
 
@@ -237,7 +241,7 @@ class HashComparison:
 
 
 def _load(rd: RankData, step: int, kind: str, n: int) -> np.ndarray | None:
-    h = rd.hashes(step, kind)
+    h = rd.entry_hashes(step) if kind == "entry" else rd.hashes(step, kind)
     if h is None or h.shape[0] != n:
         if h is not None:
             rd.problems.append(f"{rd.path / 'hashes.jsonl'}: step {step} {kind} line has "
@@ -262,25 +266,31 @@ def _rollup_pass(ra: list[RankData], rb: list[RankData], aligns: list[ParamAlign
         xs, ys, ident = x.steps, y.steps, al.identity
         if ident and len(xs) == n and len(ys) == n:  # ``steps`` holds both ranks' steps
             # the usual rank: both sides recorded every step; its roll-ups as lists (C loops)
-            fast = step_fields(xs, ys, steps, "param_digest", "grad_digest")
+            fast = step_fields(xs, ys, steps, "param_digest", "grad_digest", "entry_digest")
             if fast is not None:
                 grads = fast[1]
                 both_rows.append([True] * n)
-                cand_rows["param"].append([False] * n)
-                cand_rows["grad"].append([False] * n)
+                for k in KINDS:
+                    cand_rows[k].append([False] * n)
                 grads_compared = grads_compared or any(
                     isinstance(u, str) and u != "" for u in grads)
                 continue
         brow: list[bool] = []
         prow: list[bool] = []
         grow: list[bool] = []
+        erow: list[bool] = []
         for s in steps:
             p, q = xs.get(s), ys.get(s)
             if p is None or q is None:
                 brow.append(False)
                 prow.append(False)
                 grow.append(False)
+                erow.append(False)
                 continue
+            u, v = p.get("entry_digest"), q.get("entry_digest")
+            e = (u is not None or v is not None) and (u != v or not ident)
+            erow.append(e)
+            n_cand += e
             brow.append(True)
             u, v = p.get("param_digest"), q.get("param_digest")
             c = isinstance(u, str) and u != "" and isinstance(v, str) and v != "" and (
@@ -295,6 +305,7 @@ def _rollup_pass(ra: list[RankData], rb: list[RankData], aligns: list[ParamAlign
         both_rows.append(brow)
         cand_rows["param"].append(prow)
         cand_rows["grad"].append(grow)
+        cand_rows["entry"].append(erow)
     return both_rows, cand_rows, grads_compared, n_cand
 
 
@@ -340,7 +351,8 @@ def compare_hashes(ranks: list[int], ra: list[RankData], rb: list[RankData],
     counts: list[StepCount] = []
     cand_p, cand_g = cand["param"], cand["grad"]
     for j, step in enumerate(steps):
-        rows = [i for i in range(len(aligns)) if cand_p[i][j] or cand_g[i][j]]
+        cand_e = cand["entry"]
+        rows = [i for i in range(len(aligns)) if cand_p[i][j] or cand_g[i][j] or cand_e[i][j]]
         if not rows:
             continue
         det, count = _drill_step(ranks, ra, rb, aligns, cand, step, j, rows, n_glob,
@@ -401,9 +413,10 @@ def _drill_step(ranks: list[int], ra: list[RankData], rb: list[RankData],
             if after_first:
                 budget.left -= 1
             hb = _load(rb[i], step, kind, al.n_b)
-            if hb is not None and al.permutation:
+            want = ra[i].steps[step].get(_DIGEST_FIELD[kind])
+            if hb is not None and al.permutation and isinstance(want, str):
                 # B's hashes in A's order have A's roll-up iff nothing differs: A unread
-                if rollup_digest(hb[al.ib].tobytes()) == ra[i].steps[step][_DIGEST_FIELD[kind]]:
+                if rollup_digest(hb[al.ib].tobytes()) == want:
                     continue
             ha = _load(ra[i], step, kind, al.n_a)
             if ha is None or hb is None:

@@ -3,9 +3,9 @@
 A verdict of ``match`` means everything either side recorded was compared and equal. So a kind
 of record that only one side has (gradients captured by A and not by B under ``--no-grads``, a
 loss on one side only, per (rank, step)), a process that claimed a rank and was not recorded
-(capture/claims.py), and a directory compared with itself each make the diff incomplete
-(exit 3), named in the verdict's ``not compared``; the engine (engine.py) appends these lines to
-``DiffResult.incomplete``.
+(capture/claims.py), damaged records (artifacts.py ``RankData.damage``) and a directory compared
+with itself each make the diff incomplete (exit 3), named in the verdict's ``not compared``; the
+engine (engine.py) appends these lines to ``DiffResult.incomplete``.
 """
 
 from __future__ import annotations
@@ -52,6 +52,33 @@ def one_sided(ra: list[RankData], rb: list[RankData], ranks: list[int], steps: l
 
 def _hint(what: str) -> str:
     return "; was one side captured with --no-grads?" if what == "gradients" else ""
+
+
+def damaged(run_a: Run, run_b: Run) -> list[str]:
+    """Damage the reader found on each side (``RankData.damage``: a file changed after its run
+    closed, a record that cannot be read or fails its checksum, a missing meta.json), said
+    whether or not the verdict needed those records: a pair with damage is never a clean
+    ``match``. One line per side and kind of damage (meta.json apart: it says what is left
+    unchecked), the first message as an example, paths relative to the run."""
+    out = []
+    for side, run in (("A", run_a), ("B", run_b)):
+        root = os.path.join(str(run.path), "")
+        no_meta = [r for r, rd in sorted(run.ranks.items())
+                   if any(os.path.basename(m.split(":", 1)[0]) == "meta.json" for m in rd.damage)]
+        if no_meta:
+            out.append(f"{side}: rank(s) {ranges(no_meta)} have no readable meta.json: their "
+                       "capture status and warnings, hasher, world size and numerics "
+                       "fingerprint are not compared, and their files could be checked only "
+                       "by their contents")
+        hurt = [(r, m) for r, rd in sorted(run.ranks.items()) for m in rd.damage
+                if os.path.basename(m.split(":", 1)[0]) != "meta.json"]
+        if hurt:
+            r0, m0 = hurt[0]
+            rks = sorted({r for r, _ in hurt})
+            out.append(f"{side}: damaged records on rank(s) {ranges(rks)} ({len(hurt)} finding(s)"
+                       f"; they could not be read or failed their checksum and were not compared"
+                       f"; first: {m0.replace(root, '')})")
+    return out
 
 
 def refused_processes(run_a: Run, run_b: Run) -> list[str]:

@@ -58,7 +58,7 @@ class Divergence:
 @dataclass
 class FirstDivergence:
     step: int
-    origin: str  # init | forward | backward | optimizer | param | loss
+    origin: str  # init | forward | backward | optimizer | param | loss | buffer | between | final
     grad_before_param: bool
     previous_step: int | None  # the step before, compared and matching (None: none captured)
     params: int
@@ -69,6 +69,9 @@ class FirstDivergence:
     # what was compared and found, in those words ("loss equal, gradients differ at step 1"):
     # the label reports show; ``origin`` is its code, not a claim about which pass differs
     label: str | None = None
+    # where in the step it happened, when that is not the step's own passes: between step()
+    # calls ("after step 1's optimizer step, before step 2's forward"), or the final state
+    phase: str | None = None
 
 
 @dataclass
@@ -160,6 +163,8 @@ class DiffResult:
     # the size of the differences, from the figures next to each hash (parity/diff/magnitude.py):
     # summaries, never part of the verdict; {} when nothing diverged
     magnitude: dict = field(default_factory=dict)
+    # the state the runs ended with (parity.diff.final_state.FinalComparison.to_dict)
+    final_state: dict = field(default_factory=dict)
 
     # -- policy (parity.policy owns the rule and the words)
     def exit_code(self, fail_on: str = "hash") -> int:
@@ -184,7 +189,8 @@ class DiffResult:
             "steps_compared": self.steps_compared, "ranks_compared": self.ranks_compared,
             "params_compared": self.params_compared, "first_divergent_step":
             self.first_divergent_step, "first_divergence": None if fd is None else
-            {"ranks": list(fd.ranks), "origin": fd.origin, "label": fd.label},
+            {"ranks": list(fd.ranks), "origin": fd.origin, "label": fd.label, "phase": fd.phase},
+            "final_state": self.final_state,
             "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket,
                       "consequences": self.order.consequences},
             "reduction_order": self._reduction_dict(),
@@ -220,6 +226,7 @@ class DiffResult:
                 "loss_differs": self.first_divergence.loss_differs,
                 "explanation": self.first_divergence.explanation,
                 "label": self.first_divergence.label,
+                "phase": self.first_divergence.phase,
             },
             "divergent": [{"step": d.step, "fqn": d.fqn, "kind": d.kind, "ranks": list(d.ranks),
                            "buckets": d.buckets} for d in self.divergent],
@@ -251,6 +258,7 @@ class DiffResult:
             "stats": dict(self.stats),
             "bucketing": dict(self.bucketing),
             "magnitude": dict(self.magnitude),
+            "final_state": dict(self.final_state),
         }
 
     def write_json(self, path: str | Path) -> None:
@@ -292,10 +300,10 @@ class RecordedPrediction:
     """``reduction_order`` as a diff JSON recorded it (``from_dict`` does not rebuild the
     topology): what ``DiffResult.exit_code``, ``judge`` and ``to_dict`` need of it."""
 
-    data: dict
+    data: dict | list  # a list: several topologies (``--at 1x8,8x8``)
 
-    def to_dict(self) -> dict:
-        return dict(self.data)
+    def to_dict(self) -> dict | list:
+        return [dict(x) for x in self.data] if isinstance(self.data, list) else dict(self.data)
 
 
 def from_dict(d: dict) -> DiffResult:
@@ -329,7 +337,7 @@ def from_dict(d: dict) -> DiffResult:
         first_divergence=None if fd is None else FirstDivergence(
             fd.get("step"), fd.get("origin"), fd.get("grad_before_param"),
             fd.get("previous_step"), fd.get("params"), fd.get("grads"), fd.get("ranks") or [],
-            fd.get("loss_differs"), fd.get("explanation"), fd.get("label")),
+            fd.get("loss_differs"), fd.get("explanation"), fd.get("label"), fd.get("phase")),
         divergent=[Divergence(x.get("step"), x.get("fqn"), x.get("kind"), x.get("ranks") or [],
                               {coll: sides for coll, sides in obj(x.get("buckets")).items()
                                if isinstance(sides, dict)})
@@ -354,8 +362,9 @@ def from_dict(d: dict) -> DiffResult:
         warnings=[CaptureWarning(x.get("side"), x.get("ranks"), x.get("message"))
                   for x in objs(d.get("warnings"))],
         schema_version=d.get("schema_version", SCHEMA_VERSION), bucketing=d.get("bucketing") or {},
-        reduction_order=RecordedPrediction(reduction) if isinstance(reduction, dict) else None,
-        magnitude=obj(d.get("magnitude")))
+        reduction_order=RecordedPrediction(reduction) if isinstance(reduction, (dict, list))
+        else None,
+        magnitude=obj(d.get("magnitude")), final_state=obj(d.get("final_state")))
 
 
 def _pair_from_dict(p: dict) -> BucketPair:

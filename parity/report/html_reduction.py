@@ -60,11 +60,14 @@ def buckets_html(d: dict, render) -> str:
     return "".join(parts)
 
 
-def prediction_html(d: dict) -> str:
-    """The ``reduction_order`` object as a short paragraph and a table."""
-    ro = d.get("reduction_order")
-    if not isinstance(ro, dict):
-        return ""
+def _bytes(n) -> str:
+    if not isinstance(n, int):
+        return "-"
+    return f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB" if n >= 2**10 \
+        else f"{n} B"
+
+
+def _one_prediction_html(ro: dict, several: bool) -> str:
     topo = ro.get("topology") or {}
     colour = {"differs": "#c0392b", "same": "#1e8449"}.get(ro.get("verdict"), "#b9770e")
     rows = sorted([x for x in ro.get("at_risk") or [] if isinstance(x, dict)],
@@ -72,18 +75,84 @@ def prediction_html(d: dict) -> str:
     table = ""
     if rows:
         table = ("<div class=wide><table><tr><th>parameter at risk</th><th>elements</th>"
-                 "<th>fraction</th><th>RS bucket A / B</th><th>why</th></tr>" + "".join(
+                 "<th>fraction</th><th>bucket A / B</th><th>why</th></tr>" + "".join(
                      f"<tr><td class=mono>{_e(x.get('fqn'))}</td><td>{(x.get('elements') or 0):,}"
                      f"</td><td>{100 * (x.get('fraction') or 0):.1f}%</td><td>"
+                     f"{_e((x.get('bucket') or {}).get('collective'))} "
                      f"{_e((x.get('bucket') or {}).get('a'))} / {_e((x.get('bucket') or {}).get('b'))}"
                      f"</td><td>{_e(x.get('why'))}</td></tr>" for x in rows[:500])
                  + "</table></div>")
-    unp = "".join(f"<li>reduce_scatter A#{_e(u.get('a'))} / B#{_e(u.get('b'))}: "
+    bk = sorted([b for b in ro.get("buckets") or [] if isinstance(b, dict)],
+                key=lambda b: -(b.get("elements") or 0))
+    reasoning = ""
+    if bk:
+        reasoning = ("<div class=wide><table><tr><th>bucket A / B</th><th>step</th><th>group</th>"
+                     "<th>bytes per rank A / B</th><th>protocol: channels A / B (of the "
+                     "communicator's)</th><th>ring family</th><th>elements at risk</th></tr>"
+                     + "".join(
+                         f"<tr><td>{_e(b.get('collective'))} {_e(b.get('a'))} / {_e(b.get('b'))}"
+                         f"</td><td>{_e(b.get('step'))}</td><td>{_e(b.get('group'))}</td><td>"
+                         f"{_bytes((b.get('bytes_per_rank') or {}).get('a'))} / "
+                         f"{_bytes((b.get('bytes_per_rank') or {}).get('b'))}</td><td>"
+                         + "; ".join(f"{_e(s.get('protocol'))}: "
+                                     f"{_e((s.get('channels') or {}).get('a'))} / "
+                                     f"{_e((s.get('channels') or {}).get('b'))} (of "
+                                     f"{_e(s.get('comm_channels'))})"
+                                     for s in b.get("scenarios") or [] if isinstance(s, dict))
+                         + "</td><td>" + _e(", ".join(dict.fromkeys(
+                             str(s.get("family")) for s in b.get("scenarios") or []
+                             if isinstance(s, dict))))
+                         + f"</td><td>{(b.get('elements') or 0):,}</td></tr>" for b in bk[:200])
+                     + "</table></div>")
+    unp = "".join(f"<li>{_e(u.get('collective'))} A#{_e(u.get('a'))} / B#{_e(u.get('b'))}: "
                   f"{_e(u.get('reason'))}</li>" for u in ro.get("unpredicted") or [])
-    notes = "".join(f"<li>{_e(n)}</li>" for n in ro.get("notes") or [])
-    return (f"<h2>Reduction order at {_e(topo.get('spec'))}</h2>"
-            f"<p><b style=\"color:{colour}\">{_e(cq.reduction_phrase(ro))}</b></p>"
-            f"<p class=muted>model {_e(ro.get('model'))}: {_e(ro.get('limits'))}; world "
-            f"{_e(topo.get('world'))}, rings from {_e(ro.get('source'))}; docs/reduction-order.md"
-            f"</p>{table}" + (f"<p>Not predicted:</p><ul>{unp}</ul>" if unp else "")
+    unk = "".join(f"<li>{_e(u.get('collective'))} A#{_e(u.get('a'))} / B#{_e(u.get('b'))}: "
+                  f"{_e(u.get('reason'))}</li>" for u in ro.get("unknown") or [])
+    notes = "".join(f"<li>{_e(n)}</li>" for n in [*(ro.get("assumptions") or []),
+                                                   *(ro.get("notes") or [])])
+    obs = ro.get("observed")
+    observed = ""
+    if isinstance(obs, dict):
+        missed = obs.get("not_predicted") or []
+        observed = (f"<p>Predicted against observed (both runs emulated at {_e(obs.get('topology'))}"
+                    f"): {_e(obs.get('predicted'))} parameters predicted at risk, "
+                    f"{_e(obs.get('diverged'))} gradients diverged at step {_e(obs.get('step'))}, "
+                    f"{_e(obs.get('both'))} both"
+                    + (f"; <b>not predicted: {_e(', '.join(map(str, missed)))}</b>" if missed
+                       else "") + ".</p>")
+    elif ro.get("emulated"):
+        observed = (f"<p class=muted>Hashes compared under emulation at {_e(ro.get('emulated'))};"
+                    f" predicted at {_e(topo.get('spec'))}.</p>")
+    head = (f"<h3>At {_e(topo.get('spec'))}: <span style=\"color:{colour}\">"
+            f"{_e(ro.get('verdict'))}</span></h3>" if several else "")
+    return (head + reasoning + table + observed
+            + (f"<p>Unknown (the model cannot know):</p><ul>{unk}</ul>" if unk else "")
+            + (f"<p>Not predicted:</p><ul>{unp}</ul>" if unp else "")
             + (f"<ul class=muted>{notes}</ul>" if notes else ""))
+
+
+def prediction_html(d: dict) -> str:
+    """The ``reduction_order`` (one object, or a list for several topologies) as a short
+    paragraph, one row per topology, and per topology the reasoning and the parameters."""
+    ros = cq.predictions(d.get("reduction_order"))
+    if not ros:
+        return ""
+    first = ros[0]
+    verdict = cq.prediction_verdict(d.get("reduction_order"))
+    colour = {"differs": "#c0392b", "same": "#1e8449"}.get(verdict, "#b9770e")
+    specs = ", ".join(str((x.get("topology") or {}).get("spec")) for x in ros)
+    rows = ""
+    if len(ros) > 1:
+        rows = ("<div class=wide><table><tr><th>topology</th><th>verdict</th><th>elements at "
+                "risk</th><th>parameters</th></tr>" + "".join(
+                    f"<tr><td>{_e((x.get('topology') or {}).get('spec'))}</td><td>"
+                    f"{_e(x.get('verdict'))}</td><td>{sum(int(r.get('elements') or 0) for r in x.get('at_risk') or []):,}"
+                    f"</td><td>{len(x.get('at_risk') or [])}</td></tr>" for x in ros)
+                + "</table></div>")
+    return (f"<h2>Reduction order at {_e(specs)}</h2>"
+            f"<p><b style=\"color:{colour}\">{_e(cq.reduction_phrase(d.get('reduction_order')))}"
+            f"</b></p><p class=muted>At risk is {_e(first.get('bound') or 'an upper bound')}; "
+            f"{_e(first.get('upcast') or '')}. Model {_e(first.get('model'))}: "
+            f"{_e(first.get('limits'))}; rings from {_e(first.get('source'))}; "
+            f"docs/reduction-order.md</p>{rows}"
+            + "".join(_one_prediction_html(x, len(ros) > 1) for x in ros))

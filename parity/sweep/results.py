@@ -26,9 +26,10 @@ def clean_finish(run_dir: Path, world_size: int, steps: int) -> bool:
         try:
             if json.loads(m.read_text()).get("status") != "ok":
                 return False
-            last = max((json.loads(line)["step"] for line in
-                        (m.parent / STEPS_FILE).read_text().splitlines() if line.strip()),
-                       default=-1)
+            steps_seen = (json.loads(line)["step"] for line in
+                          (m.parent / STEPS_FILE).read_text().splitlines() if line.strip())
+            # the final-state line's step is "final" (docs/artifacts.md)
+            last = max((s for s in steps_seen if isinstance(s, int)), default=-1)
         except (OSError, ValueError, KeyError, TypeError):
             return False
         if last < steps:

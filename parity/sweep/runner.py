@@ -271,6 +271,7 @@ class _Run:
             if all(side in s["sides"] for side in SIDES):  # both sides reused: diff again
                 self.queue.append((cell, "__diff__"))
         self._drop_stale_shares()
+        self._relink_shares()
 
     def _plan_control(self, cell: Cell, fp: str) -> None:
         """One control (a repeat of the reference job) per distinct reference job."""
@@ -284,6 +285,24 @@ class _Run:
         self.controls[fp] = {"cells": [cell.id], "side": {**side, "reused": True} if ok else None}
         if not ok:
             self.queue.append((cell, ctl.CONTROL))
+
+    def _relink_shares(self) -> None:
+        """The owner of a shared reference job lists the cells that use it
+        (``shares_reference_with``) however each got here: a state kept by ``--resume``, an
+        owner whose cell reruns (its new state starts empty) while its reference job is kept,
+        sharers kept or rerun. Rebuilt from every sharer's ``shared_from``, in cell order; the
+        sharers of a job that runs now are added when it ends (_share_reference)."""
+        users: dict[str, list[str]] = {}
+        for cell in self.cells:
+            s = self.states.get(cell.id) or {}
+            src = ((s.get("sides") or {}).get("reference") or {}).get("shared_from")
+            if src and src != cell.id and src in self.states:
+                users.setdefault(src, []).append(cell.id)
+        for cid, s in self.states.items():
+            if cid in users:
+                s["shares_reference_with"] = users[cid]
+            else:  # a link kept from before whose sharer no longer uses this job
+                s.pop("shares_reference_with", None)
 
     def _drop_stale_shares(self) -> None:
         """A cell outside --only whose kept result used a reference job in the folder of a cell
@@ -516,7 +535,8 @@ class _Run:
         if not sharers:
             return
         mine = self.states[owner.id]
-        mine["shares_reference_with"] = list(sharers)
+        mine["shares_reference_with"] = list(dict.fromkeys(
+            [*(mine.get("shares_reference_with") or []), *sharers]))
         res = mine["sides"]["reference"]
         for cid in sharers:
             s = self.states[cid]

@@ -57,6 +57,17 @@ def main():
     p = DTensor.from_local(case_input(22, rank, n, torch.float32), mesh, [Partial()])
     out["dtensor_ar"] = p.redistribute(mesh, [Replicate()]).to_local()
 
+    # sub-groups (HSDP's replicate groups on 2x2): {0, 2} and {1, 3}, every rank creates both
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = groups[rank % 2]
+    half = 2 * COUNT
+    o = torch.empty(COUNT, dtype=torch.float32)
+    dist.reduce_scatter_tensor(o, case_input(30, rank, half, torch.float32), group=mine)
+    out["group_rs"] = o
+    t = case_input(31, rank, half, torch.float32)
+    dist.all_reduce(t, group=mine)
+    out["group_ar"] = t
+
     os.makedirs(sys.argv[1], exist_ok=True)
     torch.save({k: v.clone() for k, v in out.items()}, os.path.join(sys.argv[1], f"rank{rank}.pt"))
     w = torch.nn.Parameter(torch.ones(3))

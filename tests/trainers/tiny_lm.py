@@ -1,5 +1,6 @@
-"""What several trainers here share (plain_fsdp2.py, grad_accum.py, reorder_fsdp2.py): a tiny
-language model and the process setup. Like them it imports nothing from parity (a trainer parity
+"""What several trainers here share (plain_fsdp2.py, grad_accum.py, reorder_fsdp2.py,
+late_grad.py, side_allreduce.py, hsdp_fsdp2.py): a tiny language model, the process setup and a
+training loop. Like them it imports nothing from parity (a trainer parity
 has never seen); a trainer run as a script finds it next to itself (``sys.path[0]``)."""
 
 import torch
@@ -54,3 +55,26 @@ def gloo_mesh(deterministic=True):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     return rank, world, init_device_mesh("cpu", (world,))
+
+
+def lm_steps(model, opt, steps, rank, vocab, before=None, extra_loss=None, after_backward=None):
+    """``steps`` optimizer steps of next-token cross-entropy on seeded random tokens (a
+    generator per rank): ``before(step)`` runs before each step's forward (steps count from 1),
+    ``extra_loss(logits)`` is added to the loss, ``after_backward()`` runs between backward and
+    the optimizer step (a hand-written gradient sync)."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(1, steps + 1):
+        if before is not None:
+            before(step)
+        tokens = torch.randint(0, vocab, (4, 17), generator=gen)
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        if extra_loss is not None:
+            loss = loss + extra_loss(logits)
+        loss.backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        opt.zero_grad()

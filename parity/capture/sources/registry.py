@@ -7,6 +7,7 @@ order their triggers are registered at session start and the order they are unin
 
 from __future__ import annotations
 
+from parity.capture.sources.c10d_allreduce import C10dAllReduces
 from parity.capture.sources.eager_collectives import EagerCollectives
 from parity.capture.sources.fsdp2 import FSDP2Recorder
 from parity.capture.sources.graph import CompiledGraphs
@@ -20,6 +21,7 @@ SOURCES: tuple[type[ManifestSource], ...] = (
     MakeFxGraphs,  # GraphTrainer's make_fx-traced step (aot_fx_trace)
     EagerCollectives,  # DTensor redistributions outside graphs
     CompiledGraphs,  # aot_autograd's compilers (torch.compile, SimpleFSDP, GraphTrainer jit)
+    C10dAllReduces,  # plain all-reduces outside graphs (HSDP's replicate group, hand-written)
 )
 BY_NAME: dict[str, type[ManifestSource]] = {s.name: s for s in SOURCES}
 assert len(BY_NAME) == len(SOURCES), "two manifest sources share a name"

@@ -1,0 +1,414 @@
+"""Plain c10d all-reduces outside graphs: HSDP's replicate all-reduce and hand-written ones.
+
+Why: on a cluster an all-reduce sums each chunk of its buffer along a ring, and which ring sums
+an element depends on where the element lies in the buffer, exactly as for a reduce-scatter
+bucket (docs/reduction-order.md). Three kinds of all-reduce reach no other manifest source:
+FSDP2's HSDP all-reduce of each reduce-scatter output over the replicate group (``dist.all_reduce``
+in ``foreach_reduce``), and a trainer's own all-reduces of a replicated side module's gradients,
+one per gradient or one flat buffer (``torch.cat`` of the gradients). Recording their layouts
+lets ``parity diff`` compare them and ``--at`` predict them.
+
+Hook point: ``torch.distributed.all_reduce`` and ``all_reduce_coalesced`` as bound in
+``torch.distributed`` and ``torch.distributed.distributed_c10d`` (FSDP2 and trainers call
+``dist.all_reduce``). A call inside a trace passes through (graph.py reads graphs). Each call
+outside one becomes a bucket line with ``"source": "c10d"``, collective ``all_reduce`` and these
+payloads (entries), found without running any collective:
+
+- called from FSDP2's ``foreach_reduce``: the reduce-scatter output it all-reduces, i.e. the
+  parameter group's shards in payload order (``fsdp_params`` and ``padded_unsharded_sizes`` of
+  that frame), ``module: "fsdp2 replicate"``;
+- a parameter's gradient (matched by storage among the model's parameters of that shape): one
+  entry;
+- any other buffer: the gradients it was concatenated from, found by comparing its values with
+  the model's gradients in order (``torch.equal`` of each slice; on CUDA one comparison per
+  gradient tried). A slice no gradient equals is an entry without a name. Matched once per call
+  site, size and dtype; later calls of the same signature reuse the layout.
+
+DDP's buckets are all-reduced by its C++ Reducer, where no Python hook sees them; their layout is
+read after each optimizer step from what DDP itself reports (``_get_ddp_logging_data()``:
+``rebuilt_per_bucket_param_indices`` once DDP has rebuilt its buckets in gradient-ready order
+after the first iteration; before that, ``bucket_sizes`` over the parameters in reverse order, as
+``_ddp_init_helper`` assigns them), one bucket line each with ``group: "ddp"``, in the order the
+buckets are all-reduced. A bucket holding a sparse gradient (``nn.Embedding(sparse=True)``) says
+so (``sparse``); reading these needs no collective.
+
+Extra fields (kept by the reader): ``op`` (``sum``/``avg``/...), ``ranks`` (the group's global
+ranks when it is not the whole world), ``coalesced`` (an ``all_reduce_coalesced`` call: one
+collective per entry, in one NCCL group). ``module`` is the calling function (``file:function``)
+or ``fsdp2 replicate``. A step's sequence is written when first seen and again when it changes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from parity.capture.names import normalize_fqn
+from parity.capture.patches import _tracing
+from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
+from parity.capture.table import _module_roots
+from parity.records import SOURCE_C10D, BucketEntry, BucketRecord, dtype_name
+
+__all__ = ["C10dAllReduces"]
+
+MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
+_FNS = ("all_reduce", "all_reduce_coalesced")
+_FSDP_COLLECTIVES = "_fsdp_collectives.py"
+MAX_MATCH = 4096  # gradients compared against one flat buffer at most
+
+
+def _op_name(op: Any) -> str:
+    """``ReduceOp.SUM`` -> ``"sum"`` (``RedOpType.AVG`` -> ``"avg"``; an object -> its type)."""
+    text = str(op)
+    return text.rsplit(".", 1)[-1].lower() if "." in text and " " not in text else "other"
+
+
+def _caller(depth: int) -> tuple[Any, str]:
+    """The first frame outside torch.distributed's c10d module and this one: (frame, label)."""
+    frame = sys._getframe(depth)
+    while frame is not None and (frame.f_code.co_filename.endswith("distributed_c10d.py")
+                                 or frame.f_code.co_filename == __file__
+                                 or frame.f_code.co_name == "wrapper"):
+        frame = frame.f_back
+    if frame is None:
+        return None, ""
+    return frame, f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+
+
+class C10dAllReduces(ManifestSource):
+    """Wraps ``all_reduce`` / ``all_reduce_coalesced`` and hands records to ``hooks.emit``."""
+
+    name = "c10d"
+    source = SOURCE_C10D
+    trigger = "torch.distributed.distributed_c10d"
+    unavailable = "c10d all-reduce manifests unavailable"
+
+    def __init__(self, hooks: SourceHooks):
+        super().__init__(hooks)
+        self.emit = hooks.emit
+        self.step = hooks.done
+        self.fail = hooks.fail
+        self.patches: list[tuple[Any, str, Any]] = []
+        self.current: list[BucketRecord] = []
+        self.last_signature: tuple | None = None
+        self.layouts: dict[tuple, list[BucketEntry]] = {}  # flat buffers matched: call site...
+        self._by_shape: dict[tuple, list[tuple[str, Any]]] | None = None
+        self.rebuilds = 3  # the parameter map is rebuilt (a gc scan) at most this often
+        self._ddps: list | None = None  # weak references to the job's DDP modules
+        self._ddp_scans = 3  # gc scans for them while none is found
+        self._ddp_sig: tuple | None = None  # the DDP buckets last written, and their step
+        self._ddp_step: int | None = None
+        self._ddp_rebuilt = False
+        self.busy = False
+
+    def ready(self) -> bool:
+        mod = sys.modules.get("torch.distributed")
+        return mod is not None and callable(getattr(mod, "all_reduce", None))
+
+    # ---------------------------------------------------------------------------- install
+    def install(self) -> str | None:
+        for name in MODULES:
+            mod = sys.modules.get(name)
+            for fn_name in _FNS:
+                fn = getattr(mod, fn_name, None) if mod is not None else None
+                if fn is None or hasattr(fn, "_parity_original"):
+                    continue
+                self.patches.append((mod, fn_name, fn))
+                setattr(mod, fn_name, self._wrap(fn, fn_name == "all_reduce_coalesced"))
+        if not any(attr == "all_reduce" for _, attr, _ in self.patches):
+            return "torch.distributed.all_reduce not found in this torch version"
+        return None
+
+    def uninstall(self) -> None:
+        for mod, attr, fn in reversed(self.patches):
+            if getattr(getattr(mod, attr, None), "_parity_original", None) is fn:
+                setattr(mod, attr, fn)
+        self.patches = []
+
+    def _wrap(self, original: Callable, coalesced: bool) -> Callable:
+        import inspect
+
+        rec = self
+        sig = inspect.signature(original)
+
+        def wrapper(*args, **kwargs):
+            if not rec.busy and not rec.tracing():
+                try:
+                    rec.busy = True
+                    a = sig.bind(*args, **kwargs).arguments
+                    rec.record(a.get("tensors", a.get("tensor")), a.get("op"), a.get("group"),
+                               coalesced)
+                except Exception:  # noqa: BLE001 - never in the way of the job
+                    pass
+                finally:
+                    rec.busy = False
+            return original(*args, **kwargs)
+
+        wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+        wrapper._parity_original = original  # type: ignore[attr-defined]
+        wrapper.__doc__ = original.__doc__
+        wrapper.__name__ = original.__name__
+        return wrapper
+
+    @staticmethod
+    def tracing() -> bool:
+        return _tracing()
+
+    # ---------------------------------------------------------------------------- records
+    def _params(self) -> dict[tuple, list[tuple[str, Any]]]:
+        """(shape, dtype) -> [(fqn, parameter)], built once (the model is built by the first
+        all-reduce of gradients)."""
+        if self._by_shape is None:
+            out: dict[tuple, list[tuple[str, Any]]] = {}
+            seen: set[int] = set()
+            for root in _module_roots():
+                for n, p in root.named_parameters():
+                    if id(p) in seen:
+                        continue
+                    seen.add(id(p))
+                    out.setdefault((tuple(p.shape), p.dtype), []).append((normalize_fqn(n), p))
+            self._by_shape = out
+        return self._by_shape
+
+    def _grad_of(self, t: Any) -> str | None:
+        """The parameter whose gradient ``t`` is (same storage), else None."""
+        ptr = t.data_ptr()
+        for fqn, p in self._params().get((tuple(t.shape), t.dtype), ()):
+            g = p.grad
+            if g is not None and g.data_ptr() == ptr:
+                return fqn
+        return None
+
+    def _match_flat(self, t: Any) -> list[BucketEntry]:
+        """The gradients a flat buffer was concatenated from, in buffer order, by value: at each
+        offset, the gradients whose first element equals the buffer's there are compared whole
+        (``torch.equal``); the first equal one is the payload."""
+        import torch
+
+        flat = t.reshape(-1)
+        n_total = flat.numel()
+        esize = t.element_size()
+        dtype = dtype_name(t.dtype)
+        grads = [(f, p.grad.reshape(-1), list(p.grad.shape)) for ps in self._params().values() for f, p in ps
+                 if p.grad is not None and p.grad.layout == torch.strided
+                 and type(p.grad) is torch.Tensor and p.grad.numel()
+                 and p.grad.device == flat.device][:MAX_MATCH]
+        entries: list[BucketEntry] = []
+        if grads:
+            firsts = torch.stack([g[0].to(flat.dtype) for _, g, _ in grads])
+            sizes = [g.numel() for _, g, _ in grads]
+        used: set[int] = set()
+        off = 0
+        while off < n_total:
+            found = None
+            if grads:
+                for i in (firsts == flat[off]).nonzero().flatten().tolist():
+                    n = sizes[i]
+                    if i in used or off + n > n_total:
+                        continue
+                    if torch.equal(flat[off:off + n], grads[i][1].to(flat.dtype)):
+                        found = i
+                        break
+            if found is None:  # the rest: one payload without a name
+                entries.append(BucketEntry(None, off * esize, (n_total - off) * esize,
+                                           n_total - off, dtype, [n_total - off]))
+                break
+            used.add(found)
+            f, g, shape = grads[found]
+            entries.append(BucketEntry(f, off * esize, g.numel() * esize, g.numel(), dtype,
+                                       shape))
+            off += g.numel()
+        return entries
+
+    @staticmethod
+    def _fsdp2_entries(frame: Any, dtype: str, esize: int) -> list[BucketEntry] | None:
+        """FSDP2's HSDP all-reduce: the reduce-scatter output of ``foreach_reduce``'s frame."""
+        loc = frame.f_locals
+        params, sizes = loc.get("fsdp_params"), loc.get("padded_unsharded_sizes")
+        world = loc.get("world_size") or 1
+        if not params or not sizes or len(params) != len(sizes):
+            return None
+        entries, off = [], 0
+        for i, (fp, size) in enumerate(zip(params, sizes)):
+            numel = size.numel() // world
+            fqn = getattr(fp, "_param_fqn", None)
+            entries.append(BucketEntry(normalize_fqn(fqn) if fqn else f"<fsdp param {i}>",
+                                       off * esize, numel * esize, numel, dtype,
+                                       list(getattr(fp, "sharded_size", ()) or ())))
+            off += numel
+        return entries
+
+    def record(self, tensor: Any, op: Any, group: Any, coalesced: bool) -> None:
+        import torch
+        import torch.distributed as dist
+
+        tensors = list(tensor) if coalesced else [tensor]
+        if not tensors or not all(isinstance(t, torch.Tensor) for t in tensors):
+            return
+        if group is None:
+            group = dist.distributed_c10d._get_default_group()
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            return
+        size = group.size()
+        world = dist.get_world_size()
+        ranks = dist.get_process_group_ranks(group) if size != world else None
+        frame, label = _caller(3)
+        t0 = tensors[0]
+        dtype, esize = dtype_name(t0.dtype), t0.element_size()
+        entries: list[BucketEntry] | None = None
+        module = label
+        if frame is not None and frame.f_code.co_name == "foreach_reduce" and \
+                frame.f_code.co_filename.endswith(_FSDP_COLLECTIVES) and not coalesced:
+            entries, module = self._fsdp2_entries(frame, dtype, esize), "fsdp2 replicate"
+        if entries is None:
+            entries, off = [], 0
+            for t in tensors:
+                if t.layout != torch.strided:
+                    entries.append(BucketEntry(None, off * esize, None, t.numel(), dtype,
+                                               list(t.shape)))
+                    continue
+                fqn = self._grad_of(t)
+                if fqn is not None:
+                    entries.append(BucketEntry(fqn, off * esize, t.numel() * esize, t.numel(),
+                                               dtype, list(t.shape)))
+                else:
+                    key = (label, tuple(t.shape), dtype, size)
+                    got = self.layouts.get(key)
+                    if got is None:
+                        got = self.layouts[key] = self._match_flat(t)
+                    entries.extend(BucketEntry(e.fqn, off * esize + e.offset, e.size, e.numel,
+                                               e.dtype, e.shape) for e in got)
+                if not coalesced:
+                    break
+                off += t.numel()
+        total = sum(e.size or 0 for e in entries)
+        # the caller goes in ``group`` (no ``module``: it is a call site, not an nn.Module)
+        rec = BucketRecord(SOURCE_C10D, "all_reduce", len(self.current), entries,
+                           group=module, dtype=dtype, world_size=size, total_bytes=total)
+        rec.extra["op"] = _op_name(op if op is not None else dist.ReduceOp.SUM)
+        if ranks is not None:
+            rec.extra["ranks"] = list(ranks)
+        if coalesced:
+            rec.extra["coalesced"] = True
+        self.current.append(rec)
+
+    def _ddp_modules(self) -> list:
+        """The job's DistributedDataParallel modules (a gc scan, at most a few times while none
+        exists; once found, weak references)."""
+        import weakref
+
+        mod = sys.modules.get("torch.nn.parallel.distributed")
+        if mod is None:
+            return []
+        if self._ddps is None or (not self._ddps and self._ddp_scans):
+            self._ddp_scans -= 1
+            found = [r for r in _module_roots() if isinstance(r, mod.DistributedDataParallel)]
+            self._ddps = [weakref.ref(r) for r in found]
+        return [d for d in (r() for r in self._ddps) if d is not None]
+
+    def _ddp_records(self) -> list[BucketRecord]:
+        """One all-reduce bucket line per DDP bucket, in the order DDP all-reduces them."""
+        import torch
+
+        out: list[BucketRecord] = []
+        for ddp in self._ddp_modules():
+            try:
+                info = ddp._get_ddp_logging_data()
+            except Exception:  # noqa: BLE001 - an older DDP: nothing to read
+                continue
+            ignore = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+            params = [(normalize_fqn(n), p) for n, p in ddp.module.named_parameters()
+                      if p.requires_grad and n not in ignore]
+            sparse = {id(p) for m in ddp.module.modules()
+                      if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+                      and getattr(m, "sparse", False) for p in m.parameters(recurse=False)}
+            groups = _ddp_groups(info, params)
+            if groups is None:
+                continue
+            size = ddp.process_group.size() if getattr(ddp, "process_group", None) else 1
+            for idx in groups:
+                entries, off = [], 0
+                for i in idx:
+                    fqn, p = params[i]
+                    es = p.element_size()
+                    entries.append(BucketEntry(fqn, off, p.numel() * es, p.numel(),
+                                               dtype_name(p.dtype), list(p.shape)))
+                    off += p.numel() * es
+                dtypes = {e.dtype for e in entries}
+                rec = BucketRecord(SOURCE_C10D, "all_reduce", len(out), entries, group="ddp",
+                                   dtype=dtypes.pop() if len(dtypes) == 1 else "",
+                                   world_size=size, total_bytes=off)
+                rec.extra["op"] = "sum"
+                if any(id(params[i][1]) in sparse for i in idx):
+                    rec.extra["sparse"] = True
+                out.append(rec)
+        return out
+
+    def _new_ddp_step(self) -> None:
+        """DDP's buckets, written when they change. DDP rebuilds them once, in gradient-ready
+        order, at the start of its second iteration; its logging data shows the rebuilt ones a
+        step later, so they are stamped with the step after the first one recorded."""
+        recs = self._ddp_records()
+        sig = tuple((r.world_size, tuple((e.fqn, e.numel) for e in r.entries)) for r in recs)
+        if not recs or sig == self._ddp_sig:
+            return
+        step = self.step()
+        if self._ddp_sig is not None and self._ddp_step is not None and not self._ddp_rebuilt:
+            step = self._ddp_step + 1  # the rebuilt buckets ran from DDP's second iteration on
+            self._ddp_rebuilt = True
+        self._ddp_sig, self._ddp_step = sig, step
+        for r in recs:
+            r.step = step
+            self.emit(r)
+
+    def new_step(self) -> None:
+        """End of an optimizer step: write this step's sequence if it is new."""
+        self._new_ddp_step()
+        calls, self.current = self.current, []
+        if self.rebuilds and any(e.fqn is None for c in calls for e in c.entries):
+            self.rebuilds -= 1  # a model built after the first all-reduce: look again
+            self._by_shape = None
+            self.layouts.clear()
+        sig = tuple((c.group, c.dtype, c.world_size, c.extra.get("op"),
+                     tuple(c.extra.get("ranks") or ()),
+                     tuple((e.fqn, e.offset, e.numel) for e in c.entries)) for c in calls)
+        if sig == self.last_signature or (not calls and self.last_signature is None):
+            return
+        self.last_signature = sig
+        step = self.step()
+        for c in calls:
+            c.step = step
+            self.emit(c)
+
+
+def _ddp_groups(info: dict, params: list) -> list[list[int]] | None:
+    """Per DDP bucket, the indices of its parameters (into ``params``), in bucket order, from
+    DDP's logging data: the rebuilt buckets (``"5 4 3 2, 1 0"``), else the initial ones (the
+    parameters in reverse order, cut at ``bucket_sizes`` bytes)."""
+    text = info.get("rebuilt_per_bucket_param_indices") if info.get("has_rebuilt_buckets") \
+        else None
+    if isinstance(text, str) and text.strip():
+        groups = [[int(x) for x in part.split()] for part in text.split(",") if part.strip()]
+        if all(0 <= i < len(params) for g in groups for i in g):
+            return groups
+        return None
+    sizes = info.get("bucket_sizes")
+    if not isinstance(sizes, str) or not sizes.strip():
+        return None
+    want = [int(x) for x in sizes.replace(",", " ").split()]
+    order = list(range(len(params)))[::-1]
+    groups, cur, got = [], [], 0
+    for i in order:
+        cur.append(i)
+        got += params[i][1].numel() * params[i][1].element_size()
+        if len(groups) < len(want) and got >= want[len(groups)]:
+            groups.append(cur)
+            cur, got = [], 0
+    if cur:
+        groups.append(cur)
+    sizes_ok = [sum(params[i][1].numel() * params[i][1].element_size() for i in g)
+                for g in groups] == want
+    return groups if sizes_ok else None
+

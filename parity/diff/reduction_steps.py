@@ -1,0 +1,156 @@
+"""Every step's reduction layouts (``parity diff``, issue 30): which bucket records are in force at
+each step, and the all-reduce buckets capture/sources/c10d_allreduce.py records.
+
+Why: manifests are written when they change, not every step, and the diff's layout selection
+(parity/diff/buckets.py) keeps each bucket's first record. A parameter with no gradient at step 1
+(a late-activated adapter or expert) joins its bucket at step 2; a recompiled graph replaces its
+predecessor. parity/diff/reduction.py compares and predicts the layouts of every step where some
+manifest changed, read through the functions here.
+"""
+
+from __future__ import annotations
+
+from parity.diff.buckets import Bucket, Entry, Layout, select_layout
+from parity.records import (SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord,
+                            as_int)
+
+RS, AR = "reduce_scatter", "all_reduce"
+
+
+def op_of(b: Bucket) -> str:
+    """A reduction bucket's op (``infer_ops``, the c10d record's ``op``); SUM when not known."""
+    return getattr(b, "op", None) or "sum"
+
+
+def group_size_of(b: Bucket) -> int | None:
+    """The group size a bucket's collective ran on, as recorded (None: not known)."""
+    return getattr(b, "group_size", None)
+
+
+def step_of(r: dict) -> int:
+    s = as_int(r.get("step"))
+    return s if s is not None else 0
+
+
+def records_at(records: list[dict], step: int) -> list[dict]:
+    """The bucket records in force at ``step``: eager FSDP2 writes a bucket again only when it
+    changes (the latest at or before ``step`` per position), a compiled graph is replaced by a
+    recompile carrying the same parameters (the latest one compiled by ``step``), DTensor and
+    c10d sequences are written whole when they change (the latest one)."""
+    by_source: dict[str, list[dict]] = {}
+    for r in records:
+        if step_of(r) <= step:
+            source = r.get("source") or "?"
+            if source == SOURCE_C10D and r.get("group") == "ddp":
+                source = "c10d ddp"  # DDP's buckets: a sequence of their own
+            by_source.setdefault(source, []).append(r)
+    keep: list[dict] = []
+    for source, recs in by_source.items():
+        if source in (SOURCE_DTENSOR, SOURCE_C10D, "c10d ddp"):
+            last = max(step_of(r) for r in recs)
+            keep += [r for r in recs if step_of(r) == last]
+        elif source == SOURCE_GRAPH:
+            keep += _latest_graphs(recs)
+        else:
+            last: dict = {}
+            for r in recs:
+                last[(r.get("collective"), r.get("graph"), r.get("index"))] = r
+            chosen = set(map(id, last.values()))
+            keep += [r for r in recs if id(r) in chosen]
+    ids = set(map(id, keep))
+    return [r for r in records if id(r) in ids]
+
+
+def _latest_graphs(recs: list[dict]) -> list[dict]:
+    """Graph records minus graphs replaced by a later one carrying the same parameters."""
+    by_gid: dict = {}
+    for r in recs:
+        by_gid.setdefault(r.get("graph_id"), []).append(r)
+    order = sorted(by_gid, key=lambda g: (max(step_of(r) for r in by_gid[g]),
+                                         g if isinstance(g, int) else -1), reverse=True)
+    taken: dict[tuple, set] = {}
+    keep: list[dict] = []
+    for g in order:
+        rs = by_gid[g]
+        params: dict[tuple, set] = {}
+        for r in rs:
+            k = (r.get("collective"), r.get("stage"))
+            params.setdefault(k, set()).update(
+                e.get("fqn") for e in r.get("entries") or [] if isinstance(e, dict))
+        if any(params[k] & taken.get(k, set()) for k in params):
+            continue  # a later graph recompiled these parameters
+        for k, ps in params.items():
+            taken.setdefault(k, set()).update(ps)
+        keep += rs
+    return keep
+
+
+def change_steps(*record_lists: list[dict]) -> list[int]:
+    """The steps at which some manifest of either side was (re)written, in order."""
+    steps: set[int] = set()
+    for recs in record_lists:
+        steps.update(step_of(r) for r in recs)
+    return sorted(steps)
+
+
+def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
+    """A rank's c10d all-reduce buckets (capture/sources/c10d_allreduce.py) of the records given,
+    in issue order, as Buckets (``op``, ``group_size``, ``module``, ``coalesced`` set)."""
+    out = []
+    for r in records:
+        if r.get("source") != SOURCE_C10D or r.get("collective") != AR:
+            continue
+        rec = BucketRecord.from_dict(r)
+        b = Bucket(AR, len(out), rec.group, rec.dtype, rec.total_bytes,
+                   [Entry(e.fqn, e.offset, e.size, e.numel, e.dtype) for e in rec.entries],
+                   rec.step if isinstance(rec.step, int) else None)
+        b.module = rec.group if isinstance(rec.group, str) else None  # the call site
+        b.op = str(rec.extra.get("op") or "sum")
+        b.group_size = rec.world_size
+        b.coalesced = bool(rec.extra.get("coalesced"))
+        b.sparse = bool(rec.extra.get("sparse"))
+        out.append(b)
+    return out
+
+
+def annotate_buckets(layout: Layout, records: list[dict]) -> None:
+    """Reduce-scatter buckets get their group size (the recorded ``world_size``), whether they
+    were one coalesced call, and their op: eager FSDP2 reduce-scatters fp32 and bf16 gradients
+    with ReduceOp.AVG on a group of more than one rank (``_get_gradient_divide_factors`` in
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, torch 2.6-2.13), i.e. NCCL's
+    PreMulSum; a compiled graph's op is not recorded and counts as a sum (the answer that leaves
+    PAT and NVLS possible: unknown rather than a guess)."""
+    by_key: dict = {}
+    for r in records:
+        if r.get("collective") == RS and r.get("source") in (SOURCE_FSDP2, SOURCE_GRAPH):
+            by_key.setdefault((r.get("graph_id"), r.get("index")), r)
+    for b in layout.buckets.get(RS, []):
+        r = by_key.get((b.graph_id, b.record_index))
+        b.group_size = as_int(r.get("world_size")) if r is not None else None
+        b.coalesced = bool(b.node and "coalesced" in b.node)
+    infer_ops(layout)
+
+
+def infer_ops(layout: Layout) -> None:
+    """A reduce-scatter bucket's op where it has none: AVG for eager FSDP2's fp32 and bf16
+    gradients on more than one rank (``_get_gradient_divide_factors``), else SUM."""
+    fsdp2 = layout.source == SOURCE_FSDP2
+    for b in layout.buckets.get(RS, []):
+        if getattr(b, "op", None) is None:
+            b.op = "avg" if fsdp2 and b.dtype in ("float32", "bfloat16") and \
+                (group_size_of(b) or 2) > 1 else "sum"
+            b.op_guessed = not fsdp2  # a compiled graph's op: not recorded
+
+
+def layouts_at(run, rank: int, prefer: tuple, step: int) -> tuple[Layout, list[Bucket]]:
+    recs = run.ranks[rank].buckets if rank in run.ranks else []
+    now = records_at(recs, step)
+    lay = select_layout(now, prefer, rank)
+    annotate_buckets(lay, now)
+    return lay, all_reduce_buckets(now)
+
+
+def signature(lay: Layout, ar: list[Bucket]) -> tuple:
+    return (lay.source, tuple(b.signature() for b in lay.buckets.get(RS, [])),
+            tuple(sorted(lay.repeats.items())),
+            tuple((b.signature(), op_of(b), group_size_of(b), getattr(b, "module", None)) for b in ar))
