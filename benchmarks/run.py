@@ -66,8 +66,9 @@ sizes the targets were not set for, a figure short of its target is said as such
   it is measured:
     cuda_host_ms_per_step < 0.5       host time per step of capture's digest path for 1,500
                                       parameters of 1-64 KB and their 1,500 gradients, as capture
-                                      runs it (digests and figures; queue both, read the previous
-                                      step's digests and figures back), GPU idle;
+                                      runs it (the parameters' entry digests; gradients and
+                                      parameters with figures; the previous step's read back),
+                                      GPU idle;
                                       cuda_host_ms_per_step_no_figures: the digests alone
     cuda_digest_gbps_*, cuda_read_gbps_*
                                       the device digest alone (Triton kernels where Triton
@@ -541,14 +542,17 @@ def _small_cuda_tensors(count: int, seed: int = 1) -> list[torch.Tensor]:
 def _cuda_host_time(quick: bool, emit) -> None:
     """Host time per step of capture's digest path for a real model's parameter list: 1,500
     parameters of 1-64 KB (fp32 and bf16) and their 1,500 gradients, each step as capture does
-    it (writing.py, steps.py: the parameters as a stable list, the gradients with their
-    parameters as owners, figures with both; the previous step's digests and figures read
-    back). The GPU is kept idle between steps, so the figure is the host's own time, not a
-    wait. Measured with figures (what capture runs: the target) and without."""
+    it (writing.py, steps.py: the parameters at the step's entry, without figures and with
+    the buffer rows left out, here one in a hundred; the gradients with their parameters as
+    owners and the parameters as a stable list after the step, both with figures; the previous
+    step's digests and figures read back). The GPU is kept idle between steps, so the figure is
+    the host's own time, not a wait. Measured with figures (what capture runs: the target) and
+    without."""
     from parity.capture.hashing import digest_tensors_async
 
     params = _small_cuda_tensors(1500)
     grads = [torch.empty_like(p) for p in params]
+    entry = [None if i % 100 == 99 else p for i, p in enumerate(params)]  # buffers left out
     steps = 50 if quick else 200
     emit("cuda_host_tensors", 2 * len(params))
     for figures, key in ((True, "cuda_host_ms_per_step"),
@@ -557,14 +561,16 @@ def _cuda_host_time(quick: bool, emit) -> None:
         for k in range(steps + 5):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            d_params = digest_tensors_async(params, "auto", stable=True, figures=figures)
+            d_entry = digest_tensors_async(entry, "auto", stable=True)
             d_grads = digest_tensors_async(grads, "auto", owners=params, figures=figures)
+            d_params = digest_tensors_async(params, "auto", stable=True, figures=figures)
             if prev is not None:
+                prev_entry.result()
                 for d in prev:
                     d.result()
                     d.figures()
             host.append(time.perf_counter() - t0)
-            prev = (d_params, d_grads)
+            prev, prev_entry = (d_params, d_grads), d_entry
         torch.cuda.synchronize()
         emit(key, statistics.median(host[5:]) * 1e3)
 

@@ -136,10 +136,14 @@ def test_kernel_figures_under_the_interpreter_same_bits_at_any_address(interpret
 @need_triton
 def test_figures_under_the_interpreter_through_the_capture_path(interpreted_figures):
     """``digest_tensors_async(..., "device", figures=True)`` as capture calls it (a stable list:
-    the table built once, then reused): one kernel result carries digests and figures; float8
-    and uint16 tensors get torch-ops figures in a part of their own."""
+    the table built once, then reused; a list with rows left out, as the step's entry digests
+    have): one kernel result carries digests and figures; float8 and uint16 tensors get
+    torch-ops figures in a part of their own."""
     cap = interpreted_figures["capture_path"]
     assert cap["kernel_pending"] == "Pending"
+    # a list with rows left out (None) takes the kernels too, None -> NO_HASH and NO_FIGURES
+    assert interpreted_figures["holes"] == {"kernel_pending": "Pending", "digests": True,
+                                            "figures": True}
     assert cap["digests_equal"] and cap["same_bits_twice"]
     assert all(cap["fallback_is_torch_ops"])
     for kernel, host, n, abs_sum in cap["figures"]:

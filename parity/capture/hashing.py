@@ -507,14 +507,21 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
                                            for t in tensors))], [])
     if n and hasher in ("auto", "device"):
         fast = hashing_triton.digest_all_cuda(tensors, stable, owners, figures)  # common case
+        pos = None
+        if fast is None and hashing_triton.usable():  # rows left out (None): the others
+            pos = [i for i, t in enumerate(tensors) if t is not None]
+            if 0 < len(pos) < n:
+                fast = hashing_triton.digest_all_cuda(
+                    [tensors[i] for i in pos], stable,
+                    None if owners is None else [owners[i] for i in pos], figures)
         if fast is not None:
             figs = None
             if figures:
-                figs = [(None, fast.figures())]
+                figs = [(pos, fast.figures())]
                 if fast.fallback:  # dtypes the kernels do not decode: torch ops, later part wins
-                    fb = list(fast.fallback)
+                    fb = list(fast.fallback) if pos is None else [pos[j] for j in fast.fallback]
                     figs.append((fb, _figures_pending([_local(tensors[i]) for i in fb])))
-            return Digests(n, [], [(None, fast)], figs)
+            return Digests(n, [], [(pos, fast)], figs)
     known: list[tuple[list[int] | None, bytes]] = []
     pending: list[tuple[list[int] | None, object]] = []
     figs: list | None = [] if figures else None

@@ -344,10 +344,13 @@ _PLAIN_TYPES = {torch.Tensor, torch.nn.Parameter}
 _LOCAL = attrgetter("_local_tensor")
 
 
-def _locals(tensors: list) -> list:
+def _locals(tensors: list) -> list | None:
     """The local tensors (a DTensor's ``_local_tensor``), with as few Python steps per tensor as
-    the list allows: plain tensors as they are, a list of DTensors through one attrgetter."""
+    the list allows: plain tensors as they are, a list of DTensors through one attrgetter.
+    None when a row is None (``hashing`` then digests the others)."""
     types = set(map(type, tensors))
+    if type(None) in types:
+        return None
     if types <= _PLAIN_TYPES:
         return tensors
     if not types & _PLAIN_TYPES and all(hasattr(t, "_local_tensor") for t in types):
@@ -371,7 +374,9 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
         return None
     try:
         locs = _locals(tensors)
-        ptrs = list(map(_DATA_PTR, locs))  # TypeError for None, RuntimeError for sparse
+        if locs is None:
+            return None
+        ptrs = list(map(_DATA_PTR, locs))  # RuntimeError for sparse
     except (TypeError, RuntimeError):
         return None
     key = None
