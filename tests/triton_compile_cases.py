@@ -1,8 +1,8 @@
 """Run by tests/test_capture_hashing_triton.py in a child process: compiles the device digest
 kernels ahead of time for an H100 (sm_90) without a GPU (triton ships ptxas) and prints, per
 kernel, the kinds of global loads, the 32x32->64-bit multiplies, the atomics (and float ones)
-and the float64 fma in its PTX as JSON; the lanes kernel with and without figures. Catches what the interpreter cannot: type errors of the real compiler, and lost vector
-loads."""
+and the float64 fma in its PTX as JSON; the lanes kernel with and without figures. Catches
+what the interpreter cannot: type errors of the real compiler, and lost vector loads."""
 
 import json
 import re
