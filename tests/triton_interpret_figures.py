@@ -93,6 +93,7 @@ def cases(g) -> dict:
         "c64_rows": _aligned(torch.randn(2 * CHUNK + 3, generator=g, dtype=torch.complex64), 0),
         "c128_21": torch.randn(21, generator=g, dtype=torch.complex128),
         "c64_conj": torch.randn(9, generator=g, dtype=torch.complex64).conj(),
+        "c32_21": torch.view_as_complex(torch.randn(21, 2, generator=g)).to(torch.complex32),
         "scalar": torch.tensor(-2.5),
         "empty_f32": torch.zeros(0),
         "empty_bf16": torch.zeros(0, dtype=torch.bfloat16),
