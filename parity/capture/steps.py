@@ -251,4 +251,5 @@ class StepClock:
         rows = self._tensors()
         for i in buffers:
             rows[i] = None
-        return self._digest_rows(rows), buffers  # a tensor it cannot hash: named, not fatal
+        # a tensor it cannot hash: named, not fatal; the same objects every step: stable
+        return self._digest_rows(rows, stable=True), buffers
