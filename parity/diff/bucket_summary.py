@@ -396,12 +396,14 @@ def issued_elsewhere(buckets: list[dict]) -> list[dict]:
 
 def headline(summary: dict | None) -> str:
     """One short line: all-gather and reduce-scatter counts after the passes (before -> after
-    where a pre-pass count is known), e.g. ``AG 18->6 RS 18->6``; "" without a summary."""
+    where a pre-pass count is known), e.g. ``AG 18->6 RS 18->6``, and a compiled graph's
+    all-reduces (``AR 4->1``); "" without a summary."""
     if not summary:
         return ""
     parts = []
-    for coll, label in (("all_gather", "AG"), ("reduce_scatter", "RS")):
-        rows = [r for r in summary.get("graphs", []) if r["collective"] == coll]
+    for coll, label in (("all_gather", "AG"), ("reduce_scatter", "RS"), ("all_reduce", "AR")):
+        rows = [r for r in summary.get("graphs", []) if r["collective"] == coll
+                and (coll != "all_reduce" or r.get("source") == SOURCE_GRAPH)]
         if not rows:
             continue
         after = sum(r["count_after"] for r in rows)

@@ -10,7 +10,9 @@ answers the question a 256-GPU weight-hash run answers, without a rerun:
    manifest changed (a parameter with no gradient at step 1 joins its bucket at step 2: the
    "late gradient"), for three kinds of reduction: reduce-scatter buckets (eager FSDP2, compiled
    graphs), all-reduce buckets recorded by capture/sources/c10d_allreduce.py (HSDP's replicate
-   all-reduce, a trainer's own all-reduces, one per gradient or one flat buffer), and eager
+   all-reduce, a trainer's own all-reduces, one per gradient or one flat buffer) and by compiled
+   graphs (capture/sources/graph_walk.py: the same layout, one side's eager all-reduces aligned
+   with the other's compiled ones), and eager
    DTensor reduce-scatters (counted: a gradient reduced by more collectives on one side is summed
    differently as a whole).
 2. **Layouts at the target.** Each bucket is re-derived at the target topology from the captured
@@ -54,20 +56,22 @@ from parity.diff.buckets import (A_PREFERS, B_PREFERS, SEVERITY, Bucket, BucketP
                                  align_buckets, compare_layouts, eager_for, side_by_side)
 from parity.diff.reduction_count import ChunkOrders, Orders, count_at_risk
 from parity.diff.reduction_steps import (annotate_buckets, change_steps, group_size_of,
-                                         infer_ops, layouts_at, op_of, signature, step_of)
+                                         infer_ops, layouts_at, one_sided_all_reduces, op_of,
+                                         paired_all_reduces,
+                                         signature, step_of)
 from parity.errors import ParityError
 from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, parse_topology
 from parity.nccl import predict as nccl_predict
 from parity.nccl.probe_file import describe_file
-from parity.records import SOURCE_C10D
 
 if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
     import numpy as np
 
 SAME, DIFFERS, UNKNOWN = "same", "differs", "unknown"
 RS, AR = "reduce_scatter", "all_reduce"
-ONE_SIDED_AR = ("only {side} recorded all-reduce buckets (the other side's may run inside a "
-                "compiled graph, whose all-reduces are not recorded): not compared")
+ONE_SIDED_AR = ("only {side} recorded all-reduce buckets{what} (the other side's, if any, ran where "
+                "no manifest source sees them: a functional collective run eagerly, a C++ hook): "
+                "not compared")
 HSDP_REPLICATE = "fsdp2 replicate"  # c10d_allreduce.py: FSDP2's all-reduce of a shard row
 MAX_STEPS = 32  # steps whose layouts are compared and predicted (those where a manifest changed)
 BOUND = ("an upper bound: elements whose rank order of summation differs between A and B in "
@@ -348,6 +352,7 @@ class _Context:
     version: str | None = None
     dims_of: dict = field(default_factory=dict)
     ar_only: str | None = None  # "A" / "B": only that side recorded all-reduce buckets
+    ar_what: str = ""  # " of gradients": only that side's carry gradients (one_sided_all_reduces)
 
 
 def _hsdp(buckets: list[Bucket], capture_world: int | None) -> bool:
@@ -458,7 +463,8 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
     ans.kinds.add(kind)
     if kind == AR and ctx.ar_only:
         ans.unpredicted.append({"collective": AR, "a": None, "b": None, "step": step,
-                                "reason": ONE_SIDED_AR.format(side=ctx.ar_only)})
+                                "reason": ONE_SIDED_AR.format(side=ctx.ar_only,
+                                                                   what=ctx.ar_what)})
         return
     names = {id(b): tuple(b.fqns) for b in (*ba, *bb)}
     # the op is left out: a compiled graph's is not recorded (reduction_order's assumptions)
@@ -921,14 +927,27 @@ def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]],
 
 
 def _add_pairs(order, pairs: list[BucketPair], la: Layout, lb: Layout,
-               ara: list[Bucket], arb: list[Bucket], step: int | None, have: set) -> None:
+               ara: list[Bucket], arb: list[Bucket], step: int | None, have: set,
+               count_identical: bool = False) -> None:
     """Differing bucket groups found beyond the layouts ``compare_buckets`` compared (a later
     step's, all-reduces) join ``order``: its verdict becomes the worst, the headline a reduction
-    when it had none."""
+    when it had none. ``count_identical`` (all-reduces, which ``compare_buckets`` never sees):
+    equal groups count as compared too, so that a side whose only manifests are all-reduces
+    reads ``identical``, not ``unavailable``."""
     from parity import consequences as cq
 
     for p in pairs:
         if p.verdict == "identical":
+            key = (p.collective, tuple(p.a), tuple(p.b), p.verdict, p.detail)
+            if not count_identical or not (p.a and p.b) or key in have:
+                continue
+            have.add(key)
+            order.counts.setdefault(p.collective, {}).setdefault(p.verdict, 0)
+            order.counts[p.collective][p.verdict] += 1
+            if p.collective not in order.compared:
+                order.compared.append(p.collective)
+            if order.verdict not in SEVERITY:
+                order.verdict = p.verdict
             continue
         key = (p.collective, tuple(p.a), tuple(p.b), p.verdict, p.detail)
         if key in have:
@@ -994,10 +1013,8 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     # steps at which both sides have begun recording (a side's first records set its start)
     start = max([min(map(step_of, recs)) for recs in (recs_a, recs_b) if recs] or [0])
     steps = [s for s in change_steps(recs_a, recs_b) if s >= start]
-    ar_a = any(r.get("source") == SOURCE_C10D for r in recs_a)
-    ar_b = any(r.get("source") == SOURCE_C10D for r in recs_b)
-    has_ar = ar_a or ar_b
-    ar_only = ("A" if ar_a else "B") if ar_a != ar_b else None
+    has_ar, ar_only, of_grads = one_sided_all_reduces(recs_a, recs_b)
+    ar_what = " of gradients" if of_grads else ""
     notes: list[str] = []
     if len(steps) > MAX_STEPS:
         notes.append(f"manifests change at {len(steps)} steps; the layouts of the first "
@@ -1026,10 +1043,13 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
             _add_pairs(order, [p for p in later.pairs if p.collective == RS], la, lb, ara, arb,
                        s, have)
         if (ara or arb) and not ar_only:
-            pairs, _ = align_buckets(AR, ara, arb)
-            _add_pairs(order, pairs, la, lb, ara, arb, s if k else None, have)
+            cmp_a, cmp_b, note = paired_all_reduces(ara, arb)
+            if note and note not in order.notes:
+                order.notes.append(note)
+            pairs, _ = align_buckets(AR, cmp_a, cmp_b)
+            _add_pairs(order, pairs, la, lb, ara, arb, s if k else None, have, True)
     if ar_only:
-        order.notes.append(ONE_SIDED_AR.format(side=ar_only))
+        order.notes.append(ONE_SIDED_AR.format(side=ar_only, what=ar_what))
     # the table is decoded only where shapes are needed (a prediction, or eager DTensor
     # reduce-scatters to attribute): a diff of equal runs parses no more than it must (issue 23)
     if at is not None or order.eager.get("a") or order.eager.get("b") or has_ar:
@@ -1062,7 +1082,8 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     emulated = _emulated_at(run_a)
     out = []
     for topo in topos:
-        ctx = _Context(shapes, world, _env_items(env), version, ar_only=ar_only)
+        ctx = _Context(shapes, world, _env_items(env), version, ar_only=ar_only,
+                       ar_what=ar_what)
         answers = []
         for k, (s, la, lb, ara, arb) in enumerate(per_step):
             c = counts if k == 0 else None

@@ -94,23 +94,67 @@ def change_steps(*record_lists: list[dict]) -> list[int]:
 
 
 def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
-    """A rank's c10d all-reduce buckets (capture/sources/c10d_allreduce.py) of the records given,
-    in issue order, as Buckets (``op``, ``group_size``, ``module``, ``coalesced`` set)."""
+    """A rank's all-reduce buckets of the records given, in record order, as Buckets (``op``,
+    ``group_size``, ``module``, ``coalesced`` set): the c10d source's
+    (capture/sources/c10d_allreduce.py) and compiled graphs' (capture/sources/graph_walk.py,
+    the layout that runs: not a graph recorded before its passes). Both record offsets in bytes
+    over the whole buffer and one entry per gradient, so one side's eager all-reduces and the
+    other's compiled ones are aligned as any two sides' are."""
     out = []
     for r in records:
-        if r.get("source") != SOURCE_C10D or r.get("collective") != AR:
+        source = r.get("source")
+        if r.get("collective") != AR or source not in (SOURCE_C10D, SOURCE_GRAPH) or (
+                source == SOURCE_GRAPH and r.get("stage") == "before_passes"):
             continue
         rec = BucketRecord.from_dict(r)
         b = Bucket(AR, len(out), rec.group, rec.dtype, rec.total_bytes,
                    [Entry(e.fqn, e.offset, e.size, e.numel, e.dtype) for e in rec.entries],
                    rec.step if isinstance(rec.step, int) else None)
-        b.module = rec.group if isinstance(rec.group, str) else None  # the call site
+        if source == SOURCE_C10D:
+            b.module = rec.group if isinstance(rec.group, str) else None  # the call site
+        else:  # the module it was issued under
+            b.module = rec.module if isinstance(rec.module, str) else None
+        b.coalesced = bool(rec.extra.get("coalesced"))
         b.op = str(rec.extra.get("op") or "sum")
         b.group_size = rec.world_size
-        b.coalesced = bool(rec.extra.get("coalesced"))
         b.sparse = bool(rec.extra.get("sparse"))
         out.append(b)
     return out
+
+
+def one_sided_all_reduces(records_a: list[dict], records_b: list[dict]) -> tuple[bool, str | None,
+                                                                                  bool]:
+    """(either side recorded all-reduces, the side ("A"/"B") whose all-reduces the other side
+    lacks or None, whether that is about gradients). One side's all-reduces carrying parameters'
+    gradients against none on the other (its reduction ran where no source sees it: a
+    functional collective run eagerly, a C++ hook) are one-sided too, even when the other side
+    recorded a loss or metric all-reduce: aligned, they would read as gradients moved out of
+    every bucket, a difference nobody made."""
+    bka, bkb = all_reduce_buckets(records_a), all_reduce_buckets(records_b)
+    if bool(bka) != bool(bkb):
+        return True, "A" if bka else "B", False
+    named_a = any(f for b in bka for f in b.fqns)
+    named_b = any(f for b in bkb for f in b.fqns)
+    if named_a != named_b:
+        return True, "A" if named_a else "B", True
+    return bool(bka), None, False
+
+
+def paired_all_reduces(ara: list[Bucket], arb: list[Bucket]
+                       ) -> tuple[list[Bucket], list[Bucket], str | None]:
+    """The all-reduce buckets of each side to align, and a note on those left out. All-reduces
+    that carry no parameter at all (a loss or metric: a graph classifies them ``activation`` or
+    ``token``; the c10d source leaves them unnamed) are aligned only when both sides recorded
+    some: one side's loss all-reduce run inside its graph against the other's run where no
+    source sees it would otherwise read as a bucket moved, a difference nobody made."""
+    bare_a = [b for b in ara if not any(b.fqns)]
+    bare_b = [b for b in arb if not any(b.fqns)]
+    if bool(bare_a) == bool(bare_b):
+        return ara, arb, None
+    side, bare = ("A", bare_a) if bare_a else ("B", bare_b)
+    note = (f"all_reduce: {len(bare)} all-reduce(s) of {side} carrying no parameter (a loss or "
+            "metric) have no such all-reduce on the other side to compare with: not compared")
+    return ([b for b in ara if any(b.fqns)], [b for b in arb if any(b.fqns)], note)
 
 
 def annotate_buckets(layout: Layout, records: list[dict]) -> None:

@@ -1,5 +1,5 @@
 """Compiled-graph bucket manifests: which parameter sits at which byte offset in
-every all-gather / reduce-scatter of a compiled training graph.
+every all-gather / reduce-scatter / all-reduce of a compiled training graph.
 
 Runs inside user processes. ``install(on_graph)`` wraps the place where
 aot_autograd receives its forward/backward compilers, so that after the

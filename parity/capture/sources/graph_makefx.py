@@ -77,13 +77,13 @@ def split_joint(gm: Any, buckets: list[BucketRecord]) -> None:
     phase_of = graph_walk.JointPhase()
     where = {node.name: phase_of(node) for node in graph_flat.flatten(gm).graph.nodes}
     for b in buckets:
-        b.graph = where.get(b.node, "backward" if b.collective == "reduce_scatter" else "forward")
+        b.graph = where.get(b.node, "forward" if b.collective == "all_gather" else "backward")
 
 
 def reduce_scatter_targets(gm: Any, output_fqns: list[str | None], *,
                            limit: int = 4096) -> dict[str, str]:
-    """Each reduce-scatter's input chain (node names) -> the parameter whose gradient output it
-    reaches.
+    """Each reduce-scatter's (and all-reduce's) input chain (node names) -> the parameter whose
+    gradient output it reaches.
 
     graph.py follows a reduce-scatter's result to the output through unary ops only; a joint
     graph accumulates some gradients first (chunked loss: lm_head's gradient is the sum of
@@ -99,7 +99,7 @@ def reduce_scatter_targets(gm: Any, output_fqns: list[str | None], *,
         position.setdefault(o, []).append(i)
     mapping: dict[str, str] = {}
     for node in gm.graph.nodes:
-        if graph_walk.op_name(node) not in graph_walk.RS_OPS:
+        if graph_walk.op_name(node) not in graph_walk.REDUCING_OPS:
             continue
         found: set[str] = set()
         seen = {node}

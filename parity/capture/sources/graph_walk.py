@@ -1,5 +1,6 @@
 """The pure FX walk: from a compiled graph to its bucket layouts (one
-:class:`~parity.records.BucketRecord` per all-gather / reduce-scatter), with no hook and no state.
+:class:`~parity.records.BucketRecord` per all-gather / reduce-scatter / all-reduce), with no hook
+and no state.
 
 Buckets are recovered structurally from the collective's input (``cat`` /
 ``copy_(slice(buf), cat(...))`` / ``_foreach_copy_`` into ``split(slice(buf))`` /
@@ -10,6 +11,18 @@ which parameter each payload is comes from the FQNs of the graph's inputs and ou
 Public, for the other graph modules: ``extract_buckets``, ``rs_payload_map`` (graph.py),
 ``op_name``, ``collective_kind``, ``walk_back``, the operator tuples (graph_makefx.py,
 graph_passes.py), ``JointPhase`` (graph_makefx.py, graph_passes.py, ops.py), ``is_compute``.
+
+All-reduces (``_c10d_functional.all_reduce`` and ``all_reduce_coalesced``, and their in-place
+forms) are recorded as the c10d source records eager ones (capture/sources/c10d_allreduce.py):
+collective ``all_reduce``, offsets in bytes in the flat buffer (the whole buffer: every rank
+holds all of it), one entry per piece in buffer order, each piece the parameter whose gradient
+it is (the output its reduced slice reaches, or before the passes its input chain), the op as the
+graph says it (``extra["op"]``), the group's size, for a sub-group its ranks (``extra["ranks"]``)
+and for ``all_reduce_coalesced`` ``extra["coalesced"]``. Inductor's
+bucketing (``bucket_all_reduce``, torch 2.13 ``torch/_inductor/fx_passes/bucketing.py``
+``all_reduce_merge_fn_to_trace``) packs a bucket as ``cat([x.reshape(-1) ...])`` and splits the
+reduced buffer back: the ``cat`` pattern below. A loss or metric all-reduce carries no parameter:
+its payload is classified ``activation`` (or ``token`` for integer counts), as for all-gathers.
 """
 
 from __future__ import annotations
@@ -29,6 +42,12 @@ AG_OPS = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gat
 AG_COALESCED_OPS = ("_c10d_functional::all_gather_into_tensor_coalesced",)
 RS_OPS = ("_c10d_functional::reduce_scatter_tensor",)
 RS_COALESCED_OPS = ("_c10d_functional::reduce_scatter_tensor_coalesced",)
+# ``all_reduce_`` / ``all_reduce_coalesced_``: inductor's reinplacing pass turns the functional
+# forms into these (torch/_inductor/fx_passes/reinplace.py, ``inplaceable_collective_ops``, 2.13)
+AR_OPS = ("_c10d_functional::all_reduce", "_c10d_functional::all_reduce_")
+AR_COALESCED_OPS = ("_c10d_functional::all_reduce_coalesced",
+                    "_c10d_functional::all_reduce_coalesced_")
+REDUCING_OPS = (*RS_OPS, *AR_OPS)  # a gradient's reduction: rs_payload_map, reduce_scatter_targets
 _WAIT_OPS = ("_c10d_functional::wait_tensor", "c10d_functional::wait_tensor")
 _CAT_OPS = ("aten::cat",)
 _COPY_OPS = ("aten::copy_", "aten::copy")
@@ -286,9 +305,10 @@ def _group_size(arg: Any) -> int:
 
 
 def rs_payload_map(gm: Any, output_fqns: list[str | None]) -> dict[str, str]:
-    """Before passes: map each per-parameter reduce-scatter's input chain (node names) -> FQN.
+    """Before passes: map each per-parameter reduce-scatter's (or all-reduce's) input chain
+    (node names) -> FQN.
 
-    After bucketing, the merged reduce-scatter's input list still references
+    After bucketing, the merged collective's input list still references
     these nodes, which tells us whose gradient each payload really is (the
     output split tells where the reduced slice is written). Keyed by name: the
     flat copy of the graph after the passes (graph_flat.py) has other node
@@ -296,7 +316,7 @@ def rs_payload_map(gm: Any, output_fqns: list[str | None]) -> dict[str, str]:
     """
     mapping: dict[str, str] = {}
     for node in flatten(gm).graph.nodes:
-        if op_name(node) not in RS_OPS:
+        if op_name(node) not in REDUCING_OPS:
             continue
         pos = _output_position(node)
         fqn = output_fqns[pos] if pos is not None and pos < len(output_fqns) else None
@@ -319,14 +339,16 @@ def extract_buckets(
     warnings: list[str] | None = None,
     rs_payload_fqns: dict[str, str] | None = None,
 ) -> list[BucketRecord]:
-    """Every all-gather and reduce-scatter of ``gm`` in node order, as manifest buckets, those a
-    pass nested in higher-order-op subgraphs included (the walk reads graph_flat.flatten(gm)).
+    """Every all-gather, reduce-scatter and all-reduce of ``gm`` in node order, as manifest
+    buckets, those a pass nested in higher-order-op subgraphs included (the walk reads
+    graph_flat.flatten(gm)).
 
     ``input_fqns[i]`` is the parameter behind the i-th placeholder,
     ``output_fqns[j]`` the parameter whose gradient is the j-th output (None
     when not a parameter). Offsets are bytes in the per-rank payload: the
     all-gather's input buffer, or one rank's row of the reduce-scatter input
-    (= its output chunk), the layout FSDP2's manifest uses.
+    (= its output chunk), the layout FSDP2's manifest uses; an all-reduce's
+    whole buffer (the layout the c10d source records for eager all-reduces).
 
     ``rs_payload_fqns`` (from a snapshot taken before the passes) identifies
     reduce-scatter payloads from the input side; an entry's ``fqn`` is then
@@ -343,7 +365,7 @@ def extract_buckets(
     gm = flatten(gm)
     places = _NodePlaces.of(gm)
     names = _PayloadNames.of(gm, input_fqns, output_fqns, rs_payload_fqns)
-    counters = {"all_gather": 0, "reduce_scatter": 0}
+    counters = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     buckets: list[BucketRecord] = []
     for node in gm.graph.nodes:
         found = collective_kind(op_name(node))
@@ -408,12 +430,14 @@ def graph_figures(gm: Any, buckets: list[BucketRecord]) -> None:
 
 
 def collective_kind(name: str) -> tuple[str, bool] | None:
-    """``(kind, coalesced)`` of an operator name (op_name): kind ``all_gather`` or
-    ``reduce_scatter``; None for any other operator."""
+    """``(kind, coalesced)`` of an operator name (op_name): kind ``all_gather``,
+    ``reduce_scatter`` or ``all_reduce``; None for any other operator."""
     if name in AG_OPS or name in AG_COALESCED_OPS:
         return "all_gather", name in AG_COALESCED_OPS
     if name in RS_OPS or name in RS_COALESCED_OPS:
         return "reduce_scatter", name in RS_COALESCED_OPS
+    if name in AR_OPS or name in AR_COALESCED_OPS:
+        return "all_reduce", name in AR_COALESCED_OPS
     return None
 
 
@@ -491,8 +515,14 @@ class _PayloadNames:
 def _bucket(node: Any, kind: str, coalesced: bool, index: int, graph_kind: str, graph_id: int,
             places: _NodePlaces, names: _PayloadNames, warnings: list[str]) -> BucketRecord:
     """One collective node as a bucket record."""
-    world_size = _group_size(node.args[1] if kind == "all_gather" else node.args[2])
     label = f"{graph_kind} {kind} #{index} ({node.name})"
+    extra: dict[str, Any] = {}
+    if kind == "all_reduce":
+        world_size = _all_reduce_group(node, extra, label, warnings)
+        if coalesced:  # one collective per payload in one NCCL group, as the c10d source says
+            extra["coalesced"] = True
+    else:
+        world_size = _group_size(node.args[1] if kind == "all_gather" else node.args[2])
     pieces, dtypes, pattern = _payloads(node, coalesced, warnings)
     outs = _payload_outputs(node, kind, coalesced, pattern, len(pieces), label, warnings)
     own = node_module(node)  # the collective's own annotation, when it names a module
@@ -502,7 +532,6 @@ def _bucket(node: Any, kind: str, coalesced: bool, index: int, graph_kind: str, 
     bucket_dtype, total = _bucket_total(node, kind, coalesced, pieces, entries, offset,
                                         world_size, label, warnings)
     _check_from_node(node, entries, label, warnings)
-    extra = {}
     if node.meta.get(NESTED):  # inside a control-flow subgraph (cond, while_loop, ...)
         extra["nested"] = node.meta[NESTED]
     return BucketRecord(
@@ -511,7 +540,39 @@ def _bucket(node: Any, kind: str, coalesced: bool, index: int, graph_kind: str, 
         dtype=dtype_name(bucket_dtype) if bucket_dtype is not None else "",
         world_size=world_size, total_bytes=total, position=places.position[node],
         compute_before=places.compute_before[node], extra=extra, module=_bucket_module(
-            None if kind == "reduce_scatter" and any(e.fqn for e in entries) else own, entries))
+            None if kind != "all_gather" and any(e.fqn for e in entries) else own, entries))
+
+
+def _all_reduce_group(node: Any, extra: dict, label: str, warnings: list[str]) -> int | None:
+    """An all-reduce's group size (None, said, when its group is not known in this process),
+    and into ``extra`` its ``op`` as the graph says it and, for a sub-group, its global
+    ``ranks`` (the c10d source's fields). Its schema has no group size, only the group's name
+    (``_c10d_functional::all_reduce(Tensor input, str reduce_op, Any group_name)``, torch
+    2.13), resolved as the collective itself resolves it
+    (``distributed_c10d._resolve_process_group``)."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs or {})
+    op = bound.get("reduce_op", node.args[1] if len(node.args) > 1 else None)
+    if isinstance(op, str):
+        extra["op"] = op.lower()
+    group = bound.get("group_name", node.args[2] if len(node.args) > 2 else None)
+    if hasattr(group, "op") and hasattr(group, "users"):  # a graph input: its traced value
+        group = _val(group)
+    try:
+        import torch.distributed as dist
+
+        pg = group if hasattr(group, "size") and callable(group.size) else \
+            dist.distributed_c10d._resolve_process_group(group)
+        size = int(pg.size())
+        if dist.is_initialized() and size != dist.get_world_size():
+            extra["ranks"] = list(dist.get_process_group_ranks(pg))
+        return size
+    except Exception as e:  # noqa: BLE001 - the size is unknown, not guessed
+        warnings.append(f"{label}: the size of group {group!r} is not known in this process "
+                        f"({type(e).__name__}: {e})")
+        return None
 
 
 def _payloads(node: Any, coalesced: bool, warnings: list[str]
@@ -534,18 +595,19 @@ def _payload_outputs(node: Any, kind: str, coalesced: bool, pattern: str, n: int
                      warnings: list[str]) -> list[Any]:
     """Per payload, the node its slice of the result ends up in (None: not found), by position.
 
-    A reduce-scatter's slice names the gradient it is written to (a coalesced one: after its
-    wait); an all-gather's slice, where the gathered parameter is used (its module)."""
+    A reduce-scatter's or all-reduce's slice names the gradient it is written to (a coalesced
+    one: after its wait); an all-gather's slice, where the gathered parameter is used (its
+    module)."""
     if coalesced:
         by_idx = {u.args[1]: u for u in node.users if op_name(u) == "getitem"}
         outs = [by_idx.get(i) for i in range(n)]
-        if kind == "reduce_scatter":
+        if kind != "all_gather":
             outs = [_waited(g) for g in outs]
     elif pattern == "single":
         outs = [node]
     else:
         outs = _split_outputs(node) or []
-    if kind == "reduce_scatter" and len(outs) != n:
+    if kind != "all_gather" and len(outs) != n:
         warnings.append(f"{label}: {n} input payloads but {len(outs)} output slices")
     return (outs + [None] * n)[:n]
 
@@ -573,9 +635,10 @@ def _entries(node: Any, kind: str, pieces: list[Any], dtypes: list[Any] | None, 
             numel, fqn, shape = _gathered(piece, val, names)
             out = outs[i]  # each payload's module: where its gathered slice is used
             module = _issuing_module(out, own_first=out is node) if out is not None else None
-        else:
-            numel, fqn, shape = _reduced(piece, val, outs[i], world_size, offset, label, names,
-                                         warnings)
+        else:  # a reduce-scatter's payload is one rank's row of it, an all-reduce's all of it
+            numel, fqn, shape = _reduced(piece, val, outs[i],
+                                         world_size if kind == "reduce_scatter" else 1, offset,
+                                         label, names, warnings)
             # A parameter's gradient is reduced for the module that owns the parameter. The
             # backward nodes' module annotations are not evidence of anything else: AutoParallel's
             # graphs carry the first module's ``fwd_nn_module_stack`` on every backward node.
@@ -588,7 +651,7 @@ def _entries(node: Any, kind: str, pieces: list[Any], dtypes: list[Any] | None, 
             warnings.append(f"{label}: payload {i} at offset {offset} is a parameter input "
                             "whose name is not known")
             payload = "activation"
-        if not (kind == "reduce_scatter" and fqn):
+        if not (kind != "all_gather" and fqn):
             module = (module if module and module != PROPERTY_MODULE else None) or (
                 own if len(pieces) == 1 else None)
         entries.append(BucketEntry(fqn, offset, size, numel, dtype_name(dtype), shape,
@@ -625,9 +688,10 @@ def _gathered(piece: Any, val: Any, names: _PayloadNames) -> tuple[int, str | No
 
 def _reduced(piece: Any, val: Any, out_node: Any, world_size: int, offset: int, label: str,
              names: _PayloadNames, warnings: list[str]) -> tuple[int, str | None, list]:
-    """A reduce-scatter payload: (numel per rank, parameter, shape of its reduced slice). The
-    parameter is whose gradient the input side says (before the passes), else the one the
-    reduced slice is written to; a disagreement is said."""
+    """A reduce-scatter payload: (numel per rank, parameter, shape of its reduced slice); an
+    all-reduce's with ``world_size`` 1 (the whole piece; its shape: the gradient's as it reaches
+    the output, else the piece's). The parameter is whose gradient the input side says (before
+    the passes), else the one the reduced slice is written to; a disagreement is said."""
     out_fqn = names.of_output(out_node) if out_node is not None else None
     in_fqn = names.of_reduce_input(piece)
     if in_fqn and out_fqn and in_fqn != out_fqn:
@@ -654,7 +718,7 @@ def _bucket_total(node: Any, kind: str, coalesced: bool, pieces: list[Any],
         first = _val(pieces[0]) if pieces else None
         return (first.dtype if first is not None else None), offset
     total = _numel(buffer_val) * buffer_val.dtype.itemsize
-    if kind == "reduce_scatter":
+    if kind == "reduce_scatter" and world_size:
         total //= world_size
     if entries and total != offset:
         warnings.append(f"{label}: entries cover {offset} bytes of a {total}-byte payload")
