@@ -28,7 +28,10 @@ def group_size_of(b: Bucket) -> int | None:
 
 
 def step_of(r: dict) -> int:
-    s = as_int(r.get("step"))
+    s = r.get("step")
+    if type(s) is int:  # the usual case, checked first: every record of every rank is read
+        return s
+    s = as_int(s)
     return s if s is not None else 0
 
 
@@ -89,7 +92,7 @@ def change_steps(*record_lists: list[dict]) -> list[int]:
     """The steps at which some manifest of either side was (re)written, in order."""
     steps: set[int] = set()
     for recs in record_lists:
-        steps.update(step_of(r) for r in recs)
+        steps.update(map(step_of, recs))
     return sorted(steps)
 
 
