@@ -429,12 +429,12 @@ def _derive_many(buckets: list[Bucket], worlds: list[int], checks: list, ctx: _C
     # one dtype per bucket: the bucket's, every payload's the same or unrecorded
     bdt = [b.dtype for b in buckets]
     esize = [_ITEMSIZE.get(x) if x else None for x in bdt]
-    codes: dict = {}
-    edt = np.array([codes.setdefault(e.dtype or None, len(codes)) for e in flat], dtype=np.int64)
-    bcode = np.array([codes.setdefault(x or None, len(codes)) for x in bdt], dtype=np.int64)
-    odd = (edt != bcode[which]) & (edt != codes.setdefault(None, len(codes)))
-    bad |= np.bincount(which, weights=odd, minlength=nb) > 0
     bad |= np.array([x is None for x in esize], dtype=bool)
+    edt = [e.dtype for e in flat]
+    rep = [x for x, k in zip(bdt, lens.tolist()) for _ in range(k)]
+    if any(x and x != y for x, y in set(zip(edt, rep))):  # usually one pair: the same dtype
+        odd = [bool(x) and x != y for x, y in zip(edt, rep)]
+        bad |= np.bincount(which, weights=odd, minlength=nb) > 0
     # the recorded offsets and sizes at the capture's group size
     cw = np.array([c or 0 for c in checks], dtype=np.int64)
     cwe = cw[which]
@@ -563,14 +563,16 @@ def _side(kind: str, buckets: list[Bucket], skip: set, names: dict, topo: Topolo
         lo = int(got.starts[i])
         coll_of[lo:lo + lens[i]] += np.arange(lens[i])
     derived = coll_of >= 0
-    # rows: skipped buckets' payloads, derived payloads, every bucket's named payloads
+    # rows: skipped buckets' payloads, derived payloads, then the named payloads of buckets
+    # not derived (every other bucket's are derived payloads already)
     skipped = [(p, b) for p, b in enumerate(buckets) if b.index in skip]
     s_fqn = [f for _, b in skipped for f in names[id(b)]]
     s_pos = [p for p, b in skipped for _ in names[id(b)]]
-    d_fqn = [f for f, ok in zip(got.fqn, derived.tolist()) if ok]
+    d_fqn = got.fqn if derived.all() else [f for f, ok in zip(got.fqn, derived.tolist()) if ok]
     d_pos = np.repeat(np.array(pos_of, dtype=np.int64), got.lens)[derived]
-    o_fqn = [f for b in buckets for f in names[id(b)] if f]
-    o_pos = [p for p, b in enumerate(buckets) for f in names[id(b)] if f]
+    not_derived = [(p, b) for p, b in enumerate(buckets) if b.index in bad]
+    o_fqn = [f for _, b in not_derived for f in names[id(b)] if f]
+    o_pos = [p for p, b in not_derived for f in names[id(b)] if f]
     ns, nd = len(s_fqn), len(d_fqn)
     total = ns + nd + len(o_fqn)
     rows = np.arange(total)
@@ -773,53 +775,74 @@ def _keep_worst(ans: _StepAnswer, kind: str, x: AtRisk) -> None:
         ans.at_risk[(kind, x.fqn)] = x
 
 
+class _Classes(NamedTuple):
+    """One side's size classes: collectives of one size share one tuple of plans (and so every
+    channel map). ``of``: per collective its class (-1: not used; one more entry, last);
+    per class its plans (or why there are none) and its (count, element size, group)."""
+
+    of: np.ndarray
+    plans: list
+    size: list
+
+
+def _size_classes(kind: str, S: _Side, used: list, ctx: _Context, memo: dict, said: set,
+                  ans: _StepAnswer) -> _Classes:
+    """The size classes of the collectives ``used`` (in order of first use); the model is
+    asked once per size (``memo``) and what it assumed is said once (``said``), in order."""
+    import numpy as np
+
+    keys = [(id(c.topo), c.count, c.esize, c.op, c.group)
+            for c in map(S.colls.__getitem__, used)]
+    first: dict[tuple, int] = {}
+    for mk, k in zip(keys, used):
+        first.setdefault(mk, k)
+    index: dict[tuple, int] = {}  # (plans, count, esize, group) -> class
+    of_key: dict[tuple, int] = {}
+    ps_of, size_of = [], []
+    for mk, k in first.items():
+        ps = memo.get(mk)
+        if ps is None:
+            c = S.colls[k]
+            ps = memo[mk] = plans(c.topo, kind, c.count, c.esize, c.op, ctx.env, c.group,
+                                  ctx.version)
+            if not isinstance(ps, str) and id(ps) not in said:
+                said.add(id(ps))
+                spec = c.topo.spec()
+                for p in ps:
+                    ans.models.setdefault(p.model)
+                    ans.assumptions.update(dict.fromkeys(f"{spec}: {a}" for a in p.assumptions))
+        g = index.setdefault((id(ps), mk[1], mk[2], mk[4]), len(ps_of))
+        if g == len(ps_of):
+            ps_of.append(ps)
+            size_of.append((mk[1], mk[2], mk[4]))
+        of_key[mk] = g
+    of = np.full(len(S.colls) + 1, -1, dtype=np.int64)
+    of[used] = [of_key[mk] for mk in keys]
+    return _Classes(of, ps_of, size_of)
+
+
 def _count_entries(kind: str, n: int, entries: _Entries, A: _Side, B: _Side, params: list,
                    ctx: _Context, step: int | None, ans: _StepAnswer) -> None:
     """Elements at risk of ``entries`` (one group size): per parameter the worst over every
     scenario combination (:func:`_worst_over_scenarios`)."""
     import numpy as np
 
-    # per collective used: its plans (or the reason there are none) and its size class;
-    # collectives of one size share one tuple of plans, asked once, said once (A's first)
     memo: dict[tuple, tuple | str] = {}
     said: set[int] = set()
-    got: dict[str, list] = {}
-    cls: dict[str, np.ndarray] = {}
-    classes: dict[str, dict] = {}
+    cls = {}
     for side, S, ks in (("a", A, entries.ka), ("b", B, entries.kb)):
         u, at = np.unique(ks, return_index=True)
-        used = u[np.argsort(at)].tolist()  # in order of first use
-        keys = [(id(c.topo), c.count, c.esize, c.op, c.group)
-                for c in map(S.colls.__getitem__, used)]
-        for k, mk in zip(used, keys):
-            if mk in memo:
-                continue
-            c = S.colls[k]
-            ps = memo[mk] = plans(c.topo, kind, c.count, c.esize, c.op, ctx.env, c.group,
-                                  ctx.version)
-            if isinstance(ps, str) or id(ps) in said:
-                continue
-            said.add(id(ps))
-            spec = c.topo.spec()
-            for p in ps:
-                ans.models.setdefault(p.model)
-                ans.assumptions.update(dict.fromkeys(f"{spec}: {a}" for a in p.assumptions))
-        g = [None] * (len(S.colls) + 1)  # per collective; the last: none
-        c_of = np.full(len(S.colls) + 1, -1, dtype=np.int64)
-        by: dict[tuple, int] = {}
-        for k, mk in zip(used, keys):
-            ps = g[k] = memo[mk]
-            c_of[k] = by.setdefault((id(ps), mk[1], mk[2], mk[4]), len(by))
-        got[side], cls[side], classes[side] = g, c_of, by
+        cls[side] = _size_classes(kind, S, u[np.argsort(at)].tolist(), ctx, memo, said, ans)
     # a collective the model cannot know: its payloads are unknown, said per bucket pair
-    out = (np.array([isinstance(x, str) for x in got["a"]], dtype=bool)[entries.ka]
-           | np.array([isinstance(x, str) for x in got["b"]], dtype=bool)[entries.kb])
+    unknown = {s: np.array([isinstance(ps, str) for ps in cls[s].plans] + [False],
+                           dtype=bool)[cls[s].of] for s in ("a", "b")}
+    out = unknown["a"][entries.ka] | unknown["b"][entries.kb]
     pairs: dict[tuple, str] = {}
     for i in np.flatnonzero(out).tolist():
-        pa, pb = got["a"][int(entries.ka[i])], got["b"][int(entries.kb[i])]
+        ka, kb = int(entries.ka[i]), int(entries.kb[i])
+        pa, pb = cls["a"].plans[cls["a"].of[ka]], cls["b"].plans[cls["b"].of[kb]]
         why = pa if isinstance(pa, str) else pb
-        guessed = (A.colls[int(entries.ka[i])] if isinstance(pa, str)
-                   else B.colls[int(entries.kb[i])]).bucket
+        guessed = (A.colls[ka] if isinstance(pa, str) else B.colls[kb]).bucket
         if getattr(guessed, "op_guessed", False):
             why += " (a compiled graph's reduce op is not recorded: counted as a SUM)"
         pairs.setdefault((int(entries.ia[i]), int(entries.ib[i])), why)
@@ -828,7 +851,7 @@ def _count_entries(kind: str, n: int, entries: _Entries, A: _Side, B: _Side, par
     live = entries.take(np.flatnonzero(~out)) if out.any() else entries
     if not live.ka.size:
         return
-    best = _worst_over_scenarios(kind, n, live, cls, classes, got)
+    best = _worst_over_scenarios(kind, n, live, cls["a"], cls["b"])
     hit = np.flatnonzero(best)
     risk = ans.at_risk
     where: dict[tuple, dict] = {}  # per bucket pair, one (read-only) dict
@@ -842,14 +865,12 @@ def _count_entries(kind: str, n: int, entries: _Entries, A: _Side, B: _Side, par
             if w is None:
                 w = where[(ia, ib)] = {"collective": kind, "a": ia, "b": ib}
             risk[(kind, f)] = AtRisk(f, nrisk, numel, w, "order", step)
-    _describe_buckets(kind, live, best, A, B, got, step, ans)
+    _describe_buckets(kind, live, best, A, B, cls["a"], cls["b"], step, ans)
 
 
-def _worst_over_scenarios(kind: str, n: int, live: _Entries, cls: dict, classes: dict,
-                          got: dict) -> np.ndarray:
-    """Per entry of ``live``, the most elements at risk over every scenario combination
-    (``cls[side]``: each collective's size class; ``classes[side]``: (plans id, count, element
-    size, group) -> class; ``got[side]``: each collective's plans).
+def _worst_over_scenarios(kind: str, n: int, live: _Entries, ca: _Classes, cb: _Classes
+                          ) -> np.ndarray:
+    """Per entry of ``live``, the most elements at risk over every scenario combination.
 
     Cost: combinations are counted most channels first (:func:`_combinations`), each only
     over the payloads not saturated yet (every real element of every owner already at risk:
@@ -859,29 +880,24 @@ def _worst_over_scenarios(kind: str, n: int, live: _Entries, cls: dict, classes:
     import numpy as np
 
     # each side's collectives on one axis, in collective order
-    axis, of, counts, plans_of, size_of = {}, {}, {}, {}, {}
-    for side, ks in (("a", live.ka), ("b", live.kb)):
+    axis, of, counts = {}, {}, {}
+    for side, c, ks in (("a", ca, live.ka), ("b", cb, live.kb)):
         used = np.unique(ks)
-        pos = np.full(cls[side].size, -1, dtype=np.int64)
+        pos = np.full(c.of.size, -1, dtype=np.int64)
         pos[used] = np.arange(used.size)
         axis[side] = pos[ks]
-        of[side] = cls[side][used]
-        plans_of[side] = [None] * len(classes[side])
-        size_of[side] = [None] * len(classes[side])
-        for key, g in classes[side].items():
-            size_of[side][g] = key[1:]
-        for k, g in zip(used.tolist(), of[side].tolist()):
-            plans_of[side][g] = got[side][k]
-        counts[side] = [size_of[side][g][0] for g in of[side].tolist()]
+        of[side] = c.of[used]
+        counts[side] = [c.size[g][0] for g in of[side].tolist()]
     rc = RiskCount((axis["a"], axis["b"], live.oa, live.ob, live.length, live.full, live.part),
                    of["a"], counts["a"], of["b"], counts["b"],
                    Orders(n) if kind == RS else ChunkOrders(n))
     ecls = {s: of[s][axis[s]] for s in ("a", "b")}
-    sizes = {key: i for i, key in enumerate(dict.fromkeys([*size_of["a"], *size_of["b"]]))}
-    same_size = (np.array([sizes[x] for x in size_of["a"]], dtype=np.int64)[ecls["a"]]
-                 == np.array([sizes[x] for x in size_of["b"]], dtype=np.int64)[ecls["b"]])
+    sizes = {key: i for i, key in enumerate(dict.fromkeys([*ca.size, *cb.size]))}
+    same_size = (np.array([sizes[x] for x in ca.size], dtype=np.int64)[ecls["a"]]
+                 == np.array([sizes[x] for x in cb.size], dtype=np.int64)[ecls["b"]])
     best = np.zeros(live.ka.size, dtype=np.int64)
     open_ = best < rc.cap  # not saturated yet
+    plans_of, size_of = {"a": ca.plans, "b": cb.plans}, {"a": ca.size, "b": cb.size}
     for _, maps_a, maps_b, differ_protocols in _combinations(plans_of, size_of,
                                                              bool(same_size.all()), rc):
         ok = np.array([m is not None for m in maps_a], dtype=bool)[ecls["a"]]
@@ -955,7 +971,7 @@ def _clusters(got: dict) -> list[list]:
 
 
 def _describe_buckets(kind: str, live: _Entries, risk: np.ndarray, A: _Side, B: _Side,
-                      got: dict, step: int | None, ans: _StepAnswer) -> None:
+                      ca: _Classes, cb: _Classes, step: int | None, ans: _StepAnswer) -> None:
     """Per differing pair of collectives: bytes per rank at the target, the scenarios
     (protocol, ring family, the communicator's and this collective's channels) and the
     elements at risk."""
@@ -966,34 +982,46 @@ def _describe_buckets(kind: str, live: _Entries, risk: np.ndarray, A: _Side, B: 
     inverse = inverse.reshape(-1)
     elements = np.bincount(inverse, weights=risk, minlength=pair.size).astype(np.int64).tolist()
     params = np.bincount(inverse, weights=risk > 0, minlength=pair.size).astype(np.int64).tolist()
-    scenarios: dict[tuple, list] = {}  # per pair of plan tuples: collectives of one size share
-    for j in np.argsort(at, kind="stable").tolist():  # in order of first use
-        ka, kb = int(live.ka[at[j]]), int(live.kb[at[j]])
-        ca, cb = A.colls[ka], B.colls[kb]
-        ps_a, ps_b = got["a"][ka], got["b"][kb]
-        scen = scenarios.get((id(ps_a), id(ps_b)))
+    order = np.argsort(at, kind="stable")  # in order of first use
+    first = at[order]
+    scenarios: dict[tuple, list] = {}  # per pair of classes: collectives of one size share
+    spec: dict[int, str] = {}
+    for j, ka, kb, ga, gb in zip(order.tolist(), live.ka[first].tolist(),
+                                 live.kb[first].tolist(), ca.of[live.ka[first]].tolist(),
+                                 cb.of[live.kb[first]].tolist()):
+        x, y = A.colls[ka], B.colls[kb]
+        scen = scenarios.get((ga, gb))
         if scen is None:
-            scen = scenarios[(id(ps_a), id(ps_b))] = []
-            for pa in ps_a:
-                pb = next((p for p in ps_b if p.protocol == pa.protocol and p.fits(
-                    [pa.comm_channels, set(pa.family.split("+")), pa.rings])), None)
-                scen.append({"protocol": pa.protocol, "family": pa.family,
-                             "comm_channels": pa.comm_channels,
-                             "channels": {"a": pa.nchannels,
-                                          "b": pb.nchannels if pb is not None else None}})
-            for pb in ps_b:
-                if not any(s["protocol"] == pb.protocol and s["family"] == pb.family
-                           and s["comm_channels"] == pb.comm_channels for s in scen):
-                    scen.append({"protocol": pb.protocol, "family": pb.family,
-                                 "comm_channels": pb.comm_channels,
-                                 "channels": {"a": None, "b": pb.nchannels}})
+            scen = scenarios[(ga, gb)] = _scenario_rows(ca.plans[ga], cb.plans[gb])
+        group = spec.get(id(x.topo))
+        if group is None:
+            group = spec[id(x.topo)] = x.topo.spec()
         ans.buckets.append({
-            "collective": kind, "step": step, "a": ca.bucket.index, "b": cb.bucket.index,
-            "group": ca.topo.spec(), "bytes_per_rank": {"a": ca.count * ca.esize,
-                                                        "b": cb.count * cb.esize},
+            "collective": kind, "step": step, "a": x.bucket.index, "b": y.bucket.index,
+            "group": group, "bytes_per_rank": {"a": x.count * x.esize, "b": y.count * y.esize},
             "scenarios": scen,  # shared by buckets of one size: never edited
             "elements": elements[j], "params": params[j],
             "verdict": DIFFERS if elements[j] else SAME})
+
+
+def _scenario_rows(ps_a: tuple, ps_b: tuple) -> list[dict]:
+    """The scenarios of a pair of collectives, as the JSON's ``buckets[].scenarios`` says them:
+    A's, each with B's channels on the same cluster and protocol, then B's others."""
+    scen = []
+    for pa in ps_a:
+        pb = next((p for p in ps_b if p.protocol == pa.protocol and p.fits(
+            [pa.comm_channels, pa.families, pa.rings])), None)
+        scen.append({"protocol": pa.protocol, "family": pa.family,
+                     "comm_channels": pa.comm_channels,
+                     "channels": {"a": pa.nchannels,
+                                  "b": pb.nchannels if pb is not None else None}})
+    for pb in ps_b:
+        if not any(s["protocol"] == pb.protocol and s["family"] == pb.family
+                   and s["comm_channels"] == pb.comm_channels for s in scen):
+            scen.append({"protocol": pb.protocol, "family": pb.family,
+                         "comm_channels": pb.comm_channels,
+                         "channels": {"a": None, "b": pb.nchannels}})
+    return scen
 
 
 def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: Topology | str,
