@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from parity.diff.buckets import (A_PREFERS, B_PREFERS, SEVERITY, Bucket, BucketPair, Layout,
                                  align_buckets, compare_layouts, eager_for, side_by_side)
-from parity.diff.reduction_count import ChunkOrders, Orders, RiskCount
+from parity.diff.reduction_count import ChunkOrders, Orders, RiskCount, channel_map
 from parity.diff.reduction_steps import (annotate_buckets, group_size_of,
                                          infer_ops, layouts_at, op_of, signature, step_of)
 from parity.errors import ParityError
@@ -103,6 +103,7 @@ class Plan:
     assumptions: tuple[str, ...] = ()
     rings: tuple[tuple[int, ...], ...] = ()  # the family's ring per channel, up to the last used
     families: frozenset = field(default=frozenset(), compare=False)  # ``family``'s names
+    cmap: tuple = field(default=(), compare=False, repr=False)  # reduction_count.channel_map
 
     def __post_init__(self):
         if not self.families:
@@ -149,10 +150,14 @@ def _plans(topo: Topology, kind: str, count: int, esize: int, op: str, env: tupl
     release, _, where = got.version.partition(" ")
     model = f"{MODEL}, NCCL {release} rules"
     said = (f"NCCL {release} {where.strip('()')}",) if where else ()
-    return tuple(Plan(s.protocol, s.family, s.comm_channels, s.nchannels,
-                      tuple(seg.lo for seg in s.segments), tuple(seg.order for seg in s.segments),
-                      model, said + tuple(s.assumptions) + tuple(got.notes), tuple(s.rings))
-                 for s in got.scenarios)
+    out = []
+    for s in got.scenarios:
+        starts = tuple(seg.lo for seg in s.segments)
+        orders = tuple(seg.order for seg in s.segments)
+        out.append(Plan(s.protocol, s.family, s.comm_channels, s.nchannels, starts, orders,
+                        model, said + tuple(s.assumptions) + tuple(got.notes), tuple(s.rings),
+                        cmap=channel_map(starts, orders, count)))
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------ the result
@@ -897,9 +902,8 @@ def _worst_over_scenarios(kind: str, n: int, live: _Entries, ca: _Classes, cb: _
                  == np.array([sizes[x] for x in cb.size], dtype=np.int64)[ecls["b"]])
     best = np.zeros(live.ka.size, dtype=np.int64)
     open_ = best < rc.cap  # not saturated yet
-    plans_of, size_of = {"a": ca.plans, "b": cb.plans}, {"a": ca.size, "b": cb.size}
-    for _, maps_a, maps_b, differ_protocols in _combinations(plans_of, size_of,
-                                                             bool(same_size.all()), rc):
+    for _, maps_a, maps_b, differ_protocols in _combinations(
+            {"a": ca.plans, "b": cb.plans}, bool(same_size.all())):
         ok = np.array([m is not None for m in maps_a], dtype=bool)[ecls["a"]]
         ok &= np.array([m is not None for m in maps_b], dtype=bool)[ecls["b"]]
         if differ_protocols:
@@ -915,25 +919,25 @@ def _worst_over_scenarios(kind: str, n: int, live: _Entries, ca: _Classes, cb: _
     return best
 
 
-def _combinations(plans_of: dict, size_of: dict, one_size: bool, rc: RiskCount) -> list:
+def _combinations(plans_of: dict, one_size: bool) -> list:
     """Every distinct scenario combination: per cluster (:func:`_clusters`) and protocol pair
     (the same protocol where every pair of collectives has one size), each size class's
-    channel map (``rc.channel_map``; None where that class has no scenario of that protocol
+    channel map (``Plan.cmap``; None where that class has no scenario of that protocol
     on that cluster). Combinations whose channel maps are equal are one. Sorted most channels
     first: more boundaries, usually more at risk, so the count saturates sooner."""
     out: dict[tuple, tuple] = {}
-    for cluster in _clusters({s: dict(enumerate(plans_of[s])) for s in ("a", "b")}):
+    for cluster in _clusters(plans_of):
         pick: dict[str, list] = {}
         memo: dict[int, dict] = {}  # both sides' collectives of one size share one tuple
         for side in ("a", "b"):
             pick[side] = []
-            for ps, size in zip(plans_of[side], size_of[side]):
+            for ps in plans_of[side]:
                 by = memo.get(id(ps))
                 if by is None:
                     by = memo[id(ps)] = {}
-                    for p in ps if isinstance(ps, tuple) else ():  # None: a class not counted
+                    for p in ps if isinstance(ps, tuple) else ():  # a str: unknown
                         if p.protocol not in by and p.fits(cluster):
-                            by[p.protocol] = rc.channel_map(p, size[0])
+                            by[p.protocol] = p.cmap
                 pick[side].append(by)
         protos = {s: sorted({q for by in pick[s] for q in by}) for s in ("a", "b")}
         for pa in protos["a"]:
@@ -950,14 +954,14 @@ def _combinations(plans_of: dict, size_of: dict, one_size: bool, rc: RiskCount) 
     return sorted(out.values(), key=lambda c: -c[0])
 
 
-def _clusters(got: dict) -> list[list]:
-    """The clusters the scenarios of every collective of both sides describe: [communicator
-    channels, family names, rings], each scenario joined to the first one it fits (the longest
-    rings kept)."""
+def _clusters(plans_of: dict) -> list[list]:
+    """The clusters the scenarios of every size class of both sides describe (``plans_of``:
+    side -> per class its plans): [communicator channels, family names, rings], each scenario
+    joined to the first one it fits (the longest rings kept)."""
     out: list[list] = []
     seen: set[int] = set()
     for side in ("a", "b"):
-        for ps in got[side].values():
+        for ps in plans_of[side]:
             if not isinstance(ps, tuple) or id(ps) in seen:
                 continue
             seen.add(id(ps))  # collectives of one size share one tuple of plans

@@ -16,6 +16,41 @@ from parity.nccl import canonical_order, same_sum, sum_order
 if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
     import numpy as np
 
+# Every ring (reduce-scatter) and chunk order (all-reduce) a prediction of this process has met,
+# numbered once: a channel map holds ring numbers, so comparing two maps, or finding the pair
+# of rings that sum an element, compares integers. Rings are few (a topology's channels).
+_RINGS: dict[tuple, int] = {}  # ring -> its number
+_RING_LIST: list[tuple] = []  # number -> ring
+_BY_ID: dict[int, tuple] = {}  # id(ring) -> (ring, number): the ring kept, so the id stays its
+
+
+def ring_id(ring: tuple[int, ...]) -> int:
+    """The number of ``ring`` (by value)."""
+    got = _BY_ID.get(id(ring))
+    if got is not None and got[0] is ring:
+        return got[1]
+    i = _RINGS.get(ring)
+    if i is None:
+        i = _RINGS[ring] = len(_RING_LIST)
+        _RING_LIST.append(ring)
+    _BY_ID[id(ring)] = (ring, i)
+    return i
+
+
+def channel_map(starts: tuple[int, ...], orders: tuple, count: int) -> tuple:
+    """(range starts, ring number per range, a key equal for equal maps) of one scenario of a
+    collective of ``count`` elements (``Plan.starts``, ``Plan.orders``); empty ranges dropped
+    (the range holding an offset is the last one starting at or before it)."""
+    import numpy as np
+
+    s = np.array(starts, dtype=np.int64)
+    rids = np.array([ring_id(r) for r in orders], dtype=np.int64)
+    keep = s < count
+    keep[:-1] &= s[1:] != s[:-1]
+    s, rids = s[keep], rids[keep]
+    return s, rids, (s.tobytes(), rids.tobytes())
+
+
 class Orders:
     """Per pair of rings, which owners' sum orders differ (``same_sum`` of ``sum_order``).
     Cached: a topology has few distinct rings.
@@ -110,40 +145,9 @@ class RiskCount:
                                "bases": [base[m] for m in members]})
         # the most a pass can count: every real element of every owner
         self.cap = self.length * self.full + np.minimum(self.part, self.length)
-        self._rings: dict = {}  # id(ring) -> ring id
-        self._ring_by_value: dict = {}  # ring -> ring id
-        self._ring_objs: list = []
-        self._plans: dict = {}  # id(plan) -> (starts, ring ids, content key)
         self._pair_at: dict = {}  # (ring id, ring id) -> its row in the tables
         self._masks: list = []  # per row: whether owner d sums in another order (d = 0..n)
         self._tables = None  # (owners below d that do, per row; the masks), once stacked
-
-    def ring_id(self, ring: tuple) -> int:
-        i = self._rings.get(id(ring))
-        if i is None:
-            i = self._ring_by_value.get(ring)
-            if i is None:
-                i = self._ring_by_value[ring] = len(self._ring_objs)
-                self._ring_objs.append(ring)
-            self._rings[id(ring)] = i
-        return i
-
-    def channel_map(self, plan, count: int) -> tuple:
-        """(range starts, ring id per range, content key) of one scenario of a collective of
-        ``count`` elements; empty ranges dropped (the range holding an offset is the last one
-        starting at or before it)."""
-        got = self._plans.get(id(plan))
-        if got is None:
-            import numpy as np
-
-            starts = np.array(plan.starts, dtype=np.int64)
-            rids = np.array([self.ring_id(r) for r in plan.orders], dtype=np.int64)
-            keep = starts < count
-            keep[:-1] &= starts[1:] != starts[:-1]
-            starts, rids = starts[keep], rids[keep]
-            got = self._plans[id(plan)] = (starts, rids, (starts.tobytes(), rids.tobytes()),
-                                           plan)
-        return got
 
     def _axis(self, side: dict, maps: list) -> tuple:
         import numpy as np
@@ -174,7 +178,7 @@ class RiskCount:
                 x, y = p
                 m = np.zeros(self.orders.world + 1, dtype=bool)
                 if x != y:
-                    m[:-1] = self.orders.mask(self._ring_objs[x], self._ring_objs[y])
+                    m[:-1] = self.orders.mask(_RING_LIST[x], _RING_LIST[y])
                 i = self._pair_at[p] = len(self._masks)
                 self._masks.append(m)
                 self._tables = None
@@ -189,7 +193,7 @@ class RiskCount:
 
     def count(self, idx, maps_a: list, maps_b: list):
         """Elements at risk of the entries ``idx`` when side A's size class g runs the channel
-        map ``maps_a[g]`` (``channel_map``; None: not in this combination) and B's likewise.
+        map ``maps_a[g]`` (:func:`channel_map`; None: not in this combination) and B's likewise.
 
         The payload is cut at both sides' range starts into pieces within which each side's
         order is constant; a piece adds ``length x (owners below full whose sum order
@@ -226,7 +230,7 @@ class RiskCount:
         (los_a, rid_a), (los_b, rid_b) = axes
         ra = rid_a[np.searchsorted(los_a, starts[0][cp] + s, "right") - 1]
         rb = rid_b[np.searchsorted(los_b, starts[1][cp] + s, "right") - 1]
-        nr = len(self._ring_objs)
+        nr = len(_RING_LIST)
         pair, inverse = np.unique(ra * nr + rb, return_inverse=True)
         before, differs = self._pair_rows([divmod(x, nr) for x in pair.tolist()])
         inverse = inverse.reshape(-1)
