@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from itertools import chain
+from itertools import chain, compress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -422,12 +422,14 @@ def _derive_many(buckets: list[Bucket], worlds: list[int], checks: list, ctx: _C
     flat = [e for es in ents for e in es]
     fqn = [e.fqn for e in flat]
     dims_of, shapes = ctx.dims_of, ctx.shapes
-    for f in dict.fromkeys(fqn):
-        if f not in dims_of and f is not None:
+    for f in set(fqn).difference(dims_of):
+        if f is not None:
             dims_of[f] = _dims(shapes.get(f))
     dims = [dims_of.get(f) for f in fqn]
     which = np.repeat(np.arange(nb), lens)
-    bad = np.bincount(which, weights=[d is None for d in dims], minlength=nb) > 0
+    bad = np.zeros(nb, dtype=bool)
+    if None in dims:  # a payload without a name or a global shape
+        bad[which[[i for i, x in enumerate(dims) if x is None]]] = True
     d = np.fromiter(chain.from_iterable([x or (1, 1) for x in dims]), dtype=np.int64,
                     count=2 * len(dims)).reshape(-1, 2)
     dim0, row = d[:, 0], d[:, 1]
@@ -437,7 +439,7 @@ def _derive_many(buckets: list[Bucket], worlds: list[int], checks: list, ctx: _C
     bad |= np.array([x is None for x in esize], dtype=bool)
     edt = [e.dtype for e in flat]
     rep = [x for x, k in zip(bdt, lens.tolist()) for _ in range(k)]
-    if any(x and x != y for x, y in set(zip(edt, rep))):  # usually one pair: the same dtype
+    if edt != rep:  # usually every payload's dtype is its bucket's
         odd = [bool(x) and x != y for x, y in zip(edt, rep)]
         bad |= np.bincount(which, weights=odd, minlength=nb) > 0
     # the recorded offsets and sizes at the capture's group size
@@ -445,8 +447,12 @@ def _derive_many(buckets: list[Bucket], worlds: list[int], checks: list, ctx: _C
     cwe = cw[which]
     numel_cw = -(-dim0 // np.maximum(cwe, 1)) * row
     excl, _ = _seg_sums(numel_cw, lens)
-    rn = np.array([-1 if e.numel is None else e.numel for e in flat], dtype=np.int64)
-    ro = np.array([-1 if e.offset is None else e.offset for e in flat], dtype=np.int64)
+    rn, ro = [e.numel for e in flat], [e.offset for e in flat]
+    if None in rn:  # not recorded: not checked
+        rn = [-1 if x is None else x for x in rn]
+    if None in ro:
+        ro = [-1 if x is None else x for x in ro]
+    rn, ro = np.array(rn, dtype=np.int64), np.array(ro, dtype=np.int64)
     es = np.array([x or 0 for x in esize], dtype=np.int64)[which]
     wrong = (cwe > 0) & (((rn >= 0) & (rn != numel_cw)) | ((ro >= 0) & (ro != excl * es)))
     bad |= np.bincount(which, weights=wrong, minlength=nb) > 0
@@ -629,7 +635,7 @@ class _StepAnswer:
     unpredicted: list = field(default_factory=list)
     unknown: list = field(default_factory=list)
     buckets: list = field(default_factory=list)
-    checked: set = field(default_factory=set)
+    checked: set = field(default_factory=set)  # parameters whose reduction layout differs
     kinds: set = field(default_factory=set)  # kinds of reduction either side recorded
     models: dict = field(default_factory=dict)  # the model's name per release used, in order
     assumptions: dict = field(default_factory=dict)  # every scenario's assumptions, in order
@@ -700,7 +706,7 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
     cnt_b = np.array([nb.get(f, -1) for f in params], dtype=np.int64)
     has = (ra >= 0) & (rb >= 0)
     checked = ~(has & (twin == index_b) & (cnt_a == cnt_b))
-    ans.checked.update((kind, f) for f, c in zip(params, checked.tolist()) if c)
+    ans.checked.update(compress(params, checked.tolist()))
     structure = checked & (np.maximum(cnt_a, 0) != np.maximum(cnt_b, 0))
     rest = checked & ~structure & has  # else reduced by eager collectives alike: not modelled
     codes: dict = {}
@@ -1102,7 +1108,7 @@ def _finish(topo: Topology, answers: list, rank: int | None, source: str | None,
         if ans.models and pred.model == MODEL:
             pred.model = next(iter(ans.models))
     pred.at_risk = list(worst.values())
-    pred.params_checked = len({f for _, f in checked})
+    pred.params_checked = len(checked)
     if not any(ans.kinds for ans, _ in answers):
         pred.unpredicted.append({"collective": RS, "a": None, "b": None,
                                  "reason": "no reduction layouts recorded"})

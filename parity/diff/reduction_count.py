@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of eq
 _RINGS: dict[tuple, int] = {}  # ring -> its number
 _RING_LIST: list[tuple] = []  # number -> ring
 _BY_ID: dict[int, tuple] = {}  # id(ring) -> (ring, number): the ring kept, so the id stays its
+_MASKS: dict[tuple, object] = {}  # (Orders class, owners, (ring, ring)) -> owner d differs, d <= n
 
 
 def ring_id(ring: tuple[int, ...]) -> int:
@@ -172,13 +173,18 @@ class RiskCount:
         import numpy as np
 
         rows = []
+        kind, world = type(self.orders), self.orders.world
         for p in pairs:
             i = self._pair_at.get(p)
             if i is None:
-                x, y = p
-                m = np.zeros(self.orders.world + 1, dtype=bool)
-                if x != y:
-                    m[:-1] = self.orders.mask(_RING_LIST[x], _RING_LIST[y])
+                m = _MASKS.get((kind, world, p))
+                if m is None:
+                    if len(_MASKS) > 100_000:  # a long-lived process: start over
+                        _MASKS.clear()
+                    x, y = p
+                    m = _MASKS[(kind, world, p)] = np.zeros(world + 1, dtype=bool)
+                    if x != y:
+                        m[:-1] = self.orders.mask(_RING_LIST[x], _RING_LIST[y])
                 i = self._pair_at[p] = len(self._masks)
                 self._masks.append(m)
                 self._tables = None
@@ -230,10 +236,21 @@ class RiskCount:
         (los_a, rid_a), (los_b, rid_b) = axes
         ra = rid_a[np.searchsorted(los_a, starts[0][cp] + s, "right") - 1]
         rb = rid_b[np.searchsorted(los_b, starts[1][cp] + s, "right") - 1]
-        nr = len(_RING_LIST)
-        pair, inverse = np.unique(ra * nr + rb, return_inverse=True)
-        before, differs = self._pair_rows([divmod(x, nr) for x in pair.tolist()])
-        inverse = inverse.reshape(-1)
+        # the pairs of rings met, numbered densely (rings are few: no sort needed)
+        local = np.zeros(len(_RING_LIST), dtype=np.int64)
+        local[rid_a] = 1
+        local[rid_b] = 1
+        rings = np.flatnonzero(local)
+        local[rings] = np.arange(rings.size)
+        key = local[ra] * rings.size + local[rb]
+        seen = np.zeros(rings.size * rings.size, dtype=np.int64)
+        seen[key] = 1
+        pair = np.flatnonzero(seen)
+        seen[pair] = np.arange(pair.size)
+        inverse = seen[key]
+        ring = rings.tolist()
+        before, differs = self._pair_rows([(ring[x // rings.size], ring[x % rings.size])
+                                           for x in pair.tolist()])
         f = self.full[idx][cp]
         n = (e - s) * before[inverse, f]
         n += np.where(differs[inverse, f],
