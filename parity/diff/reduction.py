@@ -493,7 +493,7 @@ class _Side(NamedTuple):
     dim0: np.ndarray
 
 
-def _side(kind: str, buckets: list[Bucket], skip: set, names: dict, topo: Topology,
+def _side(kind: str, buckets: list[Bucket], skip: set, topo: Topology,
           ctx: _Context, sub: bool) -> _Side:
     """A side's collectives of ``kind`` at ``topo`` (buckets in ``skip`` are equal on both
     sides and not derived), per bucket index the reason one could not be derived, and where
@@ -577,13 +577,13 @@ def _side(kind: str, buckets: list[Bucket], skip: set, names: dict, topo: Topolo
     # rows: skipped buckets' payloads, derived payloads, then the named payloads of buckets
     # not derived (every other bucket's are derived payloads already)
     skipped = [(p, b) for p, b in enumerate(buckets) if b.index in skip]
-    s_fqn = [f for _, b in skipped for f in names[id(b)]]
-    s_pos = [p for p, b in skipped for _ in names[id(b)]]
+    s_fqn = [f for _, b in skipped for f in b.fqns]
+    s_pos = [p for p, b in skipped for _ in b.entries]
     d_fqn = got.fqn if derived.all() else [f for f, ok in zip(got.fqn, derived.tolist()) if ok]
     d_pos = np.repeat(np.array(pos_of, dtype=np.int64), got.lens)[derived]
     not_derived = [(p, b) for p, b in enumerate(buckets) if b.index in bad]
-    o_fqn = [f for _, b in not_derived for f in names[id(b)] if f]
-    o_pos = [p for p, b in not_derived for f in names[id(b)] if f]
+    o_fqn = [f for _, b in not_derived for f in b.fqns if f]
+    o_pos = [p for p, b in not_derived for f in b.fqns if f]
     ns, nd = len(s_fqn), len(d_fqn)
     total = ns + nd + len(o_fqn)
     rows = np.arange(total)
@@ -645,6 +645,10 @@ def _env_items(env) -> tuple:
     return tuple(sorted((str(k), str(v)) for k, v in (env or {}).items() if v is not None))
 
 
+def _twin_key(b: Bucket) -> tuple:
+    return len(b.entries), b.entries[0].fqn if b.entries else None, b.dtype, group_size_of(b)
+
+
 def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: list[Bucket],
                   topo: Topology, ctx: _Context, counts: tuple[dict, dict], step: int | None,
                   ans: _StepAnswer, assumptions: list[str]) -> None:
@@ -665,22 +669,33 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
         ans.unpredicted.append({"collective": AR, "a": None, "b": None, "step": step,
                                 "reason": ONE_SIDED_AR.format(side=ctx.ar_only)})
         return
-    names = {id(b): tuple(b.fqns) for b in (*ba, *bb)}
-    # the op is left out: a compiled graph's is not recorded (reduction_order's assumptions)
-    by_b = {(names[id(b)], b.dtype, group_size_of(b)): b.index for b in bb}
-    same_bucket = {b.index: by_b.get((names[id(b)], b.dtype, group_size_of(b))) for b in ba}
-    # the first bucket holding each parameter (reversed: the first occurrence is written last)
-    first = {side: {f: b.index for b in reversed(bs) for f in reversed(names[id(b)]) if f}
-             for side, bs in (("a", ba), ("b", bb))}
+    # A's bucket -> B's with the same payloads, dtype and group size (the op is left out: a
+    # compiled graph's is not recorded: reduction_order's assumptions); the last such B bucket,
+    # names compared only where the count, first payload, dtype and group size agree
+    maybe: dict[tuple, list] = {}
+    for b in bb:
+        maybe.setdefault(_twin_key(b), []).append(b)
+    same_bucket: dict[int, int] = {}
+    for b in ba:
+        found = maybe.get(_twin_key(b))
+        if found:
+            names = b.fqns
+            for c in found:
+                if c.fqns == names:
+                    same_bucket[b.index] = c.index
     # buckets the same on both sides (same payloads, order, dtype, op) whose payloads are first
     # there on both sides cannot differ: their layouts are not derived
     skip: dict[str, set] = {"a": set(), "b": set()}
-    for b in ba:
-        j = same_bucket.get(b.index)
-        if j is not None and all(f and first["a"][f] == b.index and first["b"].get(f) == j
-                                 for f in names[id(b)]):
-            skip["a"].add(b.index)
-            skip["b"].add(j)
+    if same_bucket:
+        # the first bucket holding each parameter (reversed: the first occurrence is last)
+        first = {side: {f: b.index for b in reversed(bs) for f in reversed(b.fqns) if f}
+                 for side, bs in (("a", ba), ("b", bb))}
+        for b in ba:
+            j = same_bucket.get(b.index)
+            if j is not None and all(f and first["a"][f] == b.index and first["b"].get(f) == j
+                                     for f in b.fqns):
+                skip["a"].add(b.index)
+                skip["b"].add(j)
     sub = {"a": kind == RS and _hsdp(ba, ctx.capture_world),
            "b": kind == RS and _hsdp(bb, ctx.capture_world)}
     if sub["a"] or sub["b"] or any(getattr(b, "module", None) == HSDP_REPLICATE
@@ -690,8 +705,8 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
                 f"(all-reduce at {topo.nodes}x1)")
         if text not in assumptions:
             assumptions.append(text)
-    A = _side(kind, ba, skip["a"], names, topo, ctx, sub["a"])
-    B = _side(kind, bb, skip["b"], names, topo, ctx, sub["b"])
+    A = _side(kind, ba, skip["a"], topo, ctx, sub["a"])
+    B = _side(kind, bb, skip["b"], topo, ctx, sub["b"])
     params = list(dict.fromkeys([*na, *nb]))
     if not params:
         return
@@ -700,8 +715,8 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
     rb = np.array([B.slot.get(f, -1) for f in params], dtype=np.int64)
     index_a = np.array([b.index for b in ba] + [-1], dtype=np.int64)[A.bucket[ra]]
     index_b = np.array([b.index for b in bb] + [-1], dtype=np.int64)[B.bucket[rb]]
-    twin = np.array([-2 if same_bucket.get(b.index) is None else same_bucket[b.index]
-                     for b in ba] + [-2], dtype=np.int64)[A.bucket[ra]]
+    twin = np.array([same_bucket.get(b.index, -2) for b in ba] + [-2],
+                    dtype=np.int64)[A.bucket[ra]]
     cnt_a = np.array([na.get(f, -1) for f in params], dtype=np.int64)
     cnt_b = np.array([nb.get(f, -1) for f in params], dtype=np.int64)
     has = (ra >= 0) & (rb >= 0)
@@ -866,16 +881,17 @@ def _count_entries(kind: str, n: int, entries: _Entries, A: _Side, B: _Side, par
     hit = np.flatnonzero(best)
     risk = ans.at_risk
     where: dict[tuple, dict] = {}  # per bucket pair, one (read-only) dict
-    for j, nrisk, numel, ia, ib in zip(live.param[hit].tolist(), best[hit].tolist(),
-                                      live.numel[hit].tolist(), live.ia[hit].tolist(),
-                                      live.ib[hit].tolist()):
-        f = params[j]
-        old = risk.get((kind, f))
-        if old is None or nrisk > old.elements:
-            w = where.get((ia, ib))
-            if w is None:
-                w = where[(ia, ib)] = {"collective": kind, "a": ia, "b": ib}
-            risk[(kind, f)] = AtRisk(f, nrisk, numel, w, "order", step)
+    for ia, ib in dict.fromkeys(zip(live.ia[hit].tolist(), live.ib[hit].tolist())):
+        where[(ia, ib)] = {"collective": kind, "a": ia, "b": ib}
+    got = [AtRisk(params[j], nrisk, numel, where[(ia, ib)], "order", step)
+           for j, nrisk, numel, ia, ib in zip(live.param[hit].tolist(), best[hit].tolist(),
+                                              live.numel[hit].tolist(), live.ia[hit].tolist(),
+                                              live.ib[hit].tolist())]
+    for x in got:  # the worst per parameter (one met before: structure, another group)
+        key = (kind, x.fqn)
+        old = risk.get(key)
+        if old is None or x.elements > old.elements:
+            risk[key] = x
     _describe_buckets(kind, live, best, A, B, cls["a"], cls["b"], step, ans)
 
 
@@ -1334,8 +1350,9 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
             annotate_buckets(layouts[side], recs)
         per_step.append((steps[0] if steps else None, layouts["a"], layouts["b"], [], []))
     # the order comparison: later steps' reduce-scatters and every step's all-reduces
-    have = {(p.collective, tuple(p.a), tuple(p.b), p.verdict, p.detail) for p in order.pairs}
-    for k, (s, la, lb, ara, arb) in enumerate(per_step):
+    have = None if len(per_step) == 1 and not per_step[0][3] and not per_step[0][4] else {
+        (p.collective, tuple(p.a), tuple(p.b), p.verdict, p.detail) for p in order.pairs}
+    for k, (s, la, lb, ara, arb) in enumerate(per_step if have is not None else ()):
         if k:
             later = compare_layouts(la, lb)
             _add_pairs(order, [p for p in later.pairs if p.collective == RS], la, lb, ara, arb,
