@@ -424,7 +424,9 @@ def _derive_many(buckets: list[Bucket], worlds: list[int], checks: list, ctx: _C
     dims_of, shapes = ctx.dims_of, ctx.shapes
     for f in set(fqn).difference(dims_of):
         if f is not None:
-            dims_of[f] = _dims(shapes.get(f))
+            sh = shapes.get(f)
+            dims_of[f] = (sh[0], sh[1]) if type(sh) is list and len(sh) == 2 and type(
+                sh[0]) is int and type(sh[1]) is int else _dims(sh)  # _dims' usual case inline
     dims = [dims_of.get(f) for f in fqn]
     which = np.repeat(np.arange(nb), lens)
     bad = np.zeros(nb, dtype=bool)
@@ -1184,7 +1186,10 @@ def shapes_of(params: list[dict]) -> dict[str, list[int]]:
         f = p.get("fqn")
         shape = p.get("global_shape") or p.get("shape")
         if isinstance(f, str) and isinstance(shape, list):
-            out.setdefault(f.split("#", 1)[0], shape)
+            if "#" in f:
+                f = f.split("#", 1)[0]
+            if f not in out:
+                out[f] = shape
     return out
 
 
@@ -1293,8 +1298,8 @@ def _add_pairs(order, pairs: list[BucketPair], la: Layout, lb: Layout,
 
 def _nccl_settings(run) -> tuple[dict, str | None]:
     """The NCCL settings and version a run's fingerprint recorded (meta.json ``numerics``)."""
-    for _, rd in sorted(run.ranks.items()):
-        num = (rd.meta or {}).get("numerics")
+    for r in sorted(run.ranks):
+        num = (run.ranks[r].meta or {}).get("numerics")
         if isinstance(num, dict):
             env = num.get("nccl_env") if isinstance(num.get("nccl_env"), dict) else {}
             v = num.get("nccl_version")
@@ -1304,8 +1309,8 @@ def _nccl_settings(run) -> tuple[dict, str | None]:
 
 
 def _emulated_at(run) -> str | None:
-    for _, rd in sorted(run.ranks.items()):
-        emu = (rd.meta or {}).get("nccl_emulation")
+    for r in sorted(run.ranks):
+        emu = (run.ranks[r].meta or {}).get("nccl_emulation")
         if isinstance(emu, dict) and isinstance(emu.get("topology"), str):
             return emu["topology"]
     return None
