@@ -7,9 +7,11 @@
 # Runs, each stage under its own time limit, printing every figure the moment it has it:
 #   1. the CUDA tests (the Triton digest against its reference, no host sync inside a step,
 #      capture on one GPU, the workload on CUDA, GPU facts)              ~1 min
-#   2. the cuda benchmark: host time per step for 3,000 small tensors, digest vs plain read
-#      for fp32/bf16/fp16, capture overhead of the built-in workload at 1 rank on NCCL (dim
-#      2048, 8 layers, vocab 32768, seq 1024, batch 8; target <= 2% of a step)   ~1.5 min
+#   2. the cuda benchmark: host time per step for 3,000 small tensors (digests and figures,
+#      as capture runs them, and digests alone), digest and digest+figures vs plain read for
+#      fp32/bf16/fp16, the torch-ops fallback's cost per tensor, capture overhead of the
+#      built-in workload at 1 rank on NCCL (dim 2048, 8 layers, vocab 32768, seq 1024, batch 8;
+#      target <= 2% of a step)                                                  ~1.5 min
 #   3. the default GPU sweep (`parity sweep`, cuda-default.toml): expected exit 1, graph-order
 #      cells FAIL, registration-order cells hold, no capture warning          ~2 min
 # and ends with one line per stage.

@@ -12,7 +12,10 @@ sizes the targets were not set for, a figure short of its target is said as such
   hash_vs_read  >= 0.9                hash_vs_sha256 >= 15
   hash_figures_gbps, figures_cost     the digests with the per-tensor figures capture records
                                       next to them (fp64 sum, sum of squares, max |x|; issue 34):
-                                      throughput, and its time / the digests' alone
+                                      throughput, and its time / the digests' alone (CPU time,
+                                      repetitions interleaved; figures_cost_wall: wall times)
+  device_figures_cost_cpu             the torch-ops device digest (the fallback without Triton)
+                                      with figures / without, on the same state
   capture_overhead <= 1.05            built-in workload mean step time with parameter and
                                       gradient hashes (and their figures) every step / without
                                       capture
@@ -62,15 +65,23 @@ sizes the targets were not set for, a figure short of its target is said as such
   cuda_* (only with CUDA; otherwise the line "cuda  no CUDA: skipped"), each printed the moment
   it is measured:
     cuda_host_ms_per_step < 0.5       host time per step of capture's digest path for 1,500
-                                      parameters of 1-64 KB and their 1,500 gradients (queue
-                                      both, read the previous step's digests back), GPU idle
+                                      parameters of 1-64 KB and their 1,500 gradients, as capture
+                                      runs it (the parameters' entry digests; gradients and
+                                      parameters with figures; the previous step's read back),
+                                      GPU idle;
+                                      cuda_host_ms_per_step_no_figures: the digests alone
     cuda_digest_gbps_*, cuda_read_gbps_*
-                                      the device digest as capture runs it (Triton kernels where
-                                      Triton imports) vs a plain on-device read (t.sum() of every
+                                      the device digest alone (Triton kernels where Triton
+                                      imports) vs a plain on-device read (t.sum() of every
                                       tensor), on 4 GiB (1 GiB --quick) of fp32 / bf16 / fp16 state
     cuda_digest_vs_read_* >= 0.9      (fp32, bf16 and fp16 separately)
+    cuda_figures_gbps_*, cuda_figures_vs_read_* >= 0.9
+                                      digests and figures in one pass, as capture runs it
     cuda_d2h_xxh3_gbps, cuda_torch_digest_gbps
                                       copy to host + xxh3, and the torch-ops digest (fp32 slice)
+    cuda_torch_us_per_tensor, cuda_torch_figures_us_per_tensor
+                                      the torch-ops fallback (no Triton) on 300 small tensors:
+                                      host time per tensor of the digest, and of digest + figures
     cuda_capture_overhead <= 1.02     the built-in workload at 1 rank on NCCL, dim 2048, 8 layers,
                                       vocab 32768, seq 1024, batch 8 (--quick: dim 1024, 4 layers),
                                       wall time per step under `parity exec` (parameters,
@@ -110,6 +121,9 @@ TARGETS = {
     "cuda_digest_vs_read_fp32": (">=", 0.9),
     "cuda_digest_vs_read_bf16": (">=", 0.9),
     "cuda_digest_vs_read_fp16": (">=", 0.9),
+    "cuda_figures_vs_read_fp32": (">=", 0.9),
+    "cuda_figures_vs_read_bf16": (">=", 0.9),
+    "cuda_figures_vs_read_fp16": (">=", 0.9),
     "cuda_host_ms_per_step": ("<", 0.5),
     "cuda_capture_overhead": ("<=", 1.02),
     "hash_vs_read": (">=", 0.9),
@@ -194,28 +208,49 @@ def _best(fn, reps: int) -> float:
     return best
 
 
+def _best_interleaved(fns: dict, reps: int) -> dict:
+    """Best CPU time (``time.process_time``: a process descheduled on a shared machine is not
+    charged) of each function, their repetitions interleaved so that machine load hits all
+    alike. The functions are single-threaded (torch set to one thread)."""
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.process_time()
+            fn()
+            best[name] = min(best[name], time.process_time() - t0)
+    return best
+
+
 def bench_hash(quick: bool) -> dict:
     torch.set_num_threads(1)
     tensors = model_state(128 if quick else 512)
     nbytes = sum(_local(t).numel() * _local(t).element_size() for t in tensors)
-    reps = 3 if quick else 7
+    reps = 5 if quick else 7
     t_hash = _best(lambda: digest_tensors(tensors, "xxh3"), reps)
     t_fig = _best(lambda: digest_tensors(tensors, "xxh3", figures=True), reps)
+    cpu = _best_interleaved({"hash": lambda: digest_tensors(tensors, "xxh3"),
+                             "figures": lambda: digest_tensors(tensors, "xxh3", figures=True)},
+                            reps)
     t_read = _best(lambda: _read(tensors), reps)
     sha_tensors = tensors[: max(8, len(tensors) // (4 if quick else 1))]
     sha_bytes = sum(_local(t).numel() * _local(t).element_size() for t in sha_tensors)
     t_sha = _best(lambda: _sha256(sha_tensors), 1 if quick else 2)
-    t_dev = _best(lambda: digest_tensors(tensors, "device"), 1)
+    dev = _best_interleaved({"digest": lambda: digest_tensors(tensors, "device"),
+                             "figures": lambda: digest_tensors(tensors, "device", figures=True)},
+                            2)
+    t_dev, t_dev_fig = dev["digest"], dev["figures"]
     gb = 1e9
     out = {
         "hash_bytes": nbytes,
         "hash_tensors": len(tensors),
         "hash_gbps": nbytes / t_hash / gb,
         "hash_figures_gbps": nbytes / t_fig / gb,
-        "figures_cost": t_fig / t_hash,
+        "figures_cost": cpu["figures"] / cpu["hash"],
+        "figures_cost_wall": t_fig / t_hash,
         "read_gbps": nbytes / t_read / gb,
         "sha256_gbps": sha_bytes / t_sha / gb,
         "device_digest_cpu_gbps": nbytes / t_dev / gb,
+        "device_figures_cost_cpu": t_dev_fig / t_dev,
     }
     out["hash_vs_read"] = out["hash_gbps"] / out["read_gbps"]
     out["hash_vs_sha256"] = out["hash_gbps"] / out["sha256_gbps"]
@@ -440,8 +475,8 @@ def _cuda_read(tensors) -> None:
         t.sum(dtype=torch.float32)
 
 
-def _digest_now(tensors) -> bytes:
-    return digest_tensors(tensors, "device")
+def _digest_now(tensors, figures: bool = False):
+    return digest_tensors(tensors, "device", figures=figures)
 
 
 def bench_cuda(quick: bool, tmp: Path, emit) -> dict:
@@ -467,6 +502,9 @@ def bench_cuda(quick: bool, tmp: Path, emit) -> dict:
         t_dig = _best_cuda(lambda: _digest_now(tensors), reps)
         emit(f"cuda_digest_gbps_{label}", nbytes / t_dig / gb)
         emit(f"cuda_digest_vs_read_{label}", t_read / t_dig)
+        t_fig = _best_cuda(lambda: _digest_now(tensors, figures=True), reps)
+        emit(f"cuda_figures_gbps_{label}", nbytes / t_fig / gb)
+        emit(f"cuda_figures_vs_read_{label}", t_read / t_fig)
         if label == "fp32":  # the slow baselines once, on a slice of the state
             part = tensors[: max(4, len(tensors) // 8)]
             pbytes = sum(t.numel() * t.element_size() for t in part)
@@ -476,6 +514,12 @@ def bench_cuda(quick: bool, tmp: Path, emit) -> dict:
             try:
                 emit("cuda_torch_digest_gbps",
                      pbytes / _best_cuda(lambda: digest_tensors(part, "device"), 1) / gb)
+                small = _small_cuda_tensors(300)
+                for key, fig in (("cuda_torch_us_per_tensor", False),
+                                 ("cuda_torch_figures_us_per_tensor", True)):
+                    emit(key, _best_cuda(lambda: digest_tensors(small, "device", figures=fig),
+                                         1) / len(small) * 1e6)
+                del small
             finally:
                 os.environ.pop(hashing_triton.ENV_BACKEND, None)
             del part
@@ -485,34 +529,50 @@ def bench_cuda(quick: bool, tmp: Path, emit) -> dict:
     return {}
 
 
+def _small_cuda_tensors(count: int, seed: int = 1) -> list[torch.Tensor]:
+    """``count`` parameters of 1-64 KB as a real model's list has them: 256-16,384 elements,
+    fp32, one in three bf16."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    sizes = torch.randint(256, 16384, (count,), generator=g, device="cuda").tolist()
+    return [torch.randn(n, device="cuda", generator=g,
+                        dtype=torch.bfloat16 if i % 3 == 1 else torch.float32)
+            for i, n in enumerate(sizes)]
+
+
 def _cuda_host_time(quick: bool, emit) -> None:
     """Host time per step of capture's digest path for a real model's parameter list: 1,500
     parameters of 1-64 KB (fp32 and bf16) and their 1,500 gradients, each step as capture does
-    it (the parameters as a stable list, the gradients as new tensors each step, the previous
-    step's digests read back). The GPU is kept idle between steps, so the figure is the host's
-    own time, not a wait."""
+    it (writing.py, steps.py: the parameters at the step's entry, without figures and with
+    the buffer rows left out, here one in a hundred; the gradients with their parameters as
+    owners and the parameters as a stable list after the step, both with figures; the previous
+    step's digests and figures read back). The GPU is kept idle between steps, so the figure is
+    the host's own time, not a wait. Measured with figures (what capture runs: the target) and
+    without."""
     from parity.capture.hashing import digest_tensors_async
 
-    g = torch.Generator(device="cuda").manual_seed(1)
-    params, sizes = [], torch.randint(256, 16384, (1500,), generator=g, device="cuda").tolist()
-    for i, n in enumerate(sizes):  # 1-64 KB: 256-16,384 fp32 words (half as many bytes in bf16)
-        params.append(torch.randn(n, device="cuda", generator=g,
-                                  dtype=torch.bfloat16 if i % 3 == 1 else torch.float32))
+    params = _small_cuda_tensors(1500)
     grads = [torch.empty_like(p) for p in params]
+    entry = [None if i % 100 == 99 else p for i, p in enumerate(params)]  # buffers left out
     steps = 50 if quick else 200
-    host, prev = [], None
-    for k in range(steps + 5):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        d_params = digest_tensors_async(params, "auto", stable=True)
-        d_grads = digest_tensors_async(grads, "auto")
-        if prev is not None:
-            prev[0].result(), prev[1].result()
-        host.append(time.perf_counter() - t0)
-        prev = (d_params, d_grads)
-    torch.cuda.synchronize()
     emit("cuda_host_tensors", 2 * len(params))
-    emit("cuda_host_ms_per_step", statistics.median(host[5:]) * 1e3)
+    for figures, key in ((True, "cuda_host_ms_per_step"),
+                         (False, "cuda_host_ms_per_step_no_figures")):
+        host, prev = [], None
+        for k in range(steps + 5):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            d_entry = digest_tensors_async(entry, "auto", stable=True)
+            d_grads = digest_tensors_async(grads, "auto", owners=params, figures=figures)
+            d_params = digest_tensors_async(params, "auto", stable=True, figures=figures)
+            if prev is not None:
+                prev_entry.result()
+                for d in prev:
+                    d.result()
+                    d.figures()
+            host.append(time.perf_counter() - t0)
+            prev, prev_entry = (d_params, d_grads), d_entry
+        torch.cuda.synchronize()
+        emit(key, statistics.median(host[5:]) * 1e3)
 
 
 def _wall_step_ms(cmd: list[str], cwd: Path) -> float:

@@ -86,12 +86,17 @@ class BucketEntry:
     dtype: str | None
     shape: list[int] | None = None
     module: str | None = ABSENT  # compiled graphs: the module the payload was issued under
+    # compiled graphs, a payload that is no parameter: "activation" (computed in the graph, an
+    # input or its gradient) or "token" (integer / bool data: token ids, sizes, flags)
+    payload: str | None = ABSENT
 
     def to_dict(self) -> dict:
         d = {"fqn": self.fqn, "offset": self.offset, "size": self.size, "numel": self.numel,
              "dtype": self.dtype, "shape": self.shape}
         if self.module is not ABSENT:
             d["module"] = self.module
+        if self.payload is not ABSENT:
+            d["payload"] = self.payload
         return d
 
     @classmethod
@@ -100,7 +105,8 @@ class BucketEntry:
         return cls(as_str(d.get("fqn")), as_int(d.get("offset")), as_int(d.get("size")),
                    as_int(d.get("numel")), as_str(d.get("dtype")),
                    list(shape) if isinstance(shape, list) else None,
-                   as_str(d["module"]) if "module" in d else ABSENT)
+                   as_str(d["module"]) if "module" in d else ABSENT,
+                   as_str(d["payload"]) if "payload" in d else ABSENT)
 
 
 @dataclass

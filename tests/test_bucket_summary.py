@@ -42,18 +42,29 @@ def test_counts_spans_and_compute_between_reduce_scatters():
              _graph_bucket("all_gather", 1, names[3:], 5, 2)]
     after += [_graph_bucket("reduce_scatter", 0, names[2:], 40, 10, graph="backward"),
               _graph_bucket("reduce_scatter", 1, names[:2], 90, 17, graph="backward")]
-    s = summarize(before + after)
+    for b in after[2:]:  # AutoParallel's figures, as capture records them (issue 31)
+        b["max_consec_compute_between_rs"] = 5
+        b["spans_at_bucketing"] = {"passes": "bucket_fsdp_reduce_scatter", "spans": [12, 4]}
+    activation = _graph_bucket("reduce_scatter", 2, [], 95, 18, graph="backward")
+    activation["entries"] = [dict(_entry("x"), fqn=None, payload="activation")]
+    s = summarize(before + after + [activation])
     rows = {(r["graph"], r["collective"]): r for r in s["graphs"]}
     ag = rows[("forward", "all_gather")]
     assert (ag["count_before"], ag["count_after"], ag["buckets"]) == (4, 2, 2)
     assert ag["spans"] == [20, 0] and ag["max_span"] == 20
     assert ag["bytes"] == {"min": 64, "median": 128.0, "max": 192}
-    assert ag["max_consec_compute_between_rs"] is None
+    assert ag["max_consec_compute_between_rs"] is None and ag["spans_at_bucketing"] is None
+    assert ag["payloads"] == {"parameter": 2}
     rs = rows[("backward", "reduce_scatter")]
-    # pre-pass order: layers.3 at 100, layers.2 at 110, layers.1 at 120, layers.0 at 130
-    assert rs["spans"] == [10, 10]
-    assert rs["compute_between_rs"] == [7] and rs["max_consec_compute_between_rs"] == 7
-    assert headline(s) == "AG 4->2 RS 4->2"
+    # parity's own: pre-pass order layers.3 at 100, layers.2 at 110, layers.1 at 120, layers.0
+    # at 130; compute ops between reduce-scatters
+    assert rs["spans"][:2] == [10, 10]
+    assert rs["compute_between_rs"] == [7, 1] and rs["max_compute_between_rs"] == 7
+    # AutoParallel's, as recorded
+    assert rs["max_consec_compute_between_rs"] == 5
+    assert rs["spans_at_bucketing"] == [12, 4] and rs["max_span_at_bucketing"] == 12
+    assert rs["payloads"] == {"parameter": 2, "activation": 1}
+    assert headline(s) == "AG 4->2 RS 4->3"
 
 
 def test_without_a_pre_pass_graph_the_spans_are_unknown():
@@ -218,6 +229,40 @@ def test_moved_names_payloads_carried_by_an_unrelated_modules_bucket():
                                        modules={"layers.0.wq.weight": "layers.1.wq"})])
     assert [(m["a_module"], m["b_module"]) for m in moved_between(eager, sibling)] == [
         ("layers.0", "layers.1.wq")]
+
+
+def test_inspect_labels_autoparallels_figures_and_parity_own():
+    """The console shows what the buckets carry, then AutoParallel's figures beside parity's
+    own, each labelled, within 100 columns; the side-by-side table the same."""
+    import io
+
+    from parity.report.bucket_summary import print_summary, print_summary_pair
+    from parity.report.console import make_console
+
+    names = [f"layers.{i}.w" for i in range(2)]
+    rs = [_graph_bucket("reduce_scatter", i, [n], 10 * i, 3 * i, graph="backward")
+          for i, n in enumerate(names)]
+    for b in rs:
+        b["max_consec_compute_between_rs"] = 2
+        b["spans_at_bucketing"] = {"passes": "bucket_fsdp_reduce_scatter", "spans": [441]}
+    token = _graph_bucket("all_gather", 0, [], 0, 0)
+    token["entries"] = [dict(_entry("t"), fqn=None, dtype="int64", payload="token")]
+    s = summarize(rs + [token])
+    buf = io.StringIO()
+    print_summary(s, make_console(file=buf))
+    text = buf.getvalue()
+    assert "1 token" in text and "2 param" in text
+    for label in ("(AutoParallel)", "(parity)", "max span at", "max compute", "max ops btw RS"):
+        assert label in text, label
+    row = next(x for x in text.splitlines() if x.strip().startswith("backward") and "RS" in x
+               and "441" in x)
+    assert row.split()[-4:] == ["441", "-", "2", "3"]  # AP span, pre-pass span, AP, parity ops
+    assert all(len(x) <= 100 for x in text.splitlines())
+    buf = io.StringIO()
+    print_summary_pair(s, s, make_console(file=buf))
+    text = buf.getvalue()
+    assert "max span at bucketing (AutoParallel)" in text and "max ops btw RS (parity)" in text
+    assert all(len(x) <= 100 for x in text.splitlines())
 
 
 def test_console_marks_fsdp2_backward_regathers_as_harmless():

@@ -106,10 +106,12 @@ def test_digests_mix_known_missing_and_pending_parts(monkeypatch):
     log: list = []
     pending = FakePending(_d(42), log, "device")
     monkeypatch.setattr(hashing_triton, "usable", lambda: True)
-    monkeypatch.setattr(hashing_triton, "digest_all_cuda", lambda t, stable, owners: pending)
+    monkeypatch.setattr(hashing_triton, "digest_all_cuda",
+                        lambda t, stable, owners, figures=False: pending)
     d = digest_tensors_async([torch.zeros(2)], "auto")
     assert not d.ready() and d.result() == _d(42) and log == ["waited device"]
-    monkeypatch.setattr(hashing_triton, "digest_all_cuda", lambda t, stable, owners: None)
+    monkeypatch.setattr(hashing_triton, "digest_all_cuda",
+                        lambda t, stable, owners, figures=False: None)
     a, b = torch.randn(3), torch.randn(4)
     got = digest_tensors_async([a, None, b], "device")
     assert got.ready()

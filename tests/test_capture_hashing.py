@@ -339,3 +339,61 @@ def test_pending_device_figures_read_back_like_the_host_ones():
     assert np.allclose([got[0], got[1], got[3]], host, rtol=1e-12)
     assert got[2][1] == -1.0  # position 2: no tensor (NO_FIGURES)
     assert d.ready()
+
+
+def _figures_as_first_written(t) -> tuple:
+    """The host figures exactly as the first version computed them (issue 34, before the
+    faster path): per 64 Ki chunk a float64 copy, ``sum``, ``einsum`` and |x| then ``max``;
+    small tensors by ``reduceat`` over a float64 concatenation."""
+    from parity.capture import hashing
+
+    v = torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
+    v = v.detach().contiguous().reshape(-1)
+    if v.dtype not in hashing._NUMPY_DTYPES:
+        v = v.to(torch.float32)
+    a = v.numpy()
+    if t.numel() == 0:
+        return (0.0, 0.0, 0.0)
+    if t.numel() <= hashing.FIG_CHUNK:
+        d = a.astype(np.float64)
+        off = np.zeros(1, np.int64)
+        return (float(np.add.reduceat(d, off)[0]), float(np.add.reduceat(d * d, off)[0]),
+                float(np.maximum.reduceat(np.abs(d), off)[0]))
+    step = hashing.FIG_CHUNK * (2 if t.is_complex() else 1)
+    acc = [0.0, 0.0, 0.0]
+    for s in range(0, a.size, step):
+        d = a[s:s + step].astype(np.float64)
+        acc[0] += float(d.sum())
+        acc[1] += float(np.einsum("i,i->", d, d))
+        acc[2] = float(np.maximum(acc[2], np.abs(d).max()))
+    return tuple(acc)
+
+
+def test_host_figures_keep_the_bits_of_the_first_version():
+    """The faster host path (one cast per chunk, max |x| from max and min, bfloat16 widened
+    straight to float64, small tensors summed in cache-sized batches) changes no bit: figures
+    of runs recorded before it compare with new ones as they are (no figures version)."""
+    g = torch.Generator().manual_seed(3)
+    cases = [torch.randn(70_000, generator=g), torch.randn(300, 301, generator=g),
+             torch.randn(66_001, generator=g).bfloat16(),
+             torch.randn(40, 2000, generator=g).bfloat16().t(),
+             torch.randn(130_000, generator=g).half(),
+             torch.randint(-100, 100, (70_000,), generator=g),
+             torch.randn(70_000, generator=g, dtype=torch.complex64),
+             torch.randn(70_001, generator=g, dtype=torch.float64),
+             torch.tensor([float("nan")] + [1.0] * 70_000),
+             torch.tensor([1.0] * 70_000 + [float("nan")]).bfloat16(),
+             torch.tensor([float("-inf")] + [1.0] * 70_000),
+             torch.zeros(70_000), -torch.zeros(100), torch.rand(70_000, generator=g) > 0.5,
+             torch.randn(100, generator=g), torch.randn(7, generator=g).bfloat16(),
+             torch.randint(-128, 127, (50,), generator=g, dtype=torch.int8),
+             torch.randint(-128, 127, (70_000,), generator=g, dtype=torch.int8),
+             torch.randn(70_000, generator=g).to(torch.float8_e4m3fn),
+             torch.randn(50, generator=g).to(torch.float8_e5m2), torch.tensor([-0.0, -1.5]),
+             torch.zeros(0)]
+    cases += [torch.randn(int(n), generator=g) for n in torch.randint(1, 3000, (120,),
+                                                                       generator=g)]
+    got = np.frombuffer(digest_tensors(cases, "xxh3", figures=True)[1], "<f8").reshape(-1, 3)
+    for t, row in zip(cases, got):
+        want = np.array(_figures_as_first_written(t), dtype="<f8")
+        assert row.tobytes() == want.tobytes(), (t.dtype, t.shape, row, want)

@@ -4,11 +4,13 @@ On CPU the kernel runs under ``TRITON_INTERPRET=1`` in a child process (the inte
 chosen before triton is imported; tests/triton_interpret_cases.py); on CUDA it runs for real."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,14 +29,19 @@ need_cuda = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()),
                                reason="needs CUDA and triton")
 
 
-@pytest.fixture(scope="module")
-def interpreted():
+def _interpret(script: str) -> dict:
+    """Run tests/``script`` under the Triton interpreter in a child; its JSON output."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, str(root / "tests" / "triton_interpret_cases.py")],
+    proc = subprocess.run([sys.executable, str(root / "tests" / script)],
                           env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    return _interpret("triton_interpret_cases.py")
 
 
 @need_triton
@@ -61,6 +68,87 @@ def test_kernel_equals_reference_bit_for_bit_under_the_interpreter(interpreted):
 
     assert set(interpreted["modes"]) == {k.WORDS, k.WORDS + k.FULL, k.BYTES, k.ELEM64,
                                          k.ELEM64 + k.FULL}
+
+
+@pytest.fixture(scope="module")
+def interpreted_figures():
+    return _interpret("triton_interpret_figures.py")
+
+
+U = 2.0 ** -53  # float64's unit roundoff
+
+
+def _close_figures(kernel, host, n: int, abs_sum: float) -> str | None:
+    """None when the kernel's figures are the host's up to the order of float64 additions: any
+    two orders of adding n terms differ by at most 2 (n - 1) u sum|x_i| (sum) and 2 (n - 1) u
+    sum x_i**2 (sum of squares, all terms positive; the kernel's fma rounds each square once
+    less); max |x| is exact, so equal. NaN and inf where the host has them."""
+    import math
+
+    for i, (k, h) in enumerate(zip(kernel, host)):
+        if math.isnan(h) or math.isinf(h):
+            if not (math.isnan(k) if math.isnan(h) else k == h):
+                return f"figure {i}: kernel {k} host {h}"
+            continue
+        bound = 0.0 if i == 2 else 2 * max(n - 1, 0) * U * (abs_sum if i == 0 else h) * 1.0001
+        if abs(k - h) > bound:
+            return f"figure {i}: kernel {k!r} host {h!r} differ by {abs(k - h):.3g} > {bound:.3g}"
+    return None
+
+
+@need_triton
+def test_kernel_figures_under_the_interpreter_are_the_host_figures(interpreted_figures):
+    """The digest kernels' own figures (one pass with the digest, row partials reduced in a
+    fixed order) against ``hashing.tensor_figures`` on every decoded dtype, odd sizes, whole
+    and partial rows, unaligned views, NaN, inf, -0.0, subnormals, extreme integers and 60
+    small tensors of mixed dtypes in one table; float8 and uint16 are left to torch ops."""
+    got = interpreted_figures
+    assert got["digests_equal"]  # the figures change nothing in the digests
+    assert got["fallback"] == ["f8_fallback", "u16_fallback"]
+    worst = [0.0, 0.0]
+    checked = 0
+    for name, (kernel, host, n, abs_sum, fallback) in got["cases"].items():
+        if fallback:
+            continue
+        kernel, host = [float(x) for x in kernel], [float(x) for x in host]
+        why = _close_figures(kernel, host, n, float(abs_sum))
+        assert why is None, f"{name}: {why}"
+        if all(map(math.isfinite, kernel + host)):
+            if float(abs_sum):
+                worst[0] = max(worst[0], abs(kernel[0] - host[0]) / float(abs_sum))
+            if host[1]:
+                worst[1] = max(worst[1], abs(kernel[1] - host[1]) / host[1])
+        checked += 1
+    assert checked >= 100
+    # what "the order of additions" amounts to here: a few units of float64's last place
+    assert worst[0] < 1e-14 and worst[1] < 1e-14, worst
+
+
+@need_triton
+def test_kernel_figures_under_the_interpreter_same_bits_at_any_address(interpreted_figures):
+    """Fixed order, no float atomics: the same call twice, a tensor alone or among others, and
+    the same values at another alignment (FULL, masked and byte-composed rows) give the same
+    figure bytes; so two equal tensors never get different figures."""
+    same = interpreted_figures["same_bits"]
+    assert len(same) >= 20 and all(same.values()), [k for k, v in same.items() if not v]
+
+
+@need_triton
+def test_figures_under_the_interpreter_through_the_capture_path(interpreted_figures):
+    """``digest_tensors_async(..., "device", figures=True)`` as capture calls it (a stable list:
+    the table built once, then reused; a list with rows left out, as the step's entry digests
+    have): one kernel result carries digests and figures; float8 and uint16 tensors get
+    torch-ops figures in a part of their own."""
+    cap = interpreted_figures["capture_path"]
+    assert cap["kernel_pending"] == "Pending"
+    # a list with rows left out (None) takes the kernels too, None -> NO_HASH and NO_FIGURES
+    assert interpreted_figures["holes"] == {"kernel_pending": "Pending", "digests": True,
+                                            "figures": True}
+    assert cap["digests_equal"] and cap["same_bits_twice"]
+    assert all(cap["fallback_is_torch_ops"])
+    for kernel, host, n, abs_sum in cap["figures"]:
+        kernel, host = [float(x) for x in kernel], [float(x) for x in host]
+        assert _close_figures(kernel, host, n, float(abs_sum)) is None, (kernel, host)
 
 
 @need_triton
@@ -101,6 +189,15 @@ def test_kernel_on_cuda_equals_reference(dtype):
     ref = [hashing.finish(ln, t.numel() * t.element_size(), t.dtype)
            for ln, t in zip(hashing.device_lanes_torch(ts), ts)]
     assert hashing.device_digests(ts) == ref
+    # the figures come with them, from the kernels' own pass (float8: torch ops)
+    digests, raw = hashing.digest_tensors(ts, "device", figures=True)
+    assert digests == b"".join(ref)
+    got = np.frombuffer(raw, "<f8").reshape(-1, 3)
+    for t, fig in zip(ts, got):
+        host = hashing.tensor_figures(t.cpu())
+        v = (torch.view_as_real(t) if t.is_complex() else t).double().abs().sum().item()
+        assert _close_figures(fig.tolist(), host, t.numel(), v) is None, (dtype, t.shape)
+    assert hashing.digest_tensors(ts, "device", figures=True)[1] == raw  # same bits again
     # and through the public digest, flips and swaps included
     base = hashing.device_digests(ts)
     u = ts[2].clone()
@@ -114,9 +211,9 @@ def test_kernel_on_cuda_equals_reference(dtype):
 
 @need_triton
 def test_kernel_compiles_for_sm90_with_vector_loads():
-    """Ahead-of-time compile for an H100 (no GPU needed): the real compiler accepts the kernels,
-    full rows of aligned words load 16 bytes at a time (fp32, bf16 and fp16 alike), products
-    are 32x32->64-bit, one atomic per lane."""
+    """Ahead-of-time compile for an H100 (no GPU needed): the real compiler accepts the kernels
+    (with and without figures), full rows of aligned words load 16 bytes at a time (fp32, bf16
+    and fp16 alike), products are 32x32->64-bit, one integer atomic per lane."""
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(root / "tests" / "triton_compile_cases.py")],
@@ -127,15 +224,21 @@ def test_kernel_compiles_for_sm90_with_vector_loads():
     ptx = json.loads(proc.stdout)
     lanes = ptx["digest_lanes"]
     assert "ld.global.v4.b32" in lanes["loads"], lanes
-    assert lanes["mul_wide"] > 0 and lanes["atomics"] == 4
-    assert ptx["digest_finish"]["atomics"] == 0
+    assert lanes["mul_wide"] > 0 and lanes["atomics"] == 4 and lanes["fma_f64"] == 0
+    # with figures: the same vector loads and integer atomics, float64 fma for the squares,
+    # and no float atomic anywhere (the figures' order is fixed)
+    figs = ptx["digest_lanes_figures"]
+    assert "ld.global.v4.b32" in figs["loads"], figs
+    assert figs["atomics"] == 4 and figs["fma_f64"] > 0
+    assert all(k["float_atomics"] == 0 for k in ptx.values())
+    assert ptx["digest_finish"]["atomics"] == 0 and ptx["figures_reduce"]["atomics"] == 0
 
 
 @need_cuda
 def test_the_digest_path_queues_without_a_host_sync():
     """What capture does inside a step (parameters as a stable list, gradients as new tensors
-    of the same parameters) raises under torch's sync debug mode if anything in it waits for
-    the GPU; the bytes, read afterwards, are the reference's."""
+    of the same parameters, figures with both) raises under torch's sync debug mode if
+    anything in it waits for the GPU; the bytes, read afterwards, are the reference's."""
     g = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.randn(n, device="cuda", generator=g) for n in (5, 1000, 70000)]
     params.append(torch.randn(33, device="cuda", generator=g).bfloat16())
@@ -144,18 +247,24 @@ def test_the_digest_path_queues_without_a_host_sync():
     want_p = b"".join(hashing._digests_torch(params))
     want_g = b"".join(hashing._digests_torch(grads))
     for _ in range(2):  # the first call compiles the kernels and builds the tables
-        hashing.digest_tensors_async(params, "auto", stable=True).result()
-        hashing.digest_tensors_async(grads, "auto", owners=params).result()
+        hashing.digest_tensors_async(params, "auto", stable=True, figures=True).result()
+        hashing.digest_tensors_async(grads, "auto", owners=params, figures=True).result()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        dp = hashing.digest_tensors_async(params, "auto", stable=True)
-        dg = hashing.digest_tensors_async(grads, "auto", owners=params)
+        dp = hashing.digest_tensors_async(params, "auto", stable=True, figures=True)
+        dg = hashing.digest_tensors_async(grads, "auto", owners=params, figures=True)
         fresh = [p + 1 for p in params]  # new addresses: a new table, still no sync
-        df = hashing.digest_tensors_async(fresh, "auto")
+        df = hashing.digest_tensors_async(fresh, "auto", figures=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert dp.result() == want_p and dg.result() == want_g
     assert df.result() == b"".join(hashing._digests_torch(fresh))
+    for d, ts in ((dp, params), (dg, grads), (df, fresh)):
+        got = np.frombuffer(d.figures(), "<f8").reshape(-1, 3)
+        for t, fig in zip(ts, got):
+            v = t.double().abs().sum().item()
+            assert _close_figures(fig.tolist(), hashing.tensor_figures(t.cpu()), t.numel(),
+                                  v) is None
 
 
 @need_cuda

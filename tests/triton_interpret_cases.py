@@ -84,8 +84,9 @@ def main():
     rows = [[e.data_ptr() - first * 4, first + 40, first + s, digest_kernels.WORDS]
             for s in range(0, 40, BLOCK * ITERS)]
     lanes = torch.zeros(1, 4, dtype=torch.int64)
-    digest_kernels.digest_lanes[(len(rows),)](torch.tensor(rows), lanes, BLOCK=BLOCK, ITERS=ITERS,
-                                              B_MULT=hashing_triton.B_MULT)
+    digest_kernels.digest_lanes[(len(rows),)](torch.tensor(rows), lanes, lanes, BLOCK=BLOCK,
+                                              ITERS=ITERS, B_MULT=hashing_triton.B_MULT,
+                                              FIGURES=False)
     out["positions_past_2**31"] = [[v & 0xFFFFFFFF for v in e.view(torch.int32).tolist()], first,
                                    [v & (2**64 - 1) for v in lanes[0].tolist()]]
     print(json.dumps(out))

@@ -30,15 +30,25 @@ difference the hashes found (docs/diff.md "Size of a difference"); they are summ
 of a verdict. Where they are computed (what a new device path must produce: the same three
 float64 per tensor, in the same order):
 
-* host (xxh3): tensors of up to ``FIG_CHUNK`` elements are summed together after their digests
-  (one numpy concatenation in float64 and three ``reduceat``: a few calls for a whole table);
-  larger ones chunk by chunk, each chunk fed to a streaming xxh3 and summed while it is in
-  cache (``_digest_and_figures``): one read of the bytes for both.
+* host (xxh3): tensors of up to ``FIG_CHUNK`` elements are summed together after their digests,
+  in batches of about ``FIG_CHUNK`` elements (one float64 concatenation and a few ``reduceat``
+  per batch, while the batch is in cache); larger ones chunk by chunk, each chunk fed to a
+  streaming xxh3 and summed while it is in cache (``_digest_and_figures``): one read of the
+  bytes for both. Per chunk: one cast into a float64 buffer, numpy's ``sum`` and ``einsum``
+  over it, max |x| from the max and min of the native values. The same operations over the
+  same chunks as the first version of the figures, so old and new runs have the same figures
+  bit for bit (``tests/test_capture_hashing.py``); what they cost: docs/capture.md.
 * device, torch ops (``device_lanes_torch(..., figures=True)``): on the device, in the same
   call as the lanes, crossing to the host in the same transfer.
-* device, Triton kernels (``hashing_triton``): ``_figures_pending``, torch ops on the device
-  queued behind the kernels, copied into pinned memory behind a CUDA event like the digests
-  (no wait in the digest path); the kernels can compute them in their own pass.
+* device, Triton kernels (``hashing_triton``, ``digest_kernels``): in the digest's own pass
+  over the words (each row's float64 partials, then one launch that adds each tensor's rows in
+  a fixed order), in the same pinned copy behind the same CUDA event as the digests; dtypes
+  the kernels do not decode (float8, uint16/32/64) by ``_figures_pending``, torch ops queued
+  behind them. They equal the host's figures up to the order of float64 additions (tested).
+
+Host and device paths add in different orders, so their figures may differ in the last bits;
+the two are never compared (runs of different hashers are not: docs/capture.md). Within one
+path the order is fixed: the same tensor gives the same figures every time.
 """
 
 from __future__ import annotations
@@ -134,14 +144,35 @@ def _np_view(flat: torch.Tensor, raw: np.ndarray | None = None) -> np.ndarray:
     return _numeric(flat).numpy()
 
 
-def _chunk_figures(vals: np.ndarray, buf: np.ndarray, acc: list) -> None:
-    """Add one chunk's sum, sum of squares and max |x| (in float64) to ``acc``."""
-    d = buf[:vals.size]
-    np.copyto(d, vals, casting="unsafe")
+def _max_abs(hi: float, lo: float) -> float:
+    """max |x| from the largest and the smallest value (exact: |x| <= max(hi, -lo) for every x;
+    NaN when they are, as numpy's and torch's max and min both are when any value is NaN;
+    +0.0, never -0.0, for zeros). Python floats: a chunk pays no numpy scalar operations."""
+    return abs(hi if hi >= -lo else -lo)
+
+
+def _chunk_figures(vals: np.ndarray | None, chunk: torch.Tensor, buf: np.ndarray,
+                   acc: list) -> None:
+    """Add one chunk's sum, sum of squares and max |x| (in float64) to ``acc``: ``vals`` its
+    values as numpy (None for a dtype numpy lacks: ``chunk`` is cast by torch). One cast into
+    the float64 buffer, then ``sum`` and ``einsum`` over it (the same two reductions over the
+    same 64 Ki chunk as before 2026-11-27: the same bits), and max |x| from the native max and
+    min (no |x| pass). No BLAS (``np.dot`` would bring its thread pool), no thread."""
+    d = buf[:chunk.numel()]
+    if vals is not None:
+        np.copyto(d, vals, casting="unsafe")
+        m = _max_abs(float(vals.max()), float(vals.min()))
+    else:  # bfloat16, float8: widened exactly, straight into the buffer
+        torch.from_numpy(d).copy_(chunk)
+        if chunk.dtype == torch.bfloat16:  # max and min of the 2-byte values: one short pass
+            lo, hi = torch.aminmax(chunk)
+            m = _max_abs(float(hi), float(lo))
+        else:
+            m = _max_abs(float(d.max()), float(d.min()))
     acc[0] += float(d.sum())
     acc[1] += float(np.einsum("i,i->", d, d))  # not BLAS: no thread pool of its own
-    np.abs(d, out=d)
-    acc[2] = float(np.maximum(acc[2], d.max()))  # NaN anywhere stays NaN
+    if m > acc[2] or m != m:  # NaN anywhere stays NaN
+        acc[2] = m
 
 
 def _digest_and_figures(t: torch.Tensor) -> tuple[bytes, tuple[float, float, float] | None,
@@ -169,24 +200,35 @@ def _digest_and_figures(t: torch.Tensor) -> tuple[bytes, tuple[float, float, flo
     for start in range(0, n, FIG_CHUNK):
         stop = min(n, start + FIG_CHUNK)
         h.update(raw[start * size:stop * size])
-        _chunk_figures(vals[start:stop] if native else _numeric(flat[start:stop]).numpy(),
-                       buf, acc)
+        if native:
+            _chunk_figures(vals[start:stop], flat[start:stop], buf, acc)
+        elif flat.is_complex():  # its real and imaginary parts, as float32 or float64 values
+            parts = torch.view_as_real(flat[start:stop]).reshape(-1)
+            _chunk_figures(parts.numpy() if parts.dtype in _NUMPY_DTYPES else None, parts,
+                           buf, acc)
+        else:
+            _chunk_figures(None, flat[start:stop], buf, acc)
     return h.digest(), (acc[0], acc[1], acc[2]), None
 
 
 def batch_figures(arrays: list[np.ndarray]) -> np.ndarray:
     """Figures of many small non-empty arrays in a few numpy calls, as a (len, 3) float64
-    array: one float64 concatenation, then ``reduceat`` per figure (sequential float64 sums:
-    exact enough for up to ``FIG_CHUNK`` elements, and the same for the same values)."""
+    array: one float64 concatenation, then ``reduceat`` per figure (float64 sums: exact enough
+    for up to ``FIG_CHUNK`` elements, and the same for the same values); max |x| from the
+    segments' max and min, the squares in place (no temporaries)."""
     sizes = [a.size for a in arrays]
     offsets = np.zeros(len(arrays), dtype=np.int64)
     np.cumsum(sizes[:-1], out=offsets[1:])
     d = np.concatenate([a.reshape(-1) for a in arrays], dtype=np.float64, casting="unsafe")
     out = np.empty((len(arrays), 3), dtype="<f8")
     np.add.reduceat(d, offsets, out=out[:, 0])
-    np.add.reduceat(d * d, offsets, out=out[:, 1])
-    np.abs(d, out=d)
-    np.maximum.reduceat(d, offsets, out=out[:, 2])
+    hi = np.maximum.reduceat(d, offsets)
+    lo = np.minimum.reduceat(d, offsets)
+    np.negative(lo, out=lo)
+    np.maximum(hi, lo, out=hi)
+    np.abs(hi, out=out[:, 2])  # (+0.0 for zeros)
+    np.multiply(d, d, out=d)
+    np.add.reduceat(d, offsets, out=out[:, 1])
     return out
 
 
@@ -375,9 +417,11 @@ def _digests_torch(locals_: list[torch.Tensor], figures: bool = False):
 
 
 def _figures_pending(tensors: list[torch.Tensor]):
-    """The figures of device tensors queued on the device and copied into pinned host memory
-    behind a CUDA event, like the Triton kernels' digests (``hashing_triton.Pending``, 24 bytes
-    per tensor): no wait in the digest path."""
+    """The figures of device tensors by torch ops (``_figures_torch``) queued on the device and
+    copied into pinned host memory behind a CUDA event, like the Triton kernels' results
+    (``hashing_triton.Pending``, 24 bytes per tensor): no wait in the digest path. Used with
+    the kernels only for the dtypes they do not decode (``hashing_triton.Pending.fallback``):
+    about five launches per tensor and 256 Ki elements."""
     rows = torch.stack([_figures_torch(t) for t in tensors])
     if rows.device.type != "cuda":
         return hashing_triton.Pending(rows.cpu(), None, None)
@@ -462,19 +506,27 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
         return Digests(n, [(None, b"".join(NO_HASH if t is None else _xxh3(_local(t))
                                            for t in tensors))], [])
     if n and hasher in ("auto", "device"):
-        fast = hashing_triton.digest_all_cuda(tensors, stable, owners)  # the common case
+        fast = hashing_triton.digest_all_cuda(tensors, stable, owners, figures)  # common case
+        pos = None
+        if fast is None and hashing_triton.usable():  # rows left out (None): the others
+            pos = [i for i, t in enumerate(tensors) if t is not None]
+            if 0 < len(pos) < n:
+                fast = hashing_triton.digest_all_cuda(
+                    [tensors[i] for i in pos], stable,
+                    None if owners is None else [owners[i] for i in pos], figures)
         if fast is not None:
             figs = None
             if figures:
-                present = [i for i, t in enumerate(tensors) if t is not None]
-                figs = [(present, _figures_pending([_local(tensors[i]) for i in present]))] \
-                    if present else []
-            return Digests(n, [], [(None, fast)], figs)
+                figs = [(pos, fast.figures())]
+                if fast.fallback:  # dtypes the kernels do not decode: torch ops, later part wins
+                    fb = list(fast.fallback) if pos is None else [pos[j] for j in fast.fallback]
+                    figs.append((fb, _figures_pending([_local(tensors[i]) for i in fb])))
+            return Digests(n, [], [(pos, fast)], figs)
     known: list[tuple[list[int] | None, bytes]] = []
     pending: list[tuple[list[int] | None, object]] = []
     figs: list | None = [] if figures else None
     host_pos, host_raw, dev_pos, dev_t = [], [], [], []
-    fig_pos, fig_rows, small_pos, small = [], [], [], []
+    fig_pos, fig_rows, small_pos, small, small_n = [], [], [], [], 0
     for i, t in enumerate(tensors):
         if t is None:
             continue
@@ -492,6 +544,10 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
             if vals is not None:
                 small_pos.append(i)
                 small.append(vals)
+                small_n += vals.size
+                if small_n >= FIG_CHUNK:  # summed together while still in cache
+                    figs.append((small_pos, batch_figures(small)))
+                    small_pos, small, small_n = [], [], 0
             else:
                 fig_pos.append(i)
                 fig_rows.append(fig)
@@ -500,18 +556,21 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
     if figures:
         if fig_pos:
             figs.append((fig_pos, np.array(fig_rows, dtype="<f8").reshape(-1, 3)))
-        if small:  # a few numpy calls for the whole table
+        if small:
             figs.append((small_pos, batch_figures(small)))
     if dev_pos:
         cuda = [k for k, t in enumerate(dev_t) if t.is_cuda]
         if cuda:
-            p = hashing_triton.digest_cuda([dev_t[k] for k in cuda]) if hashing_triton.usable() \
-                else None
+            p = hashing_triton.digest_cuda([dev_t[k] for k in cuda], figures) \
+                if hashing_triton.usable() else None
             if p is not None:
                 pos = [dev_pos[k] for k in cuda]
                 pending.append((pos, p))
                 if figures:
-                    figs.append((pos, _figures_pending([dev_t[k] for k in cuda])))
+                    figs.append((pos, p.figures()))
+                    if p.fallback:
+                        figs.append(([pos[j] for j in p.fallback],
+                                     _figures_pending([dev_t[cuda[j]] for j in p.fallback])))
                 done = set(cuda)
                 rest = [k for k in range(len(dev_t)) if k not in done]
             else:

@@ -20,6 +20,13 @@ sync that drained the GPU queue at every recorded step. Here:
   (one program per row, every mode in one launch), the finish kernel, and an asynchronous copy
   of the digests into pinned host memory followed by a CUDA event. :class:`Pending` waits for
   that event only when its bytes are asked for; capture asks one step later (steps.py).
+* With figures (``figures=True``: what capture asks for, issue 34) the lanes kernel also
+  decodes the words by dtype and writes each row's float64 partial figures in the same pass
+  over the data, and one more launch (``figures_reduce``) adds each tensor's rows in a fixed
+  order into its three figures, beside its digest: the same pinned copy and event bring both
+  back (40 bytes per tensor instead of 16). Tensors of a dtype the kernel does not decode
+  (``Pending.fallback``: float8, uint16/32/64) get their figures from torch ops in
+  ``hashing``.
 
 Nothing here runs inside a trace or issues a collective. The kernels read the tensors on the
 current stream, where the optimizer reads them too: a tensor freed after the call (a gradient
@@ -39,11 +46,12 @@ import torch
 import xxhash
 
 __all__ = ["usable", "materialized", "dtype_key", "device_lanes", "digest_cuda", "digest_all_cuda",
-           "Pending", "BLOCK", "ITERS"]
+           "Pending", "PendingFigures", "figure_kind", "BLOCK", "ITERS"]
 
 BLOCK = 1024  # units per vector step of a program
 ITERS = 16    # vector steps per program: 16 Ki units (64 KiB of words) per full row
 FBLOCK = 1024  # slots per program of the finish kernel
+RBLOCK = 256  # rows added at a time per tensor by figures_reduce
 B_MULT = 0x9E3779B1  # must equal hashing.B_MULT (tested)
 _M64 = (1 << 64) - 1
 ENV_BACKEND = "PARITY_DEVICE_DIGEST"  # "torch" forces the torch-ops fallback
@@ -108,23 +116,41 @@ def _kernels():
 
 
 # ------------------------------------------------------------------------------------ the table
+_KIND_NAMES = {torch.float32: "K_F32", torch.bfloat16: "K_BF16", torch.float16: "K_F16",
+               torch.complex32: "K_F16", torch.int8: "K_I8", torch.uint8: "K_U8",
+               torch.bool: "K_BOOL", torch.int16: "K_I16", torch.int32: "K_I32",
+               torch.float64: "K_F64", torch.complex128: "K_F64", torch.int64: "K_I64",
+               torch.complex64: "K_C64"}
+
+
+def figure_kind(dtype: torch.dtype) -> int:
+    """How the kernels decode a dtype's units for the figures (``digest_kernels.K_*``);
+    ``K_NONE`` (0): not in the kernel, torch ops compute them (hashing)."""
+    name = _KIND_NAMES.get(dtype)
+    return getattr(_kernels(), name) if name else 0
+
+
 class _Plan:
-    """A device table for one list of tensors (see the module docstring)."""
+    """A device table for one list of tensors (see the module docstring). ``fallback``: the
+    slots whose dtype the kernels do not decode for the figures."""
 
-    __slots__ = ("table", "keys", "rows", "n", "device")
+    __slots__ = ("table", "keys", "rows", "n", "device", "fallback")
 
-    def __init__(self, table, keys, rows: int, n: int, device):
+    def __init__(self, table, keys, rows: int, n: int, device, fallback: tuple = ()):
         self.table, self.keys, self.rows, self.n, self.device = table, keys, rows, n, device
+        self.fallback = fallback
 
 
 def _build(ptrs: list[int], nbytes: list[int], dtypes: list, device, chunk: int) -> _Plan:
-    """The rows of every tensor (grouped by tensor, in order) and its keys, on ``device``.
+    """The rows of every tensor (grouped by tensor, in order) and its keys (byte length, dtype
+    key, first row, end row), on ``device``.
 
     Per tensor, by its element size and address: 8-byte elements -> ELEM64 rows (FULL for whole
     chunks of a 16-byte aligned tensor, masked for the rest); other sizes at a 4-byte aligned
-    address -> WORDS rows over its whole words (FULL likewise) and, when its length is not a
-    multiple of 4, one BYTES row for the last, partial word; at another address -> BYTES rows
-    for all of it."""
+    address -> WORDS rows over its whole words (FULL likewise), at another address -> BYTES rows
+    over its whole words; and, when its length is not a multiple of 4, one BYTES row for the
+    last, partial word. Aligned or not, a tensor is cut into the same rows at the same units,
+    which keeps its figures independent of its address (digest_kernels)."""
     import numpy as np
 
     k = _kernels()
@@ -136,12 +162,13 @@ def _build(ptrs: list[int], nbytes: list[int], dtypes: list, device, chunk: int)
     aligned4 = addr % 4 == 0
     aligned16 = addr % 16 == 0
     by_bytes = ~wide & ~aligned4
-    units = np.where(wide, nb // 8, np.where(by_bytes, (nb + 3) // 4, nb // 4))
-    count = np.where(by_bytes, nb, units)  # what the kernel's mask compares against
+    units = np.where(wide, nb // 8, nb // 4)  # whole units; a partial last word has its own row
+    count = np.where(by_bytes, units * 4, units)  # what the kernel's mask compares against
     base = np.where(wide, k.ELEM64, np.where(by_bytes, k.BYTES, k.WORDS))
     nfull = units // chunk
     has_rest = units % chunk > 0
-    slot = np.arange(n, dtype=np.int64)
+    kind = np.array([figure_kind(d) for d in dtypes], dtype=np.int64)
+    slot = (np.arange(n, dtype=np.int64) << k.SLOT_SHIFT) | (kind << k.KIND_SHIFT)
     parts = []
     # whole chunks: FULL where the tensor is 16-byte aligned and read in words or elements
     sel = np.flatnonzero(nfull > 0)
@@ -150,30 +177,32 @@ def _build(ptrs: list[int], nbytes: list[int], dtypes: list, device, chunk: int)
         idx = np.repeat(sel, per)
         first = (np.arange(len(idx)) - np.repeat(np.cumsum(per) - per, per)) * chunk
         mode = base[idx] + np.where(aligned16[idx] & ~by_bytes[idx], k.FULL, 0)
-        parts.append(np.stack([addr[idx], count[idx], first, slot[idx] << k.MODE_BITS | mode], 1))
+        parts.append(np.stack([addr[idx], count[idx], first, slot[idx] | mode], 1))
     # the rest of the last chunk, masked
     sel = np.flatnonzero(has_rest)
     if len(sel):
-        parts.append(np.stack([addr[sel], count[sel], nfull[sel] * chunk,
-                               slot[sel] << k.MODE_BITS | base[sel]], 1))
-    # the last, partial word of a word-read tensor: one BYTES row over the whole byte length
-    sel = np.flatnonzero(~wide & ~by_bytes & (nb % 4 != 0))
+        parts.append(np.stack([addr[sel], count[sel], nfull[sel] * chunk, slot[sel] | base[sel]],
+                              1))
+    # the last, partial word of a tensor read by words: one BYTES row over the whole byte length
+    sel = np.flatnonzero(~wide & (nb % 4 != 0))
     if len(sel):
-        parts.append(np.stack([addr[sel], nb[sel], units[sel],
-                               slot[sel] << k.MODE_BITS | k.BYTES], 1))
+        parts.append(np.stack([addr[sel], nb[sel], units[sel], slot[sel] | k.BYTES], 1))
     table = np.concatenate(parts) if parts else np.zeros((0, 4), np.int64)
     if len(table):
-        table = table[np.lexsort((table[:, 2], table[:, 3] >> k.MODE_BITS))]  # by tensor, start
-    keys = np.stack([nb, np.array([dtype_key(d) for d in dtypes],
-                                  dtype=np.uint64).view(np.int64)], 1) if n else \
-        np.zeros((0, 2), np.int64)
+        table = table[np.lexsort((table[:, 2], table[:, 3] >> k.SLOT_SHIFT))]  # by tensor, start
+    end = np.cumsum(np.bincount(table[:, 3] >> k.SLOT_SHIFT, minlength=n)) if len(table) else \
+        np.zeros(n, np.int64)
+    counts = np.diff(end, prepend=0)
+    keys = np.stack([nb, np.array([dtype_key(d) for d in dtypes], dtype=np.uint64).view(np.int64),
+                     end - counts, end], 1).astype(np.int64) if n else np.zeros((0, 4), np.int64)
     rows = len(table)
     table_t = torch.from_numpy(np.ascontiguousarray(table if rows else np.zeros((1, 4), np.int64)))
-    keys_t = torch.from_numpy(np.ascontiguousarray(keys if n else np.zeros((1, 2), np.int64)))
+    keys_t = torch.from_numpy(np.ascontiguousarray(keys if n else np.zeros((1, 4), np.int64)))
     if device.type == "cuda":
         table_t = table_t.pin_memory().to(device, non_blocking=True)
         keys_t = keys_t.pin_memory().to(device, non_blocking=True)
-    return _Plan(table_t, keys_t, rows, n, device)
+    fallback = tuple(np.flatnonzero(kind == k.K_NONE).tolist()) if n else ()
+    return _Plan(table_t, keys_t, rows, n, device, fallback)
 
 
 def _plan(ptrs, nbytes, dtypes, device, chunk: int) -> _Plan:
@@ -190,41 +219,84 @@ def _plan(ptrs, nbytes, dtypes, device, chunk: int) -> _Plan:
 
 # ------------------------------------------------------------------------------------ launching
 class Pending:
-    """16-byte digests on their way to the host: ``result()`` waits for the copy's event."""
+    """16-byte digests (``host``) on their way to the host: ``result()`` waits for the copy's
+    event. ``figs``: the 24-byte figures of the same slots in the same transfer (a view of the
+    same pinned buffer; ``figures()``), None without figures; ``fallback``: the slots whose
+    figures the kernels did not compute (``_Plan.fallback``)."""
 
-    __slots__ = ("host", "event", "keep")
+    __slots__ = ("host", "event", "keep", "figs", "fallback")
 
-    def __init__(self, host: torch.Tensor, event, keep):
-        self.host, self.event, self.keep = host, event, keep
+    def __init__(self, host: torch.Tensor, event, keep, figs: torch.Tensor | None = None,
+                 fallback: tuple = ()):
+        self.host, self.event, self.keep, self.figs, self.fallback = host, event, keep, figs, \
+            fallback
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
-    def result(self) -> bytes:
+    def wait(self) -> None:
         if self.event is not None:
             self.event.synchronize()
             self.event = None
             self.keep = None  # the device buffers may be reused now
-        return self.host.numpy().tobytes()
+
+    def result(self) -> bytes:
+        self.wait()
+        return self.host.numpy().tobytes()  # (a strided view: copied in row order)
+
+    def figures_bytes(self) -> bytes:
+        self.wait()
+        return self.figs.numpy().tobytes()
+
+    def figures(self) -> PendingFigures:
+        return PendingFigures(self)
 
 
-def _launch(plan: _Plan, block: int, iters: int) -> Pending:
-    """Queue the lanes and finish kernels of ``plan`` and the copy of the digests to the host."""
+class PendingFigures:
+    """The figures part of a :class:`Pending` (or ``_Grouped``), as ``hashing.Digests`` reads
+    its parts: ``ready()``, ``result()`` (24 bytes per slot: three little-endian float64)."""
+
+    __slots__ = ("of",)
+
+    def __init__(self, of):
+        self.of = of
+
+    def ready(self) -> bool:
+        return self.of.ready()
+
+    def result(self) -> bytes:
+        return self.of.figures_bytes()
+
+
+def _launch(plan: _Plan, block: int, iters: int, figures: bool = False) -> Pending:
+    """Queue the kernels of ``plan`` (lanes, finish and, with ``figures``, the figures' reduce)
+    and one copy of their results (digests and figures side by side) to the host."""
     k = _kernels()
     dev = plan.device
     n = max(plan.n, 1)
+    stride = 5 if figures else 2  # per slot: 2 int64 of digest, then 3 float64 figures
     lanes = torch.zeros(n, 4, dtype=torch.int64, device=dev)
-    digests = torch.empty(n, 2, dtype=torch.int64, device=dev)
+    res = torch.empty(n, stride, dtype=torch.int64, device=dev)
+    parts = torch.empty(max(plan.rows, 1), 3, dtype=torch.int64, device=dev) if figures else lanes
     if plan.rows:
-        k.digest_lanes[(plan.rows,)](plan.table, lanes, BLOCK=block, ITERS=iters, B_MULT=B_MULT)
-    k.digest_finish[(triton_cdiv(n, FBLOCK),)](lanes, plan.keys, digests, plan.n, FBLOCK=FBLOCK)
-    if dev.type != "cuda":  # the interpreter, on CPU tensors
-        return Pending(digests[:plan.n], None, None)
-    host = torch.empty(n, 2, dtype=torch.int64, pin_memory=True)
-    host.copy_(digests, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return Pending(host[:plan.n], event, (lanes, digests, plan))
+        k.digest_lanes[(plan.rows,)](plan.table, lanes, parts, BLOCK=block, ITERS=iters,
+                                     B_MULT=B_MULT, FIGURES=figures)
+    k.digest_finish[(triton_cdiv(n, FBLOCK),)](lanes, plan.keys, res, plan.n, STRIDE=stride,
+                                              FBLOCK=FBLOCK)
+    if figures and plan.n:
+        k.figures_reduce[(plan.n,)](parts, plan.keys, res, STRIDE=stride, RBLOCK=RBLOCK)
+    fallback = plan.fallback if figures else ()
+    if dev.type == "cuda":
+        host = torch.empty(n, stride, dtype=torch.int64, pin_memory=True)
+        host.copy_(res, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        keep = (lanes, res, parts, plan)
+    else:  # the interpreter, on CPU tensors
+        host, event, keep = res, None, None
+    host = host[:plan.n]
+    return Pending(host[:, :2], event, keep, host[:, 2:].view(torch.float64) if figures else None,
+                   fallback)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -239,13 +311,13 @@ def _failed(e: BaseException) -> None:
 
 
 def _run(locs: list[torch.Tensor], ptrs: list[int], block: int = BLOCK,
-         iters: int = ITERS) -> Pending | None:
+         iters: int = ITERS, figures: bool = False) -> Pending | None:
     """Digest flat-contiguous ``locs`` (one device) whose addresses are ``ptrs``."""
     dev = locs[0].device
     try:
         plan = _plan(ptrs, list(map(_NBYTES, locs)), list(map(_DTYPE, locs)), dev, block * iters)
         with torch.cuda.device(dev) if dev.type == "cuda" else _nothing():
-            return _launch(plan, block, iters)
+            return _launch(plan, block, iters, figures)
     except Exception as e:  # noqa: BLE001 - never lose the step: the caller falls back
         _failed(e)
         return None
@@ -272,10 +344,13 @@ _PLAIN_TYPES = {torch.Tensor, torch.nn.Parameter}
 _LOCAL = attrgetter("_local_tensor")
 
 
-def _locals(tensors: list) -> list:
+def _locals(tensors: list) -> list | None:
     """The local tensors (a DTensor's ``_local_tensor``), with as few Python steps per tensor as
-    the list allows: plain tensors as they are, a list of DTensors through one attrgetter."""
+    the list allows: plain tensors as they are, a list of DTensors through one attrgetter.
+    None when a row is None (``hashing`` then digests the others)."""
     types = set(map(type, tensors))
+    if type(None) in types:
+        return None
     if types <= _PLAIN_TYPES:
         return tensors
     if not types & _PLAIN_TYPES and all(hasattr(t, "_local_tensor") for t in types):
@@ -283,8 +358,8 @@ def _locals(tensors: list) -> list:
     return [getattr(t, "_local_tensor", t) for t in tensors]
 
 
-def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = None
-                    ) -> Pending | None:
+def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = None,
+                    figures: bool = False) -> Pending | None:
     """The fast path of ``hashing.digest_tensors_async``: every tensor present, strided, CUDA,
     on one device, contiguous. None when any is not (the caller takes the general path) or
     when the kernels are not usable.
@@ -293,12 +368,15 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
     list is ``stable`` (the same tensor objects: the parameter table) or when ``owners`` says
     whose ``.grad`` each tensor is (the same parameters as then): autograd gives a parameter's
     gradient the parameter's shape and dtype, and with unified addressing an address names one
-    device, so only contiguity is checked again."""
+    device, so only contiguity is checked again. ``figures``: the figures too, in the same
+    pass and transfer (``Pending.figures()``, ``Pending.fallback``)."""
     if not usable():
         return None
     try:
         locs = _locals(tensors)
-        ptrs = list(map(_DATA_PTR, locs))  # TypeError for None, RuntimeError for sparse
+        if locs is None:
+            return None
+        ptrs = list(map(_DATA_PTR, locs))  # RuntimeError for sparse
     except (TypeError, RuntimeError):
         return None
     key = None
@@ -311,72 +389,85 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
         # same objects or owners (held by hit[2]), same storage
         if hit is not None and hit[0] == ptrs and (stable or all(map(_IS_CONTIGUOUS, locs))):
             _stable.move_to_end(key)
-            return _launch_plan(hit[1])
+            return _launch_plan(hit[1], figures)
     devs = set(map(_GET_DEVICE, locs))
     if len(devs) != 1 or min(devs) < 0 or not _plain(locs):
         return None
-    pending = _run(locs, ptrs)
+    pending = _run(locs, ptrs, figures=figures)
     if pending is not None and key is not None and pending.keep:
-        _stable[key] = (ptrs, pending.keep[2], list(locs if stable else owners))  # ids stay valid
+        _stable[key] = (ptrs, pending.keep[-1], list(locs if stable else owners))  # ids stay valid
         if len(_stable) > 8:
             _stable.popitem(last=False)
     return pending
 
 
-def _launch_plan(plan: _Plan) -> Pending | None:
+def _launch_plan(plan: _Plan, figures: bool = False) -> Pending | None:
     try:
         with torch.cuda.device(plan.device):
-            return _launch(plan, BLOCK, ITERS)
+            return _launch(plan, BLOCK, ITERS, figures)
     except Exception as e:  # noqa: BLE001
         _failed(e)
         return None
 
 
-def digest_cuda(locs: list[torch.Tensor]) -> Pending | None:
-    """Digests of local CUDA tensors (any layout: copied contiguous where needed), grouped by
-    device; None if the kernels failed (the caller falls back to torch ops)."""
+def digest_cuda(locs: list[torch.Tensor], figures: bool = False) -> Pending | None:
+    """Digests (and with ``figures`` the figures) of local CUDA tensors (any layout: copied
+    contiguous where needed), grouped by device; None if the kernels failed (the caller falls
+    back to torch ops)."""
     flat = [materialized(t) for t in locs]
     devs = {t.device for t in flat}
     if len(devs) == 1:
-        return _run(flat, list(map(_DATA_PTR, flat)))
-    return _Grouped([(i, t) for i, t in enumerate(flat)]) if devs else None
+        return _run(flat, list(map(_DATA_PTR, flat)), figures=figures)
+    return _Grouped([(i, t) for i, t in enumerate(flat)], figures) if devs else None
 
 
 class _Grouped:
     """Pending digests of tensors on several devices, one launch per device, in list order."""
 
-    def __init__(self, items):
+    def __init__(self, items, figures: bool = False):
         self.n = len(items)
         self.parts = []
         by_dev: dict = {}
         for i, t in items:
             by_dev.setdefault(t.device, []).append((i, t))
         for group in by_dev.values():
-            p = _run([t for _, t in group], [_DATA_PTR(t) for _, t in group])
+            p = _run([t for _, t in group], [_DATA_PTR(t) for _, t in group], figures=figures)
             if p is None:
                 raise RuntimeError(_state["failed"] or "kernel failed")
             self.parts.append(([i for i, _ in group], p))
+        self.fallback = tuple(sorted(idx[j] for idx, p in self.parts for j in p.fallback))
 
     def ready(self) -> bool:
         return all(p.ready() for _, p in self.parts)
 
-    def result(self) -> bytes:
+    def _assemble(self, size: int, get) -> bytes:
         out = [b""] * self.n
         for idx, p in self.parts:
-            raw = p.result()
+            raw = get(p)
             for j, i in enumerate(idx):
-                out[i] = raw[16 * j:16 * j + 16]
+                out[i] = raw[size * j:size * j + size]
         return b"".join(out)
+
+    def result(self) -> bytes:
+        return self._assemble(16, Pending.result)
+
+    def figures_bytes(self) -> bytes:
+        return self._assemble(24, Pending.figures_bytes)
+
+    def figures(self) -> PendingFigures:
+        return PendingFigures(self)
 
 
 # ------------------------------------------------------------------------------------ for tests
-def digest_interpreted(locs: list[torch.Tensor], block: int, iters: int) -> bytes:
+def digest_interpreted(locs: list[torch.Tensor], block: int, iters: int, figures: bool = False):
     """The digests the kernels compute for CPU tensors under ``TRITON_INTERPRET=1`` (tests:
-    ``block``/``iters`` tiny so that the interpreter is fast and tensors span many rows)."""
+    ``block``/``iters`` tiny so that the interpreter is fast and tensors span many rows). With
+    ``figures``: (digests, figures bytes, the fallback slots)."""
     flat = [materialized(t) for t in locs]
     plan = _build(list(map(_DATA_PTR, flat)), list(map(_NBYTES, flat)),
                   list(map(_DTYPE, flat)), flat[0].device, block * iters)
-    return _launch(plan, block, iters).result()
+    p = _launch(plan, block, iters, figures)
+    return (p.result(), p.figures_bytes(), p.fallback) if figures else p.result()
 
 
 def device_lanes(locs: list[torch.Tensor], block: int = BLOCK,
@@ -388,6 +479,6 @@ def device_lanes(locs: list[torch.Tensor], block: int = BLOCK,
                   list(map(_DTYPE, flat)), flat[0].device, block * iters)
     lanes = torch.zeros(max(plan.n, 1), 4, dtype=torch.int64, device=plan.device)
     if plan.rows:
-        _kernels().digest_lanes[(plan.rows,)](plan.table, lanes, BLOCK=block, ITERS=iters,
-                                              B_MULT=B_MULT)
+        _kernels().digest_lanes[(plan.rows,)](plan.table, lanes, lanes, BLOCK=block, ITERS=iters,
+                                              B_MULT=B_MULT, FIGURES=False)
     return [[v & _M64 for v in row] for row in lanes[:plan.n].cpu().tolist()]

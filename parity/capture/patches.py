@@ -128,17 +128,11 @@ def install(current) -> None:
 
     def compile(*args, **kwargs):
         s = _current()
-        if s is not None:
-            # No global module hook of ours may be traced into a compiled model: dynamo would
-            # guard on it and recompile once it is gone (and warns about global hooks).
-            target = args[0] if args else kwargs.get("model")
-            if isinstance(target, torch.nn.Module) or isinstance(
-                    getattr(target, "__self__", None), torch.nn.Module):
-                s._forget_forward_hook()
-            if s.manifests:
-                from parity.capture.sources.manifest_source import ON_COMPILE
+        if s is not None and s.manifests:
+            from parity.capture.sources.manifest_source import ON_COMPILE
 
-                s._install_sources(ON_COMPILE)
+            s._install_imported_sources()
+            s._install_sources(ON_COMPILE)
         return orig_compile(*args, **kwargs)
 
     functools.update_wrapper(compile, orig_compile)

@@ -34,6 +34,7 @@ import os
 import sys
 import threading
 import traceback
+import weakref
 
 import torch
 
@@ -94,8 +95,6 @@ class Session(RankRecord, StepClock, ParamTable):
         self.warnings: list[str] = []
         self._pending_buckets: list[dict] = []
         self._handles: list = []
-        self._fwd_handle = None
-        self._root_ref = None
         # manifest sources tried so far, by name (sources/registry.py); None: tried, not installed
         self._sources: dict[str, ManifestSource | None] = {}
         self._triggers: list[tuple[str, object]] = []  # (module, our post-import callback)
@@ -137,9 +136,14 @@ class Session(RankRecord, StepClock, ParamTable):
         self._table_dirty = False
         self._p0: list[tuple[bytes, bytes]] = []  # step 0: (digests, figures) per group
         self._buffer_keys: set[tuple[int, str]] = set()  # (id(module), name) of buffer rows
-        self._buffers_dirty = True
+        self._trees_dirty = True  # a module tree joined: sync its tensors (table.py)
         self._registration_handles: list = []
-        self._name_roots: list = []  # the module roots the parameter names came from
+        self._name_roots: list = []  # the module trees of the process (table.py, trees.py)
+        self._roots_scan = None  # (step, live root modules): one gc scan per step at most
+        self._trees_scanned: int | None = None  # the step of the last search for new trees
+        self._skipped_trees = weakref.WeakSet()  # trees of fake / meta / subclass tensors
+        self._trees_skipped: list[dict] = []  # their meta.json ``capture.skipped`` entries
+        self._unhashed: dict[str, str] = {}  # fqn -> why it is not hashed (capture.unhashed)
         self._fqn_roots: dict[str, object] = {}  # name -> the root module that holds it
         self._root_labels: dict[int, str] = {}  # id(root) -> prefix for its colliding names
         self._labels_said: set[str] = set()
@@ -172,9 +176,10 @@ class Session(RankRecord, StepClock, ParamTable):
 
             self._handles.append(register_optimizer_step_pre_hook(self._pre_hook))
             self._handles.append(register_optimizer_step_post_hook(self._post_hook))
+            # No module hook: a global forward pre-hook is seen by every tracer (dynamo export
+            # cannot trace Module._call_impl's hook path; a compiled model recompiles once it
+            # is gone). The model trees come from a gc scan instead (table.py, trees.py).
             self._registration_handles = table.install_registration_hooks()
-            self._fwd_handle = torch.nn.modules.module.register_module_forward_pre_hook(
-                self._forward_pre_hook)
             if self.manifests:
                 from parity.capture.sources import registry as sources
 
@@ -247,7 +252,6 @@ class Session(RankRecord, StepClock, ParamTable):
         self._consumed_handles.clear()
         table.uninstall_registration_hooks(self._registration_handles)
         self._registration_handles = []
-        self._remove_forward_hook()
         for source in self._sources.values():  # kept: its seconds still count (meta.json)
             if source is not None:
                 try:
@@ -303,7 +307,7 @@ class Session(RankRecord, StepClock, ParamTable):
         cls = sources.BY_NAME[name]
         source = cls(self._source_hooks(cls.source))
         if not source.ready():
-            return  # half-imported: the first forward asks again
+            return  # half-imported: torch.compile or the first optimizer step asks again
         self._sources[name] = None
         try:
             reason, echo = source.install(), cls.echo
@@ -324,8 +328,9 @@ class Session(RankRecord, StepClock, ParamTable):
                 self._install_source(cls.name)
 
     def _install_imported_sources(self) -> None:
-        """Ask again the sources whose trigger module is imported by now: one only half-imported
-        when its post-import callback ran (FSDP2's) installs at the first forward (table.py)."""
+        """Ask again the sources whose trigger module is imported by now (one whose post-import
+        callback found it half-imported): at ``torch.compile`` and at each step's first
+        optimizer step (patches.py, steps.py)."""
         from parity.capture.sources import registry as sources
 
         for cls in sources.SOURCES:

@@ -18,7 +18,8 @@ m import f`` executed earlier) is not seen: name the module where the trainer lo
 The parameters of the step, in this order: the ``param_groups`` of an argument that has them (a
 foreign optimizer, ``self`` of ``Optimizer.step``); the parameters of ``nn.Module`` arguments
 and the parameters (tensors that require grad) among the arguments, one level into lists,
-tuples and dicts; else the parameters of the first module the trainer called.
+tuples and dicts; else the parameters of the model (the live module tree holding the most
+trainable parameters).
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def wrap(fn, label: str, session):
             return fn(*args, **kwargs)
         from torch.optim import optimizer as _opt
 
-        root = session._root_ref() if getattr(session, "_root_ref", None) else None
+        root = session._model_root()  # the model: no module hook tells which was called
         stand_in.param_groups = [{"params": _params(args, kwargs, root)}]
         for hook in _parity_hooks(_opt._global_optimizer_pre_hooks):
             hook(stand_in, (stand_in,), {})

@@ -23,7 +23,6 @@ import weakref
 import torch
 
 from parity.capture import loss
-from parity.capture.hashing import digest_tensors_async
 from parity.capture.patches import _tracing
 from parity.capture.table import _Buffer
 
@@ -60,7 +59,8 @@ class StepClock:
                         self._begin_step()
                     self.step_opts.add(id(opt))
                 if not self._table_final:
-                    self._forget_forward_hook()  # still there only if every forward was traced
+                    if self.manifests:  # a source whose module was half-imported (FSDP2)
+                        self._install_imported_sources()
                     self._add_params(opt)
                 else:
                     self._check_params(opt)
@@ -131,8 +131,8 @@ class StepClock:
             owners, key = list(map(table.__getitem__, rows)), rows
         grads = list(map(_GRAD, owners))
         self._grad_rows.update(dict.fromkeys(rows, len(self._grad_parts)))
-        self._grad_parts.append((key, digest_tensors_async(grads, self.hasher, owners=owners,
-                                                               figures=True)))
+        self._grad_parts.append((key, self._digest_rows(grads, rows, owners=owners,
+                                                        figures=True)))
 
     def _grad_line(self) -> list:
         """This step's gradient digests (and their figures) in table order, as parts still
@@ -251,4 +251,5 @@ class StepClock:
         rows = self._tensors()
         for i in buffers:
             rows[i] = None
-        return digest_tensors_async(rows, self.hasher), buffers
+        # a tensor it cannot hash: named, not fatal; the same objects every step: stable
+        return self._digest_rows(rows, stable=True), buffers

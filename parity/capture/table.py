@@ -1,13 +1,23 @@
 """The parameter table of one rank: which tensors are hashed, in which order, under which names.
 
-Built on the first optimizer step from the parameters of every optimizer that steps (named from
-the module tree that holds them, normalized by names.py), followed by the persistent buffers of
-those module trees; parameters that join an optimizer later (``add_param_group``, another
-optimizer's first step, a parameter swapped into a group in place) and buffers that appear later
-(a second model's, ``register_buffer`` after step 1) join the table from that step on (``since``).
-Names are unique across models: a parameter or buffer whose name another model already holds
-is prefixed with its model's class name. The rows' digests are what the step clock (steps.py)
-writes.
+Built on the first optimizer step: the parameters of every optimizer that steps (named from the
+module tree that holds them, normalized by names.py), then every other tensor of the module
+trees the process holds (trees.py): parameters no optimizer holds (an EMA copy, a frozen
+backbone; ``"optimizer": false`` in params.json) and persistent buffers (BatchNorm statistics of
+a frozen backbone included). Parameters that join an optimizer later (``add_param_group``,
+another optimizer's first step, a parameter swapped into a group in place), trees and buffers
+that appear later (a second model, ``register_buffer`` after step 1, a ``deepcopy`` made at step
+50) join the table from that step on (``since``). Names are unique across models: a parameter or
+buffer whose name another model already holds is prefixed with its model's class name. The rows'
+digests are what the step clock (steps.py) writes.
+
+Nothing here hooks a module: the trees come from a gc scan (trees.py) at the first step, at
+steps 2, 4, 8, ... and at the next step after a module outside the known trees registered a
+parameter or buffer (PyTorch's global registration hooks, which no tracer sees: they run only
+when a module registers something). Fake, meta and other subclass tensors never enter the table:
+a tree made of them is skipped with its reason (``capture.skipped``), a single one in a real tree
+is named on the verdict line (``capture.unhashed``), and a row that cannot be hashed at some
+step gets the all-zero hash and is named too: capture never turns itself off for one tensor.
 
 :class:`ParamTable` is a part of :class:`~parity.capture.session.Session` (a mixin: its state
 is initialised in ``Session.__init__``), split out so that each concern reads on its own.
@@ -15,15 +25,14 @@ is initialised in ``Session.__init__``), split out so that each concern reads on
 
 from __future__ import annotations
 
-import gc
-import weakref
-
 import torch
 
-from parity.capture.hashing import digest_tensors, local_tensor
+from parity.artifacts import NO_FIGURES, NO_HASH
+from parity.capture import trees
+from parity.capture.env import one_line
+from parity.capture.hashing import Digests, digest_tensors_async, local_tensor
 from parity.capture.names import normalize_fqn
 from parity.records import dtype_name
-from parity.capture.patches import _tracing
 
 def _placement_str(p) -> str:
     name = type(p).__name__
@@ -43,17 +52,9 @@ def _is_dtensor(t) -> bool:
 
 
 def _module_roots() -> list[torch.nn.Module]:
-    """Every live nn.Module that is nobody's child (a gc scan: used once, as a fallback)."""
-    module_type = torch.nn.Module
-    # type(), not isinstance(): the latter reads __class__, which weak proxies and deprecated
-    # module attributes turn into errors or warnings.
-    mods = [o for o in gc.get_objects() if issubclass(type(o), module_type)]
-    children = set()
-    for m in mods:
-        for c in m._modules.values():
-            if c is not None:
-                children.add(id(c))
-    return [m for m in mods if id(m) not in children]
+    """Every live nn.Module that is nobody's child (trees.module_roots; kept for the manifest
+    sources that name parameters from the model roots)."""
+    return trees.module_roots()
 
 
 class _Buffer:
@@ -70,41 +71,31 @@ class _Buffer:
         return self.module._buffers.get(self.name)
 
 
-def _persistent_buffers(roots) -> list[tuple[str, torch.nn.Module, str, torch.Tensor, object]]:
-    """(fqn, owning module, attribute name, tensor, root) of every persistent buffer under
-    ``roots`` (what ``state_dict`` saves: BatchNorm running statistics, step counters)."""
-    out, seen = [], set()
-    for root in roots:
-        for prefix, mod in root.named_modules():
-            skip = getattr(mod, "_non_persistent_buffers_set", ())
-            for name, buf in mod._buffers.items():
-                if buf is None or name in skip or id(buf) in seen:
-                    continue
-                seen.add(id(buf))
-                out.append((f"{prefix}.{name}" if prefix else name, mod, name, buf, root))
-    return out
+# Set by PyTorch's global registration hooks (a module registered a parameter, buffer or
+# submodule somewhere): ``dirty``, the known trees may have new tensors (a cheap rescan of them);
+# ``stranger``, a module outside them registered a tensor (a new model: the next step scans gc).
+# ``known`` holds the ids of the modules of the known trees. Without the hooks: every step.
+_REGISTRATION: dict = {"dirty": True, "stranger": True, "hooked": False, "known": set()}
 
 
-# Set when a module anywhere registers a buffer or a submodule (global registration hooks): the
-# buffer set may have changed, so the next step rescans (without the hooks: every step).
-_REGISTRATION = {"dirty": True, "hooked": False}
-
-
-def _note_registration(*_args) -> None:
+def _note_registration(module=None, _name=None, value=None, *_rest) -> None:
     _REGISTRATION["dirty"] = True
+    if isinstance(value, torch.Tensor) and id(module) not in _REGISTRATION["known"]:
+        _REGISTRATION["stranger"] = True
 
 
 def install_registration_hooks() -> list:
-    """Global buffer/submodule registration hooks (handles), once per process; [] if absent."""
+    """Global parameter/buffer/submodule registration hooks (handles), once per process; []
+    if absent. They run only when a module registers something (no tracer sees them)."""
     if _REGISTRATION["hooked"]:
         return []
     mm = torch.nn.modules.module
-    reg_b = getattr(mm, "register_module_buffer_registration_hook", None)
-    reg_m = getattr(mm, "register_module_module_registration_hook", None)
-    if reg_b is None or reg_m is None:
+    regs = [getattr(mm, f"register_module_{k}_registration_hook", None)
+            for k in ("parameter", "buffer", "module")]
+    if any(r is None for r in regs):
         return []
     _REGISTRATION["hooked"] = True
-    return [reg_b(_note_registration), reg_m(_note_registration)]
+    return [r(_note_registration) for r in regs]
 
 
 def uninstall_registration_hooks(handles: list) -> None:
@@ -115,54 +106,46 @@ def uninstall_registration_hooks(handles: list) -> None:
             pass
     if handles:
         _REGISTRATION["hooked"] = False
-        _REGISTRATION["dirty"] = True
+        _REGISTRATION["dirty"] = _REGISTRATION["stranger"] = True
+        _REGISTRATION["known"] = set()
+
+
+def _rescan_step(step: int) -> bool:
+    """Steps at which the gc scan looks for new trees anyway (a ``deepcopy`` registers nothing):
+    1, 2, 4, 8, ... (a tree made at step k is found by step 2k)."""
+    return step >= 1 and step & (step - 1) == 0
 
 
 class ParamTable:
-    """Module names and the parameter table (state in ``Session.__init__``)."""
+    """Module trees, names and the parameter table (state in ``Session.__init__``)."""
 
-    # ------------------------------------------------------------------------ module names
-    def _forward_pre_hook(self, module, args):
-        # Runs on the first module call of the program (normally the model, outside any compiled
-        # region) and removes itself: a lingering global hook makes dynamo recompile. Inside a
-        # trace it does nothing (and records nothing); torch.compile and the first optimizer
-        # step remove it if it is still there.
-        if _tracing():
-            return None
-        try:
-            self._root_ref = weakref.ref(module)
-            self._remove_forward_hook()
-            if self.manifests:
-                self._install_imported_sources()
-        except Exception as e:  # noqa: BLE001
-            self._fail(e)
-        return None
+    # ------------------------------------------------------------------------ module trees
+    def _gc_roots(self) -> list:
+        """The live root modules, scanned at most once per step (trees.module_roots)."""
+        if self._roots_scan is None or self._roots_scan[0] != self.k:
+            self._roots_scan = (self.k, trees.module_roots())
+        return self._roots_scan[1]
 
-    def _forget_forward_hook(self) -> None:
-        """Remove the forward pre-hook before it can be traced (names then come from the gc
-        scan of root modules, see _names), doing first what it would have done."""
-        if self._fwd_handle is None:
-            return
-        self._remove_forward_hook()
-        try:
-            if self.manifests:
-                self._install_imported_sources()
-        except Exception as e:  # noqa: BLE001
-            self._fail(e)
-
-    def _remove_forward_hook(self) -> None:
-        h, self._fwd_handle = self._fwd_handle, None
-        if h is not None:
-            h.remove()
+    def _model_root(self):
+        """The model, for a caller that needs one tree (``--step-on`` without parameters in
+        its arguments): the first tree that named a parameter, else the live tree holding the
+        most trainable parameters."""
+        if self._name_roots:
+            return self._name_roots[0]
+        best, most = None, 0
+        for root in self._gc_roots():
+            if trees.is_graph_module(root) or trees.skip_reason(root):
+                continue
+            n = sum(1 for p in root.parameters() if p.requires_grad)
+            if n > most:
+                best, most = root, n
+        return best
 
     def _names(self, params: list) -> dict[int, tuple[str, object]]:
         """Raw FQNs of ``params`` and the root module that names each, from the module tree
-        that holds them.
-
-        Fast path: the first module called (normally the model) holds them all. Otherwise
-        (the first call was a helper, or several models) every live root module is a
-        candidate, and each parameter takes its name from the root holding the most of them.
-        """
+        that holds them: the trees already known first, else every live root (a gc scan) but
+        the skipped ones, each parameter taking its name from the root holding the most of
+        them."""
         want = {id(p) for p in params}
 
         def scan(root) -> dict[int, tuple[str, object]]:
@@ -172,20 +155,22 @@ class ParamTable:
                     found.setdefault(id(p), (n, root))
             return found
 
-        first = self._root_ref() if self._root_ref is not None else None
-        if first is not None:
-            names = scan(first)
-            if len(names) == len(want):
-                self._add_root(first)
-                return names
-        # earlier roots first (a later model's parameter keeps the name its own model gives it)
-        known = [r for r in self._name_roots if r is not first]
-        candidates = ([first] if first is not None else []) + known + [
-            r for r in _module_roots() if r is not first and not any(r is k for k in known)]
-        scans = [scan(r) for r in candidates]
         names: dict[int, tuple[str, object]] = {}
-        for found, root in sorted(zip(scans, candidates), key=lambda x: len(x[0]),
-                                  reverse=True):  # stable: the first root wins ties
+        for root in self._name_roots:  # earlier roots first: a later model keeps its own names
+            for k, v in scan(root).items():
+                names.setdefault(k, v)
+        if len(names) == len(want):
+            return names
+        known = self._name_roots
+        # a tracer's copy that shares the model's parameters (AutoParallel's, holding a fake
+        # buffer) names nothing: it is skipped as a tree (_find_trees)
+        candidates = [r for r in self._gc_roots() if not any(r is k for k in known)
+                      and r not in self._skipped_trees and trees.skip_reason(r) is None]
+        scans = [scan(r) for r in candidates]
+        # the tree holding most of them names them (a compiler's GraphModule holding the same
+        # parameters last); stable: the older root wins ties
+        for found, root in sorted(zip(scans, candidates), reverse=True,
+                                  key=lambda x: (not trees.is_graph_module(x[1]), len(x[0]))):
             if found:
                 self._add_root(root)
             for k, v in found.items():
@@ -195,11 +180,53 @@ class ParamTable:
         return names
 
     def _add_root(self, root) -> None:
-        """A module tree that names parameters: its buffers are hashed (rescan at next step)."""
+        """A module tree of the process: its tensors are hashed (the next sync adds them)."""
         if not any(root is r for r in self._name_roots):
             self._name_roots.append(root)
-            self._buffers_dirty = True
+            self._trees_dirty = True
 
+    def _find_trees(self) -> None:
+        """New module trees of the process (a gc scan): a tree of real tensors joins; one made
+        of fake / meta / subclass tensors is skipped with its reason (said once); a
+        GraphModule is a compiler's, unless its parameters named an optimizer's (_names)."""
+        fresh = []
+        for root in self._gc_roots():
+            if root in self._skipped_trees or any(root is r for r in self._name_roots):
+                continue
+            if trees.is_graph_module(root):
+                continue
+            why = trees.skip_reason(root)
+            if why is not None:
+                self._skipped_trees.add(root)
+                self._trees_skipped.append({"tree": trees.describe(root), "reason": why})
+                from parity.capture.env import say
+
+                say(f"module tree {trees.describe(root)} skipped: {why} (not hashed; "
+                    "meta.json capture.skipped)")
+                continue
+            params, buffers = trees.tree_tensors(root)
+            if params or buffers:
+                fresh.append(root)
+        if fresh:
+            for root in trees.alive(fresh):  # garbage that gc had not collected yet is not one
+                self._add_root(root)
+
+    def _name_stranded(self) -> None:
+        """Real tensors of a skipped tree (one that holds fake tensors) that no hashed tree
+        holds: named (``capture.unhashed``), never silently left out."""
+        held = set(self._table_ids) | {id(r.tensor()) for r in self.table if type(r) is _Buffer}
+        for root in list(self._skipped_trees):
+            params, buffers = trees.tree_tensors(root)
+            for fqn, t in [(f, p) for f, p in params] + [(f, b) for f, _, _, b in buffers]:
+                if id(t) not in held and trees.unhashable(t) is None:
+                    self._note_unhashed(f"{trees.describe(root)}.{fqn}",
+                                        f"in module tree {trees.describe(root)}, which holds "
+                                        "fake tensors")
+
+    def _known_modules(self) -> set[int]:
+        return {id(m) for root in self._name_roots for m in root.modules()}
+
+    # ------------------------------------------------------------------------ names
     def _unique_name(self, raw: str | None, root, i: int) -> tuple[str, str | None]:
         """(normalized name, raw name) of a new row: a name that another model already holds
         gets this model's class name as a prefix (``Discriminator.l1.weight``), and a counter
@@ -228,30 +255,89 @@ class ParamTable:
                       f"the colliding names of {label}'s are prefixed '{label}.'")
         return qualified, f"{label}.{raw}"
 
+    # ------------------------------------------------------------------------ hashing
     def _tensors(self) -> list:
         """What the table's rows hold now (parameters, and buffers looked up on their module)."""
         if not self._buffer_keys:  # no buffer rows: the table itself (a copy)
             return list(self.table)
         return [p.tensor() if type(p) is _Buffer else p for p in self.table]
 
+    def _digest_rows(self, tensors: list, rows=None, **options) -> Digests:
+        """``digest_tensors_async`` of ``tensors`` (table rows ``rows``, default 0..n-1;
+        ``options`` passed on); a tensor that cannot be hashed (a buffer replaced by a meta
+        tensor, a subclass) gets NO_HASH and is named (``capture.unhashed``) instead of turning
+        capture off."""
+        try:
+            return digest_tensors_async(tensors, self.hasher, **options)
+        except Exception:  # noqa: BLE001 - find the tensor, say it, hash the rest
+            pass
+        figures = bool(options.get("figures"))
+        rows = list(range(len(tensors))) if rows is None else list(rows)
+        out, figs = [], []
+        for t, row in zip(tensors, rows):
+            try:
+                if trees.unhashable(t) is not None:
+                    raise TypeError(trees.unhashable(t))
+                d = digest_tensors_async([t], self.hasher, figures=figures)
+                out.append(d.result())
+                figs.append(d.figures() if figures else b"")
+            except Exception as e:  # noqa: BLE001
+                out.append(NO_HASH)
+                figs.append(NO_FIGURES)
+                fqn = self.entries[row]["fqn"] if 0 <= row < len(self.entries) else f"<row {row}>"
+                self._note_unhashed(fqn, one_line(e))
+        known_figs = None
+        if figures:
+            import numpy as np
+
+            known_figs = [(None, np.frombuffer(b"".join(figs), dtype="<f8").reshape(-1, 3))]
+        return Digests(len(tensors), [(None, b"".join(out))], [], known_figs)
+
+    def _note_unhashed(self, fqn: str, reason: str) -> None:
+        """A tensor of a model that is not hashed: said on the verdict line (meta.json)."""
+        if fqn in self._unhashed:
+            return
+        self._unhashed[fqn] = reason
+        if self.writer is not None:
+            try:
+                self.writer.update_meta(capture=self._capture_meta())
+            except Exception:  # noqa: BLE001 - said at the next meta write
+                pass
+
+    # ------------------------------------------------------------------------ the table
     def _add_params(self, opt) -> None:
-        """First step: extend the table with this optimizer's parameters and the buffers of
-        the models that hold them (hashed as step 0)."""
+        """First step: extend the table with this optimizer's parameters (hashed as step 0),
+        then every other tensor of the process's module trees (_sync_trees)."""
         self._opt_sigs[id(opt)] = _signature(opt)
         new = []
         for g in opt.param_groups:
             for p in g["params"]:
-                if id(p) not in self._table_ids:
-                    self._table_ids[id(p)] = -1
-                    new.append(p)
+                if id(p) in self._table_ids:
+                    row = self._table_ids[id(p)]
+                    if row >= 0 and self.entries[row].pop("optimizer", True) is False:
+                        self._table_dirty = True  # a tree row that this optimizer steps
+                    continue
+                self._table_ids[id(p)] = -1
+                new.append(p)
         if new:
             self._ensure_writer()
             names = self._names(new)
+            good = []
             for p in new:
-                self._append_param(p, *names.get(id(p), (None, None)))
-            self._p0.append(digest_tensors(new, self.hasher, figures=True))
-            self._table_dirty = True
-        self._sync_buffers(None)
+                raw, root = names.get(id(p), (None, None))
+                why = trees.unhashable(p)
+                if why is not None:
+                    del self._table_ids[id(p)]
+                    self._note_unhashed(normalize_fqn(raw) if raw else "<unnamed>", why)
+                    continue
+                self._append_param(p, raw, root)
+                good.append(p)
+            if good:
+                d = self._digest_rows(good, range(len(self.table) - len(good), len(self.table)),
+                                      figures=True)
+                self._p0.append((d.result(), d.figures()))
+                self._table_dirty = True
+        self._sync_trees(None)
 
     def _append_param(self, p, raw: str | None, root=None, **extra) -> None:
         """One parameter joins the table: its params.json entry (a DTensor's placement and mesh
@@ -272,58 +358,94 @@ class ParamTable:
             entry["mesh_coord"] = list(coord) if coord is not None else None
         return entry
 
-    def _sync_buffers(self, since: int | None) -> int:
-        """Persistent buffers of the model trees that hold optimized parameters, not yet in the
-        table, join it (no gradient). On the first step (``since`` None) they are hashed as
-        step 0; later they are hashed from step ``since`` on. Rescans only when something may
-        have changed (a new model tree, a buffer or submodule registered anywhere); returns
-        how many joined."""
-        if not (self._buffers_dirty or _REGISTRATION["dirty"] or not _REGISTRATION["hooked"]):
+    def _sync_trees(self, since: int | None) -> int:
+        """Every tensor of the process's module trees not yet in the table joins it: parameters
+        no optimizer holds (``"optimizer": false``), then persistent buffers (no gradient). On
+        the first step (``since`` None) they are hashed as step 0; later from step ``since`` on.
+        Looks for new trees at the first step, at steps 2, 4, 8, ... and after a module outside
+        the known trees registered a tensor; rescans the known trees only when something was
+        registered (or a tree joined). Returns how many rows joined."""
+        step = self.k
+        scanned = False
+        if (since is None or _REGISTRATION["stranger"] or _rescan_step(step)
+                or not _REGISTRATION["hooked"]) and self._trees_scanned != step:
+            self._trees_scanned = scanned = step
+            _REGISTRATION["stranger"] = False
+            self._find_trees()
+        if not (self._trees_dirty or _REGISTRATION["dirty"] or not _REGISTRATION["hooked"]):
+            if scanned:
+                self._name_stranded()
             return 0
-        self._buffers_dirty = False
+        self._trees_dirty = False
         _REGISTRATION["dirty"] = False
-        bufs, start = [], len(self.table)
-        for fqn, mod, name, t, root in _persistent_buffers(self._name_roots):
-            key = (id(mod), name)
-            if key in self._buffer_keys:
-                continue
-            self._buffer_keys.add(key)
-            i = len(self.table)
-            self.table.append(_Buffer(mod, name))
-            lt = local_tensor(t)
-            qfqn, qraw = self._unique_name(fqn, root, i)
-            entry = {"fqn": qfqn, "raw_fqn": qraw, "kind": "buffer", "shape": list(lt.shape),
-                     "global_shape": list(t.shape), "dtype": dtype_name(lt.dtype),
-                     "placement": None, "mesh_coord": None}
-            if since is not None:
-                entry["since"] = since
-            self.entries.append(entry)
-            bufs.append(t)
-        if not bufs:
+        start = len(self.table)
+        tensors = []
+        for root in list(self._name_roots):
+            params, buffers = trees.tree_tensors(root)
+            for fqn, p in params:
+                if id(p) in self._table_ids:
+                    continue
+                why = trees.unhashable(p)
+                if why is not None:
+                    self._note_unhashed(self._unique_name(fqn, root, -1)[0], why)
+                    continue
+                extra = {"optimizer": False}
+                if since is not None:
+                    extra["since"] = since
+                self._append_param(p, fqn, root, **extra)
+                tensors.append(p)
+            for fqn, mod, name, t in buffers:
+                key = (id(mod), name)
+                if key in self._buffer_keys or id(t) in self._table_ids:
+                    continue
+                why = trees.unhashable(t)
+                if why is not None:
+                    self._note_unhashed(self._unique_name(fqn, root, -1)[0], why)
+                    continue
+                self._buffer_keys.add(key)
+                i = len(self.table)
+                self.table.append(_Buffer(mod, name))
+                lt = local_tensor(t)
+                qfqn, qraw = self._unique_name(fqn, root, i)
+                entry = {"fqn": qfqn, "raw_fqn": qraw, "kind": "buffer", "shape": list(lt.shape),
+                         "global_shape": list(t.shape), "dtype": dtype_name(lt.dtype),
+                         "placement": None, "mesh_coord": None}
+                if since is not None:
+                    entry["since"] = since
+                self.entries.append(entry)
+                tensors.append(t)
+        _REGISTRATION["known"] = self._known_modules()
+        self._name_stranded()
+        if not tensors:
             return 0
         if since is None:
-            self._p0.append(digest_tensors(bufs, self.hasher, figures=True))
+            d = self._digest_rows(tensors, range(start, len(self.table)), figures=True)
+            self._p0.append((d.result(), d.figures()))
             self._table_dirty = True
         else:
             self._ensure_writer().write_params(self.entries)
             shown = ", ".join(e["fqn"] for e in self.entries[start:start + 3])
-            self.warn(f"{len(bufs)} buffer(s) joined the table at step {since} and are hashed "
-                      f"from then on ({shown}{', ...' if len(bufs) > 3 else ''})")
-        return len(bufs)
+            n_buf = sum(1 for e in self.entries[start:] if e.get("kind") == "buffer")
+            what = (f"{n_buf} buffer(s)" if n_buf == len(tensors) else
+                    f"{len(tensors) - n_buf} parameter(s) no optimizer holds and {n_buf} "
+                    "buffer(s)")
+            self.warn(f"{what} joined the table at step {since} and are hashed from then on "
+                      f"({shown}{', ...' if len(tensors) > 3 else ''})")
+        return len(tensors)
 
     def _check_params(self, opt) -> None:
         """After step 1: parameters that joined an optimizer (``add_param_group``, an optimizer
         that steps for the first time, ``group["params"][i] = new``) join the table from this
         step on; a parameter swapped into a group's slot in place of one that left every
         optimizer takes over that row. The per-step cost is the ids of the group lists; the
-        parameters are walked only when they change. Then the buffers (see _sync_buffers)."""
+        parameters are walked only when they change. Then the module trees (_sync_trees)."""
         step = self._step_base + self.k
         sig = _signature(opt)
         old = self._opt_sigs.get(id(opt))
         if old != sig:
             self._opt_sigs[id(opt)] = sig
             self._params_changed(opt, old, sig, step)
-        self._sync_buffers(step)
+        self._sync_trees(step)
 
     def _params_changed(self, opt, old, sig, step: int) -> None:
         now = {i for g in sig for i in g}
@@ -349,12 +471,19 @@ class ParamTable:
                      dtype=fresh["dtype"], placement=fresh["placement"],
                      mesh_coord=fresh["mesh_coord"], replaced=step)
             self._grad_rows.pop(row, None)
+        joined = []  # tree rows (``optimizer: false``), hashed all along, that an optimizer steps
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            row = self._table_ids.get(id(p), -1)
+            if row >= 0 and self.entries[row].get("optimizer") is False:
+                del self.entries[row]["optimizer"]
+                joined.append(self.entries[row]["fqn"])
         new = [p for g in opt.param_groups for p in g["params"] if id(p) not in self._table_ids]
+        new = [p for p in new if trees.unhashable(p) is None]  # others: named by _sync_trees
         if new:
             names = self._names(new)
             for p in new:
                 self._append_param(p, *names.get(id(p), (None, None)), since=step)
-        if not (new or swapped):
+        if not (new or swapped or joined):
             return
         self._ensure_writer().write_params(self.entries)
         if swapped:
@@ -367,6 +496,10 @@ class ParamTable:
             self.warn(f"{len(new)} parameter(s) joined the optimizers at step "
                       f"{step} and are hashed from then on ({shown}"
                       f"{', ...' if len(new) > 3 else ''})")
+        if joined:
+            self.warn(f"{len(joined)} parameter(s) of the module trees, hashed from the first "
+                      f"step on, joined the optimizers at step {step} ({', '.join(joined[:3])}"
+                      f"{', ...' if len(joined) > 3 else ''})")
 
     def _all_sigs(self, opt):
         """The other optimizers' signatures (a parameter still stepped by one keeps its row)."""

@@ -22,8 +22,7 @@ from parity.artifacts import HASH_BYTES, NO_FIGURES, NO_HASH, RankWriter
 from parity.capture import env as cenv
 from parity.capture import fingerprint, gpu_facts, nccl_emulation
 from parity.capture.env import env_int as _env_int
-from parity.capture.hashing import (DEVICE_DIGEST_VERSION, device_backend, digest_tensors_async,
-                                    host_digest, local_tensor)
+from parity.capture.hashing import DEVICE_DIGEST_VERSION, device_backend, host_digest, local_tensor
 from parity.rundir import RANK_FILES, rank_dir
 from parity.capture.claims import ClaimRefused, claim_rank
 from parity.capture.table import _Buffer
@@ -69,6 +68,10 @@ class RankRecord:
                 "source": self.source, "warnings": list(self.warnings), "disabled": self.failed,
                 "recorded_steps": self.recorded_steps, "steps": self.done,
                 "optimizers": len(self._optimizers),
+                # module trees not hashed (fake / meta / subclass tensors), tensors of the
+                # model that could not be (named on the verdict line): trees.py, table.py
+                "skipped": list(self._trees_skipped),
+                "unhashed": [{"fqn": f, "reason": r} for f, r in self._unhashed.items()],
                 "seconds": round(self.capture_seconds
                                  + sum(s.seconds for s in self._sources.values() if s is not None),
                                  6)}
@@ -210,7 +213,7 @@ class RankRecord:
         """Queue step ``step`` (its parameter digests now; ``grads``: the parts of its gradient
         line, steps.py; the entry digests, the loss scale and a skip when it is the step in
         progress) and write every step that is ready."""
-        params = digest_tensors_async(self._tensors(), self.hasher, stable=True, figures=True)
+        params = self._digest_rows(self._tensors(), stable=True, figures=True)
         self._ensure_writer()
         current = step == self.k
         scale = self._loss_scale if current else None
@@ -277,7 +280,7 @@ class RankRecord:
         try:
             with self._lock:
                 self._resolve()
-                now = digest_tensors_async(self._tensors(), self.hasher, stable=True).result()
+                now = self._digest_rows(self._tensors(), stable=True).result()
                 after = self._step_base + self.done
                 if self._last_param_step == after and self._last_params == now:
                     self.writer.write_final(after, same_as=self._last_param_ref)

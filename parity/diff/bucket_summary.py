@@ -8,12 +8,21 @@ bounded bucketing's ``max_consec_compute_between_rs``), per graph and collective
   with ``"stage": "before_passes"``) and after them. For eager FSDP2 "before" is one collective
   per parameter (what an unbucketed FSDP would issue) and "after" the groups as issued.
 * ``bytes``: min / median / max of the buckets' per-rank payload (``total_bytes``).
-* ``spans``: per bucket after the passes, the index of its last member minus its first in the
-  pre-pass graph order (a member's index is the ``position`` of the pre-pass collective that
-  carried that parameter); null when the run has no pre-pass graph or no positions.
-* ``compute_between_rs``: the compute nodes between consecutive reduce-scatters of the graph
-  after the passes (differences of ``compute_before``), and its maximum
-  ``max_consec_compute_between_rs``.
+* ``spans_at_bucketing`` / ``max_span_at_bucketing``: AutoParallel's bucket span, as its
+  ``greedy_bucket`` logs it (meta-pytorch/autoparallel ``auto_bucketing.py``, a54c252): per bucket
+  a bucketing pass formed, the rank of its last member minus its first's in the graph the pass
+  received (capture/sources/graph_bucketing.py); null where no inductor bucketing pass ran.
+* ``max_consec_compute_between_rs``: AutoParallel's ``_max_consec_compute_between_rs`` of the
+  graph after the passes (recorded by capture, capture/sources/graph_walk.py): the longest run of
+  matmul-like nodes with no reduce-scatter in between; null where not recorded.
+* parity's own figures, labelled so: ``spans`` / ``max_span``, per bucket after the passes the
+  index of its last member minus its first in the *pre-pass* graph order (a member's index is
+  the ``position`` of the pre-pass collective that carried that parameter; null without a
+  pre-pass graph); ``compute_between_rs`` / ``max_compute_between_rs``, every non-plumbing op
+  between consecutive reduce-scatters (differences of ``compute_before``).
+* ``payloads`` (compiled graphs): the buckets after the passes by what they carry: ``parameter``
+  (any payload is a parameter's), else ``activation`` or ``token`` (integer data), as capture
+  classified them (``unknown``: payloads not read).
 
 And module attribution: every entry's issuing module (compiled: the module of that payload's
 own pre-pass collective when recorded, else the entry's ``module``, from the nodes'
@@ -79,6 +88,22 @@ def _compute_between(buckets: list[dict]) -> list[int] | None:
     return [b - a for a, b in zip(marks, marks[1:])]
 
 
+def _payloads(buckets: list[dict]) -> dict[str, int]:
+    """Buckets by what they carry: ``parameter`` when any payload is a parameter's, else the
+    class capture gave the first payload (``activation``, ``token``)."""
+    out: dict[str, int] = {}
+    for b in buckets:
+        entries = b.get("entries") or []
+        if any(e.get("fqn") for e in entries):
+            kind = "parameter"
+        elif not entries:
+            kind = "unknown"  # its payloads could not be read (a capture warning says why)
+        else:
+            kind = entries[0].get("payload") or "activation"
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
 def _latest_fsdp2(buckets: list[dict]) -> list[dict]:
     """FSDP2 layouts are written when first issued and again when they change: the last one per
     (collective, index) is the layout in force. Each gets the phase it was issued in as its
@@ -130,7 +155,10 @@ def summarize(buckets: list[dict]) -> dict:
             "count_before": None, "count_after": len(after), "buckets": len(after),
             "bytes": _bytes(after), "sizes": [int(b.get("total_bytes") or 0) for b in after],
             "spans": None, "max_span": None,
-            "compute_between_rs": None, "max_consec_compute_between_rs": None,
+            "compute_between_rs": None, "max_compute_between_rs": None,
+            "max_consec_compute_between_rs": None,
+            "spans_at_bucketing": None, "max_span_at_bucketing": None,
+            "payloads": _payloads(after) if source == SOURCE_GRAPH else None,
         }
         if source == SOURCE_FSDP2:
             row["count_before"] = sum(len(b.get("entries") or []) for b in after)
@@ -150,7 +178,15 @@ def summarize(buckets: list[dict]) -> dict:
         if source == SOURCE_GRAPH and collective == "reduce_scatter" and after:
             between = _compute_between(after)
             row["compute_between_rs"] = between
-            row["max_consec_compute_between_rs"] = max(between) if between else None
+            row["max_compute_between_rs"] = max(between) if between else None
+            ap = next((b["max_consec_compute_between_rs"] for b in after
+                       if isinstance(b.get("max_consec_compute_between_rs"), int)), None)
+            row["max_consec_compute_between_rs"] = ap
+        at = next((b["spans_at_bucketing"] for b in after
+                   if isinstance(b.get("spans_at_bucketing"), dict)), None)
+        if at is not None and isinstance(at.get("spans"), list):
+            row["spans_at_bucketing"] = list(at["spans"])
+            row["max_span_at_bucketing"] = max(at["spans"]) if at["spans"] else None
         if not after and before:
             row["buckets"] = 0
         rows.append(row)

@@ -227,6 +227,8 @@ def _select(records: list[dict], source: str | None, rank: int | None,
         # eager FSDP2 may record a backward re-gather of a group: keep the first of duplicates
         uniq, sets = [], set()
         for b in chosen:
+            if graph and not b.fqns:
+                continue  # no parameter in it (an activation or token collective): no layout
             key = frozenset(b.fqns)
             if key in sets and key:
                 continue

@@ -24,7 +24,7 @@ from parity.diff.scaled_loss import scaled_loss_notes, skipped_note
 from parity.diff.env import numerics_env_differences
 from parity.diff.magnitude import size_of_difference
 from parity.diff.reduction import assess, observe
-from parity.diff.one_sided import damaged, one_sided, refused_processes, same_run
+from parity.diff.one_sided import damaged, one_sided, refused_processes, same_run, unhashed
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, HashComparison, ParamIndex,
                                 compare_hashes, param_keys, step_fields)
 from parity.diff.result import (CaptureWarning, ComparedRun, DiffResult, Divergence,
@@ -281,6 +281,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     incomplete += one_sided(ra, rb, ranks, steps, _loss_bits)
     incomplete += refused_processes(run_a, run_b)
     incomplete += emulation_gaps(run_a, run_b)  # sums gloo made under --emulate-nccl
+    incomplete += unhashed(run_a, run_b)
     same = same_run(run_a, run_b)
     if same:
         incomplete.insert(0, same)

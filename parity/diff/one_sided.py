@@ -4,8 +4,9 @@ A verdict of ``match`` means everything either side recorded was compared and eq
 of record that only one side has (gradients captured by A and not by B under ``--no-grads``, a
 loss on one side only, per (rank, step)), a process that claimed a rank and was not recorded
 (capture/claims.py), damaged records (artifacts.py ``RankData.damage``) and a directory compared
-with itself each make the diff incomplete (exit 3), named in the verdict's ``not compared``; the
-engine (engine.py) appends these lines to ``DiffResult.incomplete``.
+with itself each make the diff incomplete (exit 3), named in the verdict's ``not compared``; so
+does a tensor of a model that capture found and could not hash (:func:`unhashed`). The engine
+(engine.py) appends these lines to ``DiffResult.incomplete``.
 """
 
 from __future__ import annotations
@@ -91,6 +92,28 @@ def refused_processes(run_a: Run, run_b: Run) -> list[str]:
             out.append(f"{side}: {len(bad)} more process(es) claimed rank(s) "
                        f"{ranges(sorted({x for x, _ in bad}))} and were not recorded (first: "
                        f"pid {rec.get('pid')} on rank {r}); their training is not compared")
+    return out
+
+
+def unhashed(run_a: Run, run_b: Run, show: int = 3) -> list[str]:
+    """Tensors of a side's models that capture found and could not hash (a tensor subclass, a
+    meta buffer: meta.json ``capture.unhashed``, capture/table.py): never compared, named."""
+    out = []
+    for side, run in (("A", run_a), ("B", run_b)):
+        found: dict[str, str] = {}
+        ranks = []
+        for r, rd in sorted(run.ranks.items()):
+            rows = (rd.meta.get("capture") or {}).get("unhashed") or []
+            rows = [x for x in rows if isinstance(x, dict) and isinstance(x.get("fqn"), str)]
+            if rows:
+                ranks.append(r)
+            for x in rows:
+                found.setdefault(x["fqn"], str(x.get("reason") or "?"))
+        if found:
+            names = [f"{f} ({why})" for f, why in list(found.items())[:show]]
+            more = f" (+{len(found) - show} more)" if len(found) > show else ""
+            out.append(f"{side}: {len(found)} tensor(s) of the model not hashed on rank(s) "
+                       f"{ranges(ranks)}: {', '.join(names)}{more}")
     return out
 
 

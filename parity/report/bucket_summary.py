@@ -41,6 +41,37 @@ def _num(value) -> str:
     return "-" if value is None else str(value)
 
 
+_PAYLOAD_ABBR = {"parameter": "param", "activation": "act", "token": "token", "unknown": "?"}
+
+
+def _payloads(row: dict | None) -> str:
+    """``12 param, 2 act, 1 token``: the buckets by what they carry (compiled graphs)."""
+    p = row.get("payloads") if row else None
+    if not isinstance(p, dict) or not p:
+        return "-"
+    order = list(_PAYLOAD_ABBR)
+    return ", ".join(f"{p[k]} {_PAYLOAD_ABBR.get(k, k)}"
+                     for k in sorted(p, key=lambda k: order.index(k) if k in order else 9))
+
+
+# The figures of a row that AutoParallel defines and parity's own ones, labelled so (the
+# definitions: parity/diff/bucket_summary.py and docs/inspect.md).
+FIGURE_COLUMNS = (
+    ("max span at bucketing (AutoParallel)", "max_span_at_bucketing"),
+    ("max span, pre-pass order (parity)", "max_span"),
+    ("max compute btw RS (AutoParallel)", "max_consec_compute_between_rs"),
+    ("max ops btw RS (parity)", "max_compute_between_rs"),
+)
+
+
+def _sorted_rows(summary: dict) -> list[dict]:
+    order = {"all_gather": 0, "reduce_scatter": 1}
+    phases = {"forward": 0, "backward": 1}
+    return sorted(summary["graphs"], key=lambda r: (
+        order.get(r["collective"], 2), -1 if r["graph_id"] is None else r["graph_id"],
+        phases.get(r["graph"], 2)))
+
+
 REGATHER_NOTE = ("eager FSDP2 all-gathers again in the backward (reshard_after_forward): "
                  "copies of the same parameters, values unchanged; not a difference")
 
@@ -56,29 +87,38 @@ def regather(pair: dict) -> bool:
 
 
 def print_summary(summary: dict | None, console, title: str = "Bucketing") -> None:
-    """One run: a row per graph and collective kind, then the attribution lines."""
+    """One run: a row per graph and collective kind (counts, bytes, what the buckets carry),
+    then, where recorded, the figures (AutoParallel's and parity's own), then attribution."""
     if not summary or not summary.get("graphs"):
         console.print(T("Bucketing: no bucket manifests recorded"))
         return
     console.print(T(f"{title} (rank {summary.get('rank', 0)}): {headline(summary)}"))
+    rows = _sorted_rows(summary)
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    around = any(isinstance(r.get("around_bucketing"), dict) for r in summary["graphs"])
+    around = any(isinstance(r.get("around_bucketing"), dict) for r in rows)
+    payloads = any(isinstance(r.get("payloads"), dict) for r in rows)
     for col, just in (("graph", "left"), ("coll.", "left"), ("count", "right"),
                       *((("at bucketing", "right"),) if around else ()),
-                      ("bytes min/median/max", "right"), ("max span", "right"),
-                      ("max compute btw RS", "right")):
+                      ("bytes min/median/max", "right"),
+                      *((("buckets carry", "left"),) if payloads else ())):
         table.add_column(col, justify=just, no_wrap=True,
                          min_width=9 if col in ("count", "at bucketing") else None)
-    order = {"all_gather": 0, "reduce_scatter": 1}
-    phases = {"forward": 0, "backward": 1}
-    rows = sorted(summary["graphs"], key=lambda r: (
-        order.get(r["collective"], 2), -1 if r["graph_id"] is None else r["graph_id"],
-        phases.get(r["graph"], 2)))
     for row in rows:
         table.add_row(T(side_label(row)), T(_ABBR.get(row["collective"], row["collective"])),
                       T(_count(row)), *((T(_around(row)),) if around else ()), T(_bytes(row)),
-                      T(_num(row["max_span"])), T(_num(row["max_consec_compute_between_rs"])))
+                      *((T(_payloads(row)),) if payloads else ()))
     console.print(table)
+    figured = [r for r in rows if any(r.get(k) is not None for _, k in FIGURE_COLUMNS)]
+    if figured:
+        fig = Table(box=box.SIMPLE_HEAD, pad_edge=False, title_justify="left")
+        fig.add_column("graph", no_wrap=True)
+        fig.add_column("coll.", no_wrap=True)
+        for label, _ in FIGURE_COLUMNS:
+            fig.add_column(label, justify="right", max_width=14)
+        for row in figured:
+            fig.add_row(T(side_label(row)), T(_ABBR.get(row["collective"], row["collective"])),
+                        *(T(_num(row.get(k))) for _, k in FIGURE_COLUMNS))
+        console.print(fig)
     print_attribution(summary.get("attribution") or [], console)
 
 
@@ -101,9 +141,11 @@ FIGURES = (
     ("count before -> after", _count),
     ("around bucketing pass", _around),
     ("bytes min/med/max", _bytes),
-    ("max span", lambda r: _num(r and r.get("max_span"))),
-    ("max compute btw RS", lambda r: _num(r and r.get("max_consec_compute_between_rs"))),
+    ("buckets carry", _payloads),
+    *((label, (lambda k: lambda r: _num(r and r.get(k)))(key)) for label, key in FIGURE_COLUMNS),
 )
+# figures a side may not know (no pre-pass graph, no inductor bucketing): "-" is no finding
+_OPTIONAL_FIGURES = ("around bucketing pass", "buckets carry", *(lbl for lbl, _ in FIGURE_COLUMNS))
 
 
 def moved_line(m: dict, limit: int = 3) -> str:
@@ -142,10 +184,11 @@ def print_summary_pair(a: dict | None, b: dict | None, console, moved: list | No
                       T(side_label(ra)), T(side_label(rb)), T(""))
         for name, fmt in FIGURES:
             va, vb = fmt(ra), fmt(rb)
-            if name in ("max compute btw RS", "around bucketing pass") and va == vb == "-":
+            if name in _OPTIONAL_FIGURES and va == vb == "-":
                 continue
             # a span or gap one side cannot know is no finding
-            differs = va != vb and (name.startswith(("count", "bytes")) or "-" not in (va, vb))
+            differs = va != vb and (name.startswith(("count", "bytes", "buckets"))
+                                    or "-" not in (va, vb))
             if differs and harmless:
                 said_regather = True
                 table.add_row(T(""), T(name), T(va), T(vb), T("~", "dim"))

@@ -342,23 +342,31 @@ def _per_step_table(r: DiffResult) -> Table:
     return t
 
 
+def _loss_text(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.9g}" if isinstance(v, float) else str(v)
+
+
 def _loss_table(r: DiffResult) -> Table:
     loss = r.loss
     t = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     t.add_column("", no_wrap=True)
     rows = loss.steps
     other = any(s.shown(r.ranks_compared, loss.rank)[0] != loss.rank for s in rows)
-    t.add_column("step", justify="right")
+    t.add_column("step", justify="right", no_wrap=True, min_width=4)
     if other:  # a step whose loss differs on another rank only: that rank is shown
         t.add_column("rank", justify="right")
-    t.add_column("A", justify="right", no_wrap=True)
-    t.add_column("B", justify="right", no_wrap=True)
-    t.add_column("(B-A)/|A|", justify="right", no_wrap=True)
-    t.add_column("bitwise", no_wrap=True)
+    # values to 9 significant digits (every float32 told apart; the bitwise column and the
+    # relative difference say the rest): the table fits an 80-column CI log without cutting
+    t.add_column("A", justify="right", overflow="fold")
+    t.add_column("B", justify="right", overflow="fold")
+    t.add_column("(B-A)/|A|", justify="right", overflow="fold")
+    t.add_column("bitwise", overflow="fold")
     totals = any(s.a_total is not None or s.b_total is not None for s in rows)
     if totals:  # the global loss a trainer such as torchtitan logs: the ranks' shares summed
-        t.add_column("A all ranks", justify="right", no_wrap=True)
-        t.add_column("B all ranks", justify="right", no_wrap=True)
+        t.add_column("A total", justify="right", overflow="fold")
+        t.add_column("B total", justify="right", overflow="fold")
     focus = next((i for i, s in enumerate(rows) if s.step == loss.first_divergent_step), None)
     for i in _window(len(rows), focus, MAX_STEP_ROWS):
         if i is None:
@@ -377,12 +385,18 @@ def _loss_table(r: DiffResult) -> Table:
         t.add_row(T(">" if first else ""), T(s.step),
                   *([T(shown_rank if shown_rank == loss.rank else f"{shown_rank}*")]
                     if other else []),
-                  T(repr(a) if a is not None else "-"), T(repr(b) if b is not None else "-"),
+                  T(_loss_text(a)), T(_loss_text(b)),
                   T("0" if delta == 0 else f"{delta:.2g}" if delta is not None else "-"),
                   T(eq), *extra, style=style)
+    notes = []
+    if totals:
+        notes.append("total: all ranks' losses summed (the global loss a trainer such as "
+                     "torchtitan logs)")
     if other:
-        t.caption = (f"* rank {loss.rank}'s loss is equal at that step: the first rank whose "
+        notes.append(f"* rank {loss.rank}'s loss is equal at that step: the first rank whose "
                      "loss differs is shown")
+    if notes:
+        t.caption = "\n".join(notes)
         t.caption_justify = "left"
     return t
 

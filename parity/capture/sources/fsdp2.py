@@ -96,10 +96,15 @@ class FSDP2Recorder(ManifestSource):
 
     # ------------------------------------------------------------------ install / uninstall
     def ready(self) -> bool:
-        """Imported to the end: a post-import callback runs while the module still initializes
-        (then the first forward asks again, table.py)."""
+        """Imported to the end. A post-import callback runs right after the module's code, while
+        its spec still says ``_initializing``: then what is wrapped must be there (else
+        torch.compile and the first optimizer step ask again, session.py)."""
         mod = sys.modules.get(GROUP_MODULE)
-        return mod is not None and post_import.module_ready(mod)
+        if mod is None:
+            return False
+        return post_import.module_ready(mod) or all(
+            callable(getattr(mod, n, None))
+            for n in ("foreach_all_gather", "foreach_reduce", "FSDPParamGroup"))
 
     def install(self) -> str | None:
         """Wrap the collectives; the reason if FSDP2's internals moved."""

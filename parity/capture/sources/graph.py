@@ -45,7 +45,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from parity.capture.sources import graph_passes
+from parity.capture.sources import graph_bucketing, graph_passes, graph_walk
 from parity.capture.sources.graph_fqns import dynamo_input_fqns, graph_io_fqns, source_to_fqn
 from parity.capture.sources.graph_walk import extract_buckets, rs_payload_map
 from parity.capture.sources.manifest_source import ON_COMPILE, GraphRecord, ManifestSource
@@ -109,8 +109,12 @@ def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
         except Exception as e:  # never break compilation
             _warn_once(f"{type(e).__name__}: {e} (before {graph_kind} passes)")
         around = graph_passes.AroundCompiler(compiler, gm, graph_kind)  # jit: it IS the pass
-        result = compiler(gm, example_inputs, *args, **kwargs)
-        _emit(gm, graph_kind, comp, pre, around=around.counts(gm))
+        graph_bucketing.begin()  # inductor's bucketing passes, if they run in this compiler
+        try:
+            result = compiler(gm, example_inputs, *args, **kwargs)
+        finally:
+            bucketed = graph_bucketing.end()
+        _emit(gm, graph_kind, comp, pre, around=around.counts(gm), bucketed=bucketed)
         runtime = _state["runtime"]
         if runtime is not None and hasattr(gm, "graph"):
             result = runtime(gm, graph_kind, comp.graph_id, result)
@@ -135,7 +139,8 @@ def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
 
 
 def _emit(gm: Any, graph_kind: str, comp: _Compilation, pre: dict | None,
-          stage: str | None = None, around: dict | None = None) -> None:
+          stage: str | None = None, around: dict | None = None,
+          bucketed: list[dict] | None = None) -> None:
     on_graph = _state["on_graph"]
     if on_graph is None:
         return
@@ -161,6 +166,9 @@ def _emit(gm: Any, graph_kind: str, comp: _Compilation, pre: dict | None,
             for b in buckets:
                 b.stage = stage
             warnings = []  # said again, if still true, for the graph after the passes
+        else:  # after the passes: the figures AutoParallel reports (graph_walk, graph_bucketing)
+            graph_walk.graph_figures(gm, buckets)
+            graph_bucketing.attach(bucketed or [], buckets)
         record = GraphRecord(graph_kind, comp.graph_id, buckets, warnings)
     except Exception as e:
         _warn_once(f"{type(e).__name__}: {e} (reading the {graph_kind} graph)")
@@ -229,6 +237,7 @@ def install(on_graph: OnGraph, *, disable_caches: bool = True,
         _state["on_graph"] = on_graph
         if _state["patches"]:
             return None
+        graph_bucketing.install()
         try:
             import torch._dynamo.backends.common as dynamo_common
             import torch._functorch.aot_autograd as aot_autograd
@@ -292,6 +301,7 @@ def set_runtime_hook(hook: Callable[[Any, str, int, Any], Any] | None) -> str | 
 def uninstall() -> None:
     """Restore every patched attribute and config value; stop calling the callback."""
     with _lock:
+        graph_bucketing.uninstall()
         for module, attr, original in reversed(_state["patches"]):
             setattr(module, attr, original)
         _state["patches"] = []

@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from parity.capture.sources import graph, graph_passes, graph_walk
+from parity.capture.sources import graph, graph_flat, graph_passes, graph_walk
 from parity.capture.sources.manifest_source import GraphRecord, ManifestSource
 from parity.capture.names import normalize_fqn
 from parity.records import SOURCE_GRAPH, BucketRecord
@@ -75,19 +75,21 @@ def split_joint(gm: Any, buckets: list[BucketRecord]) -> None:
     """Label each bucket of a joint graph ``forward`` or ``backward`` (in place), by its node's
     phase (graph_walk.JointPhase)."""
     phase_of = graph_walk.JointPhase()
-    where = {node.name: phase_of(node) for node in gm.graph.nodes}
+    where = {node.name: phase_of(node) for node in graph_flat.flatten(gm).graph.nodes}
     for b in buckets:
         b.graph = where.get(b.node, "backward" if b.collective == "reduce_scatter" else "forward")
 
 
 def reduce_scatter_targets(gm: Any, output_fqns: list[str | None], *,
-                           limit: int = 4096) -> dict[Any, str]:
-    """Each reduce-scatter's input chain -> the parameter whose gradient output it reaches.
+                           limit: int = 4096) -> dict[str, str]:
+    """Each reduce-scatter's input chain (node names) -> the parameter whose gradient output it
+    reaches.
 
     graph.py follows a reduce-scatter's result to the output through unary ops only; a joint
     graph accumulates some gradients first (chunked loss: lm_head's gradient is the sum of
     one reduce-scatter per chunk), so here every path forward is searched. Only an answer that
-    names exactly one parameter is kept."""
+    names exactly one parameter is kept. Reads the flat graph (graph_flat.py)."""
+    gm = graph_flat.flatten(gm)
     out_node = next((n for n in gm.graph.nodes if n.op == "output"), None)
     if out_node is None:
         return {}
@@ -95,7 +97,7 @@ def reduce_scatter_targets(gm: Any, output_fqns: list[str | None], *,
     position: dict[Any, list[int]] = {}
     for i, o in enumerate(outs):
         position.setdefault(o, []).append(i)
-    mapping: dict[Any, str] = {}
+    mapping: dict[str, str] = {}
     for node in gm.graph.nodes:
         if graph_walk.op_name(node) not in graph_walk.RS_OPS:
             continue
@@ -116,7 +118,7 @@ def reduce_scatter_targets(gm: Any, output_fqns: list[str | None], *,
             for cur in graph_walk.walk_back(node.args[0]):
                 if cur.op == "placeholder":
                     break
-                mapping.setdefault(cur, fqn)
+                mapping.setdefault(cur.name, fqn)
     return mapping
 
 
@@ -142,6 +144,8 @@ def _record(traced: Any, module: Any, stage: str, pre: dict | None,
     buckets = graph_walk.extract_buckets(gm, inputs, outputs, "joint", graph_id=graph_id,
                                          warnings=warnings, rs_payload_fqns=rs_map)
     split_joint(gm, buckets)
+    if stage == "after_passes":
+        graph_walk.graph_figures(gm, buckets)  # AutoParallel's figure on the graph that runs
     for b in buckets:
         b.stage = stage
         b.trace = "make_fx"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from parity.capture.sources import graph_walk
+from parity.capture.sources import graph_flat, graph_walk
 
 
 def pass_name(fn: Any) -> str:
@@ -30,7 +30,7 @@ def count_collectives(gm: Any, graph_phase: str | None = None) -> dict[str, int]
     or in a forward or backward graph (``graph_phase``: aot_autograd's partitioned graphs)."""
     out: dict[str, int] = {}
     phase_of = graph_walk.JointPhase()
-    for node in gm.graph.nodes:
+    for node in graph_flat.flat_nodes(gm):  # collectives nested in subgraphs too
         phase = phase_of(node)  # asked of every node: a backward node turns the phase
         found = graph_walk.collective_kind(graph_walk.op_name(node))
         if found is None:

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from parity.capture.names import PROPERTY_MODULE, node_module
+from parity.capture.sources.graph_flat import NESTED, flatten
 from parity.comm_ops import COMM_NAMESPACES
-from parity.records import (SOURCE_GRAPH, BucketEntry, BucketRecord, common_module, common_prefix,
-                            dtype_name)
+from parity.records import (ABSENT, SOURCE_GRAPH, BucketEntry, BucketRecord, common_module,
+                            common_prefix, dtype_name)
 
 
 AG_OPS = ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out")
@@ -284,15 +285,17 @@ def _group_size(arg: Any) -> int:
         raise TypeError(f"cannot read group_size from {arg!r}") from None
 
 
-def rs_payload_map(gm: Any, output_fqns: list[str | None]) -> dict[Any, str]:
-    """Before passes: map each per-parameter reduce-scatter's input chain -> FQN.
+def rs_payload_map(gm: Any, output_fqns: list[str | None]) -> dict[str, str]:
+    """Before passes: map each per-parameter reduce-scatter's input chain (node names) -> FQN.
 
     After bucketing, the merged reduce-scatter's input list still references
     these nodes, which tells us whose gradient each payload really is (the
-    output split tells where the reduced slice is written).
+    output split tells where the reduced slice is written). Keyed by name: the
+    flat copy of the graph after the passes (graph_flat.py) has other node
+    objects with the same names.
     """
-    mapping: dict[Any, str] = {}
-    for node in gm.graph.nodes:
+    mapping: dict[str, str] = {}
+    for node in flatten(gm).graph.nodes:
         if op_name(node) not in RS_OPS:
             continue
         pos = _output_position(node)
@@ -302,7 +305,7 @@ def rs_payload_map(gm: Any, output_fqns: list[str | None]) -> dict[Any, str]:
         for cur in walk_back(node.args[0]):
             if cur.op == "placeholder":
                 break
-            mapping.setdefault(cur, fqn)
+            mapping.setdefault(cur.name, fqn)
     return mapping
 
 
@@ -314,9 +317,10 @@ def extract_buckets(
     *,
     graph_id: int = 0,
     warnings: list[str] | None = None,
-    rs_payload_fqns: dict[Any, str] | None = None,
+    rs_payload_fqns: dict[str, str] | None = None,
 ) -> list[BucketRecord]:
-    """Every all-gather and reduce-scatter of ``gm`` in node order, as manifest buckets.
+    """Every all-gather and reduce-scatter of ``gm`` in node order, as manifest buckets, those a
+    pass nested in higher-order-op subgraphs included (the walk reads graph_flat.flatten(gm)).
 
     ``input_fqns[i]`` is the parameter behind the i-th placeholder,
     ``output_fqns[j]`` the parameter whose gradient is the j-th output (None
@@ -336,6 +340,7 @@ def extract_buckets(
     was issued under (:func:`_bucket_module`).
     """
     warnings = warnings if warnings is not None else []
+    gm = flatten(gm)
     places = _NodePlaces.of(gm)
     names = _PayloadNames.of(gm, input_fqns, output_fqns, rs_payload_fqns)
     counters = {"all_gather": 0, "reduce_scatter": 0}
@@ -350,6 +355,56 @@ def extract_buckets(
         buckets.append(_bucket(node, kind, coalesced, index, graph_kind, graph_id, places, names,
                                warnings))
     return buckets
+
+
+def max_consec_compute_between_rs(gm: Any) -> int:
+    """AutoParallel's ``_max_consec_compute_between_rs`` (meta-pytorch/autoparallel,
+    ``autoparallel/graph_passes/auto_bucketing.py``, a54c252; the regression figure of #481) on the
+    flat graph (graph_flat.py): the longest run of compute nodes not interrupted by a
+    reduce-scatter, walking call_function nodes in order. A compute node is torch's
+    ``overlap_scheduling.is_compute_node``: its target has a FLOP formula in
+    ``torch.utils.flop_counter.flop_registry`` (matmuls, convolutions, attention; torch 2.13
+    ``_get_flop_registry_key``, reproduced here: importing the scheduler costs seconds); a
+    reduce-scatter is a target whose name says ``reduce_scatter`` and not ``wait``.
+
+    AutoParallel computes it on the graph its overlap scheduler returns, before inductor wraps
+    nodes in ``control_deps``; the flat graph is that graph again (each wrapper replaced by the
+    node it holds), so the figure is AutoParallel's on overlap-scheduled graphs too. It counts
+    matmul-like nodes only, where parity's ``compute_before`` counts every non-plumbing op."""
+    from torch.utils.flop_counter import flop_registry
+
+    max_run = cur = 0
+    for n in flatten(gm).graph.nodes:
+        if n.op != "call_function":
+            continue
+        target = n.target
+        key = getattr(target, "overloadpacket", None)
+        if key in flop_registry or (key is None and _hashable(target) and target in flop_registry):
+            cur += 1
+            max_run = max(max_run, cur)
+        elif "reduce_scatter" in str(target) and "wait" not in str(target):
+            cur = 0
+    return max_run
+
+
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+def graph_figures(gm: Any, buckets: list[BucketRecord]) -> None:
+    """The figures of a graph after its passes, on its reduce-scatter records (in place):
+    AutoParallel's ``max_consec_compute_between_rs`` (see above); none without a
+    reduce-scatter."""
+    rs = [b for b in buckets if b.collective == "reduce_scatter"]
+    if not rs:
+        return
+    value = max_consec_compute_between_rs(gm)
+    for b in rs:
+        b.extra["max_consec_compute_between_rs"] = value
 
 
 def collective_kind(name: str) -> tuple[str, bool] | None:
@@ -408,11 +463,11 @@ class _PayloadNames:
 
     placeholder_fqn: dict[Any, str | None]
     output_fqns: list[str | None]
-    rs_payload_fqns: dict[Any, str] | None
+    rs_payload_fqns: dict[str, str] | None  # node name -> FQN (rs_payload_map)
 
     @classmethod
     def of(cls, gm: Any, input_fqns: list[str | None], output_fqns: list[str | None],
-           rs_payload_fqns: dict[Any, str] | None) -> "_PayloadNames":
+           rs_payload_fqns: dict[str, str] | None) -> "_PayloadNames":
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         return cls({n: (input_fqns[i] if i < len(input_fqns) else None)
                     for i, n in enumerate(placeholders)}, output_fqns, rs_payload_fqns)
@@ -428,8 +483,8 @@ class _PayloadNames:
         if not self.rs_payload_fqns:
             return None
         for cur in walk_back(piece):
-            if cur in self.rs_payload_fqns:
-                return self.rs_payload_fqns[cur]
+            if cur.name in self.rs_payload_fqns:
+                return self.rs_payload_fqns[cur.name]
         return None
 
 
@@ -447,12 +502,16 @@ def _bucket(node: Any, kind: str, coalesced: bool, index: int, graph_kind: str, 
     bucket_dtype, total = _bucket_total(node, kind, coalesced, pieces, entries, offset,
                                         world_size, label, warnings)
     _check_from_node(node, entries, label, warnings)
+    extra = {}
+    if node.meta.get(NESTED):  # inside a control-flow subgraph (cond, while_loop, ...)
+        extra["nested"] = node.meta[NESTED]
     return BucketRecord(
         SOURCE_GRAPH, kind, index, entries, graph=graph_kind, graph_id=graph_id, node=node.name,
         group=common_module([e.fqn for e in entries]),
         dtype=dtype_name(bucket_dtype) if bucket_dtype is not None else "",
         world_size=world_size, total_bytes=total, position=places.position[node],
-        compute_before=places.compute_before[node], module=_bucket_module(own, entries))
+        compute_before=places.compute_before[node], extra=extra, module=_bucket_module(
+            None if kind == "reduce_scatter" and any(e.fqn for e in entries) else own, entries))
 
 
 def _payloads(node: Any, coalesced: bool, warnings: list[str]
@@ -517,17 +576,44 @@ def _entries(node: Any, kind: str, pieces: list[Any], dtypes: list[Any] | None, 
         else:
             numel, fqn, shape = _reduced(piece, val, outs[i], world_size, offset, label, names,
                                          warnings)
-            # the module whose backward produced the gradient
-            module = next((node_module(c) for c in walk_back(piece) if is_compute(c)), None)
+            # A parameter's gradient is reduced for the module that owns the parameter. The
+            # backward nodes' module annotations are not evidence of anything else: AutoParallel's
+            # graphs carry the first module's ``fwd_nn_module_stack`` on every backward node.
+            # Another payload (an activation's gradient): the module whose backward produced it.
+            module = (fqn.rsplit(".", 1)[0] if "." in fqn else "") if fqn else next(
+                (node_module(c) for c in walk_back(piece) if is_compute(c)), None)
         size = numel * dtype.itemsize
-        if fqn is None:
-            warnings.append(f"{label}: payload {i} at offset {offset} not traced to a parameter")
-        entries.append(BucketEntry(
-            fqn, offset, size, numel, dtype_name(dtype), shape,
-            module=(module if module and module != PROPERTY_MODULE else None)
-            or (own if len(pieces) == 1 else None)))
+        payload = None if fqn is not None else _payload_class(piece, dtype)
+        if payload is None and fqn is None:  # a parameter input whose name is not known
+            warnings.append(f"{label}: payload {i} at offset {offset} is a parameter input "
+                            "whose name is not known")
+            payload = "activation"
+        if not (kind == "reduce_scatter" and fqn):
+            module = (module if module and module != PROPERTY_MODULE else None) or (
+                own if len(pieces) == 1 else None)
+        entries.append(BucketEntry(fqn, offset, size, numel, dtype_name(dtype), shape,
+                                   module=module,
+                                   payload=payload if payload is not None else ABSENT))
         offset += size
     return entries, offset
+
+
+def _payload_class(piece: Any, dtype: Any) -> str | None:
+    """What a payload that is no known parameter is: ``"token"`` (integer or bool data: token
+    ids, sizes, flags), ``"activation"`` (computed in the graph, a user input, a tangent, or a
+    gradient of one of them); None for a graph input that aot_autograd describes as a parameter
+    (``ParamAOTInput``) while its name is unknown: a naming failure, said as a warning."""
+    if not (getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False)):
+        return "token"
+    ph = _placeholder_of(piece)
+    desc = ph.meta.get("desc") if ph is not None else None
+    for _ in range(16):
+        if desc is None:
+            break
+        if type(desc).__name__ == "ParamAOTInput":
+            return None
+        desc = getattr(desc, "base", None)
+    return "activation"
 
 
 def _gathered(piece: Any, val: Any, names: _PayloadNames) -> tuple[int, str | None, list]:

@@ -11,8 +11,8 @@ listed once in capture/sources/registry.py; session.py keeps one table of them a
 [Note: when a source installs]
 A source names its ``trigger``: a module whose import installs it (the session registers a
 post-import callback; a source whose module was only half-imported then says ``ready() ->
-False`` and is asked again, FSDP2 at the first forward), or :data:`ON_COMPILE`, the trainer's
-first ``torch.compile`` call (patches.py: earlier, aot_autograd may be half-imported). Every
+False`` and is asked again at ``torch.compile`` and at the first optimizer step), or
+:data:`ON_COMPILE`, the trainer's first ``torch.compile`` call (patches.py: earlier, aot_autograd may be half-imported). Every
 source is installed at most once per session; a reason returned by ``install`` becomes one
 capture warning ``"<unavailable>: <reason>"`` (meta.json ``capture.warnings``) and the source
 is not listed in ``capture.manifests``.

@@ -1,0 +1,229 @@
+"""Collectives nested in higher-order-op subgraphs, and AutoParallel's figures (issue 31), on
+graphs made by torch itself on CPU (a fake process group: one process, no job):
+
+* torch's overlap scheduler (``schedule_overlap_bucketing(insert_overlap_deps=True)``, the pass
+  AutoParallel's backend turns on) wraps collectives, waits and matmuls in ``control_deps``
+  subgraphs: the manifests, counts and payload classes see every collective an independent
+  walk of every subgraph finds, traced to the same parameters as without the wrappers;
+* the flat graph is the scheduled graph (the same ops in the same order), so AutoParallel's
+  ``_max_consec_compute_between_rs`` computed on it equals AutoParallel's own definition on the
+  graph before the wrappers (the top-level walk sees no reduce-scatter and no matmul at all);
+* ``invoke_subgraph`` is inlined and a ``cond`` branch's collective is found and labelled;
+* the span at bucketing is AutoParallel's: ranks in the graph the bucketing pass received.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from parity.capture.sources import graph_bucketing, graph_flat, graph_passes, graph_walk  # noqa: E402
+
+D = 64
+PARAMS = [f"layers.{i}.weight" for i in range(4)]
+INPUT_FQNS = [None, None, *PARAMS]  # x, tokens, then the four weight shards
+OUTPUT_FQNS = [None, *PARAMS]  # the loss, then each weight's reduced gradient
+
+
+@pytest.fixture(scope="module")
+def group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield dist.group.WORLD.group_name
+    if created:
+        dist.destroy_process_group()
+
+
+def _step_graph(group: str):
+    """A SimpleFSDP-like joint step: an int64 token all-gather, one all-gather per weight
+    shard, an activation all-gather, and a reduce-scatter per weight gradient."""
+    ag = torch.ops._c10d_functional.all_gather_into_tensor
+    rs = torch.ops._c10d_functional.reduce_scatter_tensor
+    wait = torch.ops._c10d_functional.wait_tensor
+
+    def step(x, tokens, *shards):
+        tok = wait(ag(tokens, 2, group))
+        h, fulls = x, []
+        for s in shards:
+            full = wait(ag(s, 2, group))
+            fulls.append(full)
+            h = torch.relu(h @ full.t())
+        act = wait(ag(h, 2, group))
+        loss = act.sum() + tok.float().sum() * 0
+        grads = torch.autograd.grad(loss, fulls)
+        return [loss] + [wait(rs(g.contiguous(), "avg", 2, group)) for g in grads]
+
+    torch.manual_seed(0)
+    shards = [torch.randn(D // 2, D, requires_grad=True) for _ in range(4)]
+    return make_fx(step, tracing_mode="fake")(torch.randn(8, D), torch.randint(0, 9, (8,)),
+                                               *shards)
+
+
+def _scheduled(group: str, deps: bool, monkeypatch):
+    """torch's overlap scheduler on CPU (analytical estimates, fixed bandwidth: its GPU queries
+    need a driver), with or without the control_deps wrappers."""
+    import torch.utils._runtime_estimation as estimation
+    from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
+
+    monkeypatch.setattr(estimation, "get_gpu_dram_gbps", lambda: 2000, raising=False)
+    monkeypatch.setattr(estimation, "get_device_tflops", lambda dtype: 100.0, raising=False)
+    return schedule_overlap_bucketing(
+        _step_graph(group), insert_overlap_deps=deps, collective_bucketing=True,
+        compute_estimator="analytical", collective_estimator="analytical")
+
+
+def _every_collective(gm) -> collections.Counter:
+    """Independent count: every collective call in the graph and in every submodule graph."""
+    kinds = collections.Counter()
+    for _, mod in gm.named_modules():
+        for node in getattr(getattr(mod, "graph", None), "nodes", ()):
+            found = graph_walk.collective_kind(graph_walk.op_name(node))
+            if found is not None:
+                kinds[found[0]] += 1
+    return kinds
+
+
+def _ap_max_consec_compute_between_rs(graph) -> int:
+    """AutoParallel's definition, as written in autoparallel/graph_passes/auto_bucketing.py
+    (a54c252), with torch's own is_compute_node."""
+    from torch._inductor.fx_passes.overlap_scheduling import is_compute_node
+
+    max_run = cur = 0
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        target = str(n.target)
+        if is_compute_node(n):
+            cur += 1
+            max_run = max(max_run, cur)
+        elif "reduce_scatter" in target and "wait" not in target:
+            cur = 0
+    return max_run
+
+
+def test_control_deps_collectives_are_recorded(group, monkeypatch):
+    gm = _scheduled(group, True, monkeypatch)
+    top = [graph_flat.hop_name(n) for n in gm.graph.nodes]
+    assert "control_deps" in top  # torch's pass nested nodes
+    independent = _every_collective(gm)
+    on_top = collections.Counter(graph_walk.collective_kind(graph_walk.op_name(n))[0]
+                                 for n in gm.graph.nodes
+                                 if graph_walk.collective_kind(graph_walk.op_name(n)))
+    assert sum(on_top.values()) < sum(independent.values())  # a flat walk would miss some
+
+    warnings: list[str] = []
+    buckets = graph_walk.extract_buckets(gm, INPUT_FQNS, OUTPUT_FQNS, "joint", warnings=warnings)
+    assert collections.Counter(b.collective for b in buckets) == independent
+    counted = graph_passes.count_collectives(gm, "joint")
+    assert {k.split("/")[0]: v for k, v in counted.items()} == dict(independent)
+    assert warnings == []
+    by_params = {b.collective: [e.fqn for e in b.entries] for b in buckets
+                 if any(e.fqn for e in b.entries)}
+    assert sorted(by_params["all_gather"]) == PARAMS
+    assert sorted(by_params["reduce_scatter"]) == PARAMS
+    others = sorted((b.collective, e.dtype, e.payload) for b in buckets for e in b.entries
+                    if e.fqn is None)
+    assert others == [("all_gather", "float32", "activation"), ("all_gather", "int64", "token"),
+                      ("reduce_scatter", "float32", "activation")]
+    for b in buckets:  # a parameter's reduce-scatter is issued for the module that owns it
+        if b.collective == "reduce_scatter" and b.entries[0].fqn:
+            assert [e.module for e in b.entries] == [f.rsplit(".", 1)[0] for f in
+                                                     (e.fqn for e in b.entries)]
+
+
+def test_flat_graph_is_the_scheduled_graph(group, monkeypatch):
+    plain = _scheduled(group, False, monkeypatch)
+    wrapped = _scheduled(group, True, monkeypatch)
+    ops = [graph_walk.op_name(n) for n in plain.graph.nodes if n.op == "call_function"]
+    flat = graph_flat.flatten(wrapped)
+    assert [graph_walk.op_name(n) for n in flat.graph.nodes if n.op == "call_function"] == ops
+    expected = _ap_max_consec_compute_between_rs(plain.graph)
+    assert expected > 0
+    assert graph_walk.max_consec_compute_between_rs(wrapped) == expected
+    # AutoParallel's walk of the wrapped graph's top level finds no matmul and no reduce-scatter
+    assert _ap_max_consec_compute_between_rs(wrapped.graph) == 0
+    # the records of the wrapped graph are those of the plain one
+    key = [(b.collective, b.total_bytes, [e.fqn for e in b.entries], b.node)
+           for b in graph_walk.extract_buckets(plain, INPUT_FQNS, OUTPUT_FQNS, "joint")]
+    assert [(b.collective, b.total_bytes, [e.fqn for e in b.entries], b.node)
+            for b in graph_walk.extract_buckets(wrapped, INPUT_FQNS, OUTPUT_FQNS, "joint")] == key
+
+
+def test_invoke_subgraph_inlined_and_cond_branch_found(group):
+    ag = torch.ops._c10d_functional.all_gather_into_tensor
+    wait = torch.ops._c10d_functional.wait_tensor
+
+    def gather(w):
+        return (wait(ag(w, 2, group)),)
+
+    def f(x, w, w2):
+        full, = torch.ops.higher_order.invoke_subgraph(make_fx(gather)(w), "gather_0", w)
+        h = x @ full.t()
+        return torch.cond(h.sum() > 0,
+                          lambda a, b: (wait(ag(b, 2, group)).sum() + a).clone(),
+                          lambda a, b: a.clone(), (h, w2))
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 8), torch.randn(2, 8), torch.randn(2, 8))
+    assert {graph_flat.hop_name(n) for n in gm.graph.nodes} >= {"invoke_subgraph", "cond"}
+    warnings: list[str] = []
+    buckets = graph_walk.extract_buckets(gm, ["x", "w", "w2"], [None], "forward",
+                                         warnings=warnings)
+    assert [(e.fqn, b.extra.get("nested")) for b in buckets for e in b.entries] == [
+        ("w", None), ("w2", "cond true_graph_0")]
+    assert warnings == []
+    names = [n.name for n in graph_flat.flatten(gm).graph.nodes]
+    assert names[:3] == ["x_1", "w_1", "w2_1"] and "mm" in names  # top-level names kept
+
+
+def test_span_at_bucketing_is_autoparallels(group):
+    """Spans measured by wrapping inductor's FSDP bucketing passes equal AutoParallel's
+    definition computed from torch's own greedy buckets on the same graph."""
+    from torch._inductor.fx_passes import bucketing, fsdp
+
+    reference = _step_graph(group)
+    ranks = {n.name: i for i, n in enumerate(reference.graph.nodes)}
+    cap = lambda _: 0.04  # noqa: E731 - 40 kB: two 16 kB all-gathers a bucket, two buckets
+    planned = bucketing.bucket_all_gather_by_mb(reference, cap,
+                                                filter_wait_node=fsdp.is_fsdp_all_gather_wait)
+    expected = [ranks[b[-1].name] - ranks[b[0].name] for b in planned if len(b) > 1]
+    assert expected
+
+    gm = _step_graph(group)
+    graph_bucketing.install()
+    try:
+        graph_bucketing.begin()
+        fsdp.bucket_fsdp_all_gather(gm, cap)
+        calls = graph_bucketing.end()
+    finally:
+        graph_bucketing.uninstall()
+    assert fsdp.bucket_fsdp_all_gather.__name__ == "bucket_fsdp_all_gather"
+    assert not hasattr(fsdp.bucket_fsdp_all_gather, "_parity_original")  # restored
+    assert calls == [{"pass": "bucket_fsdp_all_gather", "collective": "all_gather",
+                      "spans": expected}]
+    buckets = graph_walk.extract_buckets(gm, INPUT_FQNS, OUTPUT_FQNS, "joint")
+    graph_bucketing.attach(calls, buckets)
+    ags = [b for b in buckets if b.collective == "all_gather"]
+    assert all(b.extra["spans_at_bucketing"]["spans"] == expected for b in ags)
+    assert not any("spans_at_bucketing" in b.extra for b in buckets
+                   if b.collective == "reduce_scatter")
+
+
+def test_reduce_scatter_attribution_follows_the_parameters(group):
+    """AutoParallel's backward nodes all carry the first module's ``fwd_nn_module_stack`` (seen
+    on its llama3: every reduce-scatter "issued under tok_embeddings"): a reduce-scatter of a
+    parameter's gradient is attributed to the module owning that parameter all the same."""
+    gm = _step_graph(group)
+    for node in gm.graph.nodes:
+        node.meta["fwd_nn_module_stack"] = {"tok": ("L['self'].tok_embeddings", object)}
+    buckets = graph_walk.extract_buckets(gm, INPUT_FQNS, OUTPUT_FQNS, "joint")
+    rs = [b for b in buckets if b.collective == "reduce_scatter" and b.entries[0].fqn]
+    assert rs and all(b.module == b.entries[0].fqn.rsplit(".", 1)[0] for b in rs)
+    assert all(e.module == e.fqn.rsplit(".", 1)[0] for b in rs for e in b.entries)
