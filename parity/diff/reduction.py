@@ -48,16 +48,16 @@ from __future__ import annotations
 import functools
 import math
 import re
+from itertools import chain, compress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from parity.diff.buckets import (A_PREFERS, B_PREFERS, SEVERITY, Bucket, BucketPair, Layout,
                                  align_buckets, compare_layouts, eager_for, side_by_side)
-from parity.diff.reduction_count import ChunkOrders, Orders, count_at_risk
-from parity.diff.reduction_steps import (annotate_buckets, change_steps, group_size_of,
-                                         infer_ops, layouts_at, one_sided_all_reduces, op_of,
-                                         paired_all_reduces,
+from parity.diff.reduction_count import ChunkOrders, Orders, RiskCount, channel_map
+from parity.diff.reduction_steps import (annotate_buckets, group_size_of, infer_ops, layouts_at,
+                                         one_sided_all_reduces, op_of, paired_all_reduces,
                                          signature, step_of)
 from parity.errors import ParityError
 from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, parse_topology
@@ -69,9 +69,9 @@ if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of eq
 
 SAME, DIFFERS, UNKNOWN = "same", "differs", "unknown"
 RS, AR = "reduce_scatter", "all_reduce"
-ONE_SIDED_AR = ("only {side} recorded all-reduce buckets{what} (the other side's, if any, ran where "
-                "no manifest source sees them: a functional collective run eagerly, a C++ hook): "
-                "not compared")
+ONE_SIDED_AR = ("only {side} recorded all-reduce buckets{what} (the other side's, if any, ran "
+                "where no manifest source sees them: a functional collective run eagerly, a C++ "
+                "hook): not compared")
 HSDP_REPLICATE = "fsdp2 replicate"  # c10d_allreduce.py: FSDP2's all-reduce of a shard row
 MAX_STEPS = 32  # steps whose layouts are compared and predicted (those where a manifest changed)
 BOUND = ("an upper bound: elements whose rank order of summation differs between A and B in "
@@ -105,15 +105,22 @@ class Plan:
     model: str = MODEL
     assumptions: tuple[str, ...] = ()
     rings: tuple[tuple[int, ...], ...] = ()  # the family's ring per channel, up to the last used
+    families: frozenset = field(default=frozenset(), compare=False)  # ``family``'s names
+    cmap: tuple = field(default=(), compare=False, repr=False)  # reduction_count.channel_map
+
+    def __post_init__(self):
+        if not self.families:
+            object.__setattr__(self, "families", frozenset(self.family.split("+")))
 
     def fits(self, cluster: list) -> bool:
         """Whether this scenario can run on ``cluster`` ([communicator channels, family names,
         rings]): the same channel count, a family in common, rings that agree channel by
         channel as far as both go (a larger collective uses more of the same rings)."""
         comm, names, rings = cluster
+        if self.comm_channels != comm or names.isdisjoint(self.families):
+            return False
         k = min(len(rings), len(self.rings))
-        return (self.comm_channels == comm and bool(names & set(self.family.split("+")))
-                and rings[:k] == self.rings[:k])
+        return rings[:k] == self.rings[:k]
 
 
 # ops whose result does not depend on the order of the additions: nothing to predict
@@ -146,16 +153,20 @@ def _plans(topo: Topology, kind: str, count: int, esize: int, op: str, env: tupl
     release, _, where = got.version.partition(" ")
     model = f"{MODEL}, NCCL {release} rules"
     said = (f"NCCL {release} {where.strip('()')}",) if where else ()
-    return tuple(Plan(s.protocol, s.family, s.comm_channels, s.nchannels,
-                      tuple(seg.lo for seg in s.segments), tuple(seg.order for seg in s.segments),
-                      model, said + tuple(s.assumptions) + tuple(got.notes), tuple(s.rings))
-                 for s in got.scenarios)
+    out = []
+    for s in got.scenarios:
+        starts = tuple(seg.lo for seg in s.segments)
+        orders = tuple(seg.order for seg in s.segments)
+        out.append(Plan(s.protocol, s.family, s.comm_channels, s.nchannels, starts, orders,
+                        model, said + tuple(s.assumptions) + tuple(got.notes), tuple(s.rings),
+                        cmap=channel_map(starts, orders, count)))
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------ the result
 
 
-@dataclass
+@dataclass(slots=True)
 class AtRisk:
     """One parameter whose gradient would be summed differently at the target topology."""
 
@@ -263,6 +274,10 @@ class Slot(NamedTuple):
 
 
 def _dims(shape) -> tuple[int, int] | None:
+    """(dim 0, elements per dim-0 row) of a global shape, None if it is not a list of ints."""
+    if type(shape) is list and len(shape) == 2 and type(shape[0]) is int and \
+            type(shape[1]) is int:  # the usual case, first: every parameter asks
+        return shape[0], shape[1]
     if not isinstance(shape, (list, tuple)) or not all(isinstance(s, int) for s in shape):
         return None
     if not shape:
@@ -324,7 +339,7 @@ def derive_layout(bucket: Bucket, shapes: dict[str, list[int]], world: int,
     return slots, off, esize
 
 
-@dataclass
+@dataclass(slots=True)
 class _Coll:
     """One collective of one side at the target: its group's topology, its buffer, and the
     ranks among which its payloads are sharded (``owners``: the group size for a
@@ -335,7 +350,6 @@ class _Coll:
     bucket: Bucket
     topo: Topology
     owners: int
-    slots: list[Slot]
     count: int
     esize: int
     op: str = "sum"
@@ -369,45 +383,230 @@ def _group_topo(topo: Topology, nodes: int, gpus: int) -> Topology:
                    nics=None, source=None)
 
 
-def _colls(kind: str, buckets: list[Bucket], topo: Topology, ctx: _Context, sub: bool
-           ) -> tuple[list[_Coll], dict[int, str]]:
-    """A side's collectives of ``kind`` at ``topo``, and per bucket index the reason one could
-    not be derived. ``sub``: the side's reduce-scatters ran on shard groups (HSDP). A coalesced
-    bucket is one collective per payload, in one NCCL group (``group``: the others' counts)."""
-    out, bad = [], {}
-    for b in buckets:
-        gw = group_size_of(b)
-        if getattr(b, "sparse", False):
-            bad[b.index] = ("a sparse gradient (DDP all-reduces it sparse): the model covers "
-                            "dense buffers")
-            continue
-        if kind == RS and sub:  # HSDP: shard groups of one node at the target (said)
-            gt, owners, n, check = _group_topo(topo, 1, topo.gpus), topo.gpus, topo.gpus, gw
-        elif kind == RS:
-            gt, owners, n, check = topo, topo.world, topo.world, ctx.capture_world
-        elif getattr(b, "module", None) == HSDP_REPLICATE:  # a shard row, over one rank a node
-            gt, owners, n = _group_topo(topo, topo.nodes, 1), topo.gpus, topo.gpus
-            check = (ctx.capture_world // gw) if ctx.capture_world and gw else None
-        elif gw in (None, ctx.capture_world) or not ctx.capture_world:
-            gt, owners, n, check = topo, 1, 1, 1  # whole tensors, over every rank
-        else:
-            bad[b.index] = (f"an all-reduce over {gw} of {ctx.capture_world} ranks (not HSDP's "
-                            "replicate group): which ranks it spans at the target is not known")
-            continue
-        got = derive_layout(b, ctx.shapes, n, check, ctx.dims_of)
+def _seg_sums(x: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For consecutive segments of ``x`` of lengths ``lens``: each element's exclusive prefix
+    sum within its segment, and each segment's total (empty segments allowed)."""
+    import numpy as np
+
+    before = np.zeros(x.size + 1, dtype=np.int64)
+    np.cumsum(x, out=before[1:])
+    ends = np.cumsum(lens)
+    base = before[ends - lens]
+    return before[:-1] - np.repeat(base, lens), before[ends] - base
+
+
+class _Derived(NamedTuple):
+    """:func:`derive_layout` of many buckets at once: per bucket the reason it is not derived
+    (None: derived), its per-rank count and element size; per entry of every bucket, in order,
+    its slot (offset, dim-0 rows per rank, elements per row, dim 0)."""
+
+    why: list
+    count: np.ndarray
+    esize: list
+    lens: np.ndarray
+    starts: np.ndarray
+    fqn: list
+    offset: np.ndarray
+    rows: np.ndarray
+    row: np.ndarray
+    dim0: np.ndarray
+
+
+def _derive_many(buckets: list[Bucket], worlds: list[int], checks: list, ctx: _Context
+                 ) -> _Derived:
+    """:func:`derive_layout` of every bucket (bucket i at ``worlds[i]`` ranks, checked at
+    ``checks[i]``), in numpy: the same answers. Why: a side holds hundreds of buckets and
+    thousands of payloads, and a prediction derives them all at every topology. A bucket that
+    fails any check is handed to :func:`derive_layout` itself, which says why."""
+    import numpy as np
+
+    nb = len(buckets)
+    ents = [b.entries for b in buckets]
+    lens = np.fromiter(map(len, ents), dtype=np.int64, count=nb)
+    flat = [e for es in ents for e in es]
+    fqn = [e.fqn for e in flat]
+    dims_of, shapes = ctx.dims_of, ctx.shapes
+    for f in set(fqn).difference(dims_of):
+        if f is not None:
+            sh = shapes.get(f)
+            dims_of[f] = (sh[0], sh[1]) if type(sh) is list and len(sh) == 2 and type(
+                sh[0]) is int and type(sh[1]) is int else _dims(sh)  # _dims' usual case inline
+    dims = [dims_of.get(f) for f in fqn]
+    which = np.repeat(np.arange(nb), lens)
+    bad = np.zeros(nb, dtype=bool)
+    if None in dims:  # a payload without a name or a global shape
+        bad[which[[i for i, x in enumerate(dims) if x is None]]] = True
+    d = np.fromiter(chain.from_iterable([x or (1, 1) for x in dims]), dtype=np.int64,
+                    count=2 * len(dims)).reshape(-1, 2)
+    dim0, row = d[:, 0], d[:, 1]
+    # one dtype per bucket: the bucket's, every payload's the same or unrecorded
+    bdt = [b.dtype for b in buckets]
+    esize = [_ITEMSIZE.get(x) if x else None for x in bdt]
+    bad |= np.array([x is None for x in esize], dtype=bool)
+    edt = [e.dtype for e in flat]
+    rep = [x for x, k in zip(bdt, lens.tolist()) for _ in range(k)]
+    if edt != rep:  # usually every payload's dtype is its bucket's
+        odd = [bool(x) and x != y for x, y in zip(edt, rep)]
+        bad |= np.bincount(which, weights=odd, minlength=nb) > 0
+    # the recorded offsets and sizes at the capture's group size
+    cw = np.array([c or 0 for c in checks], dtype=np.int64)
+    cwe = cw[which]
+    numel_cw = -(-dim0 // np.maximum(cwe, 1)) * row
+    excl, _ = _seg_sums(numel_cw, lens)
+    rn, ro = [e.numel for e in flat], [e.offset for e in flat]
+    if None in rn:  # not recorded: not checked
+        rn = [-1 if x is None else x for x in rn]
+    if None in ro:
+        ro = [-1 if x is None else x for x in ro]
+    rn, ro = np.array(rn, dtype=np.int64), np.array(ro, dtype=np.int64)
+    es = np.array([x or 0 for x in esize], dtype=np.int64)[which]
+    wrong = (cwe > 0) & (((rn >= 0) & (rn != numel_cw)) | ((ro >= 0) & (ro != excl * es)))
+    bad |= np.bincount(which, weights=wrong, minlength=nb) > 0
+    # at the target
+    rows = -(-dim0 // np.array(worlds, dtype=np.int64)[which])
+    offset, count = _seg_sums(rows * row, lens)
+    why: list = [None] * nb
+    starts = np.cumsum(lens) - lens
+    for i in np.flatnonzero(bad).tolist():
+        got = derive_layout(buckets[i], shapes, worlds[i], checks[i], dims_of)
         if isinstance(got, str):
-            bad[b.index] = got
+            why[i] = got
             continue
-        slots, count, esize = got
-        if getattr(b, "coalesced", False) and len(slots) > 1:
-            sizes = [x.rows * x.row for x in slots]
-            for k, x in enumerate(slots):
-                others = tuple(c for j, c in enumerate(sizes) if j != k)
-                out.append(_Coll(kind, (kind, b.index, k), b, gt, owners, [x._replace(offset=0)],
-                                 sizes[k], esize, op_of(b), others))
+        slots, count[i], esize[i] = got  # the checks above were stricter than needed
+        lo = starts[i]
+        for j, x in enumerate(slots):
+            offset[lo + j], rows[lo + j], row[lo + j], dim0[lo + j] = (x.offset, x.rows, x.row,
+                                                                       x.dim0)
+    return _Derived(why, count, esize, lens, starts, fqn, offset, rows, row, dim0)
+
+
+class _Side(NamedTuple):
+    """One side's collectives of one kind at the target and where each payload is: ``slot``
+    maps a parameter to a row of the per-row arrays (its occurrence in a skipped bucket
+    first, else the first derived one, else the first bucket holding it); per row: the
+    position of its bucket in ``buckets``, its collective in ``colls`` (-1: not derived), and
+    its slot."""
+
+    buckets: list[Bucket]
+    colls: list[_Coll]
+    bad: dict  # bucket index -> why its layout is not derived
+    slot: dict
+    bucket: np.ndarray
+    coll: np.ndarray
+    offset: np.ndarray
+    rows: np.ndarray
+    row: np.ndarray
+    dim0: np.ndarray
+
+
+def _side(kind: str, buckets: list[Bucket], skip: set, topo: Topology,
+          ctx: _Context, sub: bool) -> _Side:
+    """A side's collectives of ``kind`` at ``topo`` (buckets in ``skip`` are equal on both
+    sides and not derived), per bucket index the reason one could not be derived, and where
+    each payload is. ``sub``: the side's reduce-scatters ran on shard groups (HSDP). A
+    coalesced bucket is one collective per payload, in one NCCL group (``group``: the others'
+    counts)."""
+    import numpy as np
+
+    bad: dict[int, str] = {}
+    shard_topo = _group_topo(topo, 1, topo.gpus)
+    replicate_topo = _group_topo(topo, topo.nodes, 1)
+    cw = ctx.capture_world
+    sparse = [p for p, b in enumerate(buckets) if getattr(b, "sparse", False)
+              and b.index not in skip]
+    for p in sparse:
+        bad[buckets[p].index] = ("a sparse gradient (DDP all-reduces it sparse): the model "
+                                 "covers dense buffers")
+    pos_of = [p for p, b in enumerate(buckets) if b.index not in skip and b.index not in bad]
+    todo = [buckets[p] for p in pos_of]
+    if kind == RS:  # every bucket alike: the group's topology, owners and check
+        if sub:  # HSDP: shard groups of one node at the target (said)
+            gt, owners, n, checks = shard_topo, topo.gpus, topo.gpus, [
+                group_size_of(b) for b in todo]
+        else:
+            gt, owners, n, checks = topo, topo.world, topo.world, [cw] * len(todo)
+        worlds, tops, owners_of = [n] * len(todo), [gt] * len(todo), [owners] * len(todo)
+    else:
+        keep, worlds, checks, tops, owners_of = [], [], [], [], []
+        for p, b in zip(pos_of, todo):
+            gw = group_size_of(b)
+            if getattr(b, "module", None) == HSDP_REPLICATE:  # a shard row, one rank a node
+                gt, owners, n = replicate_topo, topo.gpus, topo.gpus
+                check = (cw // gw) if cw and gw else None
+            elif gw in (None, cw) or not cw:
+                gt, owners, n, check = topo, 1, 1, 1  # whole tensors, over every rank
+            else:
+                bad[b.index] = (f"an all-reduce over {gw} of {cw} ranks (not HSDP's replicate "
+                                "group): which ranks it spans at the target is not known")
+                continue
+            keep.append(p)
+            worlds.append(n)
+            checks.append(check)
+            tops.append(gt)
+            owners_of.append(owners)
+        pos_of = keep
+        todo = [buckets[p] for p in pos_of]
+    got = _derive_many(todo, worlds, checks, ctx)
+    lens, counts = got.lens.tolist(), got.count.tolist()
+    for b, why in zip(todo, got.why):
+        if why is not None:
+            bad[b.index] = why
+    colls: list[_Coll] = []
+    first = np.full(len(todo), -1, dtype=np.int64)  # per bucket of ``todo``: its collective
+    split = [i for i, b in enumerate(todo) if got.why[i] is None and lens[i] > 1
+             and getattr(b, "coalesced", False)]  # one collective per payload
+    if not split:  # the usual case, in one go
+        ok = [i for i, why in enumerate(got.why) if why is None]
+        colls = [_Coll(kind, (kind, todo[i].index), todo[i], tops[i], owners_of[i], counts[i],
+                       got.esize[i], op_of(todo[i])) for i in ok]
+        first[ok] = np.arange(len(ok))
+    for i, b in enumerate(todo if split else ()):
+        if got.why[i] is not None:
             continue
-        out.append(_Coll(kind, (kind, b.index), b, gt, owners, slots, count, esize, op_of(b)))
-    return out, bad
+        first[i] = len(colls)
+        if i in split:
+            lo = int(got.starts[i])
+            sizes = (got.rows[lo:lo + lens[i]] * got.row[lo:lo + lens[i]]).tolist()
+            for j in range(lens[i]):
+                others = tuple(c for m, c in enumerate(sizes) if m != j)
+                colls.append(_Coll(kind, (kind, b.index, j), b, tops[i], owners_of[i],
+                                   sizes[j], got.esize[i], op_of(b), others))
+            got.offset[lo:lo + lens[i]] = 0
+        else:
+            colls.append(_Coll(kind, (kind, b.index), b, tops[i], owners_of[i], counts[i],
+                               got.esize[i], op_of(b)))
+    coll_of = np.repeat(first, got.lens)  # per entry of ``todo``
+    for i in split:  # a coalesced bucket's payloads: its collectives in turn
+        lo = int(got.starts[i])
+        coll_of[lo:lo + lens[i]] += np.arange(lens[i])
+    derived = coll_of >= 0
+    # rows: skipped buckets' payloads, derived payloads, then the named payloads of buckets
+    # not derived (every other bucket's are derived payloads already)
+    skipped = [(p, b) for p, b in enumerate(buckets) if b.index in skip]
+    s_fqn = [f for _, b in skipped for f in b.fqns]
+    s_pos = [p for p, b in skipped for _ in b.entries]
+    d_fqn = got.fqn if derived.all() else [f for f, ok in zip(got.fqn, derived.tolist()) if ok]
+    d_pos = np.repeat(np.array(pos_of, dtype=np.int64), got.lens)[derived]
+    not_derived = [(p, b) for p, b in enumerate(buckets) if b.index in bad]
+    o_fqn = [f for _, b in not_derived for f in b.fqns if f]
+    o_pos = [p for p, b in not_derived for f in b.fqns if f]
+    ns, nd = len(s_fqn), len(d_fqn)
+    total = ns + nd + len(o_fqn)
+    rows = np.arange(total)
+    slot = dict(zip(reversed(o_fqn), reversed(rows[ns + nd:].tolist())))
+    slot.update(zip(reversed(d_fqn), reversed(rows[ns:ns + nd].tolist())))
+    slot.update(zip(reversed(s_fqn), reversed(rows[:ns].tolist())))
+    # one more row, last: where a parameter the side does not hold points (index -1)
+    zeros = np.zeros(ns, dtype=np.int64), np.zeros(len(o_fqn) + 1, dtype=np.int64)
+
+    def column(x):
+        return np.concatenate([zeros[0], x[derived], zeros[1]])
+
+    return _Side(buckets, colls, bad, slot,
+                 np.concatenate([np.array(s_pos, dtype=np.int64), d_pos,
+                                 np.array(o_pos + [-1], dtype=np.int64)]),
+                 np.concatenate([zeros[0] - 1, coll_of[derived], zeros[1] - 1]),
+                 column(got.offset), column(got.rows), column(got.row), column(got.dim0))
 
 
 # -------------------------------------------------------------------------- one step's answer
@@ -418,10 +617,11 @@ def _reduce_counts(kind: str, layout: Layout, ar: list[Bucket], eager: list[dict
     """fqn -> how many collectives of ``kind`` reduce its gradient on this side (buckets, plus
     eager DTensor collectives of it)."""
     out: dict[str, int] = {}
-    if kind == RS:
-        for b in layout.buckets.get(RS, []):
-            for f in dict.fromkeys(b.fqns):  # in payload order: the JSON order is deterministic
-                out[f] = layout.repeats.get((RS, f), 1)
+    if kind == RS:  # in payload order: the JSON order is deterministic
+        out = dict.fromkeys((e.fqn for b in layout.buckets.get(RS, []) for e in b.entries), 1)
+        for (k, f), n in layout.repeats.items():
+            if k == RS and f in out:
+                out[f] = n
     else:
         for b in ar:
             for f in dict.fromkeys(x for x in b.fqns if x):
@@ -441,7 +641,7 @@ class _StepAnswer:
     unpredicted: list = field(default_factory=list)
     unknown: list = field(default_factory=list)
     buckets: list = field(default_factory=list)
-    checked: set = field(default_factory=set)
+    checked: set = field(default_factory=set)  # parameters whose reduction layout differs
     kinds: set = field(default_factory=set)  # kinds of reduction either side recorded
     models: dict = field(default_factory=dict)  # the model's name per release used, in order
     assumptions: dict = field(default_factory=dict)  # every scenario's assumptions, in order
@@ -451,10 +651,20 @@ def _env_items(env) -> tuple:
     return tuple(sorted((str(k), str(v)) for k, v in (env or {}).items() if v is not None))
 
 
+def _twin_key(b: Bucket) -> tuple:
+    return len(b.entries), b.entries[0].fqn if b.entries else None, b.dtype, group_size_of(b)
+
+
 def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: list[Bucket],
                   topo: Topology, ctx: _Context, counts: tuple[dict, dict], step: int | None,
                   ans: _StepAnswer, assumptions: list[str]) -> None:
-    """One kind of reduction at one step and topology, into ``ans``."""
+    """One kind of reduction at one step and topology, into ``ans``. Per parameter (in
+    numpy, every parameter at once): skipped where its bucket is the same on both sides;
+    ``structure`` where the two sides reduce it with a different number of collectives or
+    in differently shaped slots; ``dtype``; unpredicted where a layout is not derived; else
+    counted (:func:`_count_entries`)."""
+    import numpy as np
+
     ba = la.buckets.get(RS, []) if kind == RS else ara
     bb = lb.buckets.get(RS, []) if kind == RS else arb
     na, nb = counts
@@ -466,25 +676,33 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
                                 "reason": ONE_SIDED_AR.format(side=ctx.ar_only,
                                                                    what=ctx.ar_what)})
         return
-    names = {id(b): tuple(b.fqns) for b in (*ba, *bb)}
-    # the op is left out: a compiled graph's is not recorded (reduction_order's assumptions)
-    by_b = {(names[id(b)], b.dtype, group_size_of(b)): b.index for b in bb}
-    same_bucket = {b.index: by_b.get((names[id(b)], b.dtype, group_size_of(b))) for b in ba}
-    first: dict[str, dict[str, int]] = {"a": {}, "b": {}}
-    for side, bs in (("a", ba), ("b", bb)):
-        for b in bs:
-            for f in names[id(b)]:
-                if f:
-                    first[side].setdefault(f, b.index)
+    # A's bucket -> B's with the same payloads, dtype and group size (the op is left out: a
+    # compiled graph's is not recorded: reduction_order's assumptions); the last such B bucket,
+    # names compared only where the count, first payload, dtype and group size agree
+    maybe: dict[tuple, list] = {}
+    for b in bb:
+        maybe.setdefault(_twin_key(b), []).append(b)
+    same_bucket: dict[int, int] = {}
+    for b in ba:
+        found = maybe.get(_twin_key(b))
+        if found:
+            names = b.fqns
+            for c in found:
+                if c.fqns == names:
+                    same_bucket[b.index] = c.index
     # buckets the same on both sides (same payloads, order, dtype, op) whose payloads are first
     # there on both sides cannot differ: their layouts are not derived
     skip: dict[str, set] = {"a": set(), "b": set()}
-    for b in ba:
-        j = same_bucket.get(b.index)
-        if j is not None and all(f and first["a"][f] == b.index and first["b"].get(f) == j
-                                 for f in names[id(b)]):
-            skip["a"].add(b.index)
-            skip["b"].add(j)
+    if same_bucket:
+        # the first bucket holding each parameter (reversed: the first occurrence is last)
+        first = {side: {f: b.index for b in reversed(bs) for f in reversed(b.fqns) if f}
+                 for side, bs in (("a", ba), ("b", bb))}
+        for b in ba:
+            j = same_bucket.get(b.index)
+            if j is not None and all(f and first["a"][f] == b.index and first["b"].get(f) == j
+                                     for f in b.fqns):
+                skip["a"].add(b.index)
+                skip["b"].add(j)
     sub = {"a": kind == RS and _hsdp(ba, ctx.capture_world),
            "b": kind == RS and _hsdp(bb, ctx.capture_world)}
     if sub["a"] or sub["b"] or any(getattr(b, "module", None) == HSDP_REPLICATE
@@ -494,69 +712,94 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
                 f"(all-reduce at {topo.nodes}x1)")
         if text not in assumptions:
             assumptions.append(text)
-    colls: dict[str, dict] = {}
-    slots: dict[str, dict] = {}
-    bad: dict[tuple, str] = {}
-    for side, bs in (("a", ba), ("b", bb)):
-        made, why = _colls(kind, [b for b in bs if b.index not in skip[side]], topo, ctx,
-                           sub[side])
-        colls[side] = {c.key: c for c in made}
-        bad.update({(side, i): r for i, r in why.items()})
-        sl: dict[str, tuple] = {}
-        for b in bs:
-            if b.index in skip[side]:
-                for f in names[id(b)]:
-                    sl.setdefault(f, (None, None, b))
-        for c in made:
-            for x in c.slots:
-                sl.setdefault(x.fqn, (x, c, c.bucket))
-        for b in bs:  # a bucket not derived: its payloads are known, their slots are not
-            for f in names[id(b)]:
-                if f:
-                    sl.setdefault(f, (None, None, b))
-        slots[side] = sl
+    A = _side(kind, ba, skip["a"], topo, ctx, sub["a"])
+    B = _side(kind, bb, skip["b"], topo, ctx, sub["b"])
+    params = list(dict.fromkeys([*na, *nb]))
+    if not params:
+        return
+    # per parameter: its row on each side (-1: the side holds it in no bucket)
+    ra = np.array([A.slot.get(f, -1) for f in params], dtype=np.int64)
+    rb = np.array([B.slot.get(f, -1) for f in params], dtype=np.int64)
+    index_a = np.array([b.index for b in ba] + [-1], dtype=np.int64)[A.bucket[ra]]
+    index_b = np.array([b.index for b in bb] + [-1], dtype=np.int64)[B.bucket[rb]]
+    twin = np.array([same_bucket.get(b.index, -2) for b in ba] + [-2],
+                    dtype=np.int64)[A.bucket[ra]]
+    cnt_a = np.array([na.get(f, -1) for f in params], dtype=np.int64)
+    cnt_b = np.array([nb.get(f, -1) for f in params], dtype=np.int64)
+    has = (ra >= 0) & (rb >= 0)
+    checked = ~(has & (twin == index_b) & (cnt_a == cnt_b))
+    ans.checked.update(compress(params, checked.tolist()))
+    structure = checked & (np.maximum(cnt_a, 0) != np.maximum(cnt_b, 0))
+    rest = checked & ~structure & has  # else reduced by eager collectives alike: not modelled
+    codes: dict = {}
+    dt_a = np.array([codes.setdefault(b.dtype, len(codes)) for b in ba] + [-1], dtype=np.int64)
+    dt_b = np.array([codes.setdefault(b.dtype, len(codes)) for b in bb] + [-1], dtype=np.int64)
+    dtype = rest & (dt_a[A.bucket[ra]] != dt_b[B.bucket[rb]])
+    rest &= ~dtype
+    ca, cb = A.coll[ra], B.coll[rb]
+    not_derived = rest & ((ca < 0) | (cb < 0))
+    rest &= ~not_derived
+    own_a = np.array([c.owners for c in A.colls] + [0], dtype=np.int64)[ca]
+    own_b = np.array([c.owners for c in B.colls] + [0], dtype=np.int64)[cb]
+    rows, row, dim0 = A.rows[ra], A.row[ra], A.dim0[ra]
+    shape = rest & ((rows != B.rows[rb]) | (row != B.row[rb]) | (own_a != own_b))
+    structure |= shape
+    rest &= ~shape
     said: set = set()
-    pending: dict[int, list] = {}  # owners -> entries
-    for f in dict.fromkeys([*na, *nb]):
-        sa, sb = slots["a"].get(f), slots["b"].get(f)
-        ia = sa[2].index if sa else None
-        ib = sb[2].index if sb else None
-        if ia is not None and ib is not None and same_bucket.get(ia) == ib \
-                and na.get(f) == nb.get(f):
-            continue
+    for i in np.flatnonzero(structure | dtype | not_derived).tolist():
+        f = params[i]
+        ia = int(index_a[i]) if index_a[i] >= 0 else None
+        ib = int(index_b[i]) if index_b[i] >= 0 else None
         where = {"collective": kind, "a": ia, "b": ib}
-        ans.checked.add((kind, f))
-        dims = ctx.dims_of[f] if f in ctx.dims_of else _dims(ctx.shapes.get(f))
-        numel = dims[0] * dims[1] if dims else 0
-        if na.get(f, 0) != nb.get(f, 0):
-            _keep_worst(ans, kind, AtRisk(f, numel, numel, where, "structure", step))
-            continue
-        if sa is None or sb is None:
-            continue  # reduced by eager collectives alike on both sides: not modelled here
-        if sa[2].dtype != sb[2].dtype:
-            _keep_worst(ans, kind, AtRisk(f, numel, numel, where, "dtype", step))
-            continue
-        why = bad.get(("a", ia)) or bad.get(("b", ib))
-        if why is not None or sa[0] is None or sb[0] is None:
+        if not_derived[i]:
             if (ia, ib) not in said:
                 said.add((ia, ib))
+                why = A.bad.get(ia) or B.bad.get(ib)
                 ans.unpredicted.append({**where, "step": step,
                                         "reason": why or "layout not derived"})
             continue
-        slot_a, slot_b, ca, cb = sa[0], sb[0], sa[1], sb[1]
-        if (slot_a.rows, slot_a.row) != (slot_b.rows, slot_b.row) or ca.owners != cb.owners:
-            _keep_worst(ans, kind, AtRisk(f, numel, numel, where, "structure", step))
-            continue
-        n = ca.owners
-        length = slot_a.rows * slot_a.row
-        # owners 0..full-1 hold whole shards (length elements), owner ``full`` holds ``part``
-        # real elements, the rest only padding
-        full = min(n, slot_a.dim0 // slot_a.rows) if slot_a.rows else 0
-        part = (slot_a.dim0 - full * slot_a.rows) * slot_a.row if full < n else 0
-        pending.setdefault(n, []).append((ca.key, cb.key, slot_a.offset, slot_b.offset, length,
-                                          full, part, (f, numel, where)))
-    for n, entries in pending.items():
-        _count_entries(kind, n, entries, colls, ctx, step, ans)
+        dims = ctx.dims_of[f] if f in ctx.dims_of else _dims(ctx.shapes.get(f))
+        numel = dims[0] * dims[1] if dims else 0
+        _keep_worst(ans, kind, AtRisk(f, numel, numel, where,
+                                      "dtype" if dtype[i] else "structure", step))
+    todo = np.flatnonzero(rest)
+    if not todo.size:
+        return
+    # owners 0..full-1 hold whole shards (length elements), owner ``full`` holds ``part`` real
+    # elements, the rest only padding
+    n = own_a[todo]
+    rows, row, dim0 = rows[todo], row[todo], dim0[todo]
+    full = np.where(rows > 0, np.minimum(n, dim0 // np.maximum(rows, 1)), 0)
+    part = np.where(full < n, (dim0 - full * rows) * row, 0)
+    entries = _Entries(ca[todo], cb[todo], A.offset[ra[todo]], B.offset[rb[todo]], rows * row,
+                       full, part, todo, index_a[todo], index_b[todo], dim0 * row)
+    groups, at = np.unique(n, return_index=True)
+    for g in groups[np.argsort(at)].tolist():  # per group size, in order of first use
+        sel = np.flatnonzero(n == g)
+        _count_entries(kind, g, entries if sel.size == n.size else entries.take(sel), A, B,
+                       params, ctx, step, ans)
+
+
+class _Entries(NamedTuple):
+    """Payloads to count, one group size: per payload its collective on each side (an index
+    into ``_Side.colls``), per-rank offsets, length per owner, owners holding whole shards
+    (``full``) and the real elements of the next one (``part``), the parameter (an index into
+    the step's parameter list), its bucket index on each side and its elements."""
+
+    ka: np.ndarray
+    kb: np.ndarray
+    oa: np.ndarray
+    ob: np.ndarray
+    length: np.ndarray
+    full: np.ndarray
+    part: np.ndarray
+    param: np.ndarray
+    ia: np.ndarray
+    ib: np.ndarray
+    numel: np.ndarray
+
+    def take(self, sel) -> _Entries:
+        return _Entries(*(x[sel] for x in self))
 
 
 def _keep_worst(ans: _StepAnswer, kind: str, x: AtRisk) -> None:
@@ -565,111 +808,190 @@ def _keep_worst(ans: _StepAnswer, kind: str, x: AtRisk) -> None:
         ans.at_risk[(kind, x.fqn)] = x
 
 
-def _count_entries(kind: str, n: int, entries: list, colls: dict, ctx: _Context,
-                   step: int | None, ans: _StepAnswer) -> None:
-    """Elements at risk of ``entries`` (one group size) over every scenario combination."""
+class _Classes(NamedTuple):
+    """One side's size classes: collectives of one size share one tuple of plans (and so every
+    channel map). ``of``: per collective its class (-1: not used; one more entry, last);
+    per class its plans (or why there are none) and its (count, element size, group)."""
+
+    of: np.ndarray
+    plans: list
+    size: list
+
+
+def _size_classes(kind: str, S: _Side, used: list, ctx: _Context, memo: dict, said: set,
+                  ans: _StepAnswer) -> _Classes:
+    """The size classes of the collectives ``used`` (in order of first use); the model is
+    asked once per size (``memo``) and what it assumed is said once (``said``), in order."""
     import numpy as np
 
-    involved = {"a": {}, "b": {}}
-    for e in entries:
-        involved["a"][e[0]] = colls["a"][e[0]]
-        involved["b"][e[1]] = colls["b"][e[1]]
-    got: dict[str, dict] = {"a": {}, "b": {}}
+    keys = [(id(c.topo), c.count, c.esize, c.op, c.group)
+            for c in map(S.colls.__getitem__, used)]
+    first: dict[tuple, int] = {}
+    for mk, k in zip(keys, used):
+        first.setdefault(mk, k)
+    index: dict[tuple, int] = {}  # (plans, count, esize, group) -> class
+    of_key: dict[tuple, int] = {}
+    ps_of, size_of = [], []
+    for mk, k in first.items():
+        ps = memo.get(mk)
+        if ps is None:
+            c = S.colls[k]
+            ps = memo[mk] = plans(c.topo, kind, c.count, c.esize, c.op, ctx.env, c.group,
+                                  ctx.version)
+            if not isinstance(ps, str) and id(ps) not in said:
+                said.add(id(ps))
+                spec = c.topo.spec()
+                for p in ps:
+                    ans.models.setdefault(p.model)
+                    ans.assumptions.update(dict.fromkeys(f"{spec}: {a}" for a in p.assumptions))
+        g = index.setdefault((id(ps), mk[1], mk[2], mk[4]), len(ps_of))
+        if g == len(ps_of):
+            ps_of.append(ps)
+            size_of.append((mk[1], mk[2], mk[4]))
+        of_key[mk] = g
+    of = np.full(len(S.colls) + 1, -1, dtype=np.int64)
+    of[used] = [of_key[mk] for mk in keys]
+    return _Classes(of, ps_of, size_of)
+
+
+def _count_entries(kind: str, n: int, entries: _Entries, A: _Side, B: _Side, params: list,
+                   ctx: _Context, step: int | None, ans: _StepAnswer) -> None:
+    """Elements at risk of ``entries`` (one group size): per parameter the worst over every
+    scenario combination (:func:`_worst_over_scenarios`)."""
+    import numpy as np
+
+    memo: dict[tuple, tuple | str] = {}
     said: set[int] = set()
-    for side in ("a", "b"):
-        for key, c in involved[side].items():
-            got[side][key] = ps = plans(c.topo, kind, c.count, c.esize, c.op, ctx.env, c.group,
-                                        ctx.version)
-            if isinstance(ps, str) or id(ps) in said:
-                continue
-            said.add(id(ps))  # collectives of one size share one tuple of plans
-            spec = c.topo.spec()
-            for p in ps:
-                ans.models.setdefault(p.model)
-                ans.assumptions.update(dict.fromkeys(f"{spec}: {a}" for a in p.assumptions))
+    cls = {}
+    for side, S, ks in (("a", A, entries.ka), ("b", B, entries.kb)):
+        u, at = np.unique(ks, return_index=True)
+        cls[side] = _size_classes(kind, S, u[np.argsort(at)].tolist(), ctx, memo, said, ans)
     # a collective the model cannot know: its payloads are unknown, said per bucket pair
-    unknown_pairs: dict[tuple, str] = {}
-    live = []
-    for e in entries:
-        pa, pb = got["a"][e[0]], got["b"][e[1]]
-        if isinstance(pa, str) or isinstance(pb, str):
-            why = pa if isinstance(pa, str) else pb
-            guessed = colls["a" if isinstance(pa, str) else "b"][e[0] if isinstance(pa, str)
-                                                                 else e[1]].bucket
-            if getattr(guessed, "op_guessed", False):
-                why += " (a compiled graph's reduce op is not recorded: counted as a SUM)"
-            unknown_pairs.setdefault((e[7][2]["a"], e[7][2]["b"]), why)
-            continue
-        live.append(e)
-    for (ia, ib), why in unknown_pairs.items():
+    unknown = {s: np.array([isinstance(ps, str) for ps in cls[s].plans] + [False],
+                           dtype=bool)[cls[s].of] for s in ("a", "b")}
+    out = unknown["a"][entries.ka] | unknown["b"][entries.kb]
+    pairs: dict[tuple, str] = {}
+    for i in np.flatnonzero(out).tolist():
+        ka, kb = int(entries.ka[i]), int(entries.kb[i])
+        pa, pb = cls["a"].plans[cls["a"].of[ka]], cls["b"].plans[cls["b"].of[kb]]
+        why = pa if isinstance(pa, str) else pb
+        guessed = (A.colls[ka] if isinstance(pa, str) else B.colls[kb]).bucket
+        if getattr(guessed, "op_guessed", False):
+            why += " (a compiled graph's reduce op is not recorded: counted as a SUM)"
+        pairs.setdefault((int(entries.ia[i]), int(entries.ib[i])), why)
+    for (ia, ib), why in pairs.items():
         ans.unknown.append({"collective": kind, "a": ia, "b": ib, "step": step, "reason": why})
-    best = np.zeros(len(live), dtype=np.int64)
-    if live:
-        orders = Orders(n) if kind == RS else ChunkOrders(n)
-        same_size = np.array([
-            (colls["a"][e[0]].count, colls["a"][e[0]].esize, colls["a"][e[0]].group)
-            == (colls["b"][e[1]].count, colls["b"][e[1]].esize, colls["b"][e[1]].group)
-            for e in live], dtype=bool)
-        entries = [e[:7] for e in live]
-        keys = {s: list(got[s]) for s in ("a", "b")}  # each entry's collective, by position
-        pos = {s: {k: i for i, k in enumerate(keys[s])} for s in ("a", "b")}
-        where = {"a": np.array([pos["a"][e[0]] for e in live], dtype=np.int64),
-                 "b": np.array([pos["b"][e[1]] for e in live], dtype=np.int64)}
-        done: set = set()
-        for ci, cluster in enumerate(_clusters(got)):
-            # per collective: its scenarios on this cluster, by protocol (collectives of one
-            # size share one tuple of plans: each tuple is sorted out once)
-            memo: dict[int, dict] = {}
-            pick: dict[str, dict] = {"a": {}, "b": {}}
-            for side in ("a", "b"):
-                for k, ps in got[side].items():
-                    by = memo.get(id(ps))
-                    if by is None:
-                        fit = [p for p in ps if p.fits(cluster)]
-                        by = memo[id(ps)] = {"": (fit or list(ps))[0],
-                                             **{p.protocol: p for p in reversed(fit)}}
-                    pick[side][k] = by
-            protos = {s: sorted({q for by in pick[s].values() for q in by if q}, key=str)
-                      for s in ("a", "b")}
-            # per entry, whether its collective may run protocol q on this cluster
-            has = {s: {q: np.array([q in pick[s][k] for k in keys[s]], dtype=bool)[where[s]]
-                       for q in protos[s]} for s in ("a", "b")}
-            for pa in protos["a"]:
-                for pb in protos["b"]:
-                    if pa != pb and same_size.all():
-                        continue  # one size, one protocol choice: nothing to count
-                    chan_a = {k: _chan(by.get(pa, by[""]), colls["a"][k])
-                              for k, by in pick["a"].items()}
-                    chan_b = {k: _chan(by.get(pb, by[""]), colls["b"][k])
-                              for k, by in pick["b"].items()}
-                    sig = (tuple(id(v[1]) for v in chan_a.values()),
-                           tuple(id(v[1]) for v in chan_b.values()), pa == pb)
-                    if sig in done:
-                        continue
-                    done.add(sig)
-                    ok = has["a"][pa] & has["b"][pb]
-                    if pa != pb:
-                        ok &= ~same_size  # one size, one protocol choice
-                    if not ok.any():
-                        continue
-                    c = count_at_risk(entries, chan_a, chan_b, orders)
-                    best = np.maximum(best, np.where(ok, c, 0))
-    for e, nrisk in zip(live, best.tolist()):
-        if nrisk:
-            f, numel, where = e[7]
-            _keep_worst(ans, kind, AtRisk(f, nrisk, numel, where, "order", step))
-    _describe_buckets(kind, live, best.tolist(), colls, got, step, ans)
+    live = entries.take(np.flatnonzero(~out)) if out.any() else entries
+    if not live.ka.size:
+        return
+    best = _worst_over_scenarios(kind, n, live, cls["a"], cls["b"])
+    hit = np.flatnonzero(best)
+    risk = ans.at_risk
+    where: dict[tuple, dict] = {}  # per bucket pair, one (read-only) dict
+    for ia, ib in dict.fromkeys(zip(live.ia[hit].tolist(), live.ib[hit].tolist())):
+        where[(ia, ib)] = {"collective": kind, "a": ia, "b": ib}
+    got = [AtRisk(params[j], nrisk, numel, where[(ia, ib)], "order", step)
+           for j, nrisk, numel, ia, ib in zip(live.param[hit].tolist(), best[hit].tolist(),
+                                              live.numel[hit].tolist(), live.ia[hit].tolist(),
+                                              live.ib[hit].tolist())]
+    for x in got:  # the worst per parameter (one met before: structure, another group)
+        key = (kind, x.fqn)
+        old = risk.get(key)
+        if old is None or x.elements > old.elements:
+            risk[key] = x
+    _describe_buckets(kind, live, best, A, B, cls["a"], cls["b"], step, ans)
 
 
-def _clusters(got: dict) -> list[list]:
-    """The clusters the scenarios of every collective of both sides describe: [communicator
-    channels, family names, rings], each scenario joined to the first one it fits (the longest
-    rings kept)."""
+def _worst_over_scenarios(kind: str, n: int, live: _Entries, ca: _Classes, cb: _Classes
+                          ) -> np.ndarray:
+    """Per entry of ``live``, the most elements at risk over every scenario combination.
+
+    Cost: combinations are counted most channels first (:func:`_combinations`), each only
+    over the payloads not saturated yet (every real element of every owner already at risk:
+    no later combination can add to them), and counting stops when every payload is
+    saturated. The answer is that of counting every combination over every payload
+    (tests/test_reduction_count.py checks it against such a count)."""
+    import numpy as np
+
+    # each side's collectives on one axis, in collective order
+    axis, of, counts = {}, {}, {}
+    for side, c, ks in (("a", ca, live.ka), ("b", cb, live.kb)):
+        used = np.unique(ks)
+        pos = np.full(c.of.size, -1, dtype=np.int64)
+        pos[used] = np.arange(used.size)
+        axis[side] = pos[ks]
+        of[side] = c.of[used]
+        counts[side] = [c.size[g][0] for g in of[side].tolist()]
+    rc = RiskCount((axis["a"], axis["b"], live.oa, live.ob, live.length, live.full, live.part),
+                   of["a"], counts["a"], of["b"], counts["b"],
+                   Orders(n) if kind == RS else ChunkOrders(n))
+    ecls = {s: of[s][axis[s]] for s in ("a", "b")}
+    sizes = {key: i for i, key in enumerate(dict.fromkeys([*ca.size, *cb.size]))}
+    same_size = (np.array([sizes[x] for x in ca.size], dtype=np.int64)[ecls["a"]]
+                 == np.array([sizes[x] for x in cb.size], dtype=np.int64)[ecls["b"]])
+    best = np.zeros(live.ka.size, dtype=np.int64)
+    open_ = best < rc.cap  # not saturated yet
+    for _, maps_a, maps_b, differ_protocols in _combinations(
+            {"a": ca.plans, "b": cb.plans}, bool(same_size.all())):
+        ok = np.array([m is not None for m in maps_a], dtype=bool)[ecls["a"]]
+        ok &= np.array([m is not None for m in maps_b], dtype=bool)[ecls["b"]]
+        if differ_protocols:
+            ok &= ~same_size  # one size, one protocol choice
+        ok &= open_
+        if not ok.any():
+            continue
+        idx = np.flatnonzero(ok)
+        best[idx] = np.maximum(best[idx], rc.count(idx, maps_a, maps_b))
+        open_[idx] = best[idx] < rc.cap[idx]
+        if not open_.any():
+            break  # saturated: no combination can add
+    return best
+
+
+def _combinations(plans_of: dict, one_size: bool) -> list:
+    """Every distinct scenario combination: per cluster (:func:`_clusters`) and protocol pair
+    (the same protocol where every pair of collectives has one size), each size class's
+    channel map (``Plan.cmap``; None where that class has no scenario of that protocol
+    on that cluster). Combinations whose channel maps are equal are one. Sorted most channels
+    first: more boundaries, usually more at risk, so the count saturates sooner."""
+    out: dict[tuple, tuple] = {}
+    for cluster in _clusters(plans_of):
+        pick: dict[str, list] = {}
+        memo: dict[int, dict] = {}  # both sides' collectives of one size share one tuple
+        for side in ("a", "b"):
+            pick[side] = []
+            for ps in plans_of[side]:
+                by = memo.get(id(ps))
+                if by is None:
+                    by = memo[id(ps)] = {}
+                    for p in ps if isinstance(ps, tuple) else ():  # a str: unknown
+                        if p.protocol not in by and p.fits(cluster):
+                            by[p.protocol] = p.cmap
+                pick[side].append(by)
+        protos = {s: sorted({q for by in pick[s] for q in by}) for s in ("a", "b")}
+        for pa in protos["a"]:
+            for pb in protos["b"]:
+                if pa != pb and one_size:
+                    continue  # one size, one protocol choice: nothing to count
+                maps_a = [by.get(pa) for by in pick["a"]]
+                maps_b = [by.get(pb) for by in pick["b"]]
+                sig = (tuple(m[2] if m else None for m in maps_a),
+                       tuple(m[2] if m else None for m in maps_b), pa != pb)
+                if sig not in out:
+                    weight = sum(m[0].size for m in (*maps_a, *maps_b) if m)
+                    out[sig] = (weight, maps_a, maps_b, pa != pb)
+    return sorted(out.values(), key=lambda c: -c[0])
+
+
+def _clusters(plans_of: dict) -> list[list]:
+    """The clusters the scenarios of every size class of both sides describe (``plans_of``:
+    side -> per class its plans): [communicator channels, family names, rings], each scenario
+    joined to the first one it fits (the longest rings kept)."""
     out: list[list] = []
     seen: set[int] = set()
     for side in ("a", "b"):
-        for ps in got[side].values():
-            if isinstance(ps, str) or id(ps) in seen:
+        for ps in plans_of[side]:
+            if not isinstance(ps, tuple) or id(ps) in seen:
                 continue
             seen.add(id(ps))  # collectives of one size share one tuple of plans
             for p in ps:
@@ -681,50 +1003,58 @@ def _clusters(got: dict) -> list[list]:
     return out
 
 
-def _chan(plan: Plan, coll: _Coll) -> tuple:
-    return plan.starts, plan.orders, coll.count
+def _describe_buckets(kind: str, live: _Entries, risk: np.ndarray, A: _Side, B: _Side,
+                      ca: _Classes, cb: _Classes, step: int | None, ans: _StepAnswer) -> None:
+    """Per differing pair of collectives: bytes per rank at the target, the scenarios
+    (protocol, ring family, the communicator's and this collective's channels) and the
+    elements at risk."""
+    import numpy as np
+
+    key = live.ka * (len(B.colls) + 1) + live.kb
+    pair, at, inverse = np.unique(key, return_index=True, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    elements = np.bincount(inverse, weights=risk, minlength=pair.size).astype(np.int64).tolist()
+    params = np.bincount(inverse, weights=risk > 0, minlength=pair.size).astype(np.int64).tolist()
+    order = np.argsort(at, kind="stable")  # in order of first use
+    first = at[order]
+    scenarios: dict[tuple, list] = {}  # per pair of classes: collectives of one size share
+    spec: dict[int, str] = {}
+    for j, ka, kb, ga, gb in zip(order.tolist(), live.ka[first].tolist(),
+                                 live.kb[first].tolist(), ca.of[live.ka[first]].tolist(),
+                                 cb.of[live.kb[first]].tolist()):
+        x, y = A.colls[ka], B.colls[kb]
+        scen = scenarios.get((ga, gb))
+        if scen is None:
+            scen = scenarios[(ga, gb)] = _scenario_rows(ca.plans[ga], cb.plans[gb])
+        group = spec.get(id(x.topo))
+        if group is None:
+            group = spec[id(x.topo)] = x.topo.spec()
+        ans.buckets.append({
+            "collective": kind, "step": step, "a": x.bucket.index, "b": y.bucket.index,
+            "group": group, "bytes_per_rank": {"a": x.count * x.esize, "b": y.count * y.esize},
+            "scenarios": scen,  # shared by buckets of one size: never edited
+            "elements": elements[j], "params": params[j],
+            "verdict": DIFFERS if elements[j] else SAME})
 
 
-def _describe_buckets(kind: str, live: list, risk: list, colls: dict, got: dict,
-                      step: int | None, ans: _StepAnswer) -> None:
-    """Per differing bucket pair: bytes per rank at the target, the scenarios (protocol, ring
-    family, the communicator's and this collective's channels) and the elements at risk."""
-    pairs: dict[tuple, dict] = {}
-    scenarios: dict[tuple, list] = {}  # per pair of plan tuples: collectives of one size share
-    for e, nrisk in zip(live, risk):
-        ca, cb = colls["a"][e[0]], colls["b"][e[1]]
-        k = (e[0], e[1])
-        d = pairs.get(k)
-        if d is None:
-            key = (id(got["a"][e[0]]), id(got["b"][e[1]]))
-            scen = scenarios.get(key)
-        if d is None and scen is None:
-            scen = scenarios[key] = []
-            for pa in got["a"][e[0]]:
-                pb = next((p for p in got["b"][e[1]] if p.protocol == pa.protocol and p.fits(
-                    [pa.comm_channels, set(pa.family.split("+")), pa.rings])), None)
-                scen.append({"protocol": pa.protocol, "family": pa.family,
-                             "comm_channels": pa.comm_channels,
-                             "channels": {"a": pa.nchannels,
-                                          "b": pb.nchannels if pb is not None else None}})
-            for pb in got["b"][e[1]]:
-                if not any(s["protocol"] == pb.protocol and s["family"] == pb.family
-                           and s["comm_channels"] == pb.comm_channels for s in scen):
-                    scen.append({"protocol": pb.protocol, "family": pb.family,
-                                 "comm_channels": pb.comm_channels,
-                                 "channels": {"a": None, "b": pb.nchannels}})
-        if d is None:
-            d = pairs[k] = {
-                "collective": kind, "step": step, "a": ca.bucket.index, "b": cb.bucket.index,
-                "group": ca.topo.spec(), "bytes_per_rank": {"a": ca.count * ca.esize,
-                                                            "b": cb.count * cb.esize},
-                "scenarios": scen,  # shared by buckets of one size: never edited
-                "elements": 0, "params": 0}
-        d["elements"] += nrisk
-        d["params"] += 1 if nrisk else 0
-    for d in pairs.values():
-        d["verdict"] = DIFFERS if d["elements"] else SAME
-        ans.buckets.append(d)
+def _scenario_rows(ps_a: tuple, ps_b: tuple) -> list[dict]:
+    """The scenarios of a pair of collectives, as the JSON's ``buckets[].scenarios`` says them:
+    A's, each with B's channels on the same cluster and protocol, then B's others."""
+    scen = []
+    for pa in ps_a:
+        pb = next((p for p in ps_b if p.protocol == pa.protocol and p.fits(
+            [pa.comm_channels, pa.families, pa.rings])), None)
+        scen.append({"protocol": pa.protocol, "family": pa.family,
+                     "comm_channels": pa.comm_channels,
+                     "channels": {"a": pa.nchannels,
+                                  "b": pb.nchannels if pb is not None else None}})
+    for pb in ps_b:
+        if not any(s["protocol"] == pb.protocol and s["family"] == pb.family
+                   and s["comm_channels"] == pb.comm_channels for s in scen):
+            scen.append({"protocol": pb.protocol, "family": pb.family,
+                         "comm_channels": pb.comm_channels,
+                         "channels": {"a": None, "b": pb.nchannels}})
+    return scen
 
 
 def predict(layouts: dict[str, Layout], shapes: dict[str, list[int]], topology: Topology | str,
@@ -801,7 +1131,7 @@ def _finish(topo: Topology, answers: list, rank: int | None, source: str | None,
         if ans.models and pred.model == MODEL:
             pred.model = next(iter(ans.models))
     pred.at_risk = list(worst.values())
-    pred.params_checked = len({f for _, f in checked})
+    pred.params_checked = len(checked)
     if not any(ans.kinds for ans, _ in answers):
         pred.unpredicted.append({"collective": RS, "a": None, "b": None,
                                  "reason": "no reduction layouts recorded"})
@@ -861,7 +1191,10 @@ def shapes_of(params: list[dict]) -> dict[str, list[int]]:
         f = p.get("fqn")
         shape = p.get("global_shape") or p.get("shape")
         if isinstance(f, str) and isinstance(shape, list):
-            out.setdefault(f.split("#", 1)[0], shape)
+            if "#" in f:
+                f = f.split("#", 1)[0]
+            if f not in out:
+                out[f] = shape
     return out
 
 
@@ -901,7 +1234,7 @@ def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]],
                                 shapes)
             nb = _reduce_counts(kind, layouts["b"], ar.get("b") or [], order.eager.get("b") or [],
                                 shapes)
-        for f in dict.fromkeys([*na, *nb]):
+        for f in dict.fromkeys([*na, *nb]) if na != nb else ():
             if na.get(f, 0) != nb.get(f, 0):
                 order.structure.append({"fqn": f, "a": na.get(f, 0), "b": nb.get(f, 0),
                                         **({"collective": AR} if kind == AR else {})})
@@ -910,8 +1243,9 @@ def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]],
     for p in order.pairs:
         if p.verdict == "identical":
             continue
-        fqns = {m["fqn"] for m in p.moved} | {e["fqn"] for e in (p.a_entry, p.b_entry) if e}
-        structure = bool(odd) and p.collective in cq.REDUCING and bool(fqns & odd)
+        structure = bool(odd) and p.collective in cq.REDUCING and bool(
+            ({m["fqn"] for m in p.moved} | {e["fqn"] for e in (p.a_entry, p.b_entry) if e})
+            & odd)
         p.consequence = cq.classify(p.collective, p.verdict, structure)
         counts[p.consequence] = counts.get(p.consequence, 0) + 1
     if odd and not any(p.consequence == cq.REDUCTION_STRUCTURE for p in order.pairs):
@@ -982,8 +1316,8 @@ def _add_pairs(order, pairs: list[BucketPair], la: Layout, lb: Layout,
 
 def _nccl_settings(run) -> tuple[dict, str | None]:
     """The NCCL settings and version a run's fingerprint recorded (meta.json ``numerics``)."""
-    for _, rd in sorted(run.ranks.items()):
-        num = (rd.meta or {}).get("numerics")
+    for r in sorted(run.ranks):
+        num = (run.ranks[r].meta or {}).get("numerics")
         if isinstance(num, dict):
             env = num.get("nccl_env") if isinstance(num.get("nccl_env"), dict) else {}
             v = num.get("nccl_version")
@@ -993,8 +1327,8 @@ def _nccl_settings(run) -> tuple[dict, str | None]:
 
 
 def _emulated_at(run) -> str | None:
-    for _, rd in sorted(run.ranks.items()):
-        emu = (rd.meta or {}).get("nccl_emulation")
+    for r in sorted(run.ranks):
+        emu = (run.ranks[r].meta or {}).get("nccl_emulation")
         if isinstance(emu, dict) and isinstance(emu.get("topology"), str):
             return emu["topology"]
     return None
@@ -1011,8 +1345,9 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     recs_a = run_a.ranks[ra].buckets if ra in run_a.ranks else []
     recs_b = run_b.ranks[rb].buckets if rb in run_b.ranks else []
     # steps at which both sides have begun recording (a side's first records set its start)
-    start = max([min(map(step_of, recs)) for recs in (recs_a, recs_b) if recs] or [0])
-    steps = [s for s in change_steps(recs_a, recs_b) if s >= start]
+    steps_a, steps_b = set(map(step_of, recs_a)), set(map(step_of, recs_b))
+    start = max([min(st) for st in (steps_a, steps_b) if st] or [0])
+    steps = [s for s in sorted(steps_a | steps_b) if s >= start]
     has_ar, ar_only, of_grads = one_sided_all_reduces(recs_a, recs_b)
     ar_what = " of gradients" if of_grads else ""
     notes: list[str] = []
@@ -1036,8 +1371,9 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
             annotate_buckets(layouts[side], recs)
         per_step.append((steps[0] if steps else None, layouts["a"], layouts["b"], [], []))
     # the order comparison: later steps' reduce-scatters and every step's all-reduces
-    have = {(p.collective, tuple(p.a), tuple(p.b), p.verdict, p.detail) for p in order.pairs}
-    for k, (s, la, lb, ara, arb) in enumerate(per_step):
+    have = None if len(per_step) == 1 and not per_step[0][3] and not per_step[0][4] else {
+        (p.collective, tuple(p.a), tuple(p.b), p.verdict, p.detail) for p in order.pairs}
+    for k, (s, la, lb, ara, arb) in enumerate(per_step if have is not None else ()):
         if k:
             later = compare_layouts(la, lb)
             _add_pairs(order, [p for p in later.pairs if p.collective == RS], la, lb, ara, arb,

@@ -28,7 +28,10 @@ def group_size_of(b: Bucket) -> int | None:
 
 
 def step_of(r: dict) -> int:
-    s = as_int(r.get("step"))
+    s = r.get("step")
+    if type(s) is int:  # the usual case, checked first: every record of every rank is read
+        return s
+    s = as_int(s)
     return s if s is not None else 0
 
 
@@ -89,7 +92,7 @@ def change_steps(*record_lists: list[dict]) -> list[int]:
     """The steps at which some manifest of either side was (re)written, in order."""
     steps: set[int] = set()
     for recs in record_lists:
-        steps.update(step_of(r) for r in recs)
+        steps.update(map(step_of, recs))
     return sorted(steps)
 
 
@@ -165,13 +168,14 @@ def annotate_buckets(layout: Layout, records: list[dict]) -> None:
     PreMulSum; a compiled graph's op is not recorded and counts as a sum (the answer that leaves
     PAT and NVLS possible: unknown rather than a guess)."""
     by_key: dict = {}
-    for r in records:
-        if r.get("collective") == RS and r.get("source") in (SOURCE_FSDP2, SOURCE_GRAPH):
-            by_key.setdefault((r.get("graph_id"), r.get("index")), r)
+    sources = (SOURCE_FSDP2, SOURCE_GRAPH)
+    for r in reversed(records):  # the first record of a key is written last
+        if r.get("collective") == RS and r.get("source") in sources:
+            by_key[(r.get("graph_id"), r.get("index"))] = r
     for b in layout.buckets.get(RS, []):
         r = by_key.get((b.graph_id, b.record_index))
         b.group_size = as_int(r.get("world_size")) if r is not None else None
-        b.coalesced = bool(b.node and "coalesced" in b.node)
+        b.coalesced = bool(b.node) and "coalesced" in b.node
     infer_ops(layout)
 
 

@@ -122,8 +122,8 @@ def main():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step_fn = loss_fn
     if args.mode == "compiled":
-        step_fn = torch.compile(loss_fn, backend=bucketing_backend() if args.bucket else "aot_eager",
-                                fullgraph=True)
+        backend = bucketing_backend() if args.bucket else "aot_eager"
+        step_fn = torch.compile(loss_fn, backend=backend, fullgraph=True)
     gen = torch.Generator().manual_seed(100 + rank)
     losses, global_losses = [], []
     for _ in range(args.steps):

@@ -62,10 +62,10 @@ def main() -> int:
             raise RuntimeError(f"injected crash on rank {rank} at step {step}")
         if writer:
             tag = "perturbed" if 0 <= args.perturb_step <= step else ""
-            raw = b"".join(xxhash.xxh3_128_digest(f"{args.seed}:{step}:{n}:{rank}:{tag}")
+            raw = b"".join(xxhash.xxh3_128_digest(f"{args.seed}:{step}:{n}:{rank}:{tag}".encode())
                            for n in PARAMS)
             grads = None if step == 0 else b"".join(
-                xxhash.xxh3_128_digest(f"g{args.seed}:{step}:{n}:{rank}:{tag}") for n in PARAMS)
+                xxhash.xxh3_128_digest(f"g{args.seed}:{step}:{n}:{rank}:{tag}".encode()) for n in PARAMS)
             writer.write_step(step, raw, grads, loss=1.0 / (step + 1))
     if writer:
         writer.close("ok")
