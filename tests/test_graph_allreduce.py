@@ -24,23 +24,12 @@ import torch
 import torch.distributed as dist
 
 from parity.capture.sources.graph_walk import extract_buckets, rs_payload_map
+from test_graph_subgraphs import group  # noqa: F401 - the fake process group fixture
 
 REPO = Path(__file__).resolve().parents[1]
 TRAINER = REPO / "tests" / "trainers" / "compiled_allreduce.py"
 AR = torch.ops._c10d_functional.all_reduce
 WAIT = torch.ops._c10d_functional.wait_tensor
-
-
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    yield dist.group.WORLD.group_name
-    if created:
-        dist.destroy_process_group()
 
 
 GRADS = {"l1.weight": (8, 6), "l1.bias": (6,), "l2.weight": (5, 6)}
@@ -100,7 +89,8 @@ def test_coalesced_sub_group_in_place_and_metric_all_reduces(group):
     inductor's reinplacing makes of the functional form): ``activation``."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    sub = dist.new_group([0, 1])
+    ranks = list(range(dist.get_world_size() - 1))
+    sub = dist.new_group(ranks)
 
     def f(a, b, tok):
         outs = torch.ops._c10d_functional.all_reduce_coalesced([a * 2, b * 2], "avg", group)
@@ -121,9 +111,7 @@ def test_coalesced_sub_group_in_place_and_metric_all_reduces(group):
         ("p.a", 0, 24), ("p.b", 24, 20)]
     assert co["op"] == "avg" and co["coalesced"] is True and co["total_bytes"] == 44
     assert [e["payload"] for e in tok["entries"]] == ["token"] and tok["dtype"] == "int64"
-    assert tok["world_size"] == 2
-    if dist.get_world_size() > 2:
-        assert tok["ranks"] == [0, 1]
+    assert tok["world_size"] == len(ranks) and tok["ranks"] == ranks
     assert [(e["fqn"], e["payload"]) for e in loss["entries"]] == [(None, "activation")]
     assert loss["node"] == "all_reduce_" and [b["index"] for b in got] == [0, 1, 2]
 
