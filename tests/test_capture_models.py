@@ -105,8 +105,9 @@ def test_fake_copy_of_the_model_is_skipped(tmp_path):
     fake buffer (AutoParallel's traced copy after apply_placement) stay alive while the model
     trains: capture hashes the model that trains, names the three copies as skipped, and records
     every step."""
-    for name in ("a", "b"):
-        _exec(tmp_path / name, "held_state.py", {"HS_CASE": "fake_copy"})
+    procs = [_exec(tmp_path / name, "held_state.py", {"HS_CASE": "fake_copy"})
+             for name in ("a", "b")]
+    assert "3 module tree(s) of fake/meta tensors skipped" in procs[0].stderr, procs[0].stderr
     meta = _meta(tmp_path / "a")["capture"]
     assert meta["disabled"] is None and meta["recorded_steps"] == 3
     reasons = sorted(s["reason"] for s in meta["skipped"])
@@ -121,8 +122,10 @@ def test_fake_copy_of_the_model_is_skipped(tmp_path):
 def test_unhashable_tensor_is_named_on_the_verdict_line(tmp_path):
     """A buffer that is a tensor subclass (not a DTensor) is not hashed: capture stays on, and
     the verdict is incomplete and names it."""
-    for name in ("a", "b"):
-        _exec(tmp_path / name, "held_state.py", {"HS_CASE": "odd_tensor"})
+    procs = [_exec(tmp_path / name, "held_state.py", {"HS_CASE": "odd_tensor"})
+             for name in ("a", "b")]
+    # the exec summary says it too, before any diff
+    assert "1 tensor(s) of the model NOT hashed" in procs[0].stderr, procs[0].stderr
     meta = _meta(tmp_path / "a")["capture"]
     assert meta["disabled"] is None and meta["recorded_steps"] == 3
     assert meta["unhashed"] == [{"fqn": "tag", "reason": "tensor subclass Tagged"}]

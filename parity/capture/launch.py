@@ -171,6 +171,8 @@ def summarize(out: Path) -> tuple[str, bool]:
 
     ranks, steps, recs, sources, warnings, disabled, world = [], [], [], set(), 0, 0, None
     optimizers, together = 0, False
+    unhashed: set[str] = set()  # tensors of the model capture found and could not hash
+    skipped_trees = 0  # module trees of fake / meta tensors, not hashed (most on one rank)
     for _, child in rank_dirs(out):
         try:
             meta = json.loads((child / META_FILE).read_text())
@@ -185,6 +187,10 @@ def summarize(out: Path) -> tuple[str, bool]:
         sources.update(x for x in cap.get("manifests") or () if isinstance(x, str))
         warnings += len(cap.get("warnings") or ())
         disabled += bool(cap.get("disabled"))
+        unhashed.update(x["fqn"] for x in cap.get("unhashed") or ()
+                        if isinstance(x, dict) and isinstance(x.get("fqn"), str))
+        skipped_trees = max(skipped_trees, sum(isinstance(x, dict)
+                                               for x in cap.get("skipped") or ()))
         if isinstance(cap.get("optimizers"), int):
             optimizers = max(optimizers, cap["optimizers"])
         if isinstance(meta.get("world_size"), int):
@@ -203,6 +209,12 @@ def summarize(out: Path) -> tuple[str, bool]:
                 "each step() after its own backward is a step") if optimizers > 1 else "")
             + "), manifests: " + (", ".join(sorted(sources)) or "none")
             + f", {warnings} warning(s)")
+    if unhashed:  # said here too, not only on a later diff's verdict line
+        line += (f", {len(unhashed)} tensor(s) of the model NOT hashed (meta.json "
+                 "capture.unhashed; a diff says the run is incomplete)")
+    if skipped_trees:
+        line += (f", {skipped_trees} module tree(s) of fake/meta tensors skipped "
+                 "(capture.skipped)")
     if disabled:
         line += f", capture disabled on {disabled} rank(s)"
     return line, captured
