@@ -187,6 +187,19 @@ def _one_sided(order: dict) -> str:
     return f" ({said})"
 
 
+def _left_out(order: dict) -> str:
+    """'bucket layouts of ...' for the collectives an otherwise identical layout comparison left
+    out (``order.notes`` ending "not compared": a kind only one side recorded, a loss all-reduce
+    only one side's graph holds), so that "identical" never covers what was not compared."""
+    notes = [n for n in order.get("notes") or [] if isinstance(n, str)
+             and n.rstrip(". ").endswith("not compared")]
+    if not notes:
+        return ""
+    first = notes[0].rsplit(": not compared", 1)[0].rsplit("; not compared", 1)[0]
+    more = f" (+{len(notes) - 1} more in the layout notes)" if len(notes) > 1 else ""
+    return f"bucket layouts {first}{more}"
+
+
 def judge_pair(d: dict, policy: str) -> Verdict:
     """The verdict on one pair from its diff result (``DiffResult.to_dict()`` or a cell's
     diff.json): what the console, the JSON and the HTML page of ``parity diff`` say."""
@@ -234,6 +247,9 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         (v.failed if fails_on_order(policy) or reduction_fails else v.tolerated).append(phrase)
     elif ov == "identical":
         v.held.append("bucket layouts identical")
+        left = _left_out(order)
+        if left:  # compared ones are identical; what one side alone recorded is said
+            v.not_compared.append(left)
     else:
         v.not_compared.append(order_phrase(ov) + _one_sided(order))
     predicted = consequences.reduction_phrase(d.get("reduction_order"))

@@ -65,3 +65,26 @@ def test_layouts_not_compared_because_one_side_issued_no_bucketed_collective_say
     line = judge_pair(d, "hash").line()
     assert "only A recorded reduce_scatter buckets, B issued none" in line
     assert "no manifests" not in line
+
+
+def test_identical_layouts_still_name_the_collectives_only_one_side_recorded():
+    """Reduce-scatters compared and identical while only one side recorded all-gathers (or a
+    loss all-reduce only one side's graph holds): the line says 'identical' for what was
+    compared and names what was not, never 'identical' alone."""
+    from parity.policy import judge_pair
+
+    d = {"verdict": "match", "steps_compared": [0, 1], "ranks_compared": [0, 1],
+         "params_compared": 3, "kinds_compared": ["param", "grad"],
+         "order": {"verdict": "identical", "compared": ["reduce_scatter"],
+                   "notes": ["all_gather: only B recorded buckets; not compared",
+                             "all_reduce: 1 all-reduce(s) of B carrying no parameter (a loss or "
+                             "metric) have no such all-reduce on the other side to compare "
+                             "with: not compared"]}}
+    v = judge_pair(d, "hash")
+    assert v.code == EXIT_OK
+    line = v.line()
+    assert "bucket layouts identical" in line
+    assert ("not compared: bucket layouts all_gather: only B recorded buckets "
+            "(+1 more in the layout notes)") in line, line
+    d["order"]["notes"] = []
+    assert "not compared" not in judge_pair(d, "hash").line()
