@@ -82,6 +82,22 @@ def test_ema_copy_is_compared(tmp_path):
     assert code == 0 and "PARITY HOLDS" in line, line
 
 
+def test_a_model_copied_mid_run_is_found_at_the_next_step(tmp_path):
+    """A deepcopy made after step 5 of 7 (no registration hook fires for a copy) joins the
+    table at step 6, found through the copy watch (nn.Module.__setstate__), not at step 8 as a
+    periodic scan alone would; different decays of it are found."""
+    for name, decay in (("a", "0.9"), ("b", "0.5")):
+        _exec(tmp_path / name, "held_state.py",
+              {"HS_CASE": "late_copy", "HS_STEPS": "7", "HS_DECAY": decay})
+    from parity.params_codec import decode
+
+    rows = decode((tmp_path / "a" / "rank-00000" / "params.json").read_bytes())
+    late = [r for r in rows if r.get("since") is not None]
+    assert late and {r["since"] for r in late} == {6}, late
+    code, line = _diff(tmp_path / "a", tmp_path / "b")
+    assert code == 1 and "PARITY FAILS" in line, line
+
+
 @pytest.mark.parametrize("tree", ["own", "inside"])
 def test_frozen_backbone_buffers_are_compared(tmp_path, tree):
     """Linear probe: only the head is in the optimizer; the frozen backbone's BatchNorm runs in

@@ -33,6 +33,7 @@ import functools
 import os
 import sys
 import threading
+import time
 import traceback
 import weakref
 
@@ -139,8 +140,11 @@ class Session(RankRecord, StepClock, ParamTable):
         self._trees_dirty = True  # a module tree joined: sync its tensors (table.py)
         self._registration_handles: list = []
         self._name_roots: list = []  # the module trees of the process (table.py, trees.py)
-        self._roots_scan = None  # (step, live root modules): one gc scan per step at most
+        self._roots_scan = None  # (key, live root modules): one gc scan per step at most
+        self._roots_fresh = False  # the next _gc_roots scans whatever the key (periodic scan)
         self._trees_scanned: int | None = None  # the step of the last search for new trees
+        self._scan_seconds = 0.0  # time spent in those searches (table.SCAN_BUDGET)
+        self._scan_clock = time.perf_counter()
         self._skipped_trees = weakref.WeakSet()  # trees of fake / meta / subclass tensors
         self._trees_skipped: list[dict] = []  # their meta.json ``capture.skipped`` entries
         self._unhashed: dict[str, str] = {}  # fqn -> why it is not hashed (capture.unhashed)

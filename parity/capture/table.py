@@ -11,10 +11,13 @@ that appear later (a second model, ``register_buffer`` after step 1, a ``deepcop
 buffer whose name another model already holds is prefixed with its model's class name. The rows'
 digests are what the step clock (steps.py) writes.
 
-Nothing here hooks a module: the trees come from a gc scan (trees.py) at the first step, at
-steps 2, 4, 8, ... and at the next step after a module outside the known trees registered a
-parameter or buffer (PyTorch's global registration hooks, which no tracer sees: they run only
-when a module registers something). Fake, meta and other subclass tensors never enter the table:
+Nothing here hooks a module: the trees come from a gc scan (trees.py) at the first step and at
+the next step after a module outside the known trees registered a parameter or buffer
+(PyTorch's global registration hooks, which no tracer sees: they run only when a module
+registers something) or a module was copied or unpickled (``nn.Module.__setstate__``, wrapped to
+set a flag). Scans at steps 2, 4, 8, ... remain a safety net within 1% of the run's time (each
+scan costs ~0.1 s in a process holding torch; at every power of two they cost the built-in
+workload 8 ms a step over 100 steps). Fake, meta and other subclass tensors never enter the table:
 a tree made of them is skipped with its reason (``capture.skipped``), a single one in a real tree
 is named on the verdict line (``capture.unhashed``), and a row that cannot be hashed at some
 step gets the all-zero hash and is named too: capture never turns itself off for one tensor.
@@ -24,6 +27,10 @@ is initialised in ``Session.__init__``), split out so that each concern reads on
 """
 
 from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -73,20 +80,77 @@ class _Buffer:
 
 # Set by PyTorch's global registration hooks (a module registered a parameter, buffer or
 # submodule somewhere): ``dirty``, the known trees may have new tensors (a cheap rescan of them);
-# ``stranger``, a module outside them registered a tensor (a new model: the next step scans gc).
-# ``known`` holds the ids of the modules of the known trees. Without the hooks: every step.
-_REGISTRATION: dict = {"dirty": True, "stranger": True, "hooked": False, "known": set()}
+# ``stranger``, a module outside them registered a tensor, or a module was copied or unpickled
+# (``Module.__setstate__``: ``copy.deepcopy`` and ``pickle`` register nothing), so a new model
+# may exist: the next step scans gc. ``known`` holds the ids of the modules of the known trees;
+# ``ddp``, weak references to the DistributedDataParallel modules that registered their module
+# (c10d_allreduce.py reads them instead of scanning gc). Without the hooks: a scan every step.
+_REGISTRATION: dict = {"dirty": True, "stranger": True, "hooked": False, "known": set(),
+                       "copies_seen": False, "ddp": [], "epoch": 0}
 
 
-def _note_registration(module=None, _name=None, value=None, *_rest) -> None:
+def _stranger() -> None:
+    """A new tree may exist: the next step scans, and a scan taken before this is stale."""
+    _REGISTRATION["stranger"] = True
+    _REGISTRATION["epoch"] += 1
+
+
+def _note_registration(module=None, name=None, value=None, *_rest) -> None:
     _REGISTRATION["dirty"] = True
     if isinstance(value, torch.Tensor) and id(module) not in _REGISTRATION["known"]:
-        _REGISTRATION["stranger"] = True
+        _stranger()
+    elif name == "module" and type(module).__name__ == "DistributedDataParallel":
+        import weakref
+
+        _REGISTRATION["ddp"].append(weakref.ref(module))
+
+
+def registered_ddp() -> list | None:
+    """The live DistributedDataParallel modules that registered their module since the hooks
+    were installed (at the start of the process: every one of the job's), or None without
+    the hooks (the caller scans gc)."""
+    if not _REGISTRATION["hooked"]:
+        return None
+    return [d for d in (r() for r in _REGISTRATION["ddp"]) if d is not None]
+
+
+def _watch_copies() -> Callable[[], None] | None:
+    """Wrap ``nn.Module.__setstate__`` (what ``copy.deepcopy``, ``copy.copy`` and ``pickle``
+    call to fill a new module) so that a copied model is found at the next step without the
+    periodic gc scans (~0.1 s each in a process that imports torch and sympy). It only sets a
+    flag: no tracer traces a module's construction, and the copy is the original's. Returns
+    the undo, None where the method is not there to wrap."""
+    orig = torch.nn.Module.__dict__.get("__setstate__")
+    if orig is None:
+        return None
+
+    @functools.wraps(orig)
+    def __setstate__(self, state):
+        _stranger()
+        return orig(self, state)
+
+    torch.nn.Module.__setstate__ = __setstate__
+    _REGISTRATION["copies_seen"] = True
+
+    def undo() -> None:
+        if torch.nn.Module.__dict__.get("__setstate__") is __setstate__:
+            torch.nn.Module.__setstate__ = orig
+        _REGISTRATION["copies_seen"] = False
+
+    return undo
+
+
+class _Undo:
+    """A handle (``remove()``) for the copy watch, kept with the hooks' handles."""
+
+    def __init__(self, fn):
+        self.remove = fn
 
 
 def install_registration_hooks() -> list:
-    """Global parameter/buffer/submodule registration hooks (handles), once per process; []
-    if absent. They run only when a module registers something (no tracer sees them)."""
+    """Global parameter/buffer/submodule registration hooks and the copy watch (handles),
+    once per process; [] if absent. They run only when a module registers something or is
+    copied (no tracer sees them)."""
     if _REGISTRATION["hooked"]:
         return []
     mm = torch.nn.modules.module
@@ -95,7 +159,11 @@ def install_registration_hooks() -> list:
     if any(r is None for r in regs):
         return []
     _REGISTRATION["hooked"] = True
-    return [r(_note_registration) for r in regs]
+    handles = [r(_note_registration) for r in regs]
+    undo = _watch_copies()
+    if undo is not None:
+        handles.append(_Undo(undo))
+    return handles
 
 
 def uninstall_registration_hooks(handles: list) -> None:
@@ -108,11 +176,19 @@ def uninstall_registration_hooks(handles: list) -> None:
         _REGISTRATION["hooked"] = False
         _REGISTRATION["dirty"] = _REGISTRATION["stranger"] = True
         _REGISTRATION["known"] = set()
+        _REGISTRATION["ddp"] = []
+
+
+# The periodic scan's share of the run: with the hooks and the copy watch, a new tree is
+# announced, and the scans at steps 2, 4, 8, ... are only a safety net for what neither sees
+# (a module built by hand from ``object.__new__``): they run only while all scans so far took
+# under this fraction of the time since capture started.
+SCAN_BUDGET = 0.01
 
 
 def _rescan_step(step: int) -> bool:
-    """Steps at which the gc scan looks for new trees anyway (a ``deepcopy`` registers nothing):
-    1, 2, 4, 8, ... (a tree made at step k is found by step 2k)."""
+    """Steps at which the gc scan looks for new trees anyway: 1, 2, 4, 8, ... (a tree made at
+    step k is found by step 2k); with the hooks and the copy watch, only within SCAN_BUDGET."""
     return step >= 1 and step & (step - 1) == 0
 
 
@@ -121,9 +197,16 @@ class ParamTable:
 
     # ------------------------------------------------------------------------ module trees
     def _gc_roots(self) -> list:
-        """The live root modules, scanned at most once per step (trees.module_roots)."""
-        if self._roots_scan is None or self._roots_scan[0] != self.k:
-            self._roots_scan = (self.k, trees.module_roots())
+        """The live root modules (trees.module_roots), scanned at most once per step, and with
+        the registration hooks and the copy watch only when one of them announced a possible new
+        tree since the last scan (a periodic scan, ``_sync_trees``, rescans anyway)."""
+        key = ("epoch", _REGISTRATION["epoch"]) if _REGISTRATION["copies_seen"] else ("step",
+                                                                                     self.k)
+        if self._roots_scan is None or self._roots_scan[0] != key or self._roots_fresh:
+            t0 = time.perf_counter()
+            self._roots_scan = (key, trees.module_roots())
+            self._scan_seconds += time.perf_counter() - t0
+            self._roots_fresh = False
         return self._roots_scan[1]
 
     def _model_root(self):
@@ -358,6 +441,13 @@ class ParamTable:
             entry["mesh_coord"] = list(coord) if coord is not None else None
         return entry
 
+    def _scan_in_budget(self) -> bool:
+        """A periodic scan is due: always without the copy watch (nothing else announces a
+        copied model), else while the scans so far took under SCAN_BUDGET of the run."""
+        if not _REGISTRATION["copies_seen"]:
+            return True
+        return self._scan_seconds <= SCAN_BUDGET * (time.perf_counter() - self._scan_clock)
+
     def _sync_trees(self, since: int | None) -> int:
         """Every tensor of the process's module trees not yet in the table joins it: parameters
         no optimizer holds (``"optimizer": false``), then persistent buffers (no gradient). On
@@ -367,10 +457,13 @@ class ParamTable:
         registered (or a tree joined). Returns how many rows joined."""
         step = self.k
         scanned = False
-        if (since is None or _REGISTRATION["stranger"] or _rescan_step(step)
-                or not _REGISTRATION["hooked"]) and self._trees_scanned != step:
+        since_announced = since is None or _REGISTRATION["stranger"]
+        if (since is None or _REGISTRATION["stranger"] or not _REGISTRATION["hooked"]
+                or (_rescan_step(step) and self._scan_in_budget())) \
+                and self._trees_scanned != step:
             self._trees_scanned = scanned = step
             _REGISTRATION["stranger"] = False
+            self._roots_fresh = not since_announced
             self._find_trees()
         if not (self._trees_dirty or _REGISTRATION["dirty"] or not _REGISTRATION["hooked"]):
             if scanned:

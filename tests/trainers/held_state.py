@@ -110,6 +110,9 @@ def main():
         shared.register_buffer("freqs", keep[0].l1.weight.new_zeros(4))  # a fake buffer
         keep.append(shared)
         params = model.parameters()
+    elif CASE == "late_copy":  # a deepcopy of the model made mid-run (an EMA started late)
+        model = Net()
+        params = model.parameters()
     elif CASE == "odd_tensor":
         model = Net()
         model.register_buffer("tag", torch.zeros(3).as_subclass(Tagged))
@@ -125,6 +128,12 @@ def main():
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if CASE == "late_copy" and step + 1 == 5:
+            keep.append(copy.deepcopy(model).requires_grad_(False))  # its own tree
+        if CASE == "late_copy" and step + 1 > 5:
+            with torch.no_grad():
+                for e, p in zip(keep[-1].parameters(), model.parameters()):
+                    e.mul_(decay).add_(p, alpha=1 - decay)
         if CASE == "ema":
             with torch.no_grad():
                 for e, p in zip(model.ema.parameters(), model.net.parameters()):

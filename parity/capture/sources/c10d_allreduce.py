@@ -48,7 +48,7 @@ from typing import Any
 from parity.capture.names import normalize_fqn
 from parity.capture.patches import _tracing
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
-from parity.capture.table import _module_roots
+from parity.capture.table import _module_roots, registered_ddp
 from parity.records import SOURCE_C10D, BucketEntry, BucketRecord, dtype_name
 
 __all__ = ["C10dAllReduces"]
@@ -295,13 +295,17 @@ class C10dAllReduces(ManifestSource):
         self.current.append(rec)
 
     def _ddp_modules(self) -> list:
-        """The job's DistributedDataParallel modules (a gc scan, at most a few times while none
-        exists; once found, weak references)."""
+        """The job's DistributedDataParallel modules: those the registration hooks saw register
+        their module (table.registered_ddp); without the hooks, a gc scan, at most a few times
+        while none exists (once found, weak references)."""
         import weakref
 
         mod = sys.modules.get("torch.nn.parallel.distributed")
         if mod is None:
             return []
+        registered = registered_ddp()  # the registration hooks saw each one being built
+        if registered is not None:
+            return [d for d in registered if isinstance(d, mod.DistributedDataParallel)]
         if self._ddps is None or (not self._ddps and self._ddp_scans):
             self._ddp_scans -= 1
             found = [r for r in _module_roots() if isinstance(r, mod.DistributedDataParallel)]
