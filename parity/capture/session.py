@@ -144,6 +144,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self._roots_fresh = False  # the next _gc_roots scans whatever the key (periodic scan)
         self._trees_scanned: int | None = None  # the step of the last search for new trees
         self._scan_seconds = 0.0  # time spent in those searches (table.SCAN_BUDGET)
+        self._gc_scan_cost: float | None = None  # the last gc scan's seconds
         self._scan_clock = time.perf_counter()
         self._skipped_trees = weakref.WeakSet()  # trees of fake / meta / subclass tensors
         self._trees_skipped: list[dict] = []  # their meta.json ``capture.skipped`` entries
@@ -183,7 +184,10 @@ class Session(RankRecord, StepClock, ParamTable):
             # No module hook: a global forward pre-hook is seen by every tracer (dynamo export
             # cannot trace Module._call_impl's hook path; a compiled model recompiles once it
             # is gone). The model trees come from a gc scan instead (table.py, trees.py).
-            self._registration_handles = table.install_registration_hooks()
+            # parity exec starts the session as torch finishes importing: no module of the job
+            # exists yet, so the hooks see every one (the trees without a gc scan)
+            self._registration_handles = table.install_registration_hooks(
+                track=self.source == "exec")
             if self.manifests:
                 from parity.capture.sources import registry as sources
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -86,7 +87,39 @@ class _Buffer:
 # ``ddp``, weak references to the DistributedDataParallel modules that registered their module
 # (c10d_allreduce.py reads them instead of scanning gc). Without the hooks: a scan every step.
 _REGISTRATION: dict = {"dirty": True, "stranger": True, "hooked": False, "known": set(),
-                       "copies_seen": False, "ddp": [], "epoch": 0}
+                       "copies_seen": False, "ddp": [], "epoch": 0, "tracking": False,
+                       "modules": {}}
+
+
+def _track(module) -> None:
+    """Remember a module that registered something or was copied (``tracking``: the hooks were
+    installed before any module of the job existed, so these are all of them). By id, with a
+    weak reference: a module may be unhashable (``__eq__`` without ``__hash__``)."""
+    mods = _REGISTRATION["modules"]
+    ref = mods.get(id(module))
+    if ref is None or ref() is not module:
+        try:
+            mods[id(module)] = weakref.ref(module)
+        except TypeError:  # a module class with __slots__ and no __weakref__: scans find it
+            _REGISTRATION["tracking"] = False
+
+
+def tracked_roots() -> list | None:
+    """The live modules the hooks saw that are nobody's child, in the order first seen (a
+    child registers its tensors before its parent registers it: roots come in creation
+    order), or None when not tracking (the caller scans gc)."""
+    if not _REGISTRATION["tracking"]:
+        return None
+    mods = _REGISTRATION["modules"]
+    live = []
+    for key, ref in list(mods.items()):
+        m = ref()
+        if m is None:
+            del mods[key]
+        else:
+            live.append(m)
+    children = {id(c) for m in live for c in m._modules.values() if c is not None}
+    return [m for m in live if id(m) not in children]
 
 
 def _stranger() -> None:
@@ -97,6 +130,8 @@ def _stranger() -> None:
 
 def _note_registration(module=None, name=None, value=None, *_rest) -> None:
     _REGISTRATION["dirty"] = True
+    if _REGISTRATION["tracking"]:
+        _track(module)
     if isinstance(value, torch.Tensor) and id(module) not in _REGISTRATION["known"]:
         _stranger()
     elif name == "module" and type(module).__name__ == "DistributedDataParallel":
@@ -127,7 +162,10 @@ def _watch_copies() -> Callable[[], None] | None:
     @functools.wraps(orig)
     def __setstate__(self, state):
         _stranger()
-        return orig(self, state)
+        out = orig(self, state)
+        if _REGISTRATION["tracking"]:
+            _track(self)  # a copy registers nothing: its children are copied (and seen) too
+        return out
 
     torch.nn.Module.__setstate__ = __setstate__
     _REGISTRATION["copies_seen"] = True
@@ -147,10 +185,12 @@ class _Undo:
         self.remove = fn
 
 
-def install_registration_hooks() -> list:
+def install_registration_hooks(track: bool = False) -> list:
     """Global parameter/buffer/submodule registration hooks and the copy watch (handles),
     once per process; [] if absent. They run only when a module registers something or is
-    copied (no tracer sees them)."""
+    copied (no tracer sees them). ``track``: they are installed as torch finishes importing,
+    before the job built any module (``parity exec``), so the modules they see are every
+    module that holds something, and the trees come from them instead of a gc scan."""
     if _REGISTRATION["hooked"]:
         return []
     mm = torch.nn.modules.module
@@ -163,6 +203,7 @@ def install_registration_hooks() -> list:
     undo = _watch_copies()
     if undo is not None:
         handles.append(_Undo(undo))
+    _REGISTRATION["tracking"] = track and undo is not None
     return handles
 
 
@@ -177,12 +218,15 @@ def uninstall_registration_hooks(handles: list) -> None:
         _REGISTRATION["dirty"] = _REGISTRATION["stranger"] = True
         _REGISTRATION["known"] = set()
         _REGISTRATION["ddp"] = []
+        _REGISTRATION["tracking"] = False
+        _REGISTRATION["modules"] = {}
 
 
 # The periodic scan's share of the run: with the hooks and the copy watch, a new tree is
 # announced, and the scans at steps 2, 4, 8, ... are only a safety net for what neither sees
-# (a module built by hand from ``object.__new__``): they run only while all scans so far took
-# under this fraction of the time since capture started.
+# (a module built by hand from ``object.__new__``, a ``__setstate__`` that skips nn.Module's):
+# they run only while all scans so far took under this fraction of the time since the first
+# step (a 0.1 s scan: once 10 s have passed).
 SCAN_BUDGET = 0.01
 
 
@@ -204,7 +248,11 @@ class ParamTable:
                                                                                      self.k)
         if self._roots_scan is None or self._roots_scan[0] != key or self._roots_fresh:
             t0 = time.perf_counter()
-            self._roots_scan = (key, trees.module_roots())
+            roots = None if self._roots_fresh else tracked_roots()
+            if roots is None:
+                roots = trees.module_roots()
+                self._gc_scan_cost = time.perf_counter() - t0
+            self._roots_scan = (key, roots)
             self._scan_seconds += time.perf_counter() - t0
             self._roots_fresh = False
         return self._roots_scan[1]
@@ -446,7 +494,8 @@ class ParamTable:
         copied model), else while the scans so far took under SCAN_BUDGET of the run."""
         if not _REGISTRATION["copies_seen"]:
             return True
-        return self._scan_seconds <= SCAN_BUDGET * (time.perf_counter() - self._scan_clock)
+        cost = self._gc_scan_cost if self._gc_scan_cost is not None else 0.1  # its estimate
+        return self._scan_seconds + cost <= SCAN_BUDGET * (time.perf_counter() - self._scan_clock)
 
     def _sync_trees(self, since: int | None) -> int:
         """Every tensor of the process's module trees not yet in the table joins it: parameters
@@ -457,6 +506,8 @@ class ParamTable:
         registered (or a tree joined). Returns how many rows joined."""
         step = self.k
         scanned = False
+        if since is None:  # the periodic scans' budget counts from the first step
+            self._scan_clock = time.perf_counter()
         since_announced = since is None or _REGISTRATION["stranger"]
         if (since is None or _REGISTRATION["stranger"] or not _REGISTRATION["hooked"]
                 or (_rescan_step(step) and self._scan_in_budget())) \
