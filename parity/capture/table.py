@@ -15,9 +15,11 @@ Nothing here hooks a module: the trees come from a gc scan (trees.py) at the fir
 the next step after a module outside the known trees registered a parameter or buffer
 (PyTorch's global registration hooks, which no tracer sees: they run only when a module
 registers something) or a module was copied or unpickled (``nn.Module.__setstate__``, wrapped to
-set a flag). Scans at steps 2, 4, 8, ... remain a safety net within 1% of the run's time (each
-scan costs ~0.1 s in a process holding torch; at every power of two they cost the built-in
-workload 8 ms a step over 100 steps). Fake, meta and other subclass tensors never enter the table:
+set a flag). Under ``parity exec`` the hooks are installed before the job builds any module, so
+the roots come from the modules they saw, without a scan (``tracked_roots``). gc scans at steps
+2, 4, 8, ... remain a safety net within 1% of the run's time (each scan costs ~0.1 s in a
+process holding torch; at every power of two they cost the built-in workload 8 ms a step over
+100 steps). Fake, meta and other subclass tensors never enter the table:
 a tree made of them is skipped with its reason (``capture.skipped``), a single one in a real tree
 is named on the verdict line (``capture.unhashed``), and a row that cannot be hashed at some
 step gets the all-zero hash and is named too: capture never turns itself off for one tensor.
