@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import time
+import types
 import weakref
 from collections.abc import Callable
 
@@ -89,7 +90,7 @@ class _Buffer:
 # ``ddp``, weak references to the DistributedDataParallel modules that registered their module
 # (c10d_allreduce.py reads them instead of scanning gc). Without the hooks: a scan every step.
 _REGISTRATION: dict = {"dirty": True, "stranger": True, "hooked": False, "known": set(),
-                       "copies_seen": False, "ddp": [], "epoch": 0, "tracking": False,
+                       "copy_watch": False, "ddp": [], "epoch": 0, "tracking": False,
                        "modules": {}}
 
 
@@ -170,21 +171,14 @@ def _watch_copies() -> Callable[[], None] | None:
         return out
 
     torch.nn.Module.__setstate__ = __setstate__
-    _REGISTRATION["copies_seen"] = True
+    _REGISTRATION["copy_watch"] = True
 
     def undo() -> None:
         if torch.nn.Module.__dict__.get("__setstate__") is __setstate__:
             torch.nn.Module.__setstate__ = orig
-        _REGISTRATION["copies_seen"] = False
+        _REGISTRATION["copy_watch"] = False
 
     return undo
-
-
-class _Undo:
-    """A handle (``remove()``) for the copy watch, kept with the hooks' handles."""
-
-    def __init__(self, fn):
-        self.remove = fn
 
 
 def install_registration_hooks(track: bool = False) -> list:
@@ -203,8 +197,8 @@ def install_registration_hooks(track: bool = False) -> list:
     _REGISTRATION["hooked"] = True
     handles = [r(_note_registration) for r in regs]
     undo = _watch_copies()
-    if undo is not None:
-        handles.append(_Undo(undo))
+    if undo is not None:  # kept with the hooks' handles: removed like them
+        handles.append(types.SimpleNamespace(remove=undo))
     _REGISTRATION["tracking"] = track and undo is not None
     return handles
 
@@ -246,8 +240,8 @@ class ParamTable:
         """The live root modules (trees.module_roots), scanned at most once per step, and with
         the registration hooks and the copy watch only when one of them announced a possible new
         tree since the last scan (a periodic scan, ``_sync_trees``, rescans anyway)."""
-        key = ("epoch", _REGISTRATION["epoch"]) if _REGISTRATION["copies_seen"] else ("step",
-                                                                                     self.k)
+        watched = _REGISTRATION["copy_watch"]
+        key = ("epoch", _REGISTRATION["epoch"]) if watched else ("step", self.k)
         if self._roots_scan is None or self._roots_scan[0] != key or self._roots_fresh:
             t0 = time.perf_counter()
             roots = None if self._roots_fresh else tracked_roots()
@@ -494,7 +488,7 @@ class ParamTable:
     def _scan_in_budget(self) -> bool:
         """A periodic scan is due: always without the copy watch (nothing else announces a
         copied model), else while the scans so far took under SCAN_BUDGET of the run."""
-        if not _REGISTRATION["copies_seen"]:
+        if not _REGISTRATION["copy_watch"]:
             return True
         cost = self._gc_scan_cost if self._gc_scan_cost is not None else 0.1  # its estimate
         return self._scan_seconds + cost <= SCAN_BUDGET * (time.perf_counter() - self._scan_clock)
