@@ -1,7 +1,7 @@
 """parity's benchmarks: every figure is a ratio against a baseline measured in the same run.
 
     python benchmarks/run.py [--quick] [--json FILE]
-                             [--only hash,capture,diff,sweep,control,early_stop,cuda,reduction,emulation]
+                             [--only hash,capture,diff,sweep,control,early_stop,cuda,cuda_digest,reduction,emulation]
 
 Figures (targets from the performance issue; a figure that misses its target is marked MISS,
 the run still exits 0 so CI tracks numbers rather than machine noise; in a --quick run, whose
@@ -442,8 +442,10 @@ def bench_diff(quick: bool, tmp: Path) -> dict:
 # ---------------------------------------------------------------------------------------- cuda
 
 
-def cuda_state(total_mib: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Model-like CUDA tensors of ``dtype``: many mixed sizes (a few non-contiguous views)."""
+def cuda_state(total_mib: int, dtype: torch.dtype, views: bool = False) -> list[torch.Tensor]:
+    """Model-like CUDA tensors of ``dtype``: many mixed sizes, contiguous as parameters,
+    FSDP2's shards and gradients are; with ``views`` one in 17 is a transposed view, which the
+    digest must first copy contiguous (a plain read reduces it in place)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     dim = 4096
     shapes = [(dim, dim)] * 4 + [(3 * dim, dim), (dim, 3 * dim), (3 * dim, dim), (dim,), (dim,)]
@@ -451,7 +453,7 @@ def cuda_state(total_mib: int, dtype: torch.dtype) -> list[torch.Tensor]:
     budget = total_mib * 2**20
     while used < budget:
         t = torch.randn(*shapes[i % len(shapes)], device="cuda", generator=g).to(dtype)
-        tensors.append(t.t() if i % 17 == 16 and t.dim() == 2 else t)
+        tensors.append(t.t() if views and i % 17 == 16 and t.dim() == 2 else t)
         used += t.numel() * t.element_size()
         i += 1
     return tensors
@@ -479,7 +481,7 @@ def _digest_now(tensors, figures: bool = False):
     return digest_tensors(tensors, "device", figures=figures)
 
 
-def bench_cuda(quick: bool, tmp: Path, emit) -> dict:
+def bench_cuda(quick: bool, tmp: Path, emit, capture: bool = True) -> dict:
     """Each figure goes to ``emit`` (printed at once) as soon as it is measured."""
     if not torch.cuda.is_available():
         emit("cuda", "no CUDA: skipped")
@@ -505,6 +507,12 @@ def bench_cuda(quick: bool, tmp: Path, emit) -> dict:
         t_fig = _best_cuda(lambda: _digest_now(tensors, figures=True), reps)
         emit(f"cuda_figures_gbps_{label}", nbytes / t_fig / gb)
         emit(f"cuda_figures_vs_read_{label}", t_read / t_fig)
+        if label == "fp32":  # the cost of non-contiguous views (copied first), once
+            del tensors
+            torch.cuda.empty_cache()
+            tensors = cuda_state(1024 if quick else 4096, dtype, views=True)
+            t_read = _best_cuda(lambda: _cuda_read(tensors), reps)
+            emit("cuda_digest_vs_read_fp32_views", t_read / _best_cuda(lambda: _digest_now(tensors), reps))
         if label == "fp32":  # the slow baselines once, on a slice of the state
             part = tensors[: max(4, len(tensors) // 8)]
             pbytes = sum(t.numel() * t.element_size() for t in part)
@@ -525,7 +533,8 @@ def bench_cuda(quick: bool, tmp: Path, emit) -> dict:
             del part
         del tensors
         torch.cuda.empty_cache()
-    _cuda_capture(quick, tmp, emit)
+    if capture:
+        _cuda_capture(quick, tmp, emit)
     return {}
 
 
@@ -671,7 +680,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", dest="json_file", help="write every figure to this JSON file")
     ap.add_argument("--only", default="hash,capture,diff,sweep,control,early_stop,cuda,reduction,emulation",
                     help="comma-separated subset of: hash, capture, diff, sweep, control, "
-                         "early_stop, cuda, reduction, emulation")
+                         "early_stop, cuda, cuda_digest (cuda without the workload), reduction, emulation")
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     figures: dict = {"quick": args.quick, "torch": torch.__version__, "cpus": os.cpu_count()}
@@ -684,6 +693,7 @@ def main(argv=None) -> int:
                "control": lambda: bench_control(args.quick, tmp / "control"),
                "early_stop": lambda: bench_early_stop(args.quick, tmp / "early_stop"),
                "cuda": lambda: bench_cuda(args.quick, tmp, emit),
+               "cuda_digest": lambda: bench_cuda(args.quick, tmp, emit, capture=False),
                "reduction": lambda: _bench_reduction(args.quick, tmp / "reduction"),
                "emulation": lambda: _bench_emulation(args.quick, tmp / "emulation")}
 

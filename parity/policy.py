@@ -301,6 +301,10 @@ def _cell_status(d: dict) -> tuple[str, str]:
         predicted = consequences.reduction_phrase(d.get("reduction_order"))
         if predicted:
             order_note += f"; {predicted}"
+    elif oval == "unavailable" and _one_sided(order):
+        # a one-rank compiled job issues no bucketed collective: say that, not "unavailable"
+        ranks = "1 rank; " if d.get("world_size") == 1 else ""
+        order_note = f"bucket layouts not compared ({ranks}{_one_sided(order).strip()[1:-1]})"
     elif oval and oval != "identical":
         notes = [str(n) for n in order.get("notes") or []][:1]
         order_note = f"bucket order {oval}" + (f" ({notes[0]})" if notes else "")

@@ -295,4 +295,5 @@ def test_capture_on_one_gpu_writes_every_step_in_order(tmp_path):
     lines = (out / "rank-00000" / "steps.jsonl").read_text().splitlines()
     import json
 
-    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3, 4]
+    # the steps in order, then the final-state record (issue 32) last
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2, 3, 4, "final"]

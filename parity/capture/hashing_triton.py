@@ -48,10 +48,16 @@ import xxhash
 __all__ = ["usable", "materialized", "dtype_key", "device_lanes", "digest_cuda", "digest_all_cuda",
            "Pending", "PendingFigures", "figure_kind", "BLOCK", "ITERS"]
 
-BLOCK = 1024  # units per vector step of a program
-ITERS = 16    # vector steps per program: 16 Ki units (64 KiB of words) per full row
+# The lanes kernel's launch configuration, chosen on an H100 (benchmarks/digest_variants.py,
+# 2026-11-26, contiguous fp32 state of 2 GiB against t.sum(): 1024/16/4 gave digest 1.12x and
+# digest+figures 0.57x, 512/32/4 gave 1.10x and 1.07x; the float64 figures need the registers
+# that a wider BLOCK spends). The digest does not depend on it; the figures' float64 sums may
+# differ in their last bits (both sides of a diff run one parity).
+BLOCK = 512   # units per vector step of a program
+ITERS = 32    # vector steps per program: 16 Ki units (64 KiB of words) per full row
 FBLOCK = 1024  # slots per program of the finish kernel
 RBLOCK = 256  # rows added at a time per tensor by figures_reduce
+NUM_WARPS = 4  # warps per program of digest_lanes
 B_MULT = 0x9E3779B1  # must equal hashing.B_MULT (tested)
 _M64 = (1 << 64) - 1
 ENV_BACKEND = "PARITY_DEVICE_DIGEST"  # "torch" forces the torch-ops fallback
@@ -280,7 +286,7 @@ def _launch(plan: _Plan, block: int, iters: int, figures: bool = False) -> Pendi
     parts = torch.empty(max(plan.rows, 1), 3, dtype=torch.int64, device=dev) if figures else lanes
     if plan.rows:
         k.digest_lanes[(plan.rows,)](plan.table, lanes, parts, BLOCK=block, ITERS=iters,
-                                     B_MULT=B_MULT, FIGURES=figures)
+                                     B_MULT=B_MULT, FIGURES=figures, num_warps=NUM_WARPS)
     k.digest_finish[(triton_cdiv(n, FBLOCK),)](lanes, plan.keys, res, plan.n, STRIDE=stride,
                                               FBLOCK=FBLOCK)
     if figures and plan.n:
