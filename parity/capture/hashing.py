@@ -100,8 +100,22 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)  # C-contiguous: its buffer is the tensor's bytes in order
 
 
+def _plain_np(t: torch.Tensor) -> np.ndarray | None:
+    """A flat zero-copy numpy view of a local CPU tensor whose bytes numpy reads as they are
+    (contiguous, a numpy dtype, no lazy negation), else None. The common case of capture's host
+    path: one ``detach().numpy()`` instead of the general path's uint8 view and reshapes (the
+    digest hashes the same bytes, the figures read the same values)."""
+    if (t.is_cpu and t.dtype in _NUMPY_DTYPES and t.is_contiguous() and not t.is_neg()
+            and t.numel()):
+        return t.detach().numpy().reshape(-1)
+    return None
+
+
 def _xxh3(t: torch.Tensor) -> bytes:
     """host_digest of a local (non-DTensor) tensor."""
+    a = _plain_np(t)
+    if a is not None:
+        return _xxh3_128(a)
     if t.numel() == 0:
         return _EMPTY
     if not t.is_cpu:
@@ -538,7 +552,12 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
             host_pos.append(i)
             host_raw.append(_xxh3(lt))
         else:  # digest and figures in one read of the bytes (small ones summed together below)
-            digest, fig, vals = _digest_and_figures(lt)
+            vals = _plain_np(lt)
+            if vals is not None and vals.size <= FIG_CHUNK:  # the common case, in few steps
+                fig = None
+                digest = _xxh3_128(vals)
+            else:
+                digest, fig, vals = _digest_and_figures(lt)
             host_pos.append(i)
             host_raw.append(digest)
             if vals is not None:
