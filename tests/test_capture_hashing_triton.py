@@ -151,6 +151,17 @@ def test_figures_under_the_interpreter_through_the_capture_path(interpreted_figu
         assert _close_figures(kernel, host, n, float(abs_sum)) is None, (kernel, host)
 
 
+def test_the_cached_table_follows_the_tensors_under_the_interpreter(interpreted_figures):
+    """The device table is reused only for the same tensor objects at the same addresses: a
+    member given new storage, a list of the same length and ends with other members in
+    between (also one at the same address: a view of half a tensor), and gradients looked up
+    by their owners all get the digests of what they hold."""
+    assert interpreted_figures["cache"] == {"new_storage": True, "other_members": True,
+                                            "back_to_first": True,
+                                            "same_addresses_other_member": True,
+                                            "owners": [True, True, True]}
+
+
 @need_triton
 def test_kernel_positions_restart_at_2_31_as_defined(interpreted):
     values, first, got = interpreted["positions_past_2**31"]

@@ -177,6 +177,36 @@ def main():
         "fallback_is_torch_ops": [cap[i].tobytes() == hashing._figures_torch(
             hashing.local_tensor(some[i])).numpy().tobytes() for i in (2, 5)],
     }
+    # the cached table is reused only for the same objects at the same addresses (hashing_triton
+    # digest_all_cuda): a member given new storage (``p.data = ...``), a list with the same
+    # length and ends but other members, and gradients looked up by their owners
+    first = some[0]
+    kept = first.data
+    first.data = kept.clone() * 2  # new storage, other values
+    d3 = hashing.digest_tensors_async(some, "device", stable=True)
+    new_storage = d3.result() == b"".join(hashing._digests_torch(some))
+    first.data = kept
+    other = [some[0], some[3], some[2], some[1], some[4], some[5], some[6]]
+    d4 = hashing.digest_tensors_async(other, "device", stable=True)
+    # the same addresses but another member object: a view of the first half of some[3]
+    half = [*some[:3], some[3].reshape(-1)[: some[3].numel() // 2], *some[4:]]
+    d_half = hashing.digest_tensors_async(half, "device", stable=True)
+    d5 = hashing.digest_tensors_async(some, "device", stable=True)
+    owners = [torch.empty(0) for _ in some]
+    g1 = [t.clone() for t in some]
+    g2 = [t.clone() for t in some]
+    g2[3] = g2[3] + 1
+    e1 = hashing.digest_tensors_async(g1, "device", owners=owners)
+    e1b = hashing.digest_tensors_async(g1, "device", owners=owners)  # the cached table
+    e2 = hashing.digest_tensors_async(g2, "device", owners=owners)  # other storage: rebuilt
+    out["cache"] = {
+        "new_storage": new_storage,
+        "other_members": d4.result() == b"".join(hashing._digests_torch(other)),
+        "back_to_first": d5.result() == ref,
+        "same_addresses_other_member": d_half.result() == b"".join(hashing._digests_torch(half)),
+        "owners": [e1.result() == ref, e1b.result() == ref,
+                   e2.result() == b"".join(hashing._digests_torch(g2))],
+    }
     print(json.dumps(out))
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import OrderedDict
+import operator
 from operator import attrgetter
 
 import torch
@@ -71,6 +72,7 @@ _NBYTES = attrgetter("nbytes")
 _DTYPE = attrgetter("dtype")
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _GET_DEVICE = torch.Tensor.get_device
+_IS = operator.is_
 
 
 def materialized(t: torch.Tensor) -> torch.Tensor:
@@ -298,8 +300,8 @@ def _launch(plan: _Plan, block: int, iters: int, figures: bool = False) -> Pendi
         event = torch.cuda.Event()
         event.record()
         keep = (lanes, res, parts, plan)
-    else:  # the interpreter, on CPU tensors
-        host, event, keep = res, None, None
+    else:  # the interpreter, on CPU tensors (the plan kept too: the table cache is tested so)
+        host, event, keep = res, None, (lanes, res, parts, plan)
     host = host[:plan.n]
     return Pending(host[:, :2], event, keep, host[:, 2:].view(torch.float64) if figures else None,
                    fallback)
@@ -385,15 +387,20 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
         ptrs = list(map(_DATA_PTR, locs))  # RuntimeError for sparse
     except (TypeError, RuntimeError):
         return None
-    key = None
+    key = members = None
     if stable:
-        key = ("same", tuple(map(id, locs)))
+        members = locs
     elif owners is not None and len(owners) == len(locs):
-        key = ("grads of", tuple(map(id, owners)))
-    if key is not None:
+        members = owners
+    if members:
+        # looked up by length and end members, then checked member by member: the same objects
+        # (held by hit[2], so their ids are still theirs) in the same order, with the same
+        # storage. (An identity check costs a third of hashing a tuple of every id, measured
+        # on CPU: 23 vs 67 us for 1,500 tensors.)
+        key = ("same" if stable else "grads of", len(members), id(members[0]), id(members[-1]))
         hit = _stable.get(key)
-        # same objects or owners (held by hit[2]), same storage
-        if hit is not None and hit[0] == ptrs and (stable or all(map(_IS_CONTIGUOUS, locs))):
+        if (hit is not None and hit[0] == ptrs and all(map(_IS, hit[2], members))
+                and (stable or all(map(_IS_CONTIGUOUS, locs)))):
             _stable.move_to_end(key)
             return _launch_plan(hit[1], figures)
     devs = set(map(_GET_DEVICE, locs))
@@ -401,7 +408,7 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
         return None
     pending = _run(locs, ptrs, figures=figures)
     if pending is not None and key is not None and pending.keep:
-        _stable[key] = (ptrs, pending.keep[-1], list(locs if stable else owners))  # ids stay valid
+        _stable[key] = (ptrs, pending.keep[-1], list(members))  # ids stay valid
         if len(_stable) > 8:
             _stable.popitem(last=False)
     return pending
@@ -409,7 +416,7 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
 
 def _launch_plan(plan: _Plan, figures: bool = False) -> Pending | None:
     try:
-        with torch.cuda.device(plan.device):
+        with torch.cuda.device(plan.device) if plan.device.type == "cuda" else _nothing():
             return _launch(plan, BLOCK, ITERS, figures)
     except Exception as e:  # noqa: BLE001
         _failed(e)
