@@ -164,6 +164,7 @@ def test_ddp_buckets_are_recorded_compared_and_predicted(runs):
                            "a.weight"]]
     assert [f for b in by_step[2] for f in b] == by_step[1][0] and len(by_step[2]) == 2
     r = diff_runs(runs["ddp"], runs["ddp_reorder"], at="2x2:algo=Ring")
+    assert r.a.bucket_source == r.b.bucket_source == "c10d"  # the header: not "manifests: none"
     assert any(p.collective == "all_reduce" and p.verdict != "identical" for p in r.order.pairs)
     assert r.exit_code("reduction") == 1
     ro = r.reduction_order

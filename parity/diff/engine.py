@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from parity.artifacts import RankData, Run, gc_paused, read_run
+from parity.records import SOURCE_C10D
 from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
                                  explain_eager)
@@ -642,8 +643,22 @@ def _sides(run_a: Run, run_b: Run, ws: int, usable: dict[str, list[int]],
     for side, run, lay in (("a", run_a, layouts["a"]), ("b", run_b, layouts["b"])):
         sides[side] = ComparedRun(str(run.path), ws, usable[side],
                            [r for r in range(ws) if r not in usable[side]], side_steps[side],
-                           (run.run_meta or {}).get("status"), lay.source)
+                           (run.run_meta or {}).get("status"),
+                           lay.source or _all_reduce_source(run, usable[side]))
     return sides
+
+
+def _all_reduce_source(run: Run, ranks: list[int]) -> str | None:
+    """"c10d" when a side's only bucket records are c10d all-reduces (DDP, HSDP's replicate
+    dimension, hand-written all-reduces): the layouts compare no reduce-scatter or all-gather,
+    but the side did record manifests (reduction.py reads them), so the header must not say
+    "manifests: none"."""
+    for r in ranks[:1]:
+        rd = run.ranks.get(r) if isinstance(run.ranks, dict) else None
+        recs = getattr(rd, "buckets", None) or []
+        if any(isinstance(x, dict) and x.get("source") == SOURCE_C10D for x in recs):
+            return SOURCE_C10D
+    return None
 
 
 def _explain_eager(why: str, divergent: list[Divergence], run_a: Run, ranks: list[int],
