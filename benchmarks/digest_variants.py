@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.run import _best_cuda as best  # noqa: E402  (one timing loop for every figure)
 
 CONFIGS = [(1024, 16, 4), (1024, 16, 8), (2048, 8, 8), (512, 32, 4), (1024, 8, 4),
            (2048, 16, 8), (1024, 32, 8), (4096, 4, 16)]
@@ -33,19 +36,6 @@ def state(mib: int, dtype: torch.dtype) -> list[torch.Tensor]:
         used += t.nbytes
         i += 1
     return out
-
-
-def best(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    b = float("inf")
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        b = min(b, time.perf_counter() - t0)
-    return b
 
 
 def main(argv=None) -> int:

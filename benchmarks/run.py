@@ -513,7 +513,7 @@ def bench_cuda(quick: bool, tmp: Path, emit, capture: bool = True) -> dict:
             tensors = cuda_state(1024 if quick else 4096, dtype, views=True)
             t_read = _best_cuda(lambda: _cuda_read(tensors), reps)
             emit("cuda_digest_vs_read_fp32_views", t_read / _best_cuda(lambda: _digest_now(tensors), reps))
-        if label == "fp32":  # the slow baselines once, on a slice of the state
+            # the slow baselines once, on a slice of the state
             part = tensors[: max(4, len(tensors) // 8)]
             pbytes = sum(t.numel() * t.element_size() for t in part)
             emit("cuda_d2h_xxh3_gbps", pbytes / _best_cuda(lambda: digest_tensors(part, "xxh3"), 1)

@@ -176,15 +176,16 @@ def order_phrase(order_verdict: str | None, first_bucket: dict | None = None) ->
 
 
 def _one_sided(order: dict) -> str:
-    """' (only A recorded reduce_scatter buckets; B issued none)' when layouts were not compared
-    because one side's job issued no bucketed collective of a kind (a one-rank compiled job)."""
+    """'only A recorded reduce_scatter buckets, B issued none' when layouts were not compared
+    because one side's job issued no bucketed collective of a kind (a one-rank compiled job);
+    '' otherwise."""
     notes = [n for n in order.get("notes") or [] if isinstance(n, str) and ": only " in n
              and "recorded buckets" in n]
     if not notes or order.get("compared"):
         return ""
     said = "; ".join(f"only {side[0]} recorded {coll} buckets, {'B' if side[0] == 'A' else 'A'} "
                      "issued none" for coll, side in (n.split(": only ", 1) for n in notes))
-    return f" ({said})"
+    return said
 
 
 def _left_out(order: dict) -> str:
@@ -251,7 +252,8 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         if left:  # compared ones are identical; what one side alone recorded is said
             v.not_compared.append(left)
     else:
-        v.not_compared.append(order_phrase(ov) + _one_sided(order))
+        one = _one_sided(order)
+        v.not_compared.append(order_phrase(ov) + (f" ({one})" if one else ""))
     predicted = consequences.reduction_phrase(d.get("reduction_order"))
     if predicted:  # --at: the prediction's own finding, under the policy
         ro_verdict = consequences.prediction_verdict(d["reduction_order"])
@@ -301,10 +303,10 @@ def _cell_status(d: dict) -> tuple[str, str]:
         predicted = consequences.reduction_phrase(d.get("reduction_order"))
         if predicted:
             order_note += f"; {predicted}"
-    elif oval == "unavailable" and _one_sided(order):
+    elif oval == "unavailable" and (one := _one_sided(order)):
         # a one-rank compiled job issues no bucketed collective: say that, not "unavailable"
         ranks = "1 rank; " if d.get("world_size") == 1 else ""
-        order_note = f"bucket layouts not compared ({ranks}{_one_sided(order).strip()[1:-1]})"
+        order_note = f"bucket layouts not compared ({ranks}{one})"
     elif oval and oval != "identical":
         notes = [str(n) for n in order.get("notes") or []][:1]
         order_note = f"bucket order {oval}" + (f" ({notes[0]})" if notes else "")

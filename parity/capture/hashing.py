@@ -195,6 +195,9 @@ def _digest_and_figures(t: torch.Tensor) -> tuple[bytes, tuple[float, float, flo
     figures, None) for a tensor of more than ``FIG_CHUNK`` elements (each chunk hashed by a
     streaming xxh3, whose digest equals the one-shot digest, and summed while in cache), else
     (digest, None, its values as numpy) for ``batch_figures``."""
+    vals = _plain_np(t)
+    if vals is not None and vals.size <= FIG_CHUNK:  # the common case, in few steps
+        return _xxh3_128(vals), None, vals
     if t.numel() == 0:
         return _EMPTY, (0.0, 0.0, 0.0), None  # (reduceat needs at least one element)
     if not t.is_cpu:
@@ -552,12 +555,7 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
             host_pos.append(i)
             host_raw.append(_xxh3(lt))
         else:  # digest and figures in one read of the bytes (small ones summed together below)
-            vals = _plain_np(lt)
-            if vals is not None and vals.size <= FIG_CHUNK:  # the common case, in few steps
-                fig = None
-                digest = _xxh3_128(vals)
-            else:
-                digest, fig, vals = _digest_and_figures(lt)
+            digest, fig, vals = _digest_and_figures(lt)
             host_pos.append(i)
             host_raw.append(digest)
             if vals is not None:

@@ -653,12 +653,9 @@ def _all_reduce_source(run: Run, ranks: list[int]) -> str | None:
     dimension, hand-written all-reduces): the layouts compare no reduce-scatter or all-gather,
     but the side did record manifests (reduction.py reads them), so the header must not say
     "manifests: none"."""
-    for r in ranks[:1]:
-        rd = run.ranks.get(r) if isinstance(run.ranks, dict) else None
-        recs = getattr(rd, "buckets", None) or []
-        if any(isinstance(x, dict) and x.get("source") == SOURCE_C10D for x in recs):
-            return SOURCE_C10D
-    return None
+    rd = run.ranks.get(ranks[0]) if ranks else None
+    recs = rd.buckets if rd is not None else []
+    return SOURCE_C10D if any(r.get("source") == SOURCE_C10D for r in recs) else None
 
 
 def _explain_eager(why: str, divergent: list[Divergence], run_a: Run, ranks: list[int],
