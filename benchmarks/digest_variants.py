@@ -13,6 +13,7 @@ shipped defaults (hashing_triton.BLOCK, ITERS, NUM_WARPS) come from it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def main(argv=None) -> int:
         return 3
     from parity.capture import hashing_triton as ht
 
+    os.environ[ht.ENV_GRAPHS] = "0"  # each configuration launched as such, never a replay
     shipped = (ht.BLOCK, ht.ITERS, ht.NUM_WARPS)
     print(f"digest_variants: {torch.cuda.get_device_name(0)}, shipped BLOCK/ITERS/warps {shipped}",
           flush=True)

@@ -69,7 +69,9 @@ sizes the targets were not set for, a figure short of its target is said as such
                                       runs it (the parameters' entry digests; gradients and
                                       parameters with figures; the previous step's read back),
                                       GPU idle;
-                                      cuda_host_ms_per_step_no_figures: the digests alone
+                                      cuda_host_ms_per_step_no_figures: the digests alone;
+                                      cuda_host_ms_per_step_queued: with figures, launches
+                                      queued each call (no CUDA-graph replay of the tables)
     cuda_digest_gbps_*, cuda_read_gbps_*
                                       the device digest alone (Triton kernels where Triton
                                       imports) vs a plain on-device read (t.sum() of every
@@ -555,17 +557,21 @@ def _cuda_host_time(quick: bool, emit) -> None:
     the buffer rows left out, here one in a hundred; the gradients with their parameters as
     owners and the parameters as a stable list after the step, both with figures; the previous
     step's digests and figures read back). The GPU is kept idle between steps, so the figure is
-    the host's own time, not a wait. Measured with figures (what capture runs: the target) and
-    without."""
+    the host's own time, not a wait. Measured with figures (what capture runs: the target),
+    without, and with figures but every table's launches queued each call instead of replayed
+    as a CUDA graph (``PARITY_DIGEST_GRAPHS=0``: what the replay saves, in the same run)."""
+    from parity.capture import hashing_triton
     from parity.capture.hashing import digest_tensors_async
 
     params = _small_cuda_tensors(1500)
     grads = [torch.empty_like(p) for p in params]
-    entry = [None if i % 100 == 99 else p for i, p in enumerate(params)]  # buffers left out
+    entry = [None if i % 100 == 50 else p for i, p in enumerate(params)]  # buffers left out
     steps = 50 if quick else 200
     emit("cuda_host_tensors", 2 * len(params))
-    for figures, key in ((True, "cuda_host_ms_per_step"),
-                         (False, "cuda_host_ms_per_step_no_figures")):
+    for figures, key, graphs in ((True, "cuda_host_ms_per_step", "1"),
+                                 (False, "cuda_host_ms_per_step_no_figures", "1"),
+                                 (True, "cuda_host_ms_per_step_queued", "0")):
+        os.environ[hashing_triton.ENV_GRAPHS] = graphs
         host, prev = [], None
         for k in range(steps + 5):
             torch.cuda.synchronize()
@@ -581,7 +587,11 @@ def _cuda_host_time(quick: bool, emit) -> None:
             host.append(time.perf_counter() - t0)
             prev, prev_entry = (d_params, d_grads), d_entry
         torch.cuda.synchronize()
+        os.environ.pop(hashing_triton.ENV_GRAPHS, None)
         emit(key, statistics.median(host[5:]) * 1e3)
+    emit("cuda_host_address_check", "C++ loop" if hashing_triton._PTRS_EQUAL is not None
+         else "Python loop")
+    emit("cuda_host_tables_replayed", hashing_triton._state["graphs"] or "yes")
 
 
 def _wall_step_ms(cmd: list[str], cwd: Path) -> float:

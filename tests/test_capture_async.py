@@ -107,7 +107,7 @@ def test_digests_mix_known_missing_and_pending_parts(monkeypatch):
     pending = FakePending(_d(42), log, "device")
     monkeypatch.setattr(hashing_triton, "usable", lambda: True)
     monkeypatch.setattr(hashing_triton, "digest_all_cuda",
-                        lambda t, stable, owners, figures=False: pending)
+                        lambda t, stable, owners, figures=False: (None, pending))
     d = digest_tensors_async([torch.zeros(2)], "auto")
     assert not d.ready() and d.result() == _d(42) and log == ["waited device"]
     monkeypatch.setattr(hashing_triton, "digest_all_cuda",

@@ -154,9 +154,13 @@ def test_figures_under_the_interpreter_through_the_capture_path(interpreted_figu
 def test_the_cached_table_follows_the_tensors_under_the_interpreter(interpreted_figures):
     """The device table is reused only for the same tensor objects at the same addresses: a
     member given new storage, a list of the same length and ends with other members in
-    between (also one at the same address: a view of half a tensor), and gradients looked up
-    by their owners all get the digests of what they hold."""
-    assert interpreted_figures["cache"] == {"new_storage": True, "other_members": True,
+    between (also one at the same address: a view of half a tensor), gradients looked up
+    by their owners (also when a row gains or loses its gradient) and wrapped tensors whose
+    local tensor is replaced all get the digests of what they hold."""
+    assert interpreted_figures["cache"] == {"shared_key": [True] * 6 + [1],
+                                            "holes_in_gradients": [True] * 4,
+                                            "wrapped": [True] * 6,
+                                            "new_storage": True, "other_members": True,
                                             "back_to_first": True,
                                             "same_addresses_other_member": True,
                                             "owners": [True, True, True]}
@@ -266,16 +270,67 @@ def test_the_digest_path_queues_without_a_host_sync():
         dg = hashing.digest_tensors_async(grads, "auto", owners=params, figures=True)
         fresh = [p + 1 for p in params]  # new addresses: a new table, still no sync
         df = hashing.digest_tensors_async(fresh, "auto", figures=True)
+        again = [p + 2 for p in params]  # a table used twice: captured and replayed, no sync
+        for _ in range(3):
+            da = hashing.digest_tensors_async(again, "auto", stable=True, figures=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert dp.result() == want_p and dg.result() == want_g
     assert df.result() == b"".join(hashing._digests_torch(fresh))
+    assert da.result() == b"".join(hashing._digests_torch(again))
+    assert hashing_triton._state["graphs"] is None
     for d, ts in ((dp, params), (dg, grads), (df, fresh)):
         got = np.frombuffer(d.figures(), "<f8").reshape(-1, 3)
         for t, fig in zip(ts, got):
             v = t.double().abs().sum().item()
             assert _close_figures(fig.tolist(), hashing.tensor_figures(t.cpu()), t.numel(),
                                   v) is None
+
+
+@need_cuda
+def test_tables_replayed_as_cuda_graphs_follow_the_tensors(monkeypatch):
+    """A table used a second time is captured as a CUDA graph and replayed after that
+    (hashing_triton._Graphed): the replay reads the tensors' current values; new storage, a
+    gradient that appears, and another stream take the launches again; digests and figures
+    equal the reference and the queued launches' bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    params = [torch.randn(n, device="cuda", generator=g) for n in (7, 1000, 70000)]
+    params.append(torch.randn(33, device="cuda", generator=g).bfloat16())
+    from parity.artifacts import NO_HASH
+
+    def ref(ts):
+        return b"".join(NO_HASH if t is None else hashing._digests_torch([t])[0] for t in ts)
+
+    for _ in range(3):
+        d = hashing.digest_tensors_async(params, "auto", stable=True, figures=True)
+        assert d.result() == ref(params)
+    seen = [s for same_key in hashing_triton._stable.values() for s in same_key
+            if s.members[0] is params[0]]
+    assert hashing_triton._state["graphs"] is None
+    assert seen and seen[0].plan.graphs.get(True) is not None  # captured, replayed
+    with torch.no_grad():
+        params[1].mul_(2)  # in place: the replay reads the new values
+    d = hashing.digest_tensors_async(params, "auto", stable=True, figures=True)
+    assert d.result() == ref(params)
+    monkeypatch.setenv(hashing_triton.ENV_GRAPHS, "0")
+    q = hashing.digest_tensors_async(params, "auto", stable=True, figures=True)
+    assert q.result() == d.result() and q.figures() == d.figures()
+    monkeypatch.delenv(hashing_triton.ENV_GRAPHS)
+    params[2].data = params[2].data.clone() + 1  # new storage: a new table
+    for _ in range(3):
+        assert hashing.digest_tensors_async(params, "auto", stable=True).result() == ref(params)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # another stream: queued there, never this stream's graph
+        d = hashing.digest_tensors_async(params, "auto", stable=True, figures=True)
+    assert d.result() == ref(params)
+    grads = [p * 3 for p in params]
+    grads[0] = None
+    for _ in range(3):
+        assert hashing.digest_tensors_async(grads, "auto", owners=params).result() == ref(grads)
+    grads[0] = params[0] * 3
+    assert hashing.digest_tensors_async(grads, "auto", owners=params).result() == ref(grads)
+    torch.cuda.synchronize()
 
 
 @need_cuda

@@ -199,7 +199,62 @@ def main():
     e1 = hashing.digest_tensors_async(g1, "device", owners=owners)
     e1b = hashing.digest_tensors_async(g1, "device", owners=owners)  # the cached table
     e2 = hashing.digest_tensors_async(g2, "device", owners=owners)  # other storage: rebuilt
+
+    def want(lst):
+        return b"".join(NO_HASH if t is None else hashing._digests_torch([hashing.local_tensor(t)])[0]
+                        for t in lst)
+
+    # gradients with a row missing (a parameter without one): left out while it has none,
+    # hashed once it has one, left out again when it loses it
+    gh = [t.clone() for t in some]
+    gh[3] = None
+    holes_grads = [hashing.digest_tensors_async(gh, "device", owners=owners).result() == want(gh)
+                   for _ in range(2)]  # the second from the cached table
+    gh[3] = some[3].clone() + 1
+    holes_grads.append(hashing.digest_tensors_async(gh, "device", owners=owners).result()
+                       == want(gh))
+    gh[5] = None
+    holes_grads.append(hashing.digest_tensors_async(gh, "device", owners=owners).result()
+                       == want(gh))
+
+    # wrapped tensors (a DTensor's _local_tensor, as FSDP2's parameters): the local tensor read
+    # at every call, so a parameter given a new local tensor (FSDP2's reset_sharded_param) is
+    # seen; with a row left out too
+    class Wrapped:
+        def __init__(self, t):
+            self._local_tensor = t
+
+    wrapped = [Wrapped(t.clone()) for t in some]
+    wrapped_ok = [hashing.digest_tensors_async(wrapped, "device", stable=True).result()
+                  == want(wrapped) for _ in range(2)]
+    wrapped[1]._local_tensor = some[1].clone() * 3
+    wrapped_ok.append(hashing.digest_tensors_async(wrapped, "device", stable=True).result()
+                      == want(wrapped))
+    wrapped_holes = [*wrapped[:2], None, *wrapped[3:]]
+    for _ in range(2):
+        wrapped_ok.append(hashing.digest_tensors_async(wrapped_holes, "device", stable=True)
+                          .result() == want(wrapped_holes))
+    wrapped[4]._local_tensor = some[4].clone() + 5
+    wrapped_ok.append(hashing.digest_tensors_async(wrapped_holes, "device", stable=True).result()
+                      == want(wrapped_holes))
+    # the parameters at a step's entry (buffer rows None) and after it (every row) share a key
+    # (length and ends): both stay cached, neither is built again
+    entry_like = [some[0], None, *some[2:]]
+    built = []
+    real_run = hashing_triton._run
+    hashing_triton._run = lambda *a, **k: built.append(1) or real_run(*a, **k)
+    shared_key = []
+    for _ in range(3):
+        shared_key.append(hashing.digest_tensors_async(entry_like, "device", stable=True).result()
+                          == want(entry_like))
+        shared_key.append(hashing.digest_tensors_async(some, "device", stable=True).result()
+                          == want(some))
+    hashing_triton._run = real_run
+    shared_key.append(len(built))
     out["cache"] = {
+        "shared_key": shared_key,
+        "holes_in_gradients": holes_grads,
+        "wrapped": wrapped_ok,
         "new_storage": new_storage,
         "other_members": d4.result() == b"".join(hashing._digests_torch(other)),
         "back_to_first": d5.result() == ref,

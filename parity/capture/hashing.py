@@ -482,6 +482,9 @@ class Digests:
         for the device if needed); None when they were not asked for."""
         if self.figs is None:
             return None
+        if len(self.figs) == 1 and self.figs[0][0] is None and not isinstance(self.figs[0][1],
+                                                                            np.ndarray):
+            return self.figs[0][1].result()  # one device part covering the list in order
         out = np.frombuffer(NO_FIGURES * self.n, dtype="<f8").reshape(-1, 3).copy()
         for pos, part in self.figs:
             rows = part if isinstance(part, np.ndarray) else np.frombuffer(
@@ -523,20 +526,15 @@ def digest_tensors_async(tensors: list, hasher: str = "auto", *, stable: bool = 
         return Digests(n, [(None, b"".join(NO_HASH if t is None else _xxh3(_local(t))
                                            for t in tensors))], [])
     if n and hasher in ("auto", "device"):
-        fast = hashing_triton.digest_all_cuda(tensors, stable, owners, figures)  # common case
-        pos = None
-        if fast is None and hashing_triton.usable():  # rows left out (None): the others
-            pos = [i for i, t in enumerate(tensors) if t is not None]
-            if 0 < len(pos) < n:
-                fast = hashing_triton.digest_all_cuda(
-                    [tensors[i] for i in pos], stable,
-                    None if owners is None else [owners[i] for i in pos], figures)
-        if fast is not None:
+        got = hashing_triton.digest_all_cuda(tensors, stable, owners, figures)  # common case
+        if got is not None:  # pos: the rows hashed when some are None (left out), else None
+            pos, fast = got
             figs = None
             if figures:
                 figs = [(pos, fast.figures())]
                 if fast.fallback:  # dtypes the kernels do not decode: torch ops, later part wins
-                    fb = list(fast.fallback) if pos is None else [pos[j] for j in fast.fallback]
+                    fb = list(fast.fallback) if pos is None else \
+                        [int(pos[j]) for j in fast.fallback]
                     figs.append((fb, _figures_pending([_local(tensors[i]) for i in fb])))
             return Digests(n, [], [(pos, fast)], figs)
     known: list[tuple[list[int] | None, bytes]] = []

@@ -62,9 +62,9 @@ B_MULT = 0x9E3779B1  # must equal hashing.B_MULT (tested)
 _M64 = (1 << 64) - 1
 ENV_BACKEND = "PARITY_DEVICE_DIGEST"  # "torch" forces the torch-ops fallback
 
-_state: dict = {"failed": None}
+_state: dict = {"failed": None, "graphs": None}
 _plans: OrderedDict = OrderedDict()  # signature -> _Plan (LRU)
-_stable: OrderedDict = OrderedDict()  # ids of a stable list -> (addresses, plan, the tensors)
+_stable: OrderedDict = OrderedDict()  # (kind, length, ids of the ends) -> [_Seen] (LRU)
 _PLAN_CACHE = 8
 _DATA_PTR = torch.Tensor.data_ptr
 _NBYTES = attrgetter("nbytes")
@@ -140,11 +140,13 @@ class _Plan:
     """A device table for one list of tensors (see the module docstring). ``fallback``: the
     slots whose dtype the kernels do not decode for the figures."""
 
-    __slots__ = ("table", "keys", "rows", "n", "device", "fallback")
+    __slots__ = ("table", "keys", "rows", "n", "device", "fallback", "graphs", "uses")
 
     def __init__(self, table, keys, rows: int, n: int, device, fallback: tuple = ()):
         self.table, self.keys, self.rows, self.n, self.device = table, keys, rows, n, device
         self.fallback = fallback
+        self.graphs: dict = {}  # figures (bool) -> _Graphed: this table's launches, replayable
+        self.uses = 0  # launches so far (a table is captured on its second use)
 
 
 def _build(ptrs: list[int], nbytes: list[int], dtypes: list, device, chunk: int) -> _Plan:
@@ -274,16 +276,12 @@ class PendingFigures:
         return self.of.figures_bytes()
 
 
-def _launch(plan: _Plan, block: int, iters: int, figures: bool = False) -> Pending:
-    """Queue the kernels of ``plan`` (lanes, finish and, with ``figures``, the figures' reduce)
-    and one copy of their results (digests and figures side by side) to the host."""
+def _queue(plan: _Plan, lanes, res, parts, block: int, iters: int, figures: bool) -> None:
+    """The kernels of ``plan`` on the current stream: lanes, finish and, with ``figures``, the
+    figures' reduce, into ``lanes`` (zeroed by the caller), ``res`` and ``parts``."""
     k = _kernels()
-    dev = plan.device
     n = max(plan.n, 1)
-    stride = 5 if figures else 2  # per slot: 2 int64 of digest, then 3 float64 figures
-    lanes = torch.zeros(n, 4, dtype=torch.int64, device=dev)
-    res = torch.empty(n, stride, dtype=torch.int64, device=dev)
-    parts = torch.empty(max(plan.rows, 1), 3, dtype=torch.int64, device=dev) if figures else lanes
+    stride = 5 if figures else 2
     if plan.rows:
         k.digest_lanes[(plan.rows,)](plan.table, lanes, parts, BLOCK=block, ITERS=iters,
                                      B_MULT=B_MULT, FIGURES=figures, num_warps=NUM_WARPS)
@@ -291,18 +289,119 @@ def _launch(plan: _Plan, block: int, iters: int, figures: bool = False) -> Pendi
                                               FBLOCK=FBLOCK)
     if figures and plan.n:
         k.figures_reduce[(plan.n,)](parts, plan.keys, res, STRIDE=stride, RBLOCK=RBLOCK)
-    fallback = plan.fallback if figures else ()
-    if dev.type == "cuda":
-        host = torch.empty(n, stride, dtype=torch.int64, pin_memory=True)
-        host.copy_(res, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        keep = (lanes, res, parts, plan)
-    else:  # the interpreter, on CPU tensors (the plan kept too: the table cache is tested so)
-        host, event, keep = res, None, (lanes, res, parts, plan)
+
+
+def _buffers(plan: _Plan, figures: bool):
+    """The device buffers of one launch of ``plan``: lanes (zeroed), results, row partials."""
+    dev = plan.device
+    n = max(plan.n, 1)
+    lanes = torch.zeros(n, 4, dtype=torch.int64, device=dev)
+    res = torch.empty(n, 5 if figures else 2, dtype=torch.int64, device=dev)
+    parts = torch.empty(max(plan.rows, 1), 3, dtype=torch.int64, device=dev) if figures else lanes
+    return lanes, res, parts
+
+
+def _to_host(plan: _Plan, res, keep, figures: bool, stream=None) -> Pending:
+    """One asynchronous copy of ``res`` into pinned memory and an event behind it."""
+    host = torch.empty(res.shape, dtype=torch.int64, pin_memory=True)
+    host.copy_(res, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record(stream)
     host = host[:plan.n]
     return Pending(host[:, :2], event, keep, host[:, 2:].view(torch.float64) if figures else None,
-                   fallback)
+                   plan.fallback if figures else ())
+
+
+def _launch(plan: _Plan, block: int, iters: int, figures: bool = False) -> Pending:
+    """Queue the kernels of ``plan`` (lanes, finish and, with ``figures``, the figures' reduce)
+    and one copy of their results (digests and figures side by side) to the host."""
+    lanes, res, parts = _buffers(plan, figures)
+    _queue(plan, lanes, res, parts, block, iters, figures)
+    keep = (lanes, res, parts, plan)
+    if plan.device.type == "cuda":
+        _warm.add((plan.device, figures))
+        return _to_host(plan, res, keep, figures)
+    host = res[:plan.n]  # the interpreter, on CPU tensors (the plan kept too: the cache is tested)
+    return Pending(host[:, :2], None, keep, host[:, 2:].view(torch.float64) if figures else None,
+                   plan.fallback if figures else ())
+
+
+# ------------------------------------------------------------------------ replaying a table
+# Why: a Triton launch costs ~80-100 us of Python on the host (JITFunction.run: binding,
+# specialization, cache key), three of them per call, and capture makes three calls per step
+# (the parameters at the step's entry, the gradients, the parameters after it): about 1 ms of
+# host time per step for 3,000 tensors on an H100 (2026-11-26), against a target of 0.5 ms.
+# A table used a second time (the parameter table, the gradients of the same parameters) has
+# its launches captured once as a CUDA graph with its own buffers, then replayed: one
+# cudaGraphLaunch on the current stream. Capture here changes nothing in the job: it runs on
+# parity's own side stream in thread-local mode (no allocation, no sync, no kernel of the job
+# in it), and the graph uses no random numbers. A graph is replayed only on the stream it was
+# made for (its buffers are then reused in stream order); on another stream, or where capture
+# fails (the process then stops trying: one line on stderr), the launches are queued as before.
+ENV_GRAPHS = "PARITY_DIGEST_GRAPHS"  # "0": never replay a table (queue the launches each call)
+_warm: set = set()  # (device, figures) whose kernels have run once here (compiled and loaded)
+_side: dict = {}  # device -> parity's capture stream
+
+
+class _Graphed:
+    """One table's launches (with or without figures) as a CUDA graph, with its buffers."""
+
+    __slots__ = ("graph", "lanes", "res", "parts", "stream")
+
+    def __init__(self, graph, lanes, res, parts, stream):
+        self.graph, self.lanes, self.res, self.parts, self.stream = graph, lanes, res, parts, \
+            stream
+
+
+def _graphs_on() -> bool:
+    return _state.get("graphs") is None and os.environ.get(ENV_GRAPHS, "1") != "0"
+
+
+def _capture(plan: _Plan, figures: bool, stream) -> _Graphed | None:
+    """Capture ``plan``'s launches (zeroing its lanes first) on the side stream; None (and no
+    more captures in this process) when CUDA refuses."""
+    dev = plan.device
+    try:
+        lanes, res, parts = _buffers(plan, figures)  # allocated and zeroed on the job's stream
+        side = _side.get(dev)
+        if side is None:
+            side = _side[dev] = torch.cuda.Stream(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(dev), torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                lanes.zero_()
+                _queue(plan, lanes, res, parts, BLOCK, ITERS, figures)
+            finally:
+                graph.capture_end()
+    except Exception as e:  # noqa: BLE001 - never lose the step: the launches are queued instead
+        _state["graphs"] = f"{type(e).__name__}: {e}"
+        print(f"parity: device digest tables are not replayed as CUDA graphs in this process "
+              f"({_state['graphs'].splitlines()[0][:200]}); launches are queued each call",
+              file=sys.stderr)
+        return None
+    g = plan.graphs[figures] = _Graphed(graph, lanes, res, parts, stream)
+    return g
+
+
+def _launch_plan(plan: _Plan, figures: bool = False) -> Pending | None:
+    """A table used before: replayed where it can be (see above), else launched."""
+    try:
+        if plan.device.type != "cuda":
+            return _launch(plan, BLOCK, ITERS, figures)
+        stream = torch.cuda.current_stream(plan.device)
+        g = plan.graphs.get(figures)
+        if g is None and plan.uses and (plan.device, figures) in _warm and _graphs_on():
+            g = _capture(plan, figures, stream)
+        plan.uses += 1
+        if g is not None and g.stream == stream and _graphs_on():
+            g.graph.replay()
+            return _to_host(plan, g.res, (g, plan), figures, stream)
+        with torch.cuda.device(plan.device):
+            return _launch(plan, BLOCK, ITERS, figures)
+    except Exception as e:  # noqa: BLE001
+        _failed(e)
+        return None
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -322,6 +421,8 @@ def _run(locs: list[torch.Tensor], ptrs: list[int], block: int = BLOCK,
     dev = locs[0].device
     try:
         plan = _plan(ptrs, list(map(_NBYTES, locs)), list(map(_DTYPE, locs)), dev, block * iters)
+        if block == BLOCK and iters == ITERS:
+            return _launch_plan(plan, figures)
         with torch.cuda.device(dev) if dev.type == "cuda" else _nothing():
             return _launch(plan, block, iters, figures)
     except Exception as e:  # noqa: BLE001 - never lose the step: the caller falls back
@@ -364,61 +465,140 @@ def _locals(tensors: list) -> list | None:
     return [getattr(t, "_local_tensor", t) for t in tensors]
 
 
+class _Seen:
+    """A list seen before, whose table is reused while it holds the same tensors: ``members``
+    (the list itself, or the gradients' owners), the address of each row (0 for a row left
+    out), the rows hashed (``idx``) and left out (``holes``: checked again for gradients, whose
+    owners do not say whether they have one), ``pos`` (the rows hashed, for ``hashing.Digests``;
+    None for all), how the local tensors are read (``unwrap``: 0 as they are, 1 every row a
+    DTensor, 2 row by row) and the plan."""
+
+    __slots__ = ("members", "ptrs", "idx", "holes", "pos", "unwrap", "plan")
+
+    def __init__(self, members, ptrs, idx, holes, pos, unwrap, plan):
+        self.members, self.ptrs, self.idx, self.holes, self.pos = members, ptrs, idx, holes, pos
+        self.unwrap, self.plan = unwrap, plan
+
+
+# One C++ loop that compares every listed tensor's address with the one recorded (the check
+# inductor's CUDA graph trees run before each replay; in torch's CUDA builds only). Elsewhere,
+# or when torch lacks it, a Python loop over data_ptr (about 100 ns a tensor on an H100 host).
+_PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _ptrs_equal(locs: list, ptrs: list[int], idx: list[int]) -> bool:
+    if _PTRS_EQUAL is not None:
+        return _PTRS_EQUAL(locs, ptrs, idx)
+    if len(idx) == len(locs):
+        return list(map(_DATA_PTR, locs)) == ptrs
+    return all(_DATA_PTR(locs[i]) == ptrs[i] for i in idx)
+
+
+def _reuse(seen: _Seen, tensors: list, stable: bool, figures: bool):
+    """(pos, Pending) from ``seen``'s table when ``tensors`` still are what it was built for;
+    None when not (the caller builds again). The members were checked by identity already."""
+    for i in seen.holes:
+        if tensors[i] is not None:
+            return None  # a gradient that was missing is there now
+    try:
+        if seen.unwrap == 0:
+            locs = tensors
+        elif seen.unwrap == 1:
+            locs = list(map(_LOCAL, tensors))
+        else:
+            locs = [None if t is None else getattr(t, "_local_tensor", t) for t in tensors]
+        if not _ptrs_equal(locs, seen.ptrs, seen.idx):
+            return None
+        if not stable:  # gradients: new tensors of the same parameters; their layout may not be
+            if seen.holes:
+                if not all(_IS_CONTIGUOUS(locs[i]) for i in seen.idx):
+                    return None
+            elif not all(map(_IS_CONTIGUOUS, locs)):
+                return None
+    except (TypeError, RuntimeError, AttributeError):  # None, no storage, another kind of tensor
+        return None
+    pending = _launch_plan(seen.plan, figures)
+    return None if pending is None else (seen.pos, pending)
+
+
 def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = None,
-                    figures: bool = False) -> Pending | None:
-    """The fast path of ``hashing.digest_tensors_async``: every tensor present, strided, CUDA,
-    on one device, contiguous. None when any is not (the caller takes the general path) or
-    when the kernels are not usable.
+                    figures: bool = False):
+    """The fast path of ``hashing.digest_tensors_async``: ``(pos, Pending)`` for a list whose
+    tensors are strided, CUDA, on one device and contiguous, rows left out (None) excepted:
+    ``pos`` is None when every row is hashed, else the rows that are (a numpy array, in order).
+    None when any tensor is not so (the caller takes the general path), when every row is
+    None, or when the kernels are not usable.
 
     The table of an earlier call is reused without looking at more than the addresses when the
     list is ``stable`` (the same tensor objects: the parameter table) or when ``owners`` says
     whose ``.grad`` each tensor is (the same parameters as then): autograd gives a parameter's
     gradient the parameter's shape and dtype, and with unified addressing an address names one
-    device, so only contiguity is checked again. ``figures``: the figures too, in the same
-    pass and transfer (``Pending.figures()``, ``Pending.fallback``)."""
-    if not usable():
+    device, so only contiguity (and, for gradients, which rows have one) is checked again.
+    ``figures``: the figures too, in the same pass and transfer (``Pending.figures()``,
+    ``Pending.fallback``)."""
+    if not usable() or not tensors:
         return None
-    try:
-        locs = _locals(tensors)
-        if locs is None:
-            return None
-        ptrs = list(map(_DATA_PTR, locs))  # RuntimeError for sparse
-    except (TypeError, RuntimeError):
-        return None
-    key = members = None
+    members = key = None
     if stable:
-        members = locs
-    elif owners is not None and len(owners) == len(locs):
+        members = tensors
+    elif owners is not None and len(owners) == len(tensors):
         members = owners
     if members:
         # looked up by length and end members, then checked member by member: the same objects
-        # (held by hit[2], so their ids are still theirs) in the same order, with the same
-        # storage. (An identity check costs a third of hashing a tuple of every id, measured
-        # on CPU: 23 vs 67 us for 1,500 tensors.)
+        # (held by seen.members, so their ids are still theirs) in the same order. (An identity
+        # check costs a third of hashing a tuple of every id: 23 vs 67 us for 1,500 on CPU.)
+        # Several lists may share a key: the parameters at a step's entry (buffer rows None)
+        # and after it (every row) have the same length and, often, the same ends.
         key = ("same" if stable else "grads of", len(members), id(members[0]), id(members[-1]))
-        hit = _stable.get(key)
-        if (hit is not None and hit[0] == ptrs and all(map(is_, hit[2], members))
-                and (stable or all(map(_IS_CONTIGUOUS, locs)))):
-            _stable.move_to_end(key)
-            return _launch_plan(hit[1], figures)
+        for seen in _stable.get(key, ()):
+            if all(map(is_, seen.members, members)):
+                got = _reuse(seen, tensors, stable, figures)
+                if got is not None:
+                    _stable.move_to_end(key)
+                    return got
+                break
+    pos = None
+    present = tensors
+    if type(None) in set(map(type, tensors)):  # rows left out: the others
+        pos = [i for i, t in enumerate(tensors) if t is not None]
+        if not pos:
+            return None
+        present = [tensors[i] for i in pos]
+    try:
+        locs = _locals(present)
+        ptrs = list(map(_DATA_PTR, locs))  # RuntimeError for sparse
+    except (TypeError, RuntimeError):
+        return None
     devs = set(map(_GET_DEVICE, locs))
     if len(devs) != 1 or min(devs) < 0 or not _plain(locs):
         return None
     pending = _run(locs, ptrs, figures=figures)
-    if pending is not None and key is not None and pending.keep:
-        _stable[key] = (ptrs, pending.keep[-1], list(members))  # ids stay valid
+    if pending is None:
+        return None
+    import numpy as np
+
+    pos_arr = None if pos is None else np.asarray(pos, dtype=np.int64)
+    if key is not None and pending.keep:
+        idx = list(range(len(tensors))) if pos is None else pos
+        full = [0] * len(tensors)
+        for i, a in zip(idx, ptrs):
+            full[i] = a
+        holes = [] if stable or pos is None else sorted(set(range(len(tensors))) - set(pos))
+        types = set(map(type, present))
+        if types <= _PLAIN_TYPES:
+            unwrap = 0
+        elif (pos is None and not types & _PLAIN_TYPES
+              and all(hasattr(t, "_local_tensor") for t in types)):
+            unwrap = 1
+        else:
+            unwrap = 2
+        seen = _Seen(list(members), full, idx, holes, pos_arr, unwrap, pending.keep[-1])
+        same_key = [s for s in _stable.get(key, ()) if not all(map(is_, s.members, members))]
+        _stable[key] = [seen, *same_key[:3]]
+        _stable.move_to_end(key)
         if len(_stable) > 8:
             _stable.popitem(last=False)
-    return pending
-
-
-def _launch_plan(plan: _Plan, figures: bool = False) -> Pending | None:
-    try:
-        with torch.cuda.device(plan.device) if plan.device.type == "cuda" else _nothing():
-            return _launch(plan, BLOCK, ITERS, figures)
-    except Exception as e:  # noqa: BLE001
-        _failed(e)
-        return None
+    return pos_arr, pending
 
 
 def digest_cuda(locs: list[torch.Tensor], figures: bool = False) -> Pending | None:
