@@ -159,7 +159,7 @@ def test_the_cached_table_follows_the_tensors_under_the_interpreter(interpreted_
     local tensor is replaced all get the digests of what they hold."""
     assert interpreted_figures["cache"] == {"shared_key": [True] * 6 + [1],
                                             "holes_in_gradients": [True] * 4,
-                                            "wrapped": [True] * 6,
+                                            "wrapped": [True] * 7,
                                             "new_storage": True, "other_members": True,
                                             "back_to_first": True,
                                             "same_addresses_other_member": True,

@@ -237,6 +237,12 @@ def main():
     wrapped[4]._local_tensor = some[4].clone() + 5
     wrapped_ok.append(hashing.digest_tensors_async(wrapped_holes, "device", stable=True).result()
                       == want(wrapped_holes))
+    # a new local tensor at the same address (half of the old one, as a re-sharded view)
+    hashing.digest_tensors_async(wrapped, "device", stable=True).result()  # cached as it is now
+    old_local = wrapped[0]._local_tensor
+    wrapped[0]._local_tensor = old_local.reshape(-1)[: old_local.numel() // 2]
+    wrapped_ok.append(hashing.digest_tensors_async(wrapped, "device", stable=True).result()
+                      == want(wrapped))
     # the parameters at a step's entry (buffer rows None) and after it (every row) share a key
     # (length and ends): both stay cached, neither is built again
     entry_like = [some[0], None, *some[2:]]

@@ -357,6 +357,13 @@ class _Graphed:
             stream
 
 
+def _graphs_failed(e: BaseException) -> None:
+    _state["graphs"] = f"{type(e).__name__}: {e}"
+    print(f"parity: device digest tables are not replayed as CUDA graphs in this process "
+          f"({_state['graphs'].splitlines()[0][:200]}); launches are queued each call",
+          file=sys.stderr)
+
+
 def _graphs_on() -> bool:
     return _state.get("graphs") is None and os.environ.get(ENV_GRAPHS, "1") != "0"
 
@@ -379,10 +386,7 @@ def _capture(plan: _Plan, figures: bool, stream) -> _Graphed | None:
             finally:
                 graph.capture_end()
     except Exception as e:  # noqa: BLE001 - never lose the step: the launches are queued instead
-        _state["graphs"] = f"{type(e).__name__}: {e}"
-        print(f"parity: device digest tables are not replayed as CUDA graphs in this process "
-              f"({_state['graphs'].splitlines()[0][:200]}); launches are queued each call",
-              file=sys.stderr)
+        _graphs_failed(e)
         return None
     g = plan.graphs[figures] = _Graphed(graph, lanes, res, parts, stream)
     return g
@@ -399,8 +403,12 @@ def _launch_plan(plan: _Plan, figures: bool = False) -> Pending | None:
             g = _capture(plan, figures, stream)
         plan.uses += 1
         if g is not None and g.stream == stream and _graphs_on():
-            g.graph.replay()
-            return _to_host(plan, g.res, (g, plan), figures, stream)
+            try:
+                g.graph.replay()
+            except Exception as e:  # noqa: BLE001 - replay off for the process, launches queued
+                _graphs_failed(e)
+            else:
+                return _to_host(plan, g.res, (g, plan), figures, stream)
         with torch.cuda.device(plan.device):
             return _launch(plan, BLOCK, ITERS, figures)
     except Exception as e:  # noqa: BLE001
@@ -475,13 +483,16 @@ class _Seen:
     out), the rows hashed (``idx``) and left out (``holes``: checked again for gradients, whose
     owners do not say whether they have one), ``pos`` (the rows hashed, for ``hashing.Digests``;
     None for all), how the local tensors are read (``unwrap``: 0 as they are, 1 every row a
-    DTensor, 2 row by row) and the plan."""
+    DTensor, 2 row by row) and the plan. A stable list of DTensors also keeps their local
+    tensors (``locs``): a DTensor whose local tensor was replaced (FSDP2's
+    ``reset_sharded_param``) is built again even where the new one starts at the same address."""
 
-    __slots__ = ("members", "ptrs", "idx", "holes", "pos", "unwrap", "plan")
+    __slots__ = ("members", "ptrs", "idx", "holes", "pos", "unwrap", "plan", "locs")
 
-    def __init__(self, members, ptrs, idx, holes, pos, unwrap, plan):
+    def __init__(self, members, ptrs, idx, holes, pos, unwrap, plan, locs=None):
         self.members, self.ptrs, self.idx, self.holes, self.pos = members, ptrs, idx, holes, pos
         self.unwrap, self.plan = unwrap, plan
+        self.locs = locs  # a stable list of DTensors: their local tensors, checked by identity
 
 
 # One C++ loop that compares every listed tensor's address with the one recorded (the check
@@ -511,6 +522,8 @@ def _reuse(seen: _Seen, tensors: list, stable: bool, figures: bool):
             locs = list(map(_LOCAL, tensors))
         else:
             locs = [None if t is None else getattr(t, "_local_tensor", t) for t in tensors]
+        if seen.locs is not None and not all(map(is_, seen.locs, locs)):
+            return None
         if not _ptrs_equal(locs, seen.ptrs, seen.idx):
             return None
         if not stable:  # gradients: new tensors of the same parameters; their layout may not be
@@ -596,7 +609,12 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
             unwrap = 1
         else:
             unwrap = 2
-        seen = _Seen(list(members), full, idx, holes, pos_arr, unwrap, pending.keep[-1])
+        kept = None
+        if stable and unwrap:
+            kept = [None] * len(tensors)
+            for i, t in zip(idx, locs):
+                kept[i] = t
+        seen = _Seen(list(members), full, idx, holes, pos_arr, unwrap, pending.keep[-1], kept)
         same_key = [s for s in _stable.get(key, ()) if not all(map(is_, s.members, members))]
         _stable[key] = [seen, *same_key[:3]]
         _stable.move_to_end(key)
