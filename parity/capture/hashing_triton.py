@@ -339,7 +339,7 @@ def _launch(plan: _Plan, block: int, iters: int, figures: bool = False) -> Pendi
 # its launches captured once as a CUDA graph with its own buffers, then replayed: one
 # cudaGraphLaunch on the current stream. Capture here changes nothing in the job: it runs on
 # parity's own side stream in thread-local mode (no allocation, no sync, no kernel of the job
-# in it), and the graph uses no random numbers. A graph is replayed only on the stream it was
+# in it), ordered with the job's stream, and the graph uses no random numbers. A graph is replayed only on the stream it was
 # made for (its buffers are then reused in stream order); on another stream, or where capture
 # fails (the process then stops trying: one line on stderr), the launches are queued as before.
 ENV_GRAPHS = "PARITY_DIGEST_GRAPHS"  # "0": never replay a table (queue the launches each call)
@@ -378,6 +378,11 @@ def _capture(plan: _Plan, figures: bool, stream) -> _Graphed | None:
         if side is None:
             side = _side[dev] = torch.cuda.Stream(dev)
         graph = torch.cuda.CUDAGraph()
+        # capture_begin writes the default CUDA generator's graph RNG state (seed and offset
+        # tensors that, in some torch versions, the job's own CUDA graphs read too) on the side
+        # stream before capturing: ordered after the job's queued work and before what it
+        # queues next, so no graph of the job can read them while they change.
+        side.wait_stream(stream)
         with torch.cuda.device(dev), torch.cuda.stream(side):
             graph.capture_begin(capture_error_mode="thread_local")
             try:
@@ -385,6 +390,7 @@ def _capture(plan: _Plan, figures: bool, stream) -> _Graphed | None:
                 _queue(plan, lanes, res, parts, BLOCK, ITERS, figures)
             finally:
                 graph.capture_end()
+        stream.wait_stream(side)
     except Exception as e:  # noqa: BLE001 - never lose the step: the launches are queued instead
         _graphs_failed(e)
         return None
