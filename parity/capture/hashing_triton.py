@@ -333,15 +333,17 @@ def _launch(plan: _Plan, block: int, iters: int, figures: bool = False) -> Pendi
 # ------------------------------------------------------------------------ replaying a table
 # Why: a Triton launch costs ~80-100 us of Python on the host (JITFunction.run: binding,
 # specialization, cache key), three of them per call, and capture makes three calls per step
-# (the parameters at the step's entry, the gradients, the parameters after it): about 1 ms of
-# host time per step for 3,000 tensors on an H100 (2026-11-26), against a target of 0.5 ms.
-# A table used a second time (the parameter table, the gradients of the same parameters) has
-# its launches captured once as a CUDA graph with its own buffers, then replayed: one
-# cudaGraphLaunch on the current stream. Capture here changes nothing in the job: it runs on
-# parity's own side stream in thread-local mode (no allocation, no sync, no kernel of the job
-# in it), ordered with the job's stream, and the graph uses no random numbers. A graph is replayed only on the stream it was
-# made for (its buffers are then reused in stream order); on another stream, or where capture
-# fails (the process then stops trying: one line on stderr), the launches are queued as before.
+# (the parameters at the step's entry, the gradients, the parameters after it): with queued
+# launches 1.3-1.5 ms of host time per step for 3,000 tensors on an H100 host, 0.9-1.2 ms
+# replayed (2026-11-26; target 0.5 ms: docs/gpu.md says where the rest goes). A table used a
+# second time (the parameter table, the gradients of the same parameters) has its launches
+# captured once as a CUDA graph with its own buffers, then replayed: one cudaGraphLaunch on
+# the current stream. Capture here changes nothing in the job: it runs on parity's own side
+# stream in thread-local mode (no allocation, no sync, no kernel of the job in it), ordered
+# with the job's stream, and the graph uses no random numbers. A graph is replayed only on
+# the stream it was made for (its buffers are then reused in stream order); on another
+# stream, or where capture fails (the process then stops trying: one line on stderr), the
+# launches are queued as before.
 ENV_GRAPHS = "PARITY_DIGEST_GRAPHS"  # "0": never replay a table (queue the launches each call)
 _warm: set = set()  # (device, figures) whose kernels have run once here (compiled and loaded)
 _side: dict = {}  # device -> parity's capture stream
