@@ -201,8 +201,8 @@ def main():
     e2 = hashing.digest_tensors_async(g2, "device", owners=owners)  # other storage: rebuilt
 
     def want(lst):
-        return b"".join(NO_HASH if t is None else hashing._digests_torch([hashing.local_tensor(t)])[0]
-                        for t in lst)
+        return b"".join(NO_HASH if t is None
+                        else hashing._digests_torch([hashing.local_tensor(t)])[0] for t in lst)
 
     # gradients with a row missing (a parameter without one): left out while it has none,
     # hashed once it has one, left out again when it loses it
