@@ -311,6 +311,12 @@ def _to_host(plan: _Plan, res, keep, figures: bool, stream=None) -> Pending:
     host.copy_(res, non_blocking=True)
     event = torch.cuda.Event()
     event.record(stream)
+    return _pending(plan, host, event, keep, figures)
+
+
+def _pending(plan: _Plan, host, event, keep, figures: bool) -> Pending:
+    """The Pending of a results buffer (``n`` rows: 2 int64 of digest, then 3 float64 figures
+    with ``figures``), its first ``plan.n`` rows."""
     host = host[:plan.n]
     return Pending(host[:, :2], event, keep, host[:, 2:].view(torch.float64) if figures else None,
                    plan.fallback if figures else ())
@@ -325,9 +331,7 @@ def _launch(plan: _Plan, block: int, iters: int, figures: bool = False) -> Pendi
     if plan.device.type == "cuda":
         _warm.add((plan.device, figures))
         return _to_host(plan, res, keep, figures)
-    host = res[:plan.n]  # the interpreter, on CPU tensors (the plan kept too: the cache is tested)
-    return Pending(host[:, :2], None, keep, host[:, 2:].view(torch.float64) if figures else None,
-                   plan.fallback if figures else ())
+    return _pending(plan, res, None, keep, figures)  # the interpreter, on CPU tensors
 
 
 # ------------------------------------------------------------------------ replaying a table
@@ -407,10 +411,11 @@ def _launch_plan(plan: _Plan, figures: bool = False) -> Pending | None:
             return _launch(plan, BLOCK, ITERS, figures)
         stream = torch.cuda.current_stream(plan.device)
         g = plan.graphs.get(figures)
-        if g is None and plan.uses and (plan.device, figures) in _warm and _graphs_on():
+        on = _graphs_on()
+        if g is None and on and plan.uses and (plan.device, figures) in _warm:
             g = _capture(plan, figures, stream)
         plan.uses += 1
-        if g is not None and g.stream == stream and _graphs_on():
+        if g is not None and g.stream == stream and on:
             try:
                 g.graph.replay()
             except Exception as e:  # noqa: BLE001 - replay off for the process, launches queued
@@ -471,18 +476,16 @@ _PLAIN_TYPES = {torch.Tensor, torch.nn.Parameter}
 _LOCAL = attrgetter("_local_tensor")
 
 
-def _locals(tensors: list) -> list | None:
-    """The local tensors (a DTensor's ``_local_tensor``), with as few Python steps per tensor as
-    the list allows: plain tensors as they are, a list of DTensors through one attrgetter.
-    None when a row is None (``hashing`` then digests the others)."""
+def _locals(tensors: list) -> tuple[list, int]:
+    """The local tensors of a list without None rows (a DTensor's ``_local_tensor``), with as
+    few Python steps per tensor as the list allows, and how they were read (``_Seen.unwrap``):
+    0 plain tensors as they are, 1 a list of DTensors through one attrgetter, 2 row by row."""
     types = set(map(type, tensors))
-    if type(None) in types:
-        return None
     if types <= _PLAIN_TYPES:
-        return tensors
+        return tensors, 0
     if not types & _PLAIN_TYPES and all(hasattr(t, "_local_tensor") for t in types):
-        return list(map(_LOCAL, tensors))
-    return [getattr(t, "_local_tensor", t) for t in tensors]
+        return list(map(_LOCAL, tensors)), 1
+    return [getattr(t, "_local_tensor", t) for t in tensors], 2
 
 
 class _Seen:
@@ -546,6 +549,14 @@ def _reuse(seen: _Seen, tensors: list, stable: bool, figures: bool):
     return None if pending is None else (seen.pos, pending)
 
 
+def _by_row(n: int, idx: list[int], values: list, missing) -> list:
+    """``values`` (one per row of ``idx``) laid out over ``n`` rows, ``missing`` elsewhere."""
+    out = [missing] * n
+    for i, v in zip(idx, values):
+        out[i] = v
+    return out
+
+
 def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = None,
                     figures: bool = False):
     """The fast path of ``hashing.digest_tensors_async``: ``(pos, Pending)`` for a list whose
@@ -590,7 +601,7 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
             return None
         present = [tensors[i] for i in pos]
     try:
-        locs = _locals(present)
+        locs, unwrap = _locals(present)
         ptrs = list(map(_DATA_PTR, locs))  # RuntimeError for sparse
     except (TypeError, RuntimeError):
         return None
@@ -604,25 +615,13 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
 
     pos_arr = None if pos is None else np.asarray(pos, dtype=np.int64)
     if key is not None and pending.keep:
-        idx = list(range(len(tensors))) if pos is None else pos
-        full = [0] * len(tensors)
-        for i, a in zip(idx, ptrs):
-            full[i] = a
-        holes = [] if stable or pos is None else sorted(set(range(len(tensors))) - set(pos))
-        types = set(map(type, present))
-        if types <= _PLAIN_TYPES:
-            unwrap = 0
-        elif (pos is None and not types & _PLAIN_TYPES
-              and all(hasattr(t, "_local_tensor") for t in types)):
-            unwrap = 1
-        else:
-            unwrap = 2
-        kept = None
-        if stable and unwrap:
-            kept = [None] * len(tensors)
-            for i, t in zip(idx, locs):
-                kept[i] = t
-        seen = _Seen(list(members), full, idx, holes, pos_arr, unwrap, pending.keep[-1], kept)
+        n = len(tensors)
+        idx = list(range(n)) if pos is None else pos
+        holes = [] if stable or pos is None else sorted(set(range(n)) - set(pos))
+        if unwrap == 1 and pos is not None:
+            unwrap = 2  # the attrgetter reads no None row
+        seen = _Seen(list(members), _by_row(n, idx, ptrs, 0), idx, holes, pos_arr, unwrap,
+                     pending.keep[-1], _by_row(n, idx, locs, None) if stable and unwrap else None)
         same_key = [s for s in _stable.get(key, ()) if not all(map(is_, s.members, members))]
         _stable[key] = [seen, *same_key[:3]]
         _stable.move_to_end(key)
