@@ -1,7 +1,7 @@
 """parity's benchmarks: every figure is a ratio against a baseline measured in the same run.
 
     python benchmarks/run.py [--quick] [--json FILE]
-                             [--only hash,capture,diff,sweep,control,early_stop,cuda,cuda_digest,reduction,emulation]
+                             [--only hash,host_check,capture,diff,sweep,control,early_stop,cuda,cuda_digest,reduction,emulation]
 
 Figures (targets from the performance issue; a figure that misses its target is marked MISS,
 the run still exits 0 so CI tracks numbers rather than machine noise; in a --quick run, whose
@@ -59,6 +59,13 @@ sizes the targets were not set for, a figure short of its target is said as such
                                       (benchmarks/bench_reduction.py)
   control_cost, early_stop_saving     what the determinism control costs and an early stop saves
                                       in wall time (benchmarks/sweep_features.py)
+  host_check_us_native, host_check_us_python_stable, host_check_us_python_grads,
+  host_check_speedup                  the check of a cached device-digest table on CPU tensors
+                                      (1,500 of 1-64 KB): the compiled check (host_native) vs
+                                      the Python loop as hashing_triton runs it for a stable
+                                      list (identity, addresses) and for gradients (also
+                                      contiguity); speedup = python_grads / native.
+                                      host_check_build_s: building (or finding) it
   emulation_overhead                  built-in eager workload's mean step time under
                                       `parity exec --emulate-nccl` / plain gloo, both captured
                                       (benchmarks/bench_emulation.py; reported, no target)
@@ -71,7 +78,11 @@ sizes the targets were not set for, a figure short of its target is said as such
                                       GPU idle;
                                       cuda_host_ms_per_step_no_figures: the digests alone;
                                       cuda_host_ms_per_step_queued: with figures, launches
-                                      queued each call (no CUDA-graph replay of the tables)
+                                      queued each call (no CUDA-graph replay of the tables);
+                                      cuda_host_ms_per_step_python_check: with figures, the
+                                      tables checked by the Python loop instead of the compiled
+                                      check (PARITY_HOST_NATIVE=0); cuda_host_check: which
+                                      check the target figure ran with
     cuda_digest_gbps_*, cuda_read_gbps_*
                                       the device digest alone (Triton kernels where Triton
                                       imports) vs a plain on-device read (t.sum() of every
@@ -256,6 +267,57 @@ def bench_hash(quick: bool) -> dict:
     }
     out["hash_vs_read"] = out["hash_gbps"] / out["read_gbps"]
     out["hash_vs_sha256"] = out["hash_gbps"] / out["sha256_gbps"]
+    return out
+
+
+def bench_host_check(quick: bool) -> dict:
+    """The check that a cached device-digest table still describes its tensors, on CPU tensors
+    (the check reads only host-side metadata, so CPU tensors cost what CUDA ones do): the
+    compiled check against the Python loop, both as hashing_triton runs them."""
+    from operator import is_
+
+    from parity.capture import hashing_triton, host_native
+
+    t0 = time.perf_counter()
+    check = host_native.build_now()
+    out: dict = {"host_check_build_s": time.perf_counter() - t0,
+                 "host_check": host_native.status()}
+    g = torch.Generator().manual_seed(3)
+    sizes = torch.randint(256, 16384, (1500,), generator=g).tolist()
+    ts = [torch.empty(n, dtype=torch.bfloat16 if i % 3 == 1 else torch.float32)
+          for i, n in enumerate(sizes)]
+    members = list(ts)
+    owners = [torch.empty(0) for _ in ts]
+    ptrs = [t.data_ptr() for t in ts]
+    idx = list(range(len(ts)))
+    reps = 200 if quick else 2000
+
+    def python_stable():
+        return all(map(is_, members, ts)) and hashing_triton._ptrs_equal(ts, ptrs, idx)
+
+    def python_grads():
+        return (all(map(is_, owners, owners)) and hashing_triton._ptrs_equal(ts, ptrs, idx)
+                and all(map(hashing_triton._IS_CONTIGUOUS, ts)))
+
+    fns = {"python_stable": python_stable, "python_grads": python_grads}
+    if check is not None:
+        import array
+
+        pb = array.array("q", ptrs).tobytes()
+        nb = array.array("q", [t.nbytes for t in ts]).tobytes()
+        dts = [t.dtype for t in ts]
+        assert check(ts, owners, owners, pb, nb, dts, 0, None, True) == 1
+        fns["native"] = lambda: check(ts, owners, owners, pb, nb, dts, 0, None, True)
+    best = {k: float("inf") for k in fns}
+    for _ in range(reps):  # interleaved, best of each
+        for k, f in fns.items():
+            t1 = time.perf_counter()
+            f()
+            best[k] = min(best[k], time.perf_counter() - t1)
+    for k, v in best.items():
+        out[f"host_check_us_{k}"] = v * 1e6
+    if check is not None:
+        out["host_check_speedup"] = best["python_grads"] / best["native"]
     return out
 
 
@@ -563,15 +625,22 @@ def _cuda_host_time(quick: bool, emit) -> None:
     from parity.capture import hashing_triton
     from parity.capture.hashing import digest_tensors_async
 
+    from parity.capture import host_native
+
+    host_native.build_now()  # the compiled check, built (or found) before anything is timed
+    emit("cuda_host_check", host_native.status())
     params = _small_cuda_tensors(1500)
     grads = [torch.empty_like(p) for p in params]
     entry = [None if i % 100 == 50 else p for i, p in enumerate(params)]  # buffers left out
     steps = 50 if quick else 200
     emit("cuda_host_tensors", 2 * len(params))
-    for figures, key, graphs in ((True, "cuda_host_ms_per_step", "1"),
-                                 (False, "cuda_host_ms_per_step_no_figures", "1"),
-                                 (True, "cuda_host_ms_per_step_queued", "0")):
+    for figures, key, graphs, native in (
+            (True, "cuda_host_ms_per_step", "1", "1"),
+            (False, "cuda_host_ms_per_step_no_figures", "1", "1"),
+            (True, "cuda_host_ms_per_step_queued", "0", "1"),
+            (True, "cuda_host_ms_per_step_python_check", "1", "0")):
         os.environ[hashing_triton.ENV_GRAPHS] = graphs
+        os.environ[host_native.ENV] = native
         host, prev = [], None
         for k in range(steps + 5):
             torch.cuda.synchronize()
@@ -588,8 +657,9 @@ def _cuda_host_time(quick: bool, emit) -> None:
             prev, prev_entry = (d_params, d_grads), d_entry
         torch.cuda.synchronize()
         os.environ.pop(hashing_triton.ENV_GRAPHS, None)
+        os.environ.pop(host_native.ENV, None)
         emit(key, statistics.median(host[5:]) * 1e3)
-    emit("cuda_host_address_check", "C++ loop" if hashing_triton._PTRS_EQUAL is not None
+    emit("cuda_host_python_address_check", "C++ loop" if hashing_triton._PTRS_EQUAL is not None
          else "Python loop")
     emit("cuda_host_tables_replayed", hashing_triton._state["graphs"] or "yes")
 
@@ -688,8 +758,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes; about two minutes")
     ap.add_argument("--json", dest="json_file", help="write every figure to this JSON file")
-    ap.add_argument("--only", default="hash,capture,diff,sweep,control,early_stop,cuda,reduction,emulation",
-                    help="comma-separated subset of: hash, capture, diff, sweep, control, "
+    ap.add_argument("--only", default="hash,host_check,capture,diff,sweep,control,early_stop,cuda,"
+                    "reduction,emulation",
+                    help="comma-separated subset of: hash, host_check, capture, diff, sweep, control, "
                          "early_stop, cuda, cuda_digest (cuda without the workload), reduction, emulation")
     args = ap.parse_args(argv)
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
@@ -697,6 +768,7 @@ def main(argv=None) -> int:
     errors = {}
     tmp = Path(tempfile.mkdtemp(prefix="parity-bench-"))
     benches = {"hash": lambda: bench_hash(args.quick),
+               "host_check": lambda: bench_host_check(args.quick),
                "capture": lambda: bench_capture(args.quick, tmp),
                "diff": lambda: bench_diff(args.quick, tmp / "diff"),
                "sweep": lambda: bench_sweep(args.quick, tmp),

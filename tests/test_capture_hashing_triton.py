@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from parity.capture import hashing, hashing_triton
+from parity.capture import hashing, hashing_triton, host_native
 from test_capture_hashing import spec_lanes
 
 try:
@@ -29,9 +29,9 @@ need_cuda = pytest.mark.skipif(not (HAVE_TRITON and torch.cuda.is_available()),
                                reason="needs CUDA and triton")
 
 
-def _interpret(script: str) -> dict:
+def _interpret(script: str, **env_vars) -> dict:
     """Run tests/``script`` under the Triton interpreter in a child; its JSON output."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    env = dict(os.environ, TRITON_INTERPRET="1", **env_vars)
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.run([sys.executable, str(root / "tests" / script)],
                           env=env, cwd=root, capture_output=True, text=True, timeout=600)
@@ -71,8 +71,10 @@ def test_kernel_equals_reference_bit_for_bit_under_the_interpreter(interpreted):
 
 
 @pytest.fixture(scope="module")
-def interpreted_figures():
-    return _interpret("triton_interpret_figures.py")
+def interpreted_figures(tmp_path_factory):
+    # the compiled host check built afresh (host_native), in a folder of this test run
+    return _interpret("triton_interpret_figures.py",
+                      PARITY_CACHE_DIR=str(tmp_path_factory.mktemp("parity-cache")))
 
 
 U = 2.0 ** -53  # float64's unit roundoff
@@ -157,13 +159,22 @@ def test_the_cached_table_follows_the_tensors_under_the_interpreter(interpreted_
     between (also one at the same address: a view of half a tensor), gradients looked up
     by their owners (also when a row gains or loses its gradient) and wrapped tensors whose
     local tensor is replaced all get the digests of what they hold."""
-    assert interpreted_figures["cache"] == {"shared_key": [True] * 6 + [1],
-                                            "holes_in_gradients": [True] * 4,
-                                            "wrapped": [True] * 7,
-                                            "new_storage": True, "other_members": True,
-                                            "back_to_first": True,
-                                            "same_addresses_other_member": True,
-                                            "owners": [True, True, True]}
+    want = {"shared_key": [True] * 6 + [1], "holes_in_gradients": [True] * 4,
+            "wrapped": [True] * 7, "new_storage": True, "other_members": True,
+            "back_to_first": True, "same_addresses_other_member": True,
+            "owners": [True, True, True]}
+    # the Python loop (no compiler, or PARITY_HOST_NATIVE=0)
+    python = dict(interpreted_figures["cache_python"])
+    python.pop("same_address_other_layout_or_dtype")  # not read by the Python loop
+    assert python == want
+    # the compiled check (host_native) decides the same, and also sees a tensor given another
+    # layout or dtype at the same address
+    if host_native._compiler() is None:
+        pytest.skip("no C++ compiler: the compiled host check was not built")
+    assert interpreted_figures["host_check"].startswith("native"), \
+        interpreted_figures["host_check"]
+    assert interpreted_figures["cache"] == {**want,
+                                            "same_address_other_layout_or_dtype": [True, True]}
 
 
 @need_triton

@@ -177,9 +177,27 @@ def main():
         "fallback_is_torch_ops": [cap[i].tobytes() == hashing._figures_torch(
             hashing.local_tensor(some[i])).numpy().tobytes() for i in (2, 5)],
     }
+    # the cached tables, with the compiled host check where it builds, then with the Python
+    # loop (PARITY_HOST_NATIVE=0 is read at every call); each from empty caches
+    from parity.capture import host_native
+
+    host_native.build_now()
+    out["host_check"] = host_native.status()
+    for label, env in (("cache", "1"), ("cache_python", "0")):
+        os.environ[host_native.ENV] = env
+        hashing_triton._stable.clear()
+        hashing_triton._plans.clear()
+        out[label] = _cache_cases(some, ref, NO_HASH)
+    print(json.dumps(out))
+
+
+def _cache_cases(some, ref, NO_HASH):
+    """How the cached tables behave (hashing_triton digest_all_cuda), run once with the
+    compiled host check (host_native) and once with the Python loop."""
     # the cached table is reused only for the same objects at the same addresses (hashing_triton
     # digest_all_cuda): a member given new storage (``p.data = ...``), a list with the same
     # length and ends but other members, and gradients looked up by their owners
+    hashing.digest_tensors_async(some, "device", stable=True).result()  # cached
     first = some[0]
     kept = first.data
     first.data = kept.clone() * 2  # new storage, other values
@@ -257,7 +275,21 @@ def main():
                           == want(some))
     hashing_triton._run = real_run
     shared_key.append(len(built))
-    out["cache"] = {
+    # the same address, another layout or dtype (``p.data = p.data.t()``, ``.view(int32)``):
+    # the compiled check reads both and builds again; the Python loop reads neither for a
+    # stable list (only the native answers are asserted)
+    sq = torch.arange(16, dtype=torch.float32).reshape(4, 4) + 0.5
+    same_addr = [sq, some[1]]
+    same_address = []
+    for change in (lambda: sq.t(), lambda: sq.view(torch.int32)):
+        hashing.digest_tensors_async(same_addr, "device", stable=True).result()  # cached
+        kept_sq = sq.data
+        sq.data = change()
+        same_address.append(hashing.digest_tensors_async(same_addr, "device", stable=True)
+                            .result() == want(same_addr))
+        sq.data = kept_sq
+    return {
+        "same_address_other_layout_or_dtype": same_address,
         "shared_key": shared_key,
         "holes_in_gradients": holes_grads,
         "wrapped": wrapped_ok,
@@ -268,7 +300,6 @@ def main():
         "owners": [e1.result() == ref, e1b.result() == ref,
                    e2.result() == b"".join(hashing._digests_torch(g2))],
     }
-    print(json.dumps(out))
 
 
 if __name__ == "__main__":

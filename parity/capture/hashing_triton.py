@@ -49,6 +49,8 @@ from operator import attrgetter, is_
 import torch
 import xxhash
 
+from parity.capture import host_native
+
 __all__ = ["usable", "materialized", "dtype_key", "device_lanes", "digest_cuda", "digest_all_cuda",
            "Pending", "PendingFigures", "figure_kind", "BLOCK", "ITERS"]
 
@@ -111,10 +113,14 @@ def _triton():
 
 def usable() -> bool:
     """True when CUDA tensors should go through the kernels: Triton imports, CUDA is present,
-    the kernels have not failed in this process, and ``PARITY_DEVICE_DIGEST`` is not ``torch``."""
+    the kernels have not failed in this process, and ``PARITY_DEVICE_DIGEST`` is not ``torch``.
+    (CUDA and Triton are looked at once per process: every digest call asks.)"""
     if os.environ.get(ENV_BACKEND, "") == "torch" or _state["failed"] is not None:
         return False
-    return torch.cuda.is_available() and _triton() is not None
+    ok = _state.get("cuda_triton")
+    if ok is None:
+        ok = _state["cuda_triton"] = torch.cuda.is_available() and _triton() is not None
+    return ok
 
 
 def _kernels():
@@ -441,11 +447,14 @@ def _failed(e: BaseException) -> None:
 
 
 def _run(locs: list[torch.Tensor], ptrs: list[int], block: int = BLOCK,
-         iters: int = ITERS, figures: bool = False) -> Pending | None:
-    """Digest flat-contiguous ``locs`` (one device) whose addresses are ``ptrs``."""
+         iters: int = ITERS, figures: bool = False, nbytes: list[int] | None = None,
+         dtypes: list | None = None) -> Pending | None:
+    """Digest flat-contiguous ``locs`` (one device) whose addresses are ``ptrs`` (and byte
+    lengths and dtypes ``nbytes``/``dtypes`` when the caller has them)."""
     dev = locs[0].device
     try:
-        plan = _plan(ptrs, list(map(_NBYTES, locs)), list(map(_DTYPE, locs)), dev, block * iters)
+        plan = _plan(ptrs, list(map(_NBYTES, locs)) if nbytes is None else nbytes,
+                     list(map(_DTYPE, locs)) if dtypes is None else dtypes, dev, block * iters)
         if block == BLOCK and iters == ITERS:
             return _launch_plan(plan, figures)
         with torch.cuda.device(dev) if dev.type == "cuda" else _nothing():
@@ -496,14 +505,23 @@ class _Seen:
     None for all), how the local tensors are read (``unwrap``: 0 as they are, 1 every row a
     DTensor, 2 row by row) and the plan. A stable list of DTensors also keeps their local
     tensors (``locs``): a DTensor whose local tensor was replaced (FSDP2's
-    ``reset_sharded_param``) is built again even where the new one starts at the same address."""
+    ``reset_sharded_param``) is built again even where the new one starts at the same address.
+    ``ptrs_b``/``nbytes_b``/``dtypes``: each row's address, byte length and dtype as the
+    compiled check reads them (host_native: int64 bytes, a list; 0/None for a row left out)."""
 
-    __slots__ = ("members", "ptrs", "idx", "holes", "pos", "unwrap", "plan", "locs")
+    __slots__ = ("members", "ptrs", "idx", "holes", "pos", "unwrap", "plan", "locs", "ptrs_b",
+                 "nbytes_b", "dtypes")
 
-    def __init__(self, members, ptrs, idx, holes, pos, unwrap, plan, locs=None):
+    def __init__(self, members, ptrs, idx, holes, pos, unwrap, plan, locs=None,
+                 nbytes=None, dtypes=None):
+        import array
+
         self.members, self.ptrs, self.idx, self.holes, self.pos = members, ptrs, idx, holes, pos
         self.unwrap, self.plan = unwrap, plan
         self.locs = locs  # a stable list of DTensors: their local tensors, checked by identity
+        self.ptrs_b = array.array("q", ptrs).tobytes()
+        self.nbytes_b = array.array("q", nbytes).tobytes()
+        self.dtypes = dtypes
 
 
 # One C++ loop that compares every listed tensor's address with the one recorded (the check
@@ -520,9 +538,25 @@ def _ptrs_equal(locs: list, ptrs: list[int], idx: list[int]) -> bool:
     return all(_DATA_PTR(locs[i]) == ptrs[i] for i in idx)
 
 
+def _native_reuse(check, seen: _Seen, tensors: list, members: list, stable: bool,
+                  figures: bool):
+    """``_reuse`` in one call of the compiled check (host_native): (pos, Pending); False when
+    ``seen`` holds other members (the caller looks at the next one); None when its table no
+    longer describes ``tensors`` (the caller builds again)."""
+    got = check(tensors, members, seen.members, seen.ptrs_b, seen.nbytes_b, seen.dtypes,
+                seen.unwrap, seen.locs, True)  # layout too, stable or not: it costs ~nothing here
+    if got == 0:
+        return False
+    if got != 1:
+        return None
+    pending = _launch_plan(seen.plan, figures)
+    return None if pending is None else (seen.pos, pending)
+
+
 def _reuse(seen: _Seen, tensors: list, stable: bool, figures: bool):
     """(pos, Pending) from ``seen``'s table when ``tensors`` still are what it was built for;
-    None when not (the caller builds again). The members were checked by identity already."""
+    None when not (the caller builds again). The members were checked by identity already.
+    (The Python loop; ``_native_reuse`` decides the same in one compiled call.)"""
     for i in seen.holes:
         if tensors[i] is not None:
             return None  # a gradient that was missing is there now
@@ -586,13 +620,20 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
         # Several lists may share a key: the parameters at a step's entry (buffer rows None)
         # and after it (every row) have the same length and, often, the same ends.
         key = ("same" if stable else "grads of", len(members), id(members[0]), id(members[-1]))
+        check = host_native.get() if type(tensors) is list and type(members) is list else None
         for seen in _stable.get(key, ()):
-            if all(map(is_, seen.members, members)):
+            if check is not None:
+                got = _native_reuse(check, seen, tensors, members, stable, figures)
+                if got is False:
+                    continue
+            elif all(map(is_, seen.members, members)):
                 got = _reuse(seen, tensors, stable, figures)
-                if got is not None:
-                    _stable.move_to_end(key)
-                    return got
-                break
+            else:
+                continue
+            if got is not None:
+                _stable.move_to_end(key)
+                return got
+            break
     pos = None
     present = tensors
     if type(None) in set(map(type, tensors)):  # rows left out: the others
@@ -608,7 +649,8 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
     devs = set(map(_GET_DEVICE, locs))
     if len(devs) != 1 or min(devs) < 0 or not _plain(locs):
         return None
-    pending = _run(locs, ptrs, figures=figures)
+    nbytes, dtypes = list(map(_NBYTES, locs)), list(map(_DTYPE, locs))
+    pending = _run(locs, ptrs, figures=figures, nbytes=nbytes, dtypes=dtypes)
     if pending is None:
         return None
     import numpy as np
@@ -621,7 +663,8 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
         if unwrap == 1 and pos is not None:
             unwrap = 2  # the attrgetter reads no None row
         seen = _Seen(list(members), _by_row(n, idx, ptrs, 0), idx, holes, pos_arr, unwrap,
-                     pending.keep[-1], _by_row(n, idx, locs, None) if stable and unwrap else None)
+                     pending.keep[-1], _by_row(n, idx, locs, None) if stable and unwrap else None,
+                     _by_row(n, idx, nbytes, 0), _by_row(n, idx, dtypes, None))
         same_key = [s for s in _stable.get(key, ()) if not all(map(is_, s.members, members))]
         _stable[key] = [seen, *same_key[:3]]
         _stable.move_to_end(key)

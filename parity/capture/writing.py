@@ -20,7 +20,7 @@ import torch
 from parity import __version__
 from parity.artifacts import HASH_BYTES, NO_FIGURES, NO_HASH, RankWriter
 from parity.capture import env as cenv
-from parity.capture import fingerprint, gpu_facts, nccl_emulation
+from parity.capture import fingerprint, gpu_facts, host_native, nccl_emulation
 from parity.capture.env import env_int as _env_int
 from parity.capture.hashing import DEVICE_DIGEST_VERSION, device_backend, host_digest, local_tensor
 from parity.rundir import RANK_FILES, rank_dir
@@ -65,6 +65,10 @@ class RankRecord:
                 "device_digest": device_backend() if self._resolved_hasher == "device" else None,
                 "device_digest_version": (DEVICE_DIGEST_VERSION
                                           if self._resolved_hasher == "device" else None),
+                # how the cached device tables were checked: native (host_native), building,
+                # python loop (why), not built (no table was used twice)
+                "device_digest_host_check": (host_native.status()
+                                             if self._resolved_hasher == "device" else None),
                 "source": self.source, "warnings": list(self.warnings), "disabled": self.failed,
                 "recorded_steps": self.recorded_steps, "steps": self.done,
                 "optimizers": len(self._optimizers),
