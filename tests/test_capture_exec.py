@@ -445,6 +445,48 @@ print("ok")
     assert run.run_meta is None  # no parity exec
 
 
+def test_an_optimizer_step_inside_the_trainers_cuda_graph_capture_is_left_alone(tmp_path):
+    """A trainer that captures its own step into a CUDA graph (``torch.cuda.graph``): nothing
+    of capture's may run inside (it would be recorded into the trainer's graph, and a wait on
+    a digest there is illegal), and the graph's replays run no hooks. Stood in for on CPU by
+    what the hooks ask (``torch.cuda.is_initialized``, ``is_current_stream_capturing``) from
+    step 3 on: steps 0-2 recorded, none after, a warning the diff shows, the final state
+    recorded at exit, training untouched."""
+    code = f"""
+import torch, torch.nn as nn
+import parity.capture
+torch.manual_seed(0)
+m = nn.Linear(3, 2)
+s = parity.capture.start({str(tmp_path / 'run')!r}, every=1, hasher="xxh3")
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+x = torch.ones(4, 3)
+for k in range(1, 6):
+    if k == 3:  # from here on the step is "captured" (and replayed) by the trainer
+        torch.cuda.is_initialized = lambda: True
+        torch.cuda.is_current_stream_capturing = lambda: True
+    loss = m(x).pow(2).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+print("weight", m.weight.detach().flatten().tolist())
+"""
+    p = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr
+    plain = subprocess.run([sys.executable, "-c", code.replace("import parity.capture", "")
+                            .replace("s = parity.capture.start", "_ = lambda *a, **k: None; _")],
+                           env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert plain.returncode == 0, plain.stderr
+    assert [ln for ln in p.stdout.splitlines() if ln.startswith("weight")] == \
+        [ln for ln in plain.stdout.splitlines() if ln.startswith("weight")]
+    rd = read_run(tmp_path / "run").ranks[0]
+    assert sorted(k for k in rd.steps if isinstance(k, int)) == [0, 1, 2]
+    warnings = rd.meta["capture"]["warnings"]
+    assert len(warnings) == 1 and "CUDA graph capture" in warnings[0]
+    assert "CUDA graph capture" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
 def test_capture_failure_is_soft(tmp_path):
     """An unwritable run directory: one line on stderr, training finishes, exit code 0."""
     out = tmp_path / "ro"

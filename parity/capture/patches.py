@@ -23,12 +23,25 @@ _ORIG: dict[str, object] = {}
 _current = lambda: None  # noqa: E731
 
 
+def _graph_capture() -> bool:
+    """True while this thread's current CUDA stream is being captured into a CUDA graph (a
+    trainer's own ``torch.cuda.graph`` around its step): what runs then is recorded into the
+    trainer's graph and replayed without Python, so capture runs no code there (a digest
+    launched there would be the trainer's graph's, and a wait on it illegal). Never
+    initializes CUDA: a process that has not is not capturing."""
+    try:
+        return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001 - a torch without the query: nothing is captured
+        return False
+
+
 def _tracing() -> bool:
-    """True inside a trace (dynamo, make_fx/export, fake tensors): capture runs no code there.
+    """True inside a trace (dynamo, make_fx/export, fake tensors) or a CUDA graph capture
+    (:func:`_graph_capture`): capture runs no code there.
 
     ``torch.compiler.is_compiling()`` covers dynamo only; GraphTrainer traces its training step
     (backward included) with make_fx, where tensors are fake and a ``.item()`` would fail."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _graph_capture():
         return True
     try:
         from torch.fx.experimental.proxy_tensor import get_proxy_mode

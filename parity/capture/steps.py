@@ -23,10 +23,14 @@ import weakref
 import torch
 
 from parity.capture import loss
-from parity.capture.patches import _tracing
+from parity.capture.patches import _graph_capture, _tracing
 from parity.capture.table import _Buffer
 
 _GRAD = operator.attrgetter("grad")
+GRAPH_CAPTURE_WARNING = ("an optimizer step() ran inside the trainer's own CUDA graph capture "
+                         "(torch.cuda.graph): that step and the graph's replays run no Python "
+                         "hooks, so no step was recorded from there on (the parameters at exit "
+                         "are still recorded)")
 
 
 def sampled(step: int, every: int) -> bool:
@@ -42,6 +46,9 @@ class StepClock:
     def _pre_hook(self, opt, args, kwargs):
         self._opt_pre_calls += 1  # a GradScaler.step that ran no optimizer step: loss.py
         if self.failed or self.stopped or os.getpid() != self.pid:
+            return None
+        if _graph_capture():  # nothing of capture's may enter the trainer's graph
+            self.warn(GRAPH_CAPTURE_WARNING)
             return None
         t0 = time.perf_counter()
         try:
@@ -189,7 +196,7 @@ class StepClock:
         self.capture_seconds += time.perf_counter() - t0
 
     def _post_hook(self, opt, args, kwargs):
-        if self.failed or self.stopped or os.getpid() != self.pid:
+        if self.failed or self.stopped or os.getpid() != self.pid or _graph_capture():
             return
         t0 = time.perf_counter()
         try:
@@ -232,7 +239,7 @@ class StepClock:
         and skipped ``opt.step()``: loss.py): recorded as a step all the same, marked
         ``skipped``, so that both runs number their iterations alike and the diff can say which
         side skipped. Parity's own optimizer hooks run around it, as for ``--step-on``."""
-        if self.failed or self.stopped or os.getpid() != self.pid:
+        if self.failed or self.stopped or os.getpid() != self.pid or _graph_capture():
             return
         self._pre_hook(opt, (opt,), {})
         self._skipped = why
