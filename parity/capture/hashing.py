@@ -441,12 +441,12 @@ def _figures_pending(tensors: list[torch.Tensor]):
     about five launches per tensor and 256 Ki elements."""
     rows = torch.stack([_figures_torch(t) for t in tensors])
     if rows.device.type != "cuda":
-        return hashing_triton.Pending(rows.cpu(), None, None)
+        return hashing_triton.PendingRows(rows.cpu(), None, None)
     host = torch.empty(rows.shape, dtype=torch.float64, pin_memory=True)
     host.copy_(rows, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    return hashing_triton.Pending(host, event, rows)
+    return hashing_triton.PendingRows(host, event, rows)
 
 
 def device_digests(tensors: list[torch.Tensor]) -> list[bytes]:
@@ -458,6 +458,10 @@ def device_digests(tensors: list[torch.Tensor]) -> list[bytes]:
 
 
 # ------------------------------------------------------------------------------- lists of tensors
+_ROW16 = np.dtype((np.void, HASH_BYTES))  # a digest as one numpy item
+_ROW24 = np.dtype((np.void, 24))  # a row of figures (three float64) as one numpy item
+
+
 class Digests:
     """The digests of a list of tensors, some perhaps still being computed on a device.
 
@@ -485,10 +489,12 @@ class Digests:
         if len(self.figs) == 1 and self.figs[0][0] is None and not isinstance(self.figs[0][1],
                                                                             np.ndarray):
             return self.figs[0][1].result()  # one device part covering the list in order
-        out = np.frombuffer(NO_FIGURES * self.n, dtype="<f8").reshape(-1, 3).copy()
+        # one 24-byte item per row (numpy copies whole items, not 3 floats each)
+        out = np.frombuffer(NO_FIGURES * self.n, dtype=_ROW24).copy()
         for pos, part in self.figs:
-            rows = part if isinstance(part, np.ndarray) else np.frombuffer(
-                part.result(), dtype="<f8").reshape(-1, 3)
+            raw = np.ascontiguousarray(part, dtype="<f8").tobytes() \
+                if isinstance(part, np.ndarray) else part.result()
+            rows = np.frombuffer(raw, dtype=_ROW24)
             if pos is None:
                 out[:] = rows
             elif len(pos):
@@ -500,11 +506,9 @@ class Digests:
         parts = self.known + [(pos, p.result()) for pos, p in self.pending]
         if len(parts) == 1 and parts[0][0] is None:
             return parts[0][1]  # one part covering the whole list in order: no assembly
-        import numpy as np
-
-        out = np.zeros((self.n, HASH_BYTES), dtype=np.uint8)  # NO_HASH where nothing is set
+        out = np.zeros(self.n, dtype=_ROW16)  # NO_HASH (zero bytes) where nothing is set
         for pos, raw in parts:
-            rows = np.frombuffer(raw, dtype=np.uint8).reshape(-1, HASH_BYTES)
+            rows = np.frombuffer(raw, dtype=_ROW16)
             if pos is None:
                 out[:] = rows
             elif len(pos):
