@@ -205,8 +205,10 @@ def _validate(check) -> str | None:
     else what it got wrong."""
     import torch
 
-    ts = [torch.arange(6, dtype=torch.float32), torch.ones(4, dtype=torch.bfloat16),
-          torch.zeros(3, 3, dtype=torch.float32)]
+    cpu = torch.device("cpu")  # explicit: a trainer's default device or dtype is not ours
+    ts = [torch.arange(6, dtype=torch.float32, device=cpu),
+          torch.ones(4, dtype=torch.bfloat16, device=cpu),
+          torch.zeros(3, 3, dtype=torch.float32, device=cpu)]
     owners = [object() for _ in ts]
 
     def sig(rows):
