@@ -79,7 +79,6 @@ def get():
 def build_now(timeout: float | None = None):
     """Build (or find) and load the check now; the check or None (``status()`` says why)."""
     if _disabled():
-        _state["status"] = f"disabled ({ENV}=0)"
         return None
     get()
     t = _state["thread"]
@@ -90,7 +89,7 @@ def build_now(timeout: float | None = None):
 
 def status() -> str:
     """``native`` when the compiled check is loaded, else what happened (for meta and benchmarks)."""
-    if _state["check"] is not None and _disabled():
+    if _disabled():
         return f"disabled ({ENV}=0)"
     return _state["status"]
 
