@@ -88,7 +88,8 @@ def build_now(timeout: float | None = None):
 
 
 def status() -> str:
-    """``native`` when the compiled check is loaded, else what happened (for meta and benchmarks)."""
+    """What checks the tables (meta.json, benchmarks): ``native (ready in N s)``, ``building``,
+    ``python loop (why)``, ``not built`` (not asked for yet) or ``disabled (...)``."""
     if _disabled():
         return f"disabled ({ENV}=0)"
     return _state["status"]
