@@ -79,6 +79,8 @@ sizes the targets were not set for, a figure short of its target is said as such
                                       cuda_host_ms_per_step_no_figures: the digests alone;
                                       cuda_host_ms_per_step_queued: with figures, launches
                                       queued each call (no CUDA-graph replay of the tables);
+                                      cuda_host_us_entry/_grads/_params/_read: the target
+                                      figure's calls and its reading back, median us;
                                       cuda_host_ms_per_step_python_check: with figures, the
                                       tables checked by the Python loop instead of the compiled
                                       check (PARITY_HOST_NATIVE=0); cuda_host_check: which
@@ -641,24 +643,32 @@ def _cuda_host_time(quick: bool, emit) -> None:
             (True, "cuda_host_ms_per_step_python_check", "1", "0")):
         os.environ[hashing_triton.ENV_GRAPHS] = graphs
         os.environ[host_native.ENV] = native
-        host, prev = [], None
+        host, prev, parts = [], None, []
         for k in range(steps + 5):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             d_entry = digest_tensors_async(entry, "auto", stable=True)
+            t1 = time.perf_counter()
             d_grads = digest_tensors_async(grads, "auto", owners=params, figures=figures)
+            t2 = time.perf_counter()
             d_params = digest_tensors_async(params, "auto", stable=True, figures=figures)
+            t3 = time.perf_counter()
             if prev is not None:
                 prev_entry.result()
                 for d in prev:
                     d.result()
                     d.figures()
-            host.append(time.perf_counter() - t0)
+            t4 = time.perf_counter()
+            host.append(t4 - t0)
+            parts.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
             prev, prev_entry = (d_params, d_grads), d_entry
         torch.cuda.synchronize()
         os.environ.pop(hashing_triton.ENV_GRAPHS, None)
         os.environ.pop(host_native.ENV, None)
         emit(key, statistics.median(host[5:]) * 1e3)
+        if key == "cuda_host_ms_per_step":  # where it goes: each call, and reading back
+            for i, what in enumerate(("entry", "grads", "params", "read")):
+                emit(f"cuda_host_us_{what}", statistics.median(p[i] for p in parts[5:]) * 1e6)
     emit("cuda_host_python_address_check", "C++ loop" if hashing_triton._PTRS_EQUAL is not None
          else "Python loop")
     emit("cuda_host_tables_replayed", hashing_triton._state["graphs"] or "yes")
