@@ -65,7 +65,12 @@ sizes the targets were not set for, a figure short of its target is said as such
                                       the Python loop as hashing_triton runs it for a stable
                                       list (identity, addresses) and for gradients (also
                                       contiguity); speedup = python_grads / native.
-                                      host_check_build_s: building (or finding) it
+                                      host_check_build_s: building (or finding) it;
+  host_path_ms_per_step_native, host_path_ms_per_step_python, host_path_speedup
+                                      the benchmark's CUDA host-time loop (cuda_host_ms_per_step)
+                                      on CPU with the device work stubbed out
+                                      (benchmarks/host_path_cpu.py): what is left on the host
+                                      whatever the GPU, compiled check vs Python loop
   emulation_overhead                  built-in eager workload's mean step time under
                                       `parity exec --emulate-nccl` / plain gloo, both captured
                                       (benchmarks/bench_emulation.py; reported, no target)
@@ -320,6 +325,17 @@ def bench_host_check(quick: bool) -> dict:
         out[f"host_check_us_{k}"] = v * 1e6
     if check is not None:
         out["host_check_speedup"] = best["python_grads"] / best["native"]
+    # the whole host path of a step, device work stubbed out (a process of its own: it
+    # replaces functions of hashing_triton)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_path_cpu.py"),
+                           "--steps", "50" if quick else "200", "--json"],
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-2:]
+        raise RuntimeError(f"host_path_cpu.py failed (exit {proc.returncode}): {' | '.join(tail)}")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    out.update({k: v for k, v in got.items() if k.startswith("host_path_ms") or
+                k == "host_path_speedup"})
     return out
 
 
