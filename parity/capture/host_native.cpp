@@ -87,6 +87,11 @@ static PyObject* check(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const char* ptrs = PyBytes_AS_STRING(ptrs_b);
   const char* sizes = PyBytes_AS_STRING(nbytes_b);
   for (Py_ssize_t i = 0; i < n; ++i) {
+    // (a row's __getattr__ runs Python, which could shrink the lists: read within bounds only)
+    if (i >= PyList_GET_SIZE(tensors) || i >= PyList_GET_SIZE(dtypes) ||
+        (seen_locs != Py_None && i >= PyList_GET_SIZE(seen_locs))) {
+      return PyLong_FromLong(2);
+    }
     int64_t ptr, nbytes;
     std::memcpy(&ptr, ptrs + 8 * i, 8);
     std::memcpy(&nbytes, sizes + 8 * i, 8);
