@@ -296,10 +296,12 @@ def test_interrupted_torchrun_job_exits_130_with_one_line_and_keeps_its_steps(
             *torchrun(FSDP2_TRAINER)]
     p = subprocess.Popen(argv, env=_env(PT_STEPS=100000), stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
-    steps = out / "rank-00001" / "steps.jsonl"
+    # every rank's record file, not one: the ranks step together but write on their own
+    # (waiting for rank 1 alone once signalled while rank 0 had written 5 steps)
+    files = [out / f"rank-{r:05d}" / "steps.jsonl" for r in (0, 1)]
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline and p.poll() is None:
-        if steps.exists() and steps.read_bytes().count(b"\n") >= 6:
+        if all(f.exists() and f.read_bytes().count(b"\n") >= 6 for f in files):
             break
         time.sleep(0.2)
     p.send_signal(sig)
