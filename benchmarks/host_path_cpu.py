@@ -18,18 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from parity.capture import hashing_triton as ht  # noqa: E402
 from parity.capture import host_native  # noqa: E402
-from parity.capture.hashing import digest_tensors_async  # noqa: E402
+from host_steps import model_lists, time_steps  # noqa: E402
 
 
 def _ready(plan, figures=False):
@@ -60,38 +59,16 @@ def main(argv=None) -> int:
     _stub()
     os.environ[host_native.ENV] = "1"
     host_native.build_now()
-    g = torch.Generator().manual_seed(1)
-    sizes = torch.randint(256, 16384, (1500,), generator=g).tolist()
-    params = [torch.randn(n, generator=g, dtype=torch.float32).to(
-        torch.bfloat16 if i % 3 == 1 else torch.float32) for i, n in enumerate(sizes)]
-    grads = [torch.empty_like(p) for p in params]
-    entry = [None if i % 100 == 50 else p for i, p in enumerate(params)]
+    params, grads, entry = model_lists(1500)
     out = {"host_path_check": host_native.status()}
     for label, native in (("native", "1"), ("python", "0")):
         os.environ[host_native.ENV] = native
         ht._stable.clear()
         ht._plans.clear()
-        total, parts, prev, prev_entry = [], [], None, None
-        for _ in range(args.steps + 5):
-            t0 = time.perf_counter()
-            d_entry = digest_tensors_async(entry, "auto", stable=True)
-            t1 = time.perf_counter()
-            d_grads = digest_tensors_async(grads, "auto", owners=params, figures=True)
-            t2 = time.perf_counter()
-            d_params = digest_tensors_async(params, "auto", stable=True, figures=True)
-            t3 = time.perf_counter()
-            if prev is not None:
-                prev_entry.result()
-                for d in prev:
-                    d.result()
-                    d.figures()
-            t4 = time.perf_counter()
-            total.append(t4 - t0)
-            parts.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
-            prev, prev_entry = (d_params, d_grads), d_entry
-        out[f"host_path_ms_per_step_{label}"] = statistics.median(total[5:]) * 1e3
-        for i, what in enumerate(("entry", "grads", "params", "read")):
-            out[f"host_path_us_{what}_{label}"] = statistics.median(p[i] for p in parts[5:]) * 1e6
+        ms, parts = time_steps(params, grads, entry, args.steps)
+        out[f"host_path_ms_per_step_{label}"] = ms
+        for what, us in parts.items():
+            out[f"host_path_us_{what}_{label}"] = us
     os.environ.pop(host_native.ENV, None)
     if host_native.status().startswith("native"):
         out["host_path_speedup"] = (out["host_path_ms_per_step_python"]

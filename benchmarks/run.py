@@ -135,6 +135,7 @@ sys.path.insert(0, str(ROOT))
 from parity.capture.hashing import digest_tensors  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from host_steps import model_lists, small_tensors, time_steps  # noqa: E402
 from sweep_features import bench_control, bench_early_stop  # noqa: E402
 
 TARGETS = {
@@ -289,10 +290,7 @@ def bench_host_check(quick: bool) -> dict:
     check = host_native.build_now()
     out: dict = {"host_check_build_s": time.perf_counter() - t0,
                  "host_check": host_native.status()}
-    g = torch.Generator().manual_seed(3)
-    sizes = torch.randint(256, 16384, (1500,), generator=g).tolist()
-    ts = [torch.empty(n, dtype=torch.bfloat16 if i % 3 == 1 else torch.float32)
-          for i, n in enumerate(sizes)]
+    ts = small_tensors(1500, "cpu", seed=3)
     members = list(ts)
     owners = [torch.empty(0) for _ in ts]
     ptrs = [t.data_ptr() for t in ts]
@@ -604,7 +602,7 @@ def bench_cuda(quick: bool, tmp: Path, emit, capture: bool = True) -> dict:
             try:
                 emit("cuda_torch_digest_gbps",
                      pbytes / _best_cuda(lambda: digest_tensors(part, "device"), 1) / gb)
-                small = _small_cuda_tensors(300)
+                small = small_tensors(300, "cuda")
                 for key, fig in (("cuda_torch_us_per_tensor", False),
                                  ("cuda_torch_figures_us_per_tensor", True)):
                     emit(key, _best_cuda(lambda: digest_tensors(small, "device", figures=fig),
@@ -620,16 +618,6 @@ def bench_cuda(quick: bool, tmp: Path, emit, capture: bool = True) -> dict:
     return {}
 
 
-def _small_cuda_tensors(count: int, seed: int = 1) -> list[torch.Tensor]:
-    """``count`` parameters of 1-64 KB as a real model's list has them: 256-16,384 elements,
-    fp32, one in three bf16."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    sizes = torch.randint(256, 16384, (count,), generator=g, device="cuda").tolist()
-    return [torch.randn(n, device="cuda", generator=g,
-                        dtype=torch.bfloat16 if i % 3 == 1 else torch.float32)
-            for i, n in enumerate(sizes)]
-
-
 def _cuda_host_time(quick: bool, emit) -> None:
     """Host time per step of capture's digest path for a real model's parameter list: 1,500
     parameters of 1-64 KB (fp32 and bf16) and their 1,500 gradients, each step as capture does
@@ -641,15 +629,11 @@ def _cuda_host_time(quick: bool, emit) -> None:
     without, and with figures but every table's launches queued each call instead of replayed
     as a CUDA graph (``PARITY_DIGEST_GRAPHS=0``: what the replay saves, in the same run)."""
     from parity.capture import hashing_triton
-    from parity.capture.hashing import digest_tensors_async
-
     from parity.capture import host_native
 
     host_native.build_now()  # the compiled check, built (or found) before anything is timed
     emit("cuda_host_check", host_native.status())
-    params = _small_cuda_tensors(1500)
-    grads = [torch.empty_like(p) for p in params]
-    entry = [None if i % 100 == 50 else p for i, p in enumerate(params)]  # buffers left out
+    params, grads, entry = model_lists(1500, "cuda")
     steps = 50 if quick else 200
     emit("cuda_host_tensors", 2 * len(params))
     for figures, key, graphs, native in (
@@ -659,32 +643,14 @@ def _cuda_host_time(quick: bool, emit) -> None:
             (True, "cuda_host_ms_per_step_python_check", "1", "0")):
         os.environ[hashing_triton.ENV_GRAPHS] = graphs
         os.environ[host_native.ENV] = native
-        host, prev, parts = [], None, []
-        for k in range(steps + 5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            d_entry = digest_tensors_async(entry, "auto", stable=True)
-            t1 = time.perf_counter()
-            d_grads = digest_tensors_async(grads, "auto", owners=params, figures=figures)
-            t2 = time.perf_counter()
-            d_params = digest_tensors_async(params, "auto", stable=True, figures=figures)
-            t3 = time.perf_counter()
-            if prev is not None:
-                prev_entry.result()
-                for d in prev:
-                    d.result()
-                    d.figures()
-            t4 = time.perf_counter()
-            host.append(t4 - t0)
-            parts.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3))
-            prev, prev_entry = (d_params, d_grads), d_entry
+        ms, parts = time_steps(params, grads, entry, steps, figures, torch.cuda.synchronize)
         torch.cuda.synchronize()
         os.environ.pop(hashing_triton.ENV_GRAPHS, None)
         os.environ.pop(host_native.ENV, None)
-        emit(key, statistics.median(host[5:]) * 1e3)
+        emit(key, ms)
         if key == "cuda_host_ms_per_step":  # where it goes: each call, and reading back
-            for i, what in enumerate(("entry", "grads", "params", "read")):
-                emit(f"cuda_host_us_{what}", statistics.median(p[i] for p in parts[5:]) * 1e6)
+            for what, us in parts.items():
+                emit(f"cuda_host_us_{what}", us)
     emit("cuda_host_python_address_check", "C++ loop" if hashing_triton._PTRS_EQUAL is not None
          else "Python loop")
     emit("cuda_host_tables_replayed", hashing_triton._state["graphs"] or "yes")

@@ -458,10 +458,6 @@ def device_digests(tensors: list[torch.Tensor]) -> list[bytes]:
 
 
 # ------------------------------------------------------------------------------- lists of tensors
-_ROW16 = np.dtype((np.void, HASH_BYTES))  # a digest as one numpy item
-_ROW24 = np.dtype((np.void, 24))  # a row of figures (three float64) as one numpy item
-
-
 class Digests:
     """The digests of a list of tensors, some perhaps still being computed on a device.
 
@@ -490,11 +486,11 @@ class Digests:
                                                                             np.ndarray):
             return self.figs[0][1].result()  # one device part covering the list in order
         # one 24-byte item per row (numpy copies whole items, not 3 floats each)
-        out = np.frombuffer(NO_FIGURES * self.n, dtype=_ROW24).copy()
+        out = np.frombuffer(NO_FIGURES * self.n, dtype=hashing_triton.ROW24).copy()
         for pos, part in self.figs:
             raw = np.ascontiguousarray(part, dtype="<f8").tobytes() \
                 if isinstance(part, np.ndarray) else part.result()
-            rows = np.frombuffer(raw, dtype=_ROW24)
+            rows = np.frombuffer(raw, dtype=hashing_triton.ROW24)
             if pos is None:
                 out[:] = rows
             elif len(pos):
@@ -506,9 +502,10 @@ class Digests:
         parts = self.known + [(pos, p.result()) for pos, p in self.pending]
         if len(parts) == 1 and parts[0][0] is None:
             return parts[0][1]  # one part covering the whole list in order: no assembly
-        out = np.zeros(self.n, dtype=_ROW16)  # NO_HASH (zero bytes) where nothing is set
+        # one 16-byte item per row; NO_HASH (zero bytes) where nothing is set
+        out = np.zeros(self.n, dtype=hashing_triton.ROW16)
         for pos, raw in parts:
-            rows = np.frombuffer(raw, dtype=_ROW16)
+            rows = np.frombuffer(raw, dtype=hashing_triton.ROW16)
             if pos is None:
                 out[:] = rows
             elif len(pos):

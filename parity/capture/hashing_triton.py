@@ -41,6 +41,7 @@ process (the torch-ops reference computes the same values, slower and with a syn
 
 from __future__ import annotations
 
+import array
 import os
 import sys
 from collections import OrderedDict
@@ -262,20 +263,20 @@ class Pending:
 
     def result(self) -> bytes:
         self.wait()
-        return _rows(self.buf.numpy(), self.n, 0, _V16)
+        return _rows(self.buf.numpy(), self.n, 0, ROW16)
 
     def figures_bytes(self) -> bytes:
         if not self.with_figures:
             raise ValueError("these digests were computed without figures")
         self.wait()
-        return _rows(self.buf.numpy(), self.n, 16, _V24)
+        return _rows(self.buf.numpy(), self.n, 16, ROW24)
 
     def figures(self) -> PendingFigures:
         return PendingFigures(self)
 
 
-_V16 = np.dtype((np.void, 16))
-_V24 = np.dtype((np.void, 24))
+ROW16 = np.dtype((np.void, 16))  # a row's digest (two int64) as one numpy item
+ROW24 = np.dtype((np.void, 24))  # a row's figures (three float64) as one numpy item
 
 
 def _rows(a, n: int, offset: int, item) -> bytes:
@@ -544,8 +545,6 @@ class _Seen:
 
     def __init__(self, members, ptrs, idx, holes, pos, unwrap, plan, locs=None,
                  nbytes=None, dtypes=None):
-        import array
-
         self.members, self.ptrs, self.idx, self.holes, self.pos = members, ptrs, idx, holes, pos
         self.unwrap, self.plan = unwrap, plan
         self.locs = locs  # a stable list of DTensors: their local tensors, checked by identity

@@ -30,6 +30,7 @@ set aside if any answer is wrong. ``PARITY_HOST_NATIVE=0`` never builds or loads
 
 from __future__ import annotations
 
+import array
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -212,8 +213,6 @@ def _validate(check) -> str | None:
     owners = [object() for _ in ts]
 
     def sig(rows):
-        import array
-
         ptrs = array.array("q", [0 if t is None else t.data_ptr() for t in rows]).tobytes()
         nb = array.array("q", [0 if t is None else t.nbytes for t in rows]).tobytes()
         return ptrs, nb, [None if t is None else t.dtype for t in rows]
