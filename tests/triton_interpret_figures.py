@@ -275,13 +275,14 @@ def _cache_cases(some, ref, NO_HASH):
                           == want(some))
     hashing_triton._run = real_run
     shared_key.append(len(built))
-    # the same address, another layout or dtype (``p.data = p.data.t()``, ``.view(int32)``):
-    # the compiled check reads both and builds again; the Python loop reads neither for a
-    # stable list (only the native answers are asserted)
+    # the same address, another byte length (``p.data = p.data[:2]``): both checks build again;
+    # another layout or dtype (``p.data = p.data.t()``, ``.view(int32)``): the compiled check
+    # reads both and builds again, the Python loop reads neither for a stable list (only the
+    # native answers are asserted for those two)
     sq = torch.arange(16, dtype=torch.float32).reshape(4, 4) + 0.5
     same_addr = [sq, some[1]]
     same_address = []
-    for change in (lambda: sq.t(), lambda: sq.view(torch.int32)):
+    for change in (lambda: sq[:2], lambda: sq.t(), lambda: sq.view(torch.int32)):
         hashing.digest_tensors_async(same_addr, "device", stable=True).result()  # cached
         kept_sq = sq.data
         sq.data = change()

@@ -538,10 +538,11 @@ class _Seen:
     tensors (``locs``): a DTensor whose local tensor was replaced (FSDP2's
     ``reset_sharded_param``) is built again even where the new one starts at the same address.
     ``ptrs_b``/``nbytes_b``/``dtypes``: each row's address, byte length and dtype as the
-    compiled check reads them (host_native: int64 bytes, a list; 0/None for a row left out)."""
+    compiled check reads them (host_native: int64 bytes, a list; 0/None for a row left out);
+    ``sizes``: the byte lengths of the rows hashed, for the Python loop."""
 
     __slots__ = ("members", "ptrs", "idx", "holes", "pos", "unwrap", "plan", "locs", "ptrs_b",
-                 "nbytes_b", "dtypes")
+                 "nbytes_b", "dtypes", "sizes")
 
     def __init__(self, members, ptrs, idx, holes, pos, unwrap, plan, locs=None,
                  nbytes=None, dtypes=None):
@@ -551,6 +552,7 @@ class _Seen:
         self.ptrs_b = array.array("q", ptrs).tobytes()
         self.nbytes_b = array.array("q", nbytes).tobytes()
         self.dtypes = dtypes
+        self.sizes = [nbytes[i] for i in idx]
 
 
 # One C++ loop that compares every listed tensor's address with the one recorded (the check
@@ -600,7 +602,14 @@ def _reuse(seen: _Seen, tensors: list, stable: bool, figures: bool):
             return None
         if not _ptrs_equal(locs, seen.ptrs, seen.idx):
             return None
-        if not stable:  # gradients: new tensors of the same parameters; their layout may not be
+        if stable:  # the same tensor re-pointed at the same address (p.data = p.data[:n]):
+            # a table of the old length would read past its bytes, or miss some (~70 ns a
+            # tensor; another dtype or layout there is still read whole: see host_native)
+            rows = locs if len(seen.idx) == len(locs) else [locs[i] for i in seen.idx]
+            if list(map(_NBYTES, rows)) != seen.sizes:
+                return None
+        else:  # gradients: new tensors of the same parameters, whose byte length autograd
+            # keeps (the parameter's), but not always their layout
             if seen.holes:
                 if not all(_IS_CONTIGUOUS(locs[i]) for i in seen.idx):
                     return None

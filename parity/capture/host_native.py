@@ -11,14 +11,16 @@ through pybind and was no faster. The loop in host_native.cpp reads each row's a
 length, dtype and layout in ~8 ns (1,500 CPU tensors: 12 us against 92 us for the Python
 addresses alone on a 2-core CPU host).
 
-How it is built: the platform's C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``) with
-torch's include and library paths (``torch.utils.cpp_extension``), no ninja, no setuptools,
-~10-20 s once. The result lives in ``$PARITY_CACHE_DIR`` (default ``~/.cache/parity``) under a
-key of the source, torch's version and commit, Python's version and the compiler, so an
-upgraded torch gets a new build and never an old binary. Several processes (ranks) may build at
-once: each writes its own file and renames it into place; a process that finds a build under
-way waits for it (up to two minutes) before it builds itself. A build that fails is written
-down beside it (``failed.txt``: the compiler's last lines) and not tried again for that key.
+How it is built: the platform's C++ compiler (``$CXX``, else ``c++``/``g++``/``clang++``) and
+the C++ standard that torch's own builder uses (``_standards``), with torch's include and
+library folders (the ones ``torch.utils.cpp_extension`` names, found without importing it:
+``_torch_paths``), no ninja, no setuptools, ~10-20 s once. The result lives in
+``$PARITY_CACHE_DIR`` (default ``~/.cache/parity``) under a key of the source, how it is built
+(``BUILD``), torch's version and commit, Python's version and the compiler, so an upgraded torch
+gets a new build and never an old binary. Several processes (ranks) may build at once: each
+writes its own file and renames it into place; a process that finds a build under way waits for
+it (up to two minutes) before it builds itself. A build that fails is written down beside it
+(``failed.txt``: the commands and what the compiler said) and not tried again for that key.
 
 How it is used: ``get()`` returns the loaded ``check`` or None. Its first call starts the build
 and load in a background thread (the compiler runs as a subprocess; the job's thread is not
@@ -50,6 +52,7 @@ ENV = "PARITY_HOST_NATIVE"  # "0": the Python loop only
 ENV_CACHE = "PARITY_CACHE_DIR"
 SOURCE = Path(__file__).with_name("host_native.cpp")
 MODULE = "parity_host_native"
+BUILD = "2"  # how it is built (_command, _standards): a change gets new builds, not old failures
 WAIT_FOR_OTHER_S = 120.0  # how long a process waits for another one's build of the same key
 
 _state: dict = {"check": None, "status": "not built", "thread": None}
@@ -118,7 +121,7 @@ def _key(cxx: str) -> str:
     import torch
 
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(),
+    for part in (SOURCE.read_bytes(), BUILD.encode(), torch.__version__.encode(),
                  str(getattr(torch.version, "git_version", "")).encode(), sys.version.encode(),
                  cxx.encode(), platform.machine().encode(), sysconfig.get_config_var("SOABI")
                  and sysconfig.get_config_var("SOABI").encode() or b""):
@@ -127,15 +130,43 @@ def _key(cxx: str) -> str:
     return h.hexdigest()[:20]
 
 
-def _command(cxx: str, out: Path) -> list[str]:
+def _torch_paths() -> tuple[list[str], list[str]]:
+    """torch's include and library folders: what ``torch.utils.cpp_extension.include_paths()``
+    and ``library_paths()`` return for the CPU (torch 2.11-2.15), read from the installed
+    package. Not through that module: importing it imports setuptools (absent from a plain
+    Python 3.12 venv, and it patches distutils inside the job) and, where a CUDA build of torch
+    sees no GPU, logs a warning into the job's stderr."""
     import torch
-    from torch.utils import cpp_extension
 
-    libs = cpp_extension.library_paths()
+    root = Path(torch.__file__).resolve().parent
+    include, lib = root / "include", root / "lib"
+    if not (include / "torch" / "csrc" / "autograd" / "python_variable.h").is_file():
+        raise RuntimeError(f"torch's C++ headers are not installed ({include})")
+    return [str(include), str(include / "torch" / "csrc" / "api" / "include")], [str(lib)]
+
+
+def _standards() -> tuple[str, str]:
+    """The C++ standards to build with, the one torch's own extension builder passes first:
+    ``-std=c++17`` up to torch 2.12, ``-std=c++20`` from 2.13 (2.14's headers need it:
+    ``requires``, ``std::strong_ordering``); the other is tried when the first fails (a torch
+    this list does not know, a compiler without C++20)."""
+    import torch
+
+    try:
+        major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    except ValueError:
+        major, minor = 2, 13
+    return ("c++20", "c++17") if (major, minor) >= (2, 13) else ("c++17", "c++20")
+
+
+def _command(cxx: str, out: Path, std: str) -> list[str]:
+    import torch
+
+    includes, libs = _torch_paths()
     abi = int(bool(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))
-    return [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w",
+    return [cxx, "-O2", f"-std={std}", "-shared", "-fPIC", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *(f"-I{p}" for p in cpp_extension.include_paths()),
+            *(f"-I{p}" for p in includes),
             f"-I{sysconfig.get_paths()['include']}",
             str(SOURCE), "-o", str(out),
             *(f"-L{p}" for p in libs), "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
@@ -173,10 +204,19 @@ def _built_library() -> Path:
     marker.write_text(str(os.getpid()))
     tmp = where / f".{MODULE}.{os.getpid()}.{threading.get_ident()}.so"
     try:
-        run = subprocess.run(_command(cxx, tmp), capture_output=True, text=True, timeout=600)
-        if run.returncode != 0:
-            tail = (run.stderr or run.stdout).strip().splitlines()[-20:]
-            _write_atomic(failed, "\n".join([" ".join(_command(cxx, tmp)), *tail]) + "\n")
+        said = []
+        for std in _standards():
+            command = _command(cxx, tmp, std)
+            run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            if run.returncode == 0:
+                break
+            # the first errors say why; the last lines are often the compiler's summary
+            lines = (run.stderr or run.stdout).strip().splitlines()
+            if len(lines) > 20:
+                lines = [*lines[:12], "...", *lines[-8:]]
+            said += [" ".join(command), *lines, ""]
+        else:
+            _write_atomic(failed, "\n".join(said))
             raise RuntimeError(f"the compiler failed (exit {run.returncode}; {failed})")
         os.replace(tmp, lib)
     except subprocess.TimeoutExpired as e:
