@@ -153,6 +153,39 @@ def test_disabled_builds_nothing(tmp_path):
     assert not (tmp_path / "host_native").exists()
 
 
+def test_the_standard_torchs_own_builder_uses_comes_first(monkeypatch):
+    # torch.utils.cpp_extension passes -std=c++17 in 2.11 and -std=c++20 from 2.13; 2.14's
+    # headers do not build as C++17
+    for version, first in (("2.11.0+cu130", "c++17"), ("2.12.0", "c++17"), ("2.13.0+cpu", "c++20"),
+                           ("2.14.1+cu130", "c++20"), ("2.15.0", "c++20"), ("3.0.0a0", "c++20"),
+                           ("unknown", "c++20")):
+        monkeypatch.setattr(torch, "__version__", version)
+        got = host_native._standards()
+        assert got[0] == first and sorted(got) == ["c++17", "c++20"], version
+
+
+@need_compiler
+def test_the_other_standard_is_tried_when_the_first_fails(tmp_path):
+    # a compiler that refuses the first standard (an old one without C++20, a torch whose
+    # headers need the other): the second builds, and nothing is written down as failed
+    log = tmp_path / "calls"
+    real = host_native._compiler()
+    first = host_native._standards()[0]
+    cxx = tmp_path / "picky-c++"
+    cxx.write_text(f"#!/bin/sh\necho \"$2\" >> {log}\n"
+                   f"if [ \"$2\" = \"-std={first}\" ]; then echo 'no {first}' >&2; exit 1; fi\n"
+                   f"exec {real} \"$@\"\n")
+    cxx.chmod(0o755)
+    got = _child("""
+        from parity.capture import host_native as h
+        print(h.build_now() is not None, h.status())
+    """, tmp_path, CXX=str(cxx))
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.startswith("True native"), (got.stdout, got.stderr)
+    assert log.read_text().split() == [f"-std={first}", f"-std={host_native._standards()[1]}"]
+    assert not list((tmp_path / "host_native").glob("*/failed.txt"))
+
+
 def test_a_failed_build_says_so_in_one_line_and_is_not_tried_again(tmp_path):
     log = tmp_path / "calls"
     cxx = tmp_path / "fake-c++"
