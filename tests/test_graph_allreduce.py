@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -195,8 +196,21 @@ def _job(tmp_path: Path, name: str, args: list[str], capture: bool) -> tuple[dic
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
+    if proc.returncode != 0 and not capture and _teardown_abort(proc.stderr, result):
+        # torch's own exit, not parity (this job runs without it): once in CI, 2026-11-26,
+        # rank 1 of the plain job aborted ("terminate called without an active exception",
+        # SIGABRT) after both ranks had written their results; 0 in 42 runs since. Run it again
+        shutil.rmtree(result)
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((result / f"rank-{r}.json").read_text()) for r in (0, 1)], out
+
+
+def _teardown_abort(stderr: str, result: Path) -> bool:
+    """A rank aborted by the C++ runtime after every rank had written its result."""
+    return ("terminate called without an active exception" in stderr
+            and all((result / f"rank-{r}.json").is_file() for r in (0, 1)))
 
 
 @pytest.fixture(scope="module")
