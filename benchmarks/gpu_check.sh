@@ -62,14 +62,11 @@ stage() {  # stage NAME LIMIT_SECONDS CMD...: run with a time limit, print as it
 # without waiting for the compiler (~10-20 s, once per machine and torch)
 # (a failed build prints what the compiler said, so that one run on a GPU says why)
 "$PY" - > "$OUT/host_check.log" 2>&1 <<'EOF' &
-import re
-from pathlib import Path
 from parity.capture import host_native as h
 h.build_now()
 print("host check:", h.status())
-said = re.search(r"(/[^()\s]*failed\.txt)", h.status())
-if said and Path(said.group(1)).is_file():
-    print(Path(said.group(1)).read_text()[-4000:])
+if h.failure_log() is not None:
+    print(h.failure_log().read_text()[-4000:])
 EOF
 PREBUILD=$!
 

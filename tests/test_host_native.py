@@ -213,6 +213,20 @@ def test_a_failed_build_says_so_in_one_line_and_is_not_tried_again(tmp_path):
     assert not list((tmp_path / "host_native").glob("*/.parity_host_native.*"))  # no leftovers
 
 
+def test_failure_log_is_what_the_compiler_said_or_none(tmp_path):
+    cxx = tmp_path / "fake-c++"
+    cxx.write_text("#!/bin/sh\necho 'fake.cpp:1: error: no' >&2\nexit 1\n")
+    cxx.chmod(0o755)
+    got = _child("""
+        from parity.capture import host_native as h
+        print(h.failure_log())
+        h.build_now()
+        print(h.failure_log().read_text().count("error: no"))
+    """, tmp_path, CXX=str(cxx))
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == ["None", "2"]
+
+
 @need_compiler
 def test_two_processes_building_at_once_both_load_it(tmp_path):
     code = """

@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["get", "build_now", "status", "ENV", "SOURCE"]
+__all__ = ["get", "build_now", "status", "failure_log", "ENV", "SOURCE"]
 
 ENV = "PARITY_HOST_NATIVE"  # "0": the Python loop only
 ENV_CACHE = "PARITY_CACHE_DIR"
@@ -130,6 +130,21 @@ def _key(cxx: str) -> str:
     return h.hexdigest()[:20]
 
 
+def _build_dir(cxx: str) -> Path:
+    """The cache folder of this source, build, torch, Python and compiler (``_key``)."""
+    return _cache_root() / "host_native" / _key(cxx)
+
+
+def failure_log() -> Path | None:
+    """What the compiler said when the check failed to build here (``failed.txt``: commands
+    and errors), or None where no build failed; for scripts that show why (gpu_check.sh)."""
+    cxx = _compiler()
+    if cxx is None:
+        return None
+    path = _build_dir(cxx) / "failed.txt"
+    return path if path.is_file() else None
+
+
 def _torch_paths() -> tuple[list[str], list[str]]:
     """torch's include and library folders: what ``torch.utils.cpp_extension.include_paths()``
     and ``library_paths()`` return for the CPU (torch 2.11-2.15), read from the installed
@@ -181,7 +196,7 @@ def _built_library() -> Path:
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (CXX, c++, g++, clang++)")
-    where = _cache_root() / "host_native" / _key(cxx)
+    where = _build_dir(cxx)
     lib = where / f"{MODULE}.so"
     failed = where / "failed.txt"
     if lib.exists():
