@@ -62,9 +62,11 @@ sizes the targets were not set for, a figure short of its target is said as such
   host_check_us_native, host_check_us_python_stable, host_check_us_python_grads,
   host_check_speedup                  the check of a cached device-digest table on CPU tensors
                                       (1,500 of 1-64 KB): the compiled check (host_native) vs
-                                      the Python loop as hashing_triton runs it for a stable
-                                      list (identity, addresses) and for gradients (also
-                                      contiguity); speedup = python_grads / native.
+                                      the Python loop as hashing_triton runs it
+                                      (_python_check: members by identity, then each row's
+                                      address, byte length, dtype and contiguity) for a stable
+                                      list and for gradients looked up by their owners;
+                                      speedup = python_grads / native.
                                       host_check_build_s: building (or finding) it;
   host_path_ms_per_step_native, host_path_ms_per_step_python, host_path_speedup
                                       the benchmark's CUDA host-time loop (cuda_host_ms_per_step)
@@ -294,25 +296,29 @@ def bench_host_check(quick: bool) -> dict:
     members = list(ts)
     owners = [torch.empty(0) for _ in ts]
     ptrs = [t.data_ptr() for t in ts]
+    nbytes = [t.nbytes for t in ts]
+    dtypes = [t.dtype for t in ts]
     idx = list(range(len(ts)))
     reps = 200 if quick else 2000
+    # the tables' records as hashing_triton keeps them (no plan: only the check is timed)
+    seen = hashing_triton._Seen(members, ptrs, idx, [], None, 0, None, None, nbytes, dtypes)
+    seen_grads = hashing_triton._Seen(list(owners), ptrs, idx, [], None, 0, None, None, nbytes,
+                                      dtypes)
+    assert hashing_triton._python_check(seen, ts)
 
     def python_stable():
-        return all(map(is_, members, ts)) and hashing_triton._ptrs_equal(ts, ptrs, idx)
+        return all(map(is_, seen.members, ts)) and hashing_triton._python_check(seen, ts)
 
     def python_grads():
-        return (all(map(is_, owners, owners)) and hashing_triton._ptrs_equal(ts, ptrs, idx)
-                and all(map(hashing_triton._IS_CONTIGUOUS, ts)))
+        return (all(map(is_, seen_grads.members, owners))
+                and hashing_triton._python_check(seen_grads, ts))
 
     fns = {"python_stable": python_stable, "python_grads": python_grads}
     if check is not None:
-        import array
-
-        pb = array.array("q", ptrs).tobytes()
-        nb = array.array("q", [t.nbytes for t in ts]).tobytes()
-        dts = [t.dtype for t in ts]
-        assert check(ts, owners, owners, pb, nb, dts, 0, None, True) == 1
-        fns["native"] = lambda: check(ts, owners, owners, pb, nb, dts, 0, None, True)
+        assert check(ts, owners, seen_grads.members, seen_grads.ptrs_b, seen_grads.nbytes_b,
+                     seen_grads.dtypes, 0, None, True) == 1
+        fns["native"] = lambda: check(ts, owners, seen_grads.members, seen_grads.ptrs_b,
+                                      seen_grads.nbytes_b, seen_grads.dtypes, 0, None, True)
     best = {k: float("inf") for k in fns}
     for _ in range(reps):  # interleaved, best of each
         for k, f in fns.items():

@@ -1,6 +1,6 @@
 """The compiled host check of the device digest's cached tables (parity/capture/host_native.py
 and host_native.cpp): built by the platform's compiler into a cache folder, deciding what the
-Python loop in hashing_triton decides (and also layout, dtype and byte length), failing to
+Python loop in hashing_triton decides (``_python_check``, case by case below), failing to
 build in one line and once, disabled by PARITY_HOST_NATIVE=0. The check reads host-side
 metadata only, so CPU tensors stand in for CUDA ones. The cached-table behaviour through the
 digest itself, with and without it: test_capture_hashing_triton.py (the interpreter)."""
@@ -99,7 +99,7 @@ def test_the_check_answers_what_the_python_loop_answers_and_more(check):
     assert ask([ts[0], ts[1], ts[2], ts[3]._neg_view()]) == 2
     assert ask([ts[0], ts[1].t(), *ts[2:]]) == 2
     # (the same address, length and dtype: only the layout says it; hashing_triton always asks
-    # for it, where the Python loop reads layout for gradients only)
+    # for it)
     assert ask([ts[0], ts[1].t(), *ts[2:]], contig=False) == 1
     # rows left out stay out; a row that gains a tensor, or loses one, is built again
     holes = [ts[0], None, ts[2], None]
@@ -129,6 +129,63 @@ def test_the_check_answers_what_the_python_loop_answers_and_more(check):
         check(tuple(ts), None, None, p, nb, dts, 0, None, True)
     with pytest.raises(TypeError):
         check(ts, None, None, p, nb, dts, 0, None)
+
+
+def _cases():
+    """(name, rows, recorded rows, unwrap, True when the table still describes rows)."""
+    ts = [torch.arange(10, dtype=torch.float32), torch.ones(3, 5, dtype=torch.bfloat16),
+          torch.zeros(7, dtype=torch.int64), torch.ones(2, 2, dtype=torch.complex64)]
+    sq = torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    holes = [ts[0], None, ts[2], None]
+    w = [Wrapped(t) for t in ts]
+    return [
+        ("same", list(ts), ts, 0, True),
+        ("new storage", [ts[0].clone(), *ts[1:]], ts, 0, False),
+        ("shorter at the same address", [ts[0][:5], *ts[1:]], ts, 0, False),
+        ("another dtype at the same address", [ts[0].view(torch.int32), *ts[1:]], ts, 0, False),
+        ("transposed at the same address", [sq.t(), *ts[1:]], [sq, *ts[1:]], 0, False),
+        ("a lazy conjugate", [*ts[:3], ts[3].conj()], ts, 0, False),
+        ("a lazy negation", [*ts[:3], ts[3]._neg_view()], ts, 0, False),
+        ("rows left out, still out", list(holes), holes, 0, True),
+        ("a row left out gains a tensor", list(ts), holes, 0, False),
+        ("a row loses its tensor", [None, *ts[1:]], ts, 0, False),
+        ("not a tensor", [1.5, *ts[1:]], ts, 0, False),
+        ("no readable storage", [NoStorage(ts[0]), *ts[1:]], ts, 0, False),
+        ("wrapped", list(w), w, 1, True),
+        ("wrapped, a shorter local tensor at the same address",
+         [Wrapped(ts[0][:4]), *w[1:]], w, 1, False),
+    ]
+
+
+def _python_seen(recorded, unwrap):
+    from parity.capture import hashing_triton as ht
+
+    locs = [None if t is None else (t._local_tensor if unwrap else t) for t in recorded]
+    idx = [i for i, t in enumerate(locs) if t is not None]
+    holes = [i for i, t in enumerate(locs) if t is None]
+    seen = ht._Seen(list(recorded), [0 if t is None else t.data_ptr() for t in locs], idx, holes,
+                    None, unwrap, None, None, [0 if t is None else t.nbytes for t in locs],
+                    [None if t is None else t.dtype for t in locs])
+    return ht, seen
+
+
+def test_the_python_loop_reads_every_row_as_the_compiled_check_does():
+    """Where no compiler is (or PARITY_HOST_NATIVE=0) the Python loop checks the cached tables:
+    it reuses a table exactly when the compiled check does, a tensor given another byte length,
+    dtype or layout at the same address included (before 2026-11-27 it read layout for
+    gradients only and dtype for nothing: a gradient shrunk at its old address was read past
+    its bytes)."""
+    for name, rows, recorded, unwrap, want in _cases():
+        ht, seen = _python_seen(recorded, unwrap)
+        assert ht._python_check(seen, rows) is want, name
+
+
+@need_compiler
+def test_the_compiled_check_decides_the_python_loops_cases_alike(check):
+    for name, rows, recorded, unwrap, want in _cases():
+        _, seen = _python_seen(recorded, unwrap)
+        got = check(rows, None, None, seen.ptrs_b, seen.nbytes_b, seen.dtypes, unwrap, None, True)
+        assert got == (1 if want else 2), name
 
 
 @need_compiler

@@ -275,10 +275,9 @@ def _cache_cases(some, ref, NO_HASH):
                           == want(some))
     hashing_triton._run = real_run
     shared_key.append(len(built))
-    # the same address, another byte length (``p.data = p.data[:2]``): both checks build again;
-    # another layout or dtype (``p.data = p.data.t()``, ``.view(int32)``): the compiled check
-    # reads both and builds again, the Python loop reads neither for a stable list (only the
-    # native answers are asserted for those two)
+    # the same address, another byte length, layout or dtype (``p.data = p.data[:2]``,
+    # ``.t()``, ``.view(int32)``): both checks build again; and a gradient of the same owner at
+    # the same address with fewer bytes (a parameter shrunk through ``.data``)
     sq = torch.arange(16, dtype=torch.float32).reshape(4, 4) + 0.5
     same_addr = [sq, some[1]]
     same_address = []
@@ -289,6 +288,12 @@ def _cache_cases(some, ref, NO_HASH):
         same_address.append(hashing.digest_tensors_async(same_addr, "device", stable=True)
                             .result() == want(same_addr))
         sq.data = kept_sq
+    grads_sq = [sq.clone(), some[1].clone()]
+    grad_owners = [torch.empty(0), torch.empty(0)]
+    hashing.digest_tensors_async(grads_sq, "device", owners=grad_owners).result()  # cached
+    grads_sq[0] = grads_sq[0][:2]
+    same_address.append(hashing.digest_tensors_async(grads_sq, "device", owners=grad_owners)
+                        .result() == want(grads_sq))
     return {
         "same_address_other_layout_or_dtype": same_address,
         "shared_key": shared_key,

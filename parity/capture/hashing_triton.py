@@ -22,8 +22,8 @@ sync that drained the GPU queue at every recorded step. Here:
   that event only when its bytes are asked for; capture asks one step later (steps.py). From
   a table's second use on, its launches are one CUDA graph replayed on the current stream
   (``_Graphed``: 33 us of host time per call on an H100 host against 129 us for the queued
-  launches, 2026-11-26), with the address check in one C++ call where torch has one
-  (``_ptrs_equal``).
+  launches, 2026-11-26), after a check that the tensors still are what the table describes:
+  one compiled call (``host_native``), else a Python loop (``_python_check``).
 * With figures (``figures=True``: what capture asks for, issue 34) the lanes kernel also
   decodes the words by dtype and writes each row's float64 partial figures in the same pass
   over the data, and one more launch (``figures_reduce``) adds each tensor's rows in a fixed
@@ -539,10 +539,12 @@ class _Seen:
     ``reset_sharded_param``) is built again even where the new one starts at the same address.
     ``ptrs_b``/``nbytes_b``/``dtypes``: each row's address, byte length and dtype as the
     compiled check reads them (host_native: int64 bytes, a list; 0/None for a row left out);
-    ``sizes``: the byte lengths of the rows hashed, for the Python loop."""
+    ``row_ptrs``/``sizes``/``row_dtypes``: the addresses, byte lengths and dtypes of the rows
+    hashed, for the Python loop; ``lazy_bits``: a row is complex (its lazy conj/neg bits are read again at every
+    call, as the compiled check reads every row's)."""
 
     __slots__ = ("members", "ptrs", "idx", "holes", "pos", "unwrap", "plan", "locs", "ptrs_b",
-                 "nbytes_b", "dtypes", "sizes")
+                 "nbytes_b", "dtypes", "row_ptrs", "sizes", "row_dtypes", "lazy_bits")
 
     def __init__(self, members, ptrs, idx, holes, pos, unwrap, plan, locs=None,
                  nbytes=None, dtypes=None):
@@ -552,7 +554,10 @@ class _Seen:
         self.ptrs_b = array.array("q", ptrs).tobytes()
         self.nbytes_b = array.array("q", nbytes).tobytes()
         self.dtypes = dtypes
+        self.row_ptrs = [ptrs[i] for i in idx]
         self.sizes = [nbytes[i] for i in idx]
+        self.row_dtypes = [dtypes[i] for i in idx]
+        self.lazy_bits = any(d.is_complex for d in set(self.row_dtypes))
 
 
 # One C++ loop that compares every listed tensor's address with the one recorded (the check
@@ -561,16 +566,7 @@ class _Seen:
 _PTRS_EQUAL = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
-def _ptrs_equal(locs: list, ptrs: list[int], idx: list[int]) -> bool:
-    if _PTRS_EQUAL is not None:
-        return _PTRS_EQUAL(locs, ptrs, idx)
-    if len(idx) == len(locs):
-        return list(map(_DATA_PTR, locs)) == ptrs
-    return all(_DATA_PTR(locs[i]) == ptrs[i] for i in idx)
-
-
-def _native_reuse(check, seen: _Seen, tensors: list, members: list, stable: bool,
-                  figures: bool):
+def _native_reuse(check, seen: _Seen, tensors: list, members: list, figures: bool):
     """``_reuse`` in one call of the compiled check (host_native): (pos, Pending); False when
     ``seen`` holds other members (the caller looks at the next one); None when its table no
     longer describes ``tensors`` (the caller builds again)."""
@@ -584,13 +580,24 @@ def _native_reuse(check, seen: _Seen, tensors: list, members: list, stable: bool
     return None if pending is None else (seen.pos, pending)
 
 
-def _reuse(seen: _Seen, tensors: list, stable: bool, figures: bool):
+def _reuse(seen: _Seen, tensors: list, figures: bool):
     """(pos, Pending) from ``seen``'s table when ``tensors`` still are what it was built for;
     None when not (the caller builds again). The members were checked by identity already.
     (The Python loop; ``_native_reuse`` decides the same in one compiled call.)"""
+    if not _python_check(seen, tensors):
+        return None
+    pending = _launch_plan(seen.plan, figures)
+    return None if pending is None else (seen.pos, pending)
+
+
+def _python_check(seen: _Seen, tensors: list) -> bool:
+    """True when ``seen``'s table still describes ``tensors`` (its members already checked by
+    identity): the rows left out still are, the local tensors are the ones recorded (a stable
+    list of DTensors), and every hashed row has its recorded address, byte length and dtype,
+    is contiguous and, in a list with complex rows, has no lazy conj/neg bit."""
     for i in seen.holes:
         if tensors[i] is not None:
-            return None  # a gradient that was missing is there now
+            return False  # a gradient that was missing is there now
     try:
         if seen.unwrap == 0:
             locs = tensors
@@ -599,26 +606,27 @@ def _reuse(seen: _Seen, tensors: list, stable: bool, figures: bool):
         else:
             locs = [None if t is None else getattr(t, "_local_tensor", t) for t in tensors]
         if seen.locs is not None and not all(map(is_, seen.locs, locs)):
-            return None
-        if not _ptrs_equal(locs, seen.ptrs, seen.idx):
-            return None
-        if stable:  # the same tensor re-pointed at the same address (p.data = p.data[:n]):
-            # a table of the old length would read past its bytes, or miss some (~70 ns a
-            # tensor; another dtype or layout there is still read whole: see host_native)
-            rows = locs if len(seen.idx) == len(locs) else [locs[i] for i in seen.idx]
-            if list(map(_NBYTES, rows)) != seen.sizes:
-                return None
-        else:  # gradients: new tensors of the same parameters, whose byte length autograd
-            # keeps (the parameter's), but not always their layout
-            if seen.holes:
-                if not all(_IS_CONTIGUOUS(locs[i]) for i in seen.idx):
-                    return None
-            elif not all(map(_IS_CONTIGUOUS, locs)):
-                return None
+            return False
+        rows = locs if len(seen.idx) == len(locs) else [locs[i] for i in seen.idx]
+        if _PTRS_EQUAL is not None:
+            if not _PTRS_EQUAL(locs, seen.ptrs, seen.idx):
+                return False
+        elif list(map(_DATA_PTR, rows)) != seen.row_ptrs:
+            return False
+        # what the compiled check reads too, row by row (~0.2 us a tensor here): a tensor
+        # re-pointed at the same address (``p.data = p.data[:n]``, ``.t()``,
+        # ``.view(torch.int32)``; or a gradient of such a parameter, allocated where the old one
+        # was) under a table of the old length would be read past its bytes or short of them,
+        # under the old dtype keyed and decoded as that, under the old layout as its storage's
+        # order; and a gradient is a new tensor at each step, of any layout
+        if (list(map(_NBYTES, rows)) != seen.sizes or list(map(_DTYPE, rows)) != seen.row_dtypes
+                or not all(map(_IS_CONTIGUOUS, rows))):
+            return False
+        if seen.lazy_bits and any(t.is_conj() or t.is_neg() for t in rows):
+            return False
     except (TypeError, RuntimeError, AttributeError):  # None, no storage, another kind of tensor
-        return None
-    pending = _launch_plan(seen.plan, figures)
-    return None if pending is None else (seen.pos, pending)
+        return False
+    return True
 
 
 def _by_row(n: int, idx: list[int], values: list, missing) -> list:
@@ -661,11 +669,11 @@ def digest_all_cuda(tensors: list, stable: bool = False, owners: list | None = N
         check = host_native.get() if type(tensors) is list and type(members) is list else None
         for seen in _stable.get(key, ()):
             if check is not None:
-                got = _native_reuse(check, seen, tensors, members, stable, figures)
+                got = _native_reuse(check, seen, tensors, members, figures)
                 if got is False:
                     continue
             elif all(map(is_, seen.members, members)):
-                got = _reuse(seen, tensors, stable, figures)
+                got = _reuse(seen, tensors, figures)
             else:
                 continue
             if got is not None:

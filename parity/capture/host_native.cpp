@@ -2,9 +2,9 @@
 // it). Why: the check reads every listed tensor's address, byte length, dtype and layout at
 // every call; torch's Python methods cost ~60-100 ns a tensor for the address alone (4,500
 // reads per step for capture's three calls: ~0.42 ms on an H100 host), this loop ~8 ns for all
-// of it. It decides exactly what hashing_triton._reuse decides in Python, and a little more
-// (byte length, dtype, lazy conj/neg bits): a True here means the table still describes the
-// tensors.
+// of it. It decides exactly what hashing_triton._python_check decides in Python (members,
+// local tensors, address, byte length, dtype, layout, lazy conj/neg bits): a 1 here means the
+// table still describes the tensors.
 //
 // check(tensors, members, seen_members, ptrs, nbytes, dtypes, unwrap, seen_locs, contiguous)
 //   tensors       list: the rows of this call (None: a row left out)
