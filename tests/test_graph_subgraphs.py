@@ -15,6 +15,7 @@ graphs made by torch itself on CPU (a fake process group: one process, no job):
 from __future__ import annotations
 
 import collections
+import inspect
 
 import pytest
 
@@ -75,9 +76,26 @@ def _scheduled(group: str, deps: bool, monkeypatch):
 
     monkeypatch.setattr(estimation, "get_gpu_dram_gbps", lambda: 2000, raising=False)
     monkeypatch.setattr(estimation, "get_device_tflops", lambda dtype: 100.0, raising=False)
+    # analytical estimates: by name where this torch has the option; 2.11 has no
+    # compute_estimator and benchmarks compute nodes on the GPU unless a custom estimate
+    # answers for them, and logs their analytical estimate, which asks for CUDA: there a
+    # fixed 10 us a compute node for both (collectives: None, its analytical estimator)
+    accepted = inspect.signature(schedule_overlap_bucketing).parameters
+    estimators = {k: "analytical" for k in ("compute_estimator", "collective_estimator")
+                  if k in accepted}
+    if "compute_estimator" not in accepted:
+        import torch._inductor.fx_passes.overlap_scheduling as scheduling
+
+        def compute_only(node, size=None):
+            if graph_walk.collective_kind(graph_walk.op_name(node)) is not None:
+                return None
+            return 0.01
+
+        monkeypatch.setattr(scheduling, "estimate_runtime_analytical",
+                            lambda node: compute_only(node) or 0.0)
+        estimators["custom_runtime_estimation"] = compute_only
     return schedule_overlap_bucketing(
-        _step_graph(group), insert_overlap_deps=deps, collective_bucketing=True,
-        compute_estimator="analytical", collective_estimator="analytical")
+        _step_graph(group), insert_overlap_deps=deps, collective_bucketing=True, **estimators)
 
 
 def _every_collective(gm) -> collections.Counter:
@@ -125,8 +143,11 @@ def test_control_deps_collectives_are_recorded(group, monkeypatch):
     counted = graph_passes.count_collectives(gm, "joint")
     assert {k.split("/")[0]: v for k, v in counted.items()} == dict(independent)
     assert warnings == []
-    by_params = {b.collective: [e.fqn for e in b.entries] for b in buckets
-                 if any(e.fqn for e in b.entries)}
+    # (which payloads share a bucket is the scheduler's choice: on 2.11 the token all-gather
+    # joins three weights' bucket, a float32 bucket with an int64 entry at byte 24576)
+    by_params: dict = {}
+    for b in buckets:
+        by_params.setdefault(b.collective, []).extend(e.fqn for e in b.entries if e.fqn)
     assert sorted(by_params["all_gather"]) == PARAMS
     assert sorted(by_params["reduce_scatter"]) == PARAMS
     others = sorted((b.collective, e.dtype, e.payload) for b in buckets for e in b.entries
@@ -148,8 +169,9 @@ def test_flat_graph_is_the_scheduled_graph(group, monkeypatch):
     expected = _ap_max_consec_compute_between_rs(plain.graph)
     assert expected > 0
     assert graph_walk.max_consec_compute_between_rs(wrapped) == expected
-    # AutoParallel's walk of the wrapped graph's top level finds no matmul and no reduce-scatter
-    assert _ap_max_consec_compute_between_rs(wrapped.graph) == 0
+    # AutoParallel's walk of the wrapped graph's top level misses what the wrappers hold (on
+    # 2.13-2.15 every matmul and reduce-scatter: 0; on 2.11 the scheduler wraps fewer: 1)
+    assert _ap_max_consec_compute_between_rs(wrapped.graph) < expected
     # the records of the wrapped graph are those of the plain one
     key = [(b.collective, b.total_bytes, [e.fqn for e in b.entries], b.node)
            for b in graph_walk.extract_buckets(plain, INPUT_FQNS, OUTPUT_FQNS, "joint")]
