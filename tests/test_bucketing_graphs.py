@@ -48,6 +48,9 @@ def test_walker_reads_every_versions_buckets(path, monkeypatch):
                 covered = sum(e.size for e in b.entries)
                 assert covered == b.total_bytes, (label, b.node, covered, b.total_bytes)
                 assert all(e.fqn for e in b.entries), (label, b.node)
+                # each payload's module: where its slice is used (2.15 writes an all-gather's
+                # slices with split_with_sizes_copy(out=...): read through the out tensors)
+                assert all(e.module is not None for e in b.entries), (label, b.node)
                 if config.endswith("bf16") and b.collective == "all_gather":
                     assert b.dtype == "bfloat16" and {e.dtype for e in b.entries} == {"bfloat16"}
             # what the fixed walker found on the recording torch

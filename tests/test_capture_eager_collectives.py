@@ -17,11 +17,15 @@ def test_chunked_redistributions_are_recorded_with_parameter_and_module(tmp_path
     assert "capture disabled" not in p.stderr
     recs = [json.loads(line) for line in (out / "rank-00000" / "buckets.jsonl").read_text()
             .splitlines()]
-    got = [(b["step"], b["collective"], b["module"], b["entries"][0]["fqn"],
+    got = [(b["step"], b["collective"], b["module"], b["entries"][0]["fqn"], b["dtype"],
             b["entries"][0]["shape"], b["placements"]) for b in recs if b["source"] == "dtensor"]
-    chunk = [(1, "all_gather", "loss_fn(ChunkLoss) > 0", "0.weight", [4, 3],
+    # a bool mask of the weight's shape under the same module is not the weight (named by
+    # memory only: a tensor of bool or integer values is no cast of a parameter)
+    chunk = [(1, "all_gather", "loss_fn(ChunkLoss) > 0", None, "bool", [4, 3],
               "Shard(dim=0) -> Replicate()"),
-             (1, "reduce_scatter", "loss_fn(ChunkLoss)", None, [4, 3],
+             (1, "all_gather", "loss_fn(ChunkLoss) > 0", "0.weight", "float32", [4, 3],
+              "Shard(dim=0) -> Replicate()"),
+             (1, "reduce_scatter", "loss_fn(ChunkLoss)", None, "float32", [4, 3],
               "Partial(sum) -> Shard(dim=0)")]
     assert got == chunk * 2  # step 2 repeats step 1's sequence: not written again
     # module attribution (issue 14): the weight's all-gather was issued under the loss function

@@ -74,8 +74,9 @@ def _scheduled(group: str, deps: bool, monkeypatch):
     import torch.utils._runtime_estimation as estimation
     from torch._inductor.fx_passes.overlap_scheduling import schedule_overlap_bucketing
 
-    monkeypatch.setattr(estimation, "get_gpu_dram_gbps", lambda: 2000, raising=False)
-    monkeypatch.setattr(estimation, "get_device_tflops", lambda dtype: 100.0, raising=False)
+    # (2.15 passes a device too)
+    monkeypatch.setattr(estimation, "get_gpu_dram_gbps", lambda *a, **k: 2000, raising=False)
+    monkeypatch.setattr(estimation, "get_device_tflops", lambda *a, **k: 100.0, raising=False)
     # analytical estimates: by name where this torch has the option; 2.11 has no
     # compute_estimator and benchmarks compute nodes on the GPU unless a custom estimate
     # answers for them, and logs their analytical estimate, which asks for CUDA: there a

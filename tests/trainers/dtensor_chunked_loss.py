@@ -1,6 +1,7 @@
 """A 1-rank DTensor job whose loss wrapper calls an lm_head-like module per chunk and runs
-backward per chunk (torchtitan's chunked loss, eager): each chunk all-gathers the weight
-(Shard -> Replicate) and reduce-scatters its gradient (Partial -> Shard). Captured through the
+backward per chunk (torchtitan's chunked loss, eager): each chunk all-gathers a bool mask of
+the weight and the weight (Shard -> Replicate) and reduce-scatters its gradient (Partial ->
+Shard). Captured through the
 API (``parity.capture.start``) by tests/test_capture_eager_collectives.py, which passes the out
 dir as argv[1]."""
 import os, socket, sys
@@ -21,6 +22,9 @@ class Head(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
     def forward(self, x):
+        # a mask of the weight's shape, all-gathered under the same module (as torch 2.15's
+        # torchtitan does): no cast of the weight, not named after it
+        (self.weight.detach() != 0).redistribute(placements=[Replicate()])
         w = self.weight.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
         return x @ w.t()
 

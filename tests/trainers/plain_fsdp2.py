@@ -9,8 +9,9 @@ Knobs (environment):
   PT_KILL=R:K           rank R SIGKILLs itself right after optimizer step K
   PT_DUMP=PATH          write, per rank (PATH with {rank}), what FSDP2 passed to its copy-in ops:
                         the all-gather split sizes and the reduce-scatter gradient shapes, seen
-                        by replacing torch.ops.fsdp.all_gather_copy_in / chunk_cat (independent
-                        of parity's capture, which wraps other functions)
+                        by replacing torch.ops.fsdp.all_gather_copy_in / chunk_cat (2.15:
+                        chunk_cat_mixed_dtype; independent of parity's capture, which wraps
+                        other functions)
   PT_ACCUM=N            backward passes per optimizer step (default 1)
 """
 
@@ -60,15 +61,21 @@ class Dump:
                                 "out_dtype": str(output.dtype)})
             return ag(inputs, output, split_sizes, numel, rank_)
 
-        def chunk_cat(tensors, dim, num_chunks, out):
-            self.events.append({"step": self.step, "kind": "reduce_scatter",
-                                "shapes": [list(t.shape) for t in tensors],
-                                "dtypes": [str(t.dtype) for t in tensors],
-                                "out_dtype": str(out.dtype), "num_chunks": num_chunks})
-            return cc(tensors, dim=dim, num_chunks=num_chunks, out=out)
+        def recording(op):
+            def chunk_cat(tensors, dim, num_chunks, out):
+                self.events.append({"step": self.step, "kind": "reduce_scatter",
+                                    "shapes": [list(t.shape) for t in tensors],
+                                    "dtypes": [str(t.dtype) for t in tensors],
+                                    "out_dtype": str(out.dtype), "num_chunks": num_chunks})
+                return op(tensors, dim=dim, num_chunks=num_chunks, out=out)
+            return chunk_cat
 
         ns.all_gather_copy_in = all_gather_copy_in
-        ns.chunk_cat = chunk_cat
+        ns.chunk_cat = recording(cc)
+        # torch 2.15 copies the reduce-scatter input in with chunk_cat_mixed_dtype (the same
+        # arguments; chunk_cat is left unused there)
+        if hasattr(ns, "chunk_cat_mixed_dtype"):
+            ns.chunk_cat_mixed_dtype = recording(ns.chunk_cat_mixed_dtype)
 
     def write(self):
         tmp = self.path + ".tmp"

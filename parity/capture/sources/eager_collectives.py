@@ -196,13 +196,17 @@ class EagerCollectives(ManifestSource):
                 params.setdefault(_key(getattr(p, "_local_tensor", p)), self.normalize(n))
         self._params, self._modules, self._by_module = params, mods, by_module
 
-    def _fqn(self, key: tuple, owners: list[tuple], shape: list) -> str | None:
+    def _fqn(self, key: tuple, owners: list[tuple], shape: list, dtype: str) -> str | None:
         """The parameter this tensor is: by its memory, else (a cast or copy of it, such as a
         bf16 all-gather input) the one parameter of that global shape in the innermost module
-        it was issued under."""
+        it was issued under. A tensor of bool or integer values is no cast of a parameter (a
+        mask of one: on torch 2.15 torchtitan's chunked loss all-gathers a bool tensor of
+        lm_head.weight's shape): it is named by its memory only."""
         fqn = self._params.get(key) if self._params else None
         if fqn is not None:
             return fqn
+        if not dtype.startswith(("float", "bfloat", "complex")):
+            return None
         for oid, is_module, _ in owners:  # innermost first
             if not is_module or oid not in self._by_module:
                 continue
@@ -247,7 +251,7 @@ class EagerCollectives(ManifestSource):
             self._names()  # once, at the end of the first step with eager collectives
         for c, key, owners in calls:
             e = c.entries[0]
-            e.fqn = self._fqn(key, owners, e.shape)
+            e.fqn = self._fqn(key, owners, e.shape, e.dtype)
             c.group = e.fqn.rsplit(".", 1)[0] if e.fqn else ""
             c.module = _chain(owners, self._modules)
         sig = tuple((c.collective, c.module, c.placements, c.dtype, c.total_bytes, c.entries[0].fqn)

@@ -174,7 +174,8 @@ def _output_position(node: Any) -> int | None:
 
 
 def _split_outputs(start: Any) -> list[Any] | None:
-    """From a collective's result, walk unary single-user ops to a split; per split index, its getitem."""
+    """From a collective's result, walk unary single-user ops to a split; per split index, its
+    getitem (or, for ``split_with_sizes_copy(..., out=[...])``, each out tensor's base)."""
     cur = start
     for _ in range(64):
         users = list(cur.users)
@@ -182,6 +183,9 @@ def _split_outputs(start: Any) -> list[Any] | None:
             return None
         user = users[0]
         if op_name(user) in _SPLIT_OPS:
+            bases = _out_bases(user)
+            if bases is not None:
+                return bases
             pieces: dict[int, Any] = {}
             for g in user.users:
                 if op_name(g) == "getitem" and isinstance(g.args[1], int):
@@ -193,6 +197,27 @@ def _split_outputs(start: Any) -> list[Any] | None:
             return None
         cur = user
     return None
+
+
+def _out_bases(split: Any) -> list[Any] | None:
+    """The tensors a ``split_with_sizes_copy(..., out=[...])`` writes each slice into, each
+    followed back through views to what it views (torch 2.15's all-gather bucket: each slice
+    copied into ``alias(view(view(empty)))``, whose ``empty`` the model then reads through
+    other views); None for a split without ``out``."""
+    outs = split.kwargs.get("out") if getattr(split, "kwargs", None) else None
+    if not isinstance(outs, (list, tuple)) or not outs:
+        return None
+    bases = []
+    for cur in outs:
+        for _ in range(16):
+            if (getattr(cur, "op", None) == "call_function" and cur.args
+                    and getattr(cur.target, "is_view", False)
+                    and hasattr(cur.args[0], "users")):
+                cur = cur.args[0]
+            else:
+                break
+        bases.append(cur)
+    return bases
 
 
 def _payload_pieces(buffer: Any, warnings: list[str] | None = None
