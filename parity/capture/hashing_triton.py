@@ -540,8 +540,8 @@ class _Seen:
     ``ptrs_b``/``nbytes_b``/``dtypes``: each row's address, byte length and dtype as the
     compiled check reads them (host_native: int64 bytes, a list; 0/None for a row left out);
     ``row_ptrs``/``sizes``/``row_dtypes``: the addresses, byte lengths and dtypes of the rows
-    hashed, for the Python loop; ``lazy_bits``: a row is complex (its lazy conj/neg bits are read again at every
-    call, as the compiled check reads every row's)."""
+    hashed, for the Python loop; ``lazy_bits``: a row is complex (its lazy conj/neg bits are
+    read again at every call, as the compiled check reads every row's)."""
 
     __slots__ = ("members", "ptrs", "idx", "holes", "pos", "unwrap", "plan", "locs", "ptrs_b",
                  "nbytes_b", "dtypes", "row_ptrs", "sizes", "row_dtypes", "lazy_bits")

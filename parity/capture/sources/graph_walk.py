@@ -208,15 +208,12 @@ def _out_bases(split: Any) -> list[Any] | None:
     if not isinstance(outs, (list, tuple)) or not outs:
         return None
     bases = []
-    for cur in outs:
-        for _ in range(16):
-            if (getattr(cur, "op", None) == "call_function" and cur.args
-                    and getattr(cur.target, "is_view", False)
-                    and hasattr(cur.args[0], "users")):
-                cur = cur.args[0]
-            else:
+    for out in outs:
+        base = out
+        for base in walk_back(out):
+            if not getattr(base.target, "is_view", False):
                 break
-        bases.append(cur)
+        bases.append(base)
     return bases
 
 
