@@ -266,6 +266,7 @@ def judge_pair(d: dict, policy: str) -> Verdict:
             v.not_compared.append(predicted)
     elif policy == "reduction" and state == "fails" and ov not in ORDER_FAILURES:
         v.failed.append("a gradient reduced by a different number of collectives")
+    v.not_compared += [str(x) for x in d.get("not_recorded") or []]  # neither side has it
     v.not_compared += [f"incomplete data: {m}" for m in incomplete[:4]]
     if len(incomplete) > 4:
         v.not_compared.append(f"{len(incomplete) - 4} more (see the incomplete list)")

@@ -14,6 +14,7 @@ from synth import default_fqns, make_run, unclose  # noqa: E402
 
 from parity import params_codec  # noqa: E402
 from parity.diff import diff_runs, load_diff_json  # noqa: E402
+from parity.diff.result import from_dict  # noqa: E402
 from parity.errors import ParityError  # noqa: E402
 
 FQNS = default_fqns(8)  # layers.{0,1}.{attention.wq,attention.wk,attention.wv,attention.wo}.weight
@@ -431,3 +432,46 @@ def test_loss_only_divergence(tmp_path):
     assert r.verdict == "hash_mismatch" and r.first_divergent_step == 2
     assert r.first_divergence.origin == "loss" and r.divergent == []
     assert r.loss.steps[1].equal is False and r.loss.steps[1].ranks_differing == 1
+
+
+# ------------------------------------------- what neither side recorded, and records never closed
+
+
+def test_what_neither_side_recorded_is_said_on_the_verdict_line(tmp_path):
+    """--every on both sides leaves steps neither recorded; --no-grads and a trainer that never
+    calls backward() on a loss leave kinds neither recorded: a match does not cover them, so
+    the line says each (the exit stays 0: both sides chose it alike)."""
+    a, b = pair(tmp_path, steps=6, every=2)
+    r = diff_runs(a, b)
+    assert r.verdict == "match" and r.exit_code() == 0
+    gaps = [m for m in r.not_recorded if m.startswith("step(s) ")]
+    assert gaps and "sampled every 2 step(s)" in gaps[0], r.not_recorded
+    line = r.judge().line()
+    assert "not compared: " in line and gaps[0] in line
+    assert "not_recorded" in r.to_dict() and from_dict(r.to_dict()).not_recorded == \
+        r.not_recorded
+    a, b = pair(tmp_path / "bare", grads=False, loss=False)
+    r = diff_runs(a, b)
+    assert r.verdict == "match" and r.exit_code() == 0
+    assert r.not_recorded == ["gradients (neither side recorded them)",
+                              "the loss (neither side recorded it: no backward() of a loss "
+                              "tensor)"]
+    assert all(m in r.judge().line() for m in r.not_recorded)
+    a, b = pair(tmp_path / "full")
+    assert diff_runs(a, b).not_recorded == []
+
+
+def test_a_rank_whose_records_were_never_closed_is_incomplete(tmp_path):
+    """os._exit after the last step (or a signal the launcher did not report): the job exited
+    0, but the rank's meta.json still says running. A step --every skipped and the final state
+    would have been written at exit: what ran after the last record is not known."""
+    a, b = pair(tmp_path)
+    meta = b / "rank-00001" / "meta.json"
+    m = json.loads(meta.read_text())
+    m["status"] = "running"
+    meta.write_text(json.dumps(m))
+    r = diff_runs(a, b)
+    assert r.verdict == "incomplete" and r.exit_code() == 3
+    assert any(x.startswith("B rank(s) 1 never closed their records") for x in r.incomplete), \
+        r.incomplete
+    assert "never closed" in r.judge().line()

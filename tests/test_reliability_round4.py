@@ -51,7 +51,8 @@ def _start(out, *command, opts=(), **knobs):
                             stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
 
 
-JOBS = {  # name: trainer knobs
+AFTER = "load,replace,buffer,swa"
+JOBS = {  # name: trainer knobs (and "opts": parity exec options)
     "one_step": {"R4_STEPS": 1, "R4_CLAMP": 10},  # clamp to 10 changes nothing here
     "one_step_again": {"R4_STEPS": 1, "R4_CLAMP": 10},
     "one_step_clamped": {"R4_STEPS": 1, "R4_CLAMP": 0.05},
@@ -61,6 +62,15 @@ JOBS = {  # name: trainer knobs
     "scale_small": {"R4_CASE": "scaler", "R4_SCALE": 1024},
     "scale_inf": {"R4_CASE": "scaler", "R4_SCALE": 1024, "R4_INF_AT": 2},
     "twoopt": {"R4_CASE": "twoopt"},
+    # edits after the last step (a new Parameter, a checkpoint loaded by assignment, a buffer
+    # registered, an AveragedModel built): the final state reads the module trees again
+    "after": {"R4_AFTER": AFTER},
+    "after_again": {"R4_AFTER": AFTER},
+    **{f"after_b_{e}": {"R4_AFTER": AFTER, "R4_AFTER_B": e} for e in AFTER.split(",")},
+    # --every 2 over 5 steps: step 3 recorded by neither side, step 5 written at exit
+    "every": {"R4_STEPS": 5, "opts": ("--every", "2")},
+    "every_again": {"R4_STEPS": 5, "opts": ("--every", "2")},
+    "every_osexit": {"R4_STEPS": 5, "R4_OSEXIT": 1, "opts": ("--every", "2")},
 }
 
 
@@ -72,7 +82,9 @@ def runs(tmp_path_factory):
     while pending or running:
         while pending and len(running) < 3:
             name, knobs = pending.pop(0)
-            running.append((name, _start(root / name, **knobs)))
+            knobs = dict(knobs)
+            opts = knobs.pop("opts", ())
+            running.append((name, _start(root / name, opts=opts, **knobs)))
         name, p = running.pop(0)
         _, err = p.communicate(timeout=TIMEOUT)
         out[name] = (root / name, p.returncode, err)
@@ -124,6 +136,42 @@ def test_identical_runs_hold_with_their_final_states_compared(runs):
     assert "final state" in line and d["final_state"] == {
         "compared": True, "after_step": 1, "equal": True, "ranks": [], "params": [],
         "params_differing": 0}
+
+
+def test_edits_after_the_last_step_are_read_from_the_module_trees(runs):
+    """A parameter set on a module, a checkpoint loaded by assignment, a buffer registered and
+    an AveragedModel built after the last step are not objects any step saw: the final state
+    reads the trees again, so each one alone fails the pair, named (it held, exit 0, before)."""
+    rc, line, d = _diff(_ok(runs, "after"), _ok(runs, "after_again"))
+    assert rc == EXIT_OK and "final state" in line, line
+    assert "hashed in the final state only" in line, line  # said, on both sides
+    rows = params_codec.decode((_ok(runs, "after") / "rank-00000" / "params.json").read_bytes())
+    late = [r["fqn"] for r in rows if r.get("since") == 4]  # 3 steps: joined after step 3
+    assert "calib" in late and any(f.startswith("AveragedModel.") or "module." in f
+                                   for f in late), late
+    want = {"load": "l1.weight", "replace": "l2.weight", "buffer": "calib", "swa": ".n_averaged"}
+    for edit in AFTER.split(","):
+        rc, line, d = _diff(_ok(runs, "after"), _ok(runs, f"after_b_{edit}"))
+        assert rc == EXIT_MISMATCH and "hash mismatch in the final state" in line, (edit, line)
+        assert d["final_state"]["equal"] is False and d["final_state"]["params"], edit
+        if edit in ("load", "replace", "buffer"):
+            assert any(want[edit] in f for f in d["final_state"]["params"]), \
+                (edit, d["final_state"]["params"])
+
+
+def test_steps_neither_side_recorded_are_said_and_an_unclosed_rank_is_incomplete(runs):
+    """--every 2 over 5 steps on both sides: step 3 is recorded by neither, and step 5 is written
+    at exit without gradients; the match says both. A run that ends in os._exit(0) never
+    closes its records (step 5 and the final state are lost): incomplete, not a match."""
+    rc, line, d = _diff(_ok(runs, "every"), _ok(runs, "every_again"))
+    assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
+    assert "step(s) 3 (neither side recorded them: sampled every 2 step(s))" in line, line
+    assert "gradients of step(s) 5 (neither side recorded them" in line, line
+    assert d["not_recorded"] and d["steps_compared"] == [0, 1, 2, 4, 5]
+    rc, line, d = _diff(_ok(runs, "every"), _ok(runs, "every_osexit"))
+    assert rc == EXIT_INCOMPLETE and line.startswith("PARITY INCOMPLETE"), line
+    assert any(m.startswith("B rank(s) 0 never closed their records") for m in d["incomplete"])
+    assert "never closed" in line
 
 
 def test_an_edit_between_steps_is_attributed_to_the_interval(runs):

@@ -172,6 +172,7 @@ def summarize(out: Path) -> tuple[str, bool]:
     ranks, steps, recs, sources, warnings, disabled, world = [], [], [], set(), 0, 0, None
     optimizers, together = 0, False
     unhashed: set[str] = set()  # tensors of the model capture found and could not hash
+    unclosed = 0  # ranks whose meta.json still says running: ended without the exit handler
     skipped_trees = 0  # module trees of fake / meta tensors, not hashed (most on one rank)
     for _, child in rank_dirs(out):
         try:
@@ -187,6 +188,7 @@ def summarize(out: Path) -> tuple[str, bool]:
         sources.update(x for x in cap.get("manifests") or () if isinstance(x, str))
         warnings += len(cap.get("warnings") or ())
         disabled += bool(cap.get("disabled"))
+        unclosed += meta.get("status") == "running"
         unhashed.update(x["fqn"] for x in cap.get("unhashed") or ()
                         if isinstance(x, dict) and isinstance(x.get("fqn"), str))
         skipped_trees = max(skipped_trees, sum(isinstance(x, dict)
@@ -217,6 +219,9 @@ def summarize(out: Path) -> tuple[str, bool]:
                  "(capture.skipped)")
     if disabled:
         line += f", capture disabled on {disabled} rank(s)"
+    if unclosed:  # os._exit, or a signal: a step --every skipped and the final state are lost
+        line += (f", {unclosed} rank(s) never closed their records (the process ended without "
+                 "parity's exit handler: os._exit or a signal; a diff says the run is incomplete)")
     return line, captured
 
 

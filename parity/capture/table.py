@@ -493,10 +493,11 @@ class ParamTable:
         cost = self._gc_scan_cost if self._gc_scan_cost is not None else 0.1  # its estimate
         return self._scan_seconds + cost <= SCAN_BUDGET * (time.perf_counter() - self._scan_clock)
 
-    def _sync_trees(self, since: int | None) -> int:
+    def _sync_trees(self, since: int | None, final: bool = False) -> int:
         """Every tensor of the process's module trees not yet in the table joins it: parameters
         no optimizer holds (``"optimizer": false``), then persistent buffers (no gradient). On
-        the first step (``since`` None) they are hashed as step 0; later from step ``since`` on.
+        the first step (``since`` None) they are hashed as step 0; later from step ``since`` on
+        (``final``: only in the final state, ``since`` the step after the last one).
         Looks for new trees at the first step, at steps 2, 4, 8, ... and after a module outside
         the known trees registered a tensor; rescans the known trees only when something was
         registered (or a tree joined). Returns how many rows joined."""
@@ -569,7 +570,9 @@ class ParamTable:
             what = (f"{n_buf} buffer(s)" if n_buf == len(tensors) else
                     f"{len(tensors) - n_buf} parameter(s) no optimizer holds and {n_buf} "
                     "buffer(s)")
-            self.warn(f"{what} joined the table at step {since} and are hashed from then on "
+            when = (f"after the last step ({since - 1}) and are hashed in the final state only"
+                    if final else f"at step {since} and are hashed from then on")
+            self.warn(f"{what} joined the table {when} "
                       f"({shown}{', ...' if len(tensors) > 3 else ''})")
         return len(tensors)
 

@@ -284,6 +284,7 @@ class RankRecord:
         try:
             with self._lock:
                 self._resolve()
+                self._final_rows(self._step_base + self.done)
                 now = self._digest_rows(self._tensors(), stable=True).result()
                 after = self._step_base + self.done
                 if self._last_param_step == after and self._last_params == now:
@@ -294,6 +295,18 @@ class RankRecord:
             self.warn(f"the final state (after step {self.done}) was not recorded: "
                       f"{cenv.one_line(e)}")
         self.capture_seconds += time.perf_counter() - t0
+
+    def _final_rows(self, after: int) -> None:
+        """The module trees read once more before the final state is hashed: a parameter set on
+        a module after the last step (a LoRA merge, ``load_state_dict(..., assign=True)``, a
+        folded norm), a buffer registered then, or a model built then (``AveragedModel``) is
+        not in the table, whose rows are the objects the steps saw. Each joins it (from the
+        step after ``after``: in the final state only), named, and the table is written again;
+        without this the final state would hash the objects the model no longer holds and two
+        runs that end in different models could hold."""
+        self._trees_scanned = None  # look for new trees and registrations now, whatever step
+        self._trees_dirty = True
+        self._sync_trees(after + 1, final=True)
 
     def flush_final(self) -> None:
         """Write the last finished step if sampling skipped it (params and loss; no grads)."""

@@ -328,6 +328,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
         problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
         reduction_order=reduction, magnitude=magnitude, final_state=final.to_dict(index),
+        not_recorded=_not_recorded(ra, rb, steps),
     )
 
 
@@ -363,7 +364,23 @@ def _failed_jobs(run_a: Run, run_b: Run, tolerate_exit: bool,
             problems.append(Problem(side, f"the job failed ({failed}); tolerated"))
         elif failed:
             incomplete.append(f"{side.upper()} failed: {failed}")
+        else:
+            incomplete += _unclosed(side, run)
     return incomplete
+
+
+def _unclosed(side: str, run: Run) -> list[str]:
+    """Ranks whose records were never closed (meta.json still ``running``) in a job that did not
+    fail: the process ended without parity's exit handler (``os._exit``, a signal its launcher
+    did not report) or is still running. What it recorded is compared; what it ran after its
+    last record (a step ``--every`` skipped, the final state) is not known, so not proven."""
+    open_ = [r for r, rd in sorted(run.ranks.items()) if rd.meta.get("status") == "running"]
+    if not open_:
+        return []
+    last = max((max(run.ranks[r].steps, default=0) for r in open_), default=0)
+    return [f"{side.upper()} rank(s) {ranges(open_)} never closed their records (the process "
+            f"ended without parity's exit handler, or is still running): what ran after their "
+            f"last recorded step ({last}) is not known"]
 
 
 def _comparable_world_size(run_a: Run, run_b: Run) -> int:
@@ -800,6 +817,44 @@ def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
                           f"only: {int(neither.sum())} (rank, step) record(s) neither side has, "
                           f"on {len(rws)} rank(s) (first: rank {ranks[rws[0]]}; its run stopped "
                           "earlier there)")
+
+
+def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int]) -> list[str]:
+    """What neither side recorded: steps both skipped (``--every``), gradients of steps both
+    recorded without them (the last step, written at exit when sampling skipped it), no
+    gradients or no loss at all (``--no-grads``; a trainer that never calls ``backward`` on a
+    loss). Not missing data (exit 3 is for what one side has and the other lacks): both sides
+    chose it alike. But a ``match`` does not cover it, so the verdict line says it."""
+    out: list[str] = []
+    if not ra or not steps:
+        return out
+    runs = ra + rb
+    lo, hi = min(steps), max(steps)
+    if hi - lo + 1 > len(steps):
+        have = set(steps)
+        gaps = [s for s in range(lo, hi + 1) if s not in have]
+        every = sorted({e for x in runs for e in [(x.meta.get("capture") or {}).get("every")]
+                        if isinstance(e, int) and e > 1})
+        why = (f"sampled every {' / '.join(map(str, every))} step(s)" if every else
+               "no record of them on either side")
+        out.append(f"step(s) {ranges(gaps)} (neither side recorded them: {why})")
+
+    def grads(rd: RankData, s: int) -> bool:
+        return isinstance((rd.steps.get(s) or {}).get("grad_offset"), int)
+
+    later = [s for s in steps if s >= 1]
+    any_a = any(grads(x, s) for s in later for x in ra)
+    any_b = any(grads(y, s) for s in later for y in rb)
+    if later and not any_a and not any_b:
+        out.append("gradients (neither side recorded them)")
+    elif any_a and any_b:  # (one side only: said as incomplete, one_sided.py)
+        bare = [s for s in later if not any(grads(x, s) for x in runs)]
+        if bare:
+            out.append(f"gradients of step(s) {ranges(bare)} (neither side recorded them: a "
+                       "step that sampling skipped is written at exit without its gradients)")
+    if later and not any(_loss_bits(x.steps.get(s)) is not None for s in later for x in runs):
+        out.append("the loss (neither side recorded it: no backward() of a loss tensor)")
+    return out
 
 
 def _unaligned(ranks, aligns, glob_only: set, incomplete: list[str]) -> None:

@@ -165,6 +165,9 @@ class DiffResult:
     magnitude: dict = field(default_factory=dict)
     # the state the runs ended with (parity.diff.final_state.FinalComparison.to_dict)
     final_state: dict = field(default_factory=dict)
+    # what neither side recorded (steps both sampled out, gradients or loss neither has):
+    # said on the verdict line, never a reason for exit 3 (engine._not_recorded)
+    not_recorded: list[str] = field(default_factory=list)
 
     # -- policy (parity.policy owns the rule and the words)
     def exit_code(self, fail_on: str = "hash") -> int:
@@ -190,7 +193,7 @@ class DiffResult:
             "params_compared": self.params_compared, "first_divergent_step":
             self.first_divergent_step, "first_divergence": None if fd is None else
             {"ranks": list(fd.ranks), "origin": fd.origin, "label": fd.label, "phase": fd.phase},
-            "final_state": self.final_state,
+            "final_state": self.final_state, "not_recorded": self.not_recorded,
             "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket,
                       "consequences": self.order.consequences},
             "reduction_order": self._reduction_dict(),
@@ -207,6 +210,7 @@ class DiffResult:
             "verdict": self.verdict,
             "status": policy.status(self.verdict, self.order.verdict),
             "incomplete": list(self.incomplete),
+            "not_recorded": list(self.not_recorded),
             "a": _side_dict(self.a),
             "b": _side_dict(self.b),
             "world_size": self.world_size,
@@ -329,6 +333,7 @@ def from_dict(d: dict) -> DiffResult:
     return DiffResult(
         a=side(obj(d.get("a"))), b=side(obj(d.get("b"))), verdict=d.get("verdict"),
         incomplete=d.get("incomplete") or [], world_size=d.get("world_size"),
+        not_recorded=[str(x) for x in d.get("not_recorded") or []],
         ranks_compared=d.get("ranks_compared") or [], steps_compared=d.get("steps_compared") or [],
         params_compared=d.get("params_compared"), kinds_compared=d.get("kinds_compared") or [],
         params_only_in_a=d.get("params_only_in_a") or [],

@@ -19,6 +19,12 @@ Knobs (environment):
   R4_SCALE=S          (scaler) GradScaler init_scale (default 65536)
   R4_INF_AT=K         (scaler) step K's gradients get an inf before scaler.step: the scaler skips
   R4_MODE=M           (compile) torch.compile mode, e.g. max-autotune-no-cudagraphs
+  R4_AFTER=a,b,...    after the last step, in this order: load (load_state_dict(..., assign=True)
+                      of shifted weights), replace (l2.weight set to a new nn.Parameter), buffer
+                      (register_buffer "calib"), swa (an AveragedModel built and shifted); the
+                      model is kept alive to the end of the process
+  R4_AFTER_B=name     that edit shifts by another value (0.5 instead of 0.25)
+  R4_OSEXIT=1         end with os._exit(0) (no atexit handlers run)
 """
 
 import os
@@ -90,10 +96,40 @@ def train():
                 for p in model.parameters():
                     p.clamp_(-float(clamp), float(clamp))
         print(f"step {i} loss {loss.item():.6f}", flush=True)
+    after_training(model)
     if case == "compile":  # the job compiled once: capture made it recompile nothing
         from torch._dynamo.utils import counters
 
         print(f"unique graphs {counters['stats']['unique_graphs']}", flush=True)
+
+
+KEEP = []  # what the trainer holds at exit (a script's module-level model)
+
+
+def after_training(model):
+    """Edits a trainer makes after its last step() (R4_AFTER): what it saves is the result."""
+    edits = [x for x in os.environ.get("R4_AFTER", "").split(",") if x]
+    other = os.environ.get("R4_AFTER_B", "")
+
+    def shift(name):
+        return 0.5 if name == other else 0.25
+
+    KEEP.append(model)
+    with torch.no_grad():
+        if "load" in edits:  # the best checkpoint, loaded by assignment: new tensors
+            state = {k: v.detach().clone() + shift("load") for k, v in model.state_dict().items()}
+            model.load_state_dict(state, assign=True)
+        if "replace" in edits:  # a merged or folded weight: a new Parameter on the module
+            model.l2.weight = nn.Parameter(model.l2.weight.detach() + shift("replace"))
+        if "buffer" in edits:  # a calibration buffer registered at the end
+            model.register_buffer("calib", torch.full((2,), shift("buffer")))
+        if "swa" in edits:  # an averaged copy built after training
+            from torch.optim.swa_utils import AveragedModel
+
+            swa = AveragedModel(model)
+            for p in swa.parameters():
+                p.add_(shift("swa"))
+            KEEP.append(swa)
 
 
 def collective(case):
@@ -116,6 +152,9 @@ def main():
         collective(case)
     else:
         train()
+    if os.environ.get("R4_OSEXIT"):  # no atexit handler runs: capture cannot close its records
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
