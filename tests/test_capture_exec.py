@@ -531,3 +531,24 @@ def test_builtin_workload_eager_and_compiled(tmp_path):
         # same seed, same sharding: the parameters before the first step are the same bytes
         assert runs["eager"].ranks[r].steps[0]["param_digest"] == \
             runs["compiled"].ranks[r].steps[0]["param_digest"]
+
+
+def test_final_state_skips_fsdp2_unsharded_parameters_and_reads_a_late_buffer(tmp_path):
+    """An eval forward after training leaves FSDP2's root holding its unsharded parameters
+    (set without a registration hook); a buffer registered afterwards makes the final state
+    read the trees again. The buffer joins (hashed in the final state only); the unsharded
+    parameters do not (they are the shards' state, trees.fsdp_unsharded)."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "parity", "exec", "--out", str(out), "--",
+                        *torchrun(str(HERE / "trainers" / "fsdp2_eval_after.py"))],
+                       env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "root weight after eval: Parameter" in p.stdout  # not a DTensor: unsharded
+    run = read_run(out)
+    for rd in run.ranks.values():
+        late = [e["fqn"] for e in rd.params if e.get("since") == 4]
+        assert late == ["calib"], late
+        assert rd.final is not None and rd.final["after_step"] == 3
+    from parity.diff import diff_runs
+
+    assert diff_runs(out, out).final_state["compared"]

@@ -523,8 +523,9 @@ class ParamTable:
         tensors = []
         for root in list(self._name_roots):
             params, buffers = trees.tree_tensors(root)
+            held = trees.fsdp_unsharded(root) if final else ()
             for fqn, p in params:
-                if id(p) in self._table_ids:
+                if id(p) in self._table_ids or id(p) in held:
                     continue
                 why = trees.unhashable(p)
                 if why is not None:

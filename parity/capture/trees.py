@@ -103,6 +103,37 @@ def tree_tensors(root) -> tuple[list[tuple[str, object]], list[tuple[str, object
     return params, buffers
 
 
+def fsdp_unsharded(root) -> set[int]:
+    """The ids of the unsharded parameters FSDP2 has set on modules of ``root`` in place of
+    their shards (``FSDPParam._unsharded_param``, between an all-gather and its reshard: the
+    root after an eval forward, any module in a step that was interrupted). They are the state
+    of the shards the table holds, registered without a hook, not parameters of their own.
+    Read through FSDP2's private state (torch 2.11-2.15: ``FSDPModule._get_fsdp_state()``,
+    ``_fsdp_param_group`` or ``_fsdp_param_groups``, ``fsdp_params``); empty where absent."""
+    ids: set[int] = set()
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except Exception:  # noqa: BLE001 - no FSDP2 here
+        return ids
+    for mod in root.modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        try:
+            state = mod._get_fsdp_state()
+            groups = list(getattr(state, "_fsdp_param_groups", None) or ())
+            one = getattr(state, "_fsdp_param_group", None)
+            if one is not None:
+                groups.append(one)
+            for g in groups:
+                for fp in getattr(g, "fsdp_params", ()):
+                    u = fp.__dict__.get("_unsharded_param")
+                    if u is not None:
+                        ids.add(id(u))
+        except Exception:  # noqa: BLE001 - another torch's layout: nothing skipped
+            continue
+    return ids
+
+
 def skip_reason(root) -> str | None:
     """Why a tree is not a model of this process (``"fake tensors (23)"``): it holds a fake
     tensor (a tracer's copy; AutoParallel's, after ``apply_placement``, shares the parallel

@@ -299,13 +299,18 @@ class RankRecord:
     def _final_rows(self, after: int) -> None:
         """The module trees read once more before the final state is hashed: a parameter set on
         a module after the last step (a LoRA merge, ``load_state_dict(..., assign=True)``, a
-        folded norm), a buffer registered then, or a model built then (``AveragedModel``) is
-        not in the table, whose rows are the objects the steps saw. Each joins it (from the
+        folded norm: torch's registration hooks fire), a buffer registered then, or a model
+        built then (``AveragedModel``: its buffer's registration announces it) is not in the
+        table, whose rows are the objects the steps saw. Each joins it (from the
         step after ``after``: in the final state only), named, and the table is written again;
         without this the final state would hash the objects the model no longer holds and two
         runs that end in different models could hold."""
-        self._trees_scanned = None  # look for new trees and registrations now, whatever step
-        self._trees_dirty = True
+        # What announced itself since the last step (a registration hook fired, a model was
+        # copied) is read, as at a step; a known tree is not walked on suspicion: between an
+        # all-gather and its reshard (an eval forward after training, a job interrupted
+        # mid-step) FSDP2 holds unsharded parameters on its modules, set without a hook, and
+        # those are the shards' state, not new parameters (trees.fsdp_unsharded skips them).
+        self._trees_scanned = None
         self._sync_trees(after + 1, final=True)
 
     def flush_final(self) -> None:
