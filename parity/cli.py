@@ -94,13 +94,15 @@ def _sweep_owned() -> tuple[set[str], bool]:
     return {SWEEP_JSON, CELLS_DIR, CONTROLS_DIR, MARKER, LOCK_NAME, SPEC_COPY}, False
 
 
-def check_outputs(outputs: dict[str, str | None], runs=(), sweeps=()) -> None:
+def check_outputs(outputs: dict[str, str | None], runs=(), sweeps=(), own=None) -> None:
     """Refuse (ParityError, exit 2) before any work an output file that would overwrite a
     recorded result: a file a run records (rank-*/, run.json, nodes/, ...) of an input run in
     ``runs`` or of any run directory above it that ``parity exec`` wrote, a file a sweep owns
     (sweep.json, cells/, its marker, lock, spec copy, controls/) of a sweep in ``sweeps`` or
     above it, and two outputs of one command at the same path. ``outputs``: option -> path
-    (None: not given). Paths are compared resolved (a symlink is written at its target)."""
+    (None: not given). ``own``: the command's own output folder (bisect's, CELL_DIR/bisect by
+    default), where a run or sweep above it does not own the files. Paths are compared
+    resolved (a symlink is written at its target)."""
     from pathlib import Path
 
     from parity.capture.launch import LOCK_FILE
@@ -125,11 +127,15 @@ def check_outputs(outputs: dict[str, str | None], runs=(), sweeps=()) -> None:
                 found.append((above, "run", _run_owned()))
             if (above / MARKER).is_file():
                 found.append((above, "sweep", _sweep_owned()))
+        mine = Path(os.path.realpath(own)) if own else None
         for where, kind, (names, ranks) in found:
             try:
                 first = real.relative_to(where).parts[0]
             except (ValueError, IndexError):
                 continue
+            if mine is not None and mine != where and where in mine.parents and (
+                    mine == real or mine in real.parents):
+                continue  # inside the command's own folder, below that run or sweep
             if first in names or ranks and rank_of(first) is not None:
                 raise ParityError(f"{opt} {path}: refusing to write into the {kind} recorded in "
                                   f"{where} ({first} is the {kind}'s); write it elsewhere")
@@ -309,7 +315,7 @@ def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
         out_dir = out_dir or str(Path(a_dir).parent / "bisect")
     elif b_dir is None:
         raise ParityError("bisect: give A_DIR B_DIR, or SWEEP_DIR --cell ID")
-    check_outputs({"--json": json_file}, runs=(a_dir, b_dir))
+    check_outputs({"--json": json_file}, runs=(a_dir, b_dir), own=out_dir or "parity-bisect")
     code, report = bisect(a_dir, b_dir, out_dir=out_dir or "parity-bisect", step=step, rank=rank,
                           envs=envs, say=lambda m: click.echo(m, err=True))
     if json_file:

@@ -370,3 +370,16 @@ def test_errors_with_a_newline_stay_one_line(runs, tmp_path, capsys):
     assert code == 2 and err.count("\n") == 1 and "no\\x0asuch" in err
     code, _, err = run_main(["exec", "--out", str(tmp_path / "r"), "--", "no\nsuch"], capsys)
     assert code == 2 and err.count("\n") == 1 and "command not found: no\\x0asuch" in err
+
+
+def test_bisect_json_may_go_into_its_own_folder_in_a_cell_not_over_the_cell(tmp_path):
+    from parity.cli import check_outputs
+
+    sw = tmp_path / "sw"
+    cell = sw / "cells" / "c1"
+    (cell / "bisect").mkdir(parents=True)
+    (sw / ".parity-sweep").write_text("{}")
+    runs = (cell / "reference", cell / "candidate")
+    check_outputs({"--json": str(cell / "bisect" / "copy.json")}, runs=runs, own=cell / "bisect")
+    with pytest.raises(ParityError, match="refusing to write into the sweep"):
+        check_outputs({"--json": str(cell / "diff.json")}, runs=runs, own=cell / "bisect")
