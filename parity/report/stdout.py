@@ -145,7 +145,11 @@ def stdout_failure(error: BaseException) -> bool:
     """Was ``error`` raised by writing to stdout (a closed pipe, a full disk, a size limit),
     under :class:`watch_stdout`? Then point fd 1 at /dev/null and say so when full (one line;
     nothing for a closed pipe, whose reader asked for no more)."""
-    if not isinstance(error, OSError) or error.errno not in _GONE or stdout_error() is not error:
+    if not isinstance(error, OSError) or error.errno not in _GONE:
+        return False
+    seen = stdout_error()
+    # rich re-raises a closed pipe as its own BrokenPipeError: the same failure
+    if seen is None or not (seen is error or seen.errno == error.errno == errno.EPIPE):
         return False
     _to_devnull()
     if not (isinstance(error, BrokenPipeError) or error.errno == errno.EPIPE):
