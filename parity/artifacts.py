@@ -17,6 +17,8 @@ import contextlib
 import gc
 import json
 import os
+import re
+import stat
 import struct
 import time
 from dataclasses import dataclass, field
@@ -64,26 +66,67 @@ NO_FIGURES = struct.pack("<3d", float("nan"), -1.0, float("nan"))
 
 def write_text_atomic(path: str | os.PathLike, data: str) -> None:
     """Write text to a temporary file beside ``path`` and rename it into place: a reader sees
-    the old file or the new one, never half of one; a full disk leaves the old file intact."""
+    the old file or the new one, never half of one; a full disk leaves the old file intact.
+    What ``write_bytes_atomic`` says of symlinks, pipes and devices holds here too."""
     write_bytes_atomic(path, data.encode())
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """``write_text_atomic`` for bytes."""
+    """``write_text_atomic`` for bytes.
+
+    A symlink is followed: its target is written (atomically, beside the target), the link
+    stays. A path that exists and is no regular file (a FIFO, a character device, a pipe
+    behind ``>(jq .)``'s ``/dev/fd/N``) is written in place, opened for writing, never replaced;
+    so is an open descriptor (``/dev/stdout``, ``/dev/fd/N``, ``/proc/PID/fd/N``) whatever it
+    leads to, appended to (``--json /dev/stderr 2>>log`` adds to the log, as the descriptor
+    would). A directory is refused. Failures raise ArtifactError (exit 2) naming ``path``; a
+    regular file there is then left as it was."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        st = os.stat(path)  # follows symlinks (and /dev/fd/N's links to pipes)
+    except FileNotFoundError:
+        st = None  # nothing there, or a dangling symlink: its target is created
+    except OSError as e:
+        raise ArtifactError(f"cannot write {path}: {e.strerror or e}") from None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise ArtifactError(f"cannot write {path}: it is a directory")
+    if st is not None and (not stat.S_ISREG(st.st_mode) or _through_descriptor(path)):
+        try:
+            with open(path, "ab") as f:  # a pipe, a device, a descriptor: written in place
+                f.write(data)
+        except OSError as e:
+            raise ArtifactError(f"cannot write {path}: {e.strerror or e}") from None
+        return
+    target = Path(os.path.realpath(path))  # a symlink's target; the link itself stays
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
+            if st is not None:  # keep the mode of the file it replaces
+                os.fchmod(f.fileno(), stat.S_IMODE(st.st_mode))
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
     except OSError as e:
         try:
             tmp.unlink()
         except OSError:
             pass
         raise ArtifactError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _through_descriptor(path: Path) -> bool:
+    """Does ``path`` lead, link by link, through a process's open descriptors (``/dev/stdout``
+    -> ``/proc/self/fd/1``)? Such a path names a stream, not a file to replace."""
+    p = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on links followed
+        if not os.path.islink(p):
+            return False
+        parent = os.path.dirname(p)
+        if re.fullmatch(r"/proc/[^/]+(/task/[^/]+)?/fd", os.path.realpath(parent)):
+            return True
+        p = os.path.join(parent, os.readlink(p))
+    return False
 
 
 def write_json_atomic(path: str | os.PathLike, obj, indent: int | None = 1) -> None:

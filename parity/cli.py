@@ -13,6 +13,7 @@ Heavy modules (torch, pandas) are imported inside the commands so `parity --help
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -42,7 +43,8 @@ def _exits(*rows: str) -> str:
 
 EXIT_DIFF = _exits(
     "0  parity holds under --fail-on", "1  it does not (the verdict line says what failed it)",
-    "2  bad input: unreadable or foreign directories, runs that cannot be compared",
+    "2  bad input: unreadable or foreign directories, runs that cannot be compared,",
+    "   an output file that cannot be written or would land in a recorded run or sweep",
     "3  incomplete: a side lacks ranks or steps, or --fail-on needs layouts a side lacks",
     "4  internal error in parity (PARITY_DEBUG=1 shows the "
     "traceback)")
@@ -71,10 +73,80 @@ def cli():
     """
 
 
+def _run_owned() -> tuple[set[str], bool]:
+    """What a run directory records: the names at its top that parity writes (rank folders
+    aside, which ``rundir.rank_of`` names)."""
+    from parity.capture.env import INTERRUPTED_FILE
+    from parity.capture.launch import EMULATION_REFUSED_FILE, LOCK_FILE, STARTED_FILE
+    from parity.rundir import NODES_DIR, OPS_DIR, RUN_FILE
+
+    return {RUN_FILE, NODES_DIR, OPS_DIR, LOCK_FILE, STARTED_FILE, EMULATION_REFUSED_FILE,
+            INTERRUPTED_FILE}, True
+
+
+def _sweep_owned() -> tuple[set[str], bool]:
+    """What a sweep directory owns (parity/sweep/state.py's layout); a report written beside it
+    (SWEEP_DIR/report.html, report's html default) is not among them."""
+    from parity.sweep.control import CONTROLS_DIR
+    from parity.sweep.spec import CELLS_DIR
+    from parity.sweep.state import LOCK_NAME, MARKER, SPEC_COPY, SWEEP_JSON
+
+    return {SWEEP_JSON, CELLS_DIR, CONTROLS_DIR, MARKER, LOCK_NAME, SPEC_COPY}, False
+
+
+def check_outputs(outputs: dict[str, str | None], runs=(), sweeps=(), own=None) -> None:
+    """Refuse (ParityError, exit 2) before any work an output file that would overwrite a
+    recorded result: a file a run records (rank-*/, run.json, nodes/, ...) of an input run in
+    ``runs`` or of any run directory above it that ``parity exec`` wrote, a file a sweep owns
+    (sweep.json, cells/, its marker, lock, spec copy, controls/) of a sweep in ``sweeps`` or
+    above it, and two outputs of one command at the same path. ``outputs``: option -> path
+    (None: not given). ``own``: the command's own output folder (bisect's, CELL_DIR/bisect by
+    default), where a run or sweep above it does not own the files. Paths are compared
+    resolved (a symlink is written at its target)."""
+    from pathlib import Path
+
+    from parity.capture.launch import LOCK_FILE
+    from parity.rundir import rank_of
+    from parity.sweep.state import MARKER
+
+    given = {opt: path for opt, path in outputs.items() if path}
+    if not given:
+        return
+    owners = [(Path(os.path.realpath(r)), "run", _run_owned()) for r in runs if r]
+    owners += [(Path(os.path.realpath(w)), "sweep", _sweep_owned()) for w in sweeps if w]
+    seen: dict[Path, str] = {}
+    for opt, path in given.items():
+        real = Path(os.path.realpath(path))
+        if real in seen:
+            raise ParityError(f"{seen[real]} and {opt} name the same file {path}; give each "
+                              "its own")
+        seen[real] = opt
+        found = list(owners)
+        for above in real.parents:  # runs and sweeps that parity wrote, whatever the inputs
+            if (above / LOCK_FILE).is_file():
+                found.append((above, "run", _run_owned()))
+            if (above / MARKER).is_file():
+                found.append((above, "sweep", _sweep_owned()))
+        mine = Path(os.path.realpath(own)) if own else None
+        for where, kind, (names, ranks) in found:
+            try:
+                first = real.relative_to(where).parts[0]
+            except (ValueError, IndexError):
+                continue
+            if mine is not None and mine != where and where in mine.parents and (
+                    mine == real or mine in real.parents):
+                continue  # inside the command's own folder, below that run or sweep
+            if first in names or ranks and rank_of(first) is not None:
+                raise ParityError(f"{opt} {path}: refusing to write into the {kind} recorded in "
+                                  f"{where} ({first} is the {kind}'s); write it elsewhere")
+
+
 @cli.command("exec", context_settings={**CONTEXT, "ignore_unknown_options": True},
              short_help="Run a trainer (any command) with capture active in every rank.",
-             epilog=_exits("N  COMMAND's own exit code", "2  COMMAND cannot be started, --out "
-                          "holds a run (no --force) or another parity exec writes to it",
+             epilog=_exits("N  COMMAND's own exit code", "2  COMMAND cannot be started (--force "
+                          "then leaves the run in --out as it was), --out",
+                          "   is empty, holds a run (no --force) or another parity exec writes "
+                          "to it",
                           "3  COMMAND exited 0 but no rank recorded a step, or a second process "
                           "claimed a recorded rank"))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
@@ -149,6 +221,7 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on, at, nccl_log):
 
     from parity.diff.reduction import topology_of
 
+    check_outputs({"--json": json_file, "--html": html_file}, runs=(a_dir, b_dir))
     topo, notes = topology_of(list(at) or None, nccl_log)  # bad input: exit 2, before reading
     result = diff_runs(a_dir, b_dir, at=topo)
     ro = result.reduction_order
@@ -170,7 +243,9 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on, at, nccl_log):
 @cli.command("inspect", context_settings=CONTEXT,
              short_help="One run's bucketing: collective counts, bucket sizes, spans, modules.",
              epilog=_exits("0  printed (a run without bucket manifests says so)",
-                           "2  not a parity run directory, or --json FILE cannot be written",
+                           "2  not a parity run directory, or --json FILE cannot be written or "
+                           "would",
+                           "   land among the run's recorded files",
                            "4  internal error in parity (PARITY_DEBUG=1 shows the traceback)"))
 @click.argument("run_dir", type=click.Path())
 @click.option("--json", "json_file", type=click.Path(),
@@ -187,6 +262,7 @@ def inspect_cmd(run_dir, json_file):
 
     from parity.report.stdout import print_safely
 
+    check_outputs({"--json": json_file}, runs=(run_dir,))
     summary = summarize_run(read_run(run_dir))
     if json_file:  # files first: a closed stdout must not cost them
         write_json_atomic(json_file, summary or {"graphs": [], "attribution": []})
@@ -239,6 +315,7 @@ def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
         out_dir = out_dir or str(Path(a_dir).parent / "bisect")
     elif b_dir is None:
         raise ParityError("bisect: give A_DIR B_DIR, or SWEEP_DIR --cell ID")
+    check_outputs({"--json": json_file}, runs=(a_dir, b_dir), own=out_dir or "parity-bisect")
     code, report = bisect(a_dir, b_dir, out_dir=out_dir or "parity-bisect", step=step, rank=rank,
                           envs=envs, say=lambda m: click.echo(m, err=True))
     if json_file:
@@ -304,7 +381,9 @@ def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_
 @cli.command("report", context_settings=CONTEXT,
              short_help=f"Render a sweep: {formats_titles()}.",
              epilog=_exits("0  rendered (the verdict is the gate's exit code, not this one)",
-                           "2  not a sweep directory, or --output cannot be written",
+                           "2  not a sweep directory, or --output cannot be written or is a "
+                           "file",
+                           "   the sweep owns (sweep.json, cells/, ...)",
                            "4  internal error in parity"))
 @click.argument("sweep_dir", type=click.Path())
 @click.option("--format", "fmt", type=click.Choice(list(FORMATS)), default="console",
@@ -319,7 +398,9 @@ def report_cmd(sweep_dir, fmt, output, fail_on):
     from parity.report.formats import render_sweep
     from parity.sweep.state import load_report
 
-    render_sweep(load_report(sweep_dir), fmt, output, fail_on=fail_on)  # read and typed once
+    report = load_report(sweep_dir)  # read and typed once
+    check_outputs({"--output": output}, sweeps=(report.dir,))
+    render_sweep(report, fmt, output, fail_on=fail_on)
 
 
 @cli.command("gate", context_settings=CONTEXT,
@@ -450,44 +531,79 @@ def _usage_hint(e) -> str:
     return f" (see '{ctx.command_path} --help')" if ctx is not None else ""
 
 
+def debug_enabled() -> bool:
+    """PARITY_DEBUG set to a true value (1, true, yes, on): internal errors show their traceback.
+    Anything else ("0", "", "no") is off."""
+    return os.environ.get("PARITY_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: one line on stderr and a documented exit code for every failure."""
+    """Entry point: one line on stderr and a documented exit code for every failure. A closed
+    or full stdout never changes the exit code (report/stdout.py)."""
+    from parity.report.stdout import watch_stdout
+
+    with watch_stdout():  # leaving it flushes stdout: a full one costs one line, not the code
+        code = _main(argv)
+    sys.exit(code)
+
+
+def _main(argv: list[str] | None) -> int | str | None:
+    """Run the command; the exit code (a SystemExit's code as the command gave it)."""
+    from parity.report.stdout import stdout_error, stdout_failure
+    from parity.report.text import safe_text
+
     try:
         cli.main(args=argv, prog_name="parity", standalone_mode=False)
     except SystemExit as e:
         if type(sys.stdout).__name__ == "_PacifyFlushWrapper" and e.code == 1:
-            # click's own closed-stdout path (--help | head -1, a plan printed by --dry-run):
-            # it exits 1; the verdict commands print through print_safely and never get here
-            from parity.report.stdout import closed_stdout_exit
-
-            closed_stdout_exit(EXIT_OK)
-        raise
-    except ParityError as e:
-        click.echo(f"parity: error: {e}", err=True)
-        sys.exit(e.exit_code)
+            # click's own path for an EPIPE (--help | head -1): it exits 1. Stdout's: the
+            # command did its job (the verdict commands print through print_safely and never
+            # get here); another pipe's is a bug, not a verdict
+            closed = stdout_error()
+            if closed is not None and closed.errno == errno.EPIPE:
+                stdout_failure(closed)  # fd 1 to /dev/null: the last flush must not fail
+                return EXIT_OK
+            _say("parity: internal error: BrokenPipeError: a pipe other than stdout was closed "
+                 "(rerun with PARITY_DEBUG=1 for the traceback)")
+            return EXIT_INTERNAL
+        return e.code
+    except ParityError as e:  # one line, whatever the message holds (a path with a newline)
+        _say(f"parity: error: {safe_text(e)}")
+        return e.exit_code
     except click.exceptions.Abort:
-        click.echo("parity: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        _say("parity: interrupted")
+        return EXIT_INTERRUPTED
     except KeyboardInterrupt:
-        click.echo("parity: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        _say("parity: interrupted")
+        return EXIT_INTERRUPTED
     except click.ClickException as e:
-        msg = " ".join(e.format_message().split())  # one line, whatever click formatted
-        click.echo(f"parity: error: {msg}" + ("" if isinstance(e, click.UsageError) and
-                                               e.ctx is None else _usage_hint(e)), err=True)
-        sys.exit(EXIT_USAGE)
-    except BrokenPipeError:  # a closed stdout outside print_safely (--help | head -1)
-        from parity.report.stdout import closed_stdout_exit
-
-        closed_stdout_exit(EXIT_OK)
+        msg = safe_text(" ".join(e.format_message().split()))  # one line, whatever click made
+        _say(f"parity: error: {msg}" + ("" if isinstance(e, click.UsageError) and
+                                        e.ctx is None else _usage_hint(e)))
+        return EXIT_USAGE
     except Exception as e:  # a bug in parity: still one line unless asked for more
-        if os.environ.get("PARITY_DEBUG"):
-            raise
+        if isinstance(e, OSError) and stdout_failure(e):
+            # stdout closed or full outside print_safely (click's --help, a dry run's plan):
+            # the command did its job; what it printed is a convenience (one line when full)
+            return EXIT_OK
+        debug = debug_enabled()
+        if debug:  # the traceback, then the line; the exit code stays the documented 4
+            import traceback
+
+            traceback.print_exc()
         msg = str(e).splitlines()[0] if str(e) else ""
-        click.echo(f"parity: internal error: {e.__class__.__name__}: {msg} "
-                   "(rerun with PARITY_DEBUG=1 for the traceback)", err=True)
-        sys.exit(EXIT_INTERNAL)
-    sys.exit(EXIT_OK)
+        _say(f"parity: internal error: {e.__class__.__name__}: {safe_text(msg)} " +
+             ("(traceback above)" if debug else "(rerun with PARITY_DEBUG=1 for the traceback)"))
+        return EXIT_INTERNAL
+    return EXIT_OK
+
+
+def _say(line: str) -> None:
+    """One line on stderr; a closed stderr loses it, not the exit code."""
+    try:
+        click.echo(line, err=True)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

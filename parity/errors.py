@@ -30,3 +30,13 @@ class ArtifactError(ParityError):
 
 class SpecError(ParityError):
     """A sweep spec that does not validate; the message names file, key and problem."""
+
+
+def one_line(text) -> str:
+    """``text`` with every control character (a newline, an ANSI escape) written as a visible
+    ``\\xNN`` escape, for an error line printed below the CLI (``parity exec``'s "command not
+    found"); the CLI prints a ParityError through report/text.py's ``safe_text``, which does
+    this and more (bidi marks)."""
+    return "".join(c if c.isprintable() or c == " " else
+                   (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+                   for c in str(text))

@@ -34,7 +34,7 @@ from parity.artifacts import SCHEMA_VERSION, write_json_atomic
 from parity.capture import env as cenv
 from parity.capture import env_record
 from parity.errors import (EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_OK, EXIT_SIGNALED, EXIT_USAGE,
-                           ParityError)
+                           ParityError, one_line)
 from parity.pidlock import PidLock
 from parity.rundir import (META_FILE, RUN_FILE, STEPS_FILE, looks_like_run, rank_dirs,
                            refused_records)
@@ -275,6 +275,29 @@ def _clear_previous(out: Path) -> None:
             pass
 
 
+def cannot_start(command: list[str], env: dict[str, str]) -> str | None:
+    """Why ``command`` cannot be started, found without starting it (None: it can be, as far as
+    a look tells): its first element resolved as ``subprocess`` will, on the job's PATH when
+    it has no slash, else as a path. ``parity exec --force`` asks this before it clears the
+    run it replaces (the exec itself may still fail: a bad interpreter line; that is said when
+    it is tried)."""
+    prog = command[0]
+    if not prog:
+        return "command not found: '' (an empty program name)"
+    if os.sep in prog:
+        if not os.path.exists(prog):
+            return f"command not found: {prog}"
+        if os.path.isdir(prog) or not os.access(prog, os.X_OK):
+            return f"command not executable: {prog}"
+        return None
+    path = env.get("PATH", os.defpath)
+    if shutil.which(prog, path=path) is None:
+        # found but not executable, or not found at all (as the shell says them)
+        exists = any(os.path.isfile(os.path.join(d or ".", prog)) for d in path.split(os.pathsep))
+        return f"command {'not executable' if exists else 'not found'}: {prog}"
+    return None
+
+
 def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int = 1,
                  grads: bool = True, manifests: bool = True, hasher: str = "auto",
                  step_on: str | None = None, emulate_nccl: str | None = None,
@@ -289,6 +312,8 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
     starts, against the torchrun world size when the command line says it."""
     if not command:
         raise ParityError("exec: no command given")
+    if not os.fspath(out_dir):  # Path("") is ".": the current directory, never meant
+        raise ParityError("exec: --out is empty; give the run directory")
     if every < 1:
         raise ParityError(f"exec: --every must be >= 1, got {every}")
     if step_on:
@@ -308,6 +333,10 @@ def exec_command(out_dir: str | os.PathLike, command: list[str], *, every: int =
 
             _say(f"--emulate-nccl: {file_line(load_topology(emulate_nccl))}")
     out = Path(out_dir).resolve()
+    if force and looks_like_run(out):  # the run --force replaces is cleared only for a command
+        why = cannot_start(command, dict(os.environ if base_env is None else base_env))
+        if why:  # that can start: nothing in it is touched (not even the lock file made)
+            raise ParityError(f"exec: {why}; the run in {out} was left as it was")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -381,7 +410,7 @@ def _exec_locked(out: Path, command: list[str], *, every: int, grads: bool, mani
             else:
                 reason = f"cannot run {command[0]}: {getattr(e, 'strerror', None) or e}"
             finish(None, "failed", reason)
-            sys.stderr.write(f"parity: error: {reason}\n")
+            sys.stderr.write(f"parity: error: {one_line(reason)}\n")  # one line
             sys.stderr.flush()
             return EXIT_USAGE
         child.append(proc)

@@ -44,13 +44,14 @@ class ReportFormat(ABC):
         """The whole report as text, under the ``--fail-on`` policy ``fail_on``."""
 
     def write(self, report, fail_on: str, output=None) -> None:
-        """Write ``render``'s text to ``output`` (created with its folder), else stdout."""
+        """Write ``render``'s text to ``output`` (created with its folder; atomically: the
+        whole text, then renamed into place, so a failed write leaves the old file), else
+        stdout."""
         from parity.report.stdout import print_safely
 
         text = self.render(report, fail_on)
         if output:
-            with open_output(output) as f:
-                f.write(text)
+            write_output(output, text)
         else:
             print_safely(lambda: sys.stdout.write(text))
 
@@ -87,10 +88,14 @@ def formats_titles() -> str:
     return ", ".join(titles) if len(titles) < 2 else ", ".join(titles[:-1]) + " or " + titles[-1]
 
 
-def open_output(path):
-    """``path`` opened for writing text (its folder created); ParityError if it cannot be."""
+def write_output(path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (its folder created): a write that fails (a full
+    disk, a file-size limit) leaves the old file whole and raises ParityError (exit 2). A symlink
+    is followed, a pipe or device written in place (``artifacts.write_bytes_atomic``)."""
+    from parity.artifacts import write_text_atomic
+
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "w", encoding="utf-8")
     except OSError as e:
         raise ParityError(f"cannot write {path}: {e.strerror or e}") from None
+    write_text_atomic(path, text)

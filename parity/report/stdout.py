@@ -5,7 +5,9 @@ So commands write their files first, then print through :func:`print_safely`: if
 the rest of the output is dropped and the exit code stays the verdict's. A reader that closed
 the pipe (``| head -1``, ``| grep -m1``) asked for no more: nothing is said, as ``cat`` says
 nothing. A full or failing stdout (``> /dev/full``, a disk out of space) is an error the user
-did not ask for: one line on stderr.
+did not ask for: one line on stderr. What prints outside print_safely (click's ``--help``, a
+dry run's plan) is caught in ``cli.main`` (:class:`watch_stdout`, :func:`stdout_failure`): the
+command's exit code stands there too.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import errno
 import os
 import sys
 
-_GONE = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT)
+# a closed pipe, a full disk or quota, a file-size limit (ulimit -f), an I/O error
+_GONE = (errno.EPIPE, errno.ENOSPC, errno.EIO, errno.EDQUOT, errno.EFBIG)
+FULL_STDOUT = ("parity: stdout is full or failing; the rest of the console output was dropped "
+               "(files written and the exit code are not affected)\n")
 
 
 def make_rich_console(**kwargs):
@@ -62,10 +67,91 @@ def print_safely(render) -> bool:
     _to_devnull()
     if closed:
         return False
+    _say_full()
+    return False
+
+
+def _say_full() -> None:
     try:
-        sys.stderr.write("parity: stdout is full or failing; the rest of the console output "
-                         "was dropped (files written and the exit code are not affected)\n")
+        sys.stderr.write(FULL_STDOUT)
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
-    return False
+
+
+class _Watched:
+    """``sys.stdout`` as it was, recording the OSError its write or flush raised (the rest is
+    the stream's own): how :func:`stdout_failure` tells a full stdout from another file's."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.failure: OSError | None = None
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError as e:
+            self.failure = e
+            raise
+
+    def flush(self):
+        try:
+            return self._stream.flush()
+        except OSError as e:
+            self.failure = e
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class watch_stdout:
+    """``with watch_stdout():`` wraps ``sys.stdout`` so that an OSError raised by writing to it
+    outside :func:`print_safely` (click's ``--help`` to a full disk) can be told apart from a
+    file's (:func:`stdout_failure`); on leaving, stdout is flushed (a failure: one line on stderr
+    when full, nothing when closed; never an exception) and restored."""
+
+    def __enter__(self):
+        self.original = sys.stdout
+        self.watched = _Watched(sys.stdout) if sys.stdout is not None else None
+        if self.watched is not None:
+            sys.stdout = self.watched
+        return self
+
+    def __exit__(self, *exc):
+        if self.watched is not None and self.watched in (sys.stdout,
+                                                         getattr(sys.stdout, "wrapped", None)):
+            sys.stdout = self.original  # also when click wrapped it (a closed pipe)
+        if self.watched is not None and self.watched.failure is not None:
+            try:  # already said (fd 1 now /dev/null): what is left goes nowhere, quietly
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass
+        else:
+            print_safely(lambda: None)  # the last flush: a full stdout must not fail the exit
+        return False
+
+
+def stdout_error() -> OSError | None:
+    """The OSError writing to stdout raised under :class:`watch_stdout` (None: none, or not
+    watched); also through click's wrapper of a closed stdout."""
+    watched = sys.stdout
+    while watched is not None and not isinstance(watched, _Watched):
+        watched = getattr(watched, "wrapped", None)  # click's _PacifyFlushWrapper
+    return watched.failure if watched is not None else None
+
+
+def stdout_failure(error: BaseException) -> bool:
+    """Was ``error`` raised by writing to stdout (a closed pipe, a full disk, a size limit),
+    under :class:`watch_stdout`? Then point fd 1 at /dev/null and say so when full (one line;
+    nothing for a closed pipe, whose reader asked for no more)."""
+    if not isinstance(error, OSError) or error.errno not in _GONE:
+        return False
+    seen = stdout_error()
+    # rich re-raises a closed pipe as its own BrokenPipeError: the same failure
+    if seen is None or not (seen is error or seen.errno == error.errno == errno.EPIPE):
+        return False
+    _to_devnull()
+    if not (isinstance(error, BrokenPipeError) or error.errno == errno.EPIPE):
+        _say_full()
+    return True
