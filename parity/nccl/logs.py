@@ -175,6 +175,11 @@ def _files(paths) -> list[Path]:
 def read_log(paths: str | Path | Sequence[str | Path]) -> NcclLog:
     """Read one log file, several (one per rank), or every file of a directory."""
     files = _files(paths)
+    if not files:  # an empty directory: say so (not "no communicator" with no file named)
+        given = [paths] if isinstance(paths, (str, Path)) else list(paths)
+        raise ParityError(f"NCCL log {', '.join(str(p) for p in given) or '(none given)'}: "
+                          "no log file (an empty directory; give the NCCL_DEBUG=INFO logs, "
+                          "e.g. NCCL_DEBUG_FILE's files)")
     log = NcclLog([str(p) for p in files], [])
     state = _State(log)
     for p in files:

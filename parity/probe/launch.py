@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 from parity.errors import EXIT_INCOMPLETE, ParityError
+from parity.probe.files import PROBE_FILE
 from parity.sweep.launcher import OK, Job
 from parity.sweep.launchers import make_launcher
-from parity.sweep.spec import load_spec
+from parity.sweep.spec import check_workdir, load_spec
 
 JOB_LOGS = "job"  # DIR/job/: the launcher's console, torchrun's per-rank logs, SLURM files
 
@@ -37,11 +38,18 @@ def probe_job(spec, out: Path, probe_args: list[str]) -> Job:
 def launch(spec_path: str, out: str, probe_args: list[str], emulate: str | None,
            say=lambda m: print(m, file=sys.stderr, flush=True)) -> int:
     """Run the probe job; returns the verdict's exit code (parity.probe.analysis.verdict_code),
-    or 3 when the job failed."""
+    or 3 when the job failed. Before anything starts: the spec's ``workdir`` must be a directory
+    and ``out`` must not hold a probe unless ``--force`` is among ``probe_args`` (exit 2)."""
     from parity.probe.analysis import load, report_lines, verdict_code
 
     spec = load_spec(spec_path)
+    check_workdir(spec)
     out_p = Path(out).resolve()
+    if "--force" not in probe_args and (out_p / PROBE_FILE).exists():
+        # the ranks would refuse it too, but only after the job started (and then the job's
+        # failure, exit 3, hides why): said here, before anything is launched
+        raise ParityError(f"nccl-probe: {out_p} already holds a probe ({PROBE_FILE}); give "
+                          "--force or another --out")
     emulate = emulate or spec.emulate_nccl
     if emulate:
         probe_args = [*probe_args, "--emulate-nccl", emulate]

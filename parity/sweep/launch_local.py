@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from parity.sweep.launcher import (CANCELLED, FAILED, NOT_FOUND, OK, TIMEOUT, Job, JobResult,
-                                   Launcher, collect_rank_logs, exec_prefix, failure_hint,
+                                   Launcher, collect_rank_logs, exec_prefix, failure_detail,
                                    torchrun_argv)
 
 _PROC = Path("/proc")
@@ -276,9 +276,9 @@ class LocalLauncher(Launcher):
         job = handle.job
         rank_logs = collect_rank_logs(job.log_dir, job.nproc_per_node)
         if status == FAILED:
-            hint = failure_hint(rank_logs)
-            if hint:
-                reason = f"{reason}; {hint}"
+            detail = failure_detail(job, rank_logs, reason=reason)
+            if detail:
+                reason = f"{reason}; {detail}"
         return JobResult(status=status, exit_code=rc, reason=reason, started=handle.started,
                          ended=handle.exited_at or time.time(), command=handle.command,
                          console_log=str(job.console_log), rank_logs=rank_logs)

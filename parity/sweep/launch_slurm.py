@@ -38,7 +38,7 @@ from pathlib import Path
 from parity.sweep.launch_multinode import (PREFIX, PREFIX_ENV, merge_node_runs, node_command,
                                            node_rank_logs, prepare_run_dir)
 from parity.sweep.launcher import (CANCELLED, FAILED, NOT_FOUND, OK, TIMEOUT, Job, JobResult,
-                                   Launcher, check_local_requirement, failure_hint)
+                                   Launcher, check_local_requirement, failure_detail)
 
 # squeue %T states
 ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
@@ -376,7 +376,8 @@ exit "$rc"
         job = h.job
         rank_logs = node_rank_logs(job, summary) if h.job_id else []
         if status in (FAILED, TIMEOUT) and h.job_id:
-            hint = failure_hint(rank_logs) or _last_line(h.err_file)
+            hint = (failure_detail(job, rank_logs, h.out_file, reason=reason)
+                    or _last_line(h.err_file))
             if hint:
                 reason = f"{reason}; {hint}"
         started = h.running_since or h.submitted

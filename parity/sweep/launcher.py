@@ -14,12 +14,16 @@ imported by the runner) imports them and picks one by name.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import shutil
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from parity.rundir import RUN_FILE
 
 
 # JobResult.status values
@@ -204,6 +208,76 @@ def failure_hint(rank_logs: list[dict], base: Path | None = None, limit: int = 1
         return ""
     _, _, rank, line = min(found)
     return f"rank {rank}: {line}"
+
+
+_RESTATES_EXIT = re.compile(
+    r"^(node \d+: )?(exited with code -?\d+|exit code -?\d+|killed by \w+)$")
+
+
+def _one_line(text: str, limit: int) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit - 3].rstrip() + "..."
+
+
+def run_error(run_dir: Path | None, limit: int = 200) -> str:
+    """``run.json``'s ``error`` (``parity exec``'s own account of why the job failed, e.g.
+    "nothing was captured: no process of the command imported torch ..."), one line, shortened;
+    "" when there is none or it only restates the exit code."""
+    if run_dir is None:
+        return ""
+    try:
+        obj = json.loads((Path(run_dir) / RUN_FILE).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return ""
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if not isinstance(err, str) or not err.strip():
+        return ""
+    line = _one_line(err, limit)
+    return "" if _RESTATES_EXIT.match(line) else line
+
+
+def console_hint(console_log: Path | str | None, limit: int = 160) -> str:
+    """The last error line the launcher itself printed (torchrun's usage error "run.py: error:
+    unrecognized arguments: -c", a rendezvous failure), skipping the ranks' tee'd lines
+    ("[default0]:...", read from their own logs) and parity's own lines; "" if none."""
+    if not console_log:
+        return ""
+    try:
+        with open(console_log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 16384))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    for ln in reversed(tail.splitlines()):
+        ln = ln.strip()
+        if not ln or ln.startswith(("[default", "parity:", "File ", "^", "~")):
+            continue
+        if "error" in ln.lower():
+            return _one_line(ln, limit)
+    return ""
+
+
+def failure_detail(job: "Job", rank_logs: list[dict], console_log=None, *,
+                   reason: str = "") -> str:
+    """What to add to a failed job's reason (every launcher uses this): ``run.json``'s error
+    when ``parity exec`` recorded one, the first failing rank's error line
+    (:func:`failure_hint`), and, when neither says anything, the launcher's own error line
+    (:func:`console_hint`). "" when nothing is known; what ``reason`` already says is not
+    repeated."""
+    parts = []
+    err = run_error(job.run_dir) if job.capture else ""
+    if err and err not in reason:
+        parts.append(err)
+    hint = failure_hint(rank_logs)
+    if hint:
+        parts.append(hint)
+    if not parts:
+        hint = console_hint(console_log if console_log is not None else job.console_log)
+        if hint:
+            parts.append(hint)
+    return "; ".join(parts)
 
 
 _cuda_count: int | None = None

@@ -37,13 +37,36 @@ def clean_finish(run_dir: Path, world_size: int, steps: int) -> bool:
     return True
 
 
+def unwritten_side(run_dir: Path, side: str, root: Path, captured: bool = True) -> str | None:
+    """Why ``side``'s run directory holds nothing to diff (it is missing or empty), said as what
+    happened; None when it holds something (the diff judges what)."""
+    try:
+        empty = not run_dir.is_dir() or not any(run_dir.iterdir())
+    except OSError:
+        return None
+    if not empty:
+        return None
+    where = st.rel(run_dir, root)
+    if not captured:
+        return (f"the {side} was not captured (capture = false) and wrote no parity artifacts "
+                f"into {where}: with capture = false the trainer must write them itself into "
+                "{run_dir} (or set capture = true)")
+    return f"the {side} wrote no parity artifacts into {where}"
+
+
 def compare_cell(ref: Path, cand: Path, diff_path: Path, root: Path, *, tolerate_exit: bool = False,
-                 at: str | None = None) -> tuple[str, str, dict | None]:
+                 at: str | None = None, captured: bool = True) -> tuple[str, str, dict | None]:
     """Diff one cell: (status, reason, diff dict). Never raises. The sides' paths are stored
     relative to the sweep directory ``root`` (like every path in cell.json and sweep.json), so a
-    copied or downloaded sweep folder prints paths that exist where it now is."""
+    copied or downloaded sweep folder prints paths that exist where it now is. ``captured``:
+    the jobs ran under ``parity exec`` (the spec's ``capture``), for the words of a side that
+    wrote nothing."""
     from parity.diff import diff_runs  # here: a --dry-run need not import pandas
 
+    for side, run_dir in (("reference", ref), ("candidate", cand)):
+        why = unwritten_side(run_dir, side, root, captured)
+        if why:
+            return st.FAILED, f"diff: {why}", None
     try:
         result = diff_runs(ref, cand, tolerate_exit=tolerate_exit, at=at)
         result.a.path, result.b.path = st.rel(ref, root), st.rel(cand, root)

@@ -34,7 +34,8 @@ from parity.sweep.model import SideResult
 from parity.sweep.progress import make_progress
 from parity.sweep.results import clean_finish, compare_cell
 from parity.sweep import torchtitan_args as torchtitan_check
-from parity.sweep.spec import SIDES, Cell, Spec, load_spec, matches, parse_only, safe_component
+from parity.sweep.spec import (SIDES, Cell, Spec, check_workdir, load_spec, matches, parse_only,
+                               safe_component)
 
 DEFAULT_ROOT = Path("reports")
 STOPPED = "stopped"  # a side ended by stop_after_divergence (its recorded steps count)
@@ -84,6 +85,7 @@ def run_sweep(spec: str | os.PathLike | None = None, *, out_dir=None, only: str 
         _dry_run(sp, cells, selected, sweep_dir, launcher_name, n_steps, grace, out)
         return None
 
+    check_workdir(sp)  # before anything is created or launched (exit 2)
     lnch = make_launcher(launcher_name, sp.launcher.options, grace=grace)
     if jobs is None:  # local: one job at a time (2 cores); slurm: all at once, the queue schedules
         jobs = 1 if launcher_name == LOCAL else max(1, 2 * len(selected))
@@ -478,7 +480,8 @@ class _Run:
         cdir = st.cell_dir(self.dir, cell.id)
         _, why, diff = compare_cell(self._run_dir(cell, "reference"), cdir / "candidate",
                                     cdir / "diff.json", self.dir,
-                                    tolerate_exit=self.sp.tolerate_teardown_exit, at=cell.at)
+                                    tolerate_exit=self.sp.tolerate_teardown_exit, at=cell.at,
+                                    captured=self.sp.capture)
         if not diff:
             return
         steps = diff.get("steps_compared") or []
@@ -494,7 +497,8 @@ class _Run:
         stopped = [x for x in SIDES if s["sides"].get(x, {}).get("status") == STOPPED]
         status, reason, diff = compare_cell(
             self._run_dir(cell, "reference"), cdir / "candidate", cdir / "diff.json", self.dir,
-            tolerate_exit=self.sp.tolerate_teardown_exit or bool(stopped), at=cell.at)
+            tolerate_exit=self.sp.tolerate_teardown_exit or bool(stopped), at=cell.at,
+            captured=self.sp.capture)
         if cell.id in self.early and stopped:
             first, last = self.early[cell.id]
             s["early_stop"] = {"k": self.sp.stop_after_divergence, "first_divergent_step": first,
@@ -616,7 +620,8 @@ class _Run:
         cached = self._control_cache.get(str(ref))
         if cached is not None:
             return cached
-        _, why, diff = compare_cell(ref, run, out, self.dir, tolerate_exit=True)
+        _, why, diff = compare_cell(ref, run, out, self.dir, tolerate_exit=True,
+                                    captured=self.sp.capture)
         rec["diff_json"] = st.rel(out, self.dir) if diff else None
         self._control_cache[str(ref)] = result = {**ctl.summarize(diff, why), **rec}
         return result

@@ -579,6 +579,25 @@ def parse_spec(text: str, source: str = "<string>", base_dir: Path | None = None
     return spec
 
 
+def check_workdir(spec: Spec) -> None:
+    """``workdir`` must be an existing directory before any job starts: otherwise every job
+    fails on its own, with an OS message that does not name the key (a file: "cannot start
+    python: Not a directory"; a missing folder: "command not found"). A spec error (exit 2)."""
+    wd = spec.workdir
+    if wd is None:
+        return
+    if not wd.exists():
+        problem = "no such directory"
+    elif not wd.is_dir():
+        problem = "not a directory"
+    elif not os.access(wd, os.X_OK):
+        problem = "not searchable (permission denied)"
+    else:
+        return
+    raise SpecError(f"{spec.source}: workdir: {wd}: {problem} (the jobs' working directory; "
+                    "a relative one is resolved from the spec's folder)")
+
+
 def _parse_axes(v: _V, doc: dict) -> list[Axis]:
     """The ``[axes]`` table: each axis's values (scalars, distinct, in spec order: the cells'
     order) and its per-value flags and requirements. An axis name is a placeholder, so it must

@@ -29,6 +29,7 @@ from parity.errors import EXIT_INTERNAL, EXIT_USAGE, ParityError
 from parity.pidlock import PidLock
 # cell statuses: decided in parity.policy, named here for the sweep's own modules
 from parity.policy import CELL_STATUSES as STATUSES
+from parity.policy import POLICIES
 from parity.policy import (COMPARED, FAILED, HASH_MISMATCH, MATCH, ORDER_MISMATCH,  # noqa: F401
                            PENDING, RUNNING, SKIPPED, settled_cell)
 from parity.rundir import looks_like_run
@@ -72,6 +73,68 @@ class SweepLock(PidLock):
     def busy(self, holder: str) -> ParityError:
         return ParityError(f"{self.path.parent}: another sweep (pid {holder}) is running in this "
                            "directory; wait for it or use another --out", EXIT_USAGE)
+
+
+def running_holder(sweep_dir: Path) -> str | None:
+    """The pid (text; "?" when the file does not say) of the sweep still running in
+    ``sweep_dir``, i.e. holding its lock; None when no live process holds it. Probed with a
+    non-blocking shared flock, released at once (it never waits, and a crashed sweep's lock is
+    gone with its process)."""
+    import errno
+    import fcntl
+
+    try:
+        fd = os.open(sweep_dir / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None  # a file system without flock: nothing known
+            try:
+                return os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            except OSError:
+                return "?"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _still_running(obj: dict, sweep_dir: Path) -> None:
+    """A report read while its sweep is running (its lock held by a live process): the cells
+    sweep.json shows unfinished are not "interrupted" but pending or running, and a cell that
+    has finished since sweep.json was written (at the sweep's start) shows its result from its
+    cell.json. Marks the report ``running: {"pid": ...}``."""
+    if obj.get("complete") is True:
+        return
+    holder = running_holder(sweep_dir)
+    if holder is None:
+        return
+    obj["running"] = {"pid": holder}
+    for i, c in enumerate(obj["cells"]):
+        if c.get("status") != FAILED:
+            continue
+        try:
+            state = read_cell(sweep_dir, c["id"])
+        except ParityError:
+            state = None
+        now = state.get("status") if state else PENDING  # no cell.json yet: not started
+        if now == RUNNING:
+            c.update(status=RUNNING, reason=f"still running (the sweep, pid {holder}, has not "
+                     "finished)", sides=state.get("sides") or c.get("sides") or {})
+        elif now == PENDING:
+            c.update(status=PENDING, reason=f"pending (the sweep, pid {holder}, is still "
+                     "running)")
+        elif (state and now in STATUSES and state.get("ended")
+              and state.get("ended") != c.get("ended")):
+            obj["cells"][i] = _public_cell(state).to_dict()
+    counts: dict[str, int] = {}
+    for c in obj["cells"]:
+        counts[c["status"]] = counts.get(c["status"], 0) + 1
+    obj["counts"] = {**{k: 0 for k in STATUSES}, **counts}
 
 
 # ------------------------------------------------------------------------------ directory checks
@@ -278,6 +341,14 @@ def load_sweep(where) -> dict:
     bad = _malformed(obj)
     if bad:
         raise ParityError(f"{path}: malformed sweep report: {bad}")
+    fail_on = obj.get("fail_on")
+    if fail_on is not None and fail_on not in POLICIES:
+        raise ParityError(f"{path}: fail_on {fail_on!r} is not a policy (one of "
+                          f"{', '.join(POLICIES)}); fix the file")
+    twice = _listed_twice(obj)
+    if twice:
+        raise ParityError(f"{path}: malformed sweep report: {twice}")
+    _still_running(obj, path.parent)
     obj["_dir"] = str(path.parent)
     return obj
 
@@ -288,6 +359,18 @@ def load_report(where) -> SweepReport:
     from parity.sweep.coverage import fill_absent
 
     return fill_absent(as_report(load_sweep(where)))
+
+
+def _listed_twice(obj: dict) -> str | None:
+    """A cell id listed twice: the gate would count it twice ("3/3 compared cells hold" for a
+    2-cell matrix), and which of the two holds its result is unknowable. Named; None if every
+    id is listed once."""
+    ids: set[str] = set()
+    for c in obj["cells"]:
+        if c["id"] in ids:
+            return f"cell {c['id']} is listed twice"
+        ids.add(c["id"])
+    return None
 
 
 _NUM = (int, float)
