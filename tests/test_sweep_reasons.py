@@ -150,6 +150,16 @@ def test_a_running_sweep_is_reported_running_not_interrupted(tmp_path):
         text = "\n".join(lines)
         assert code == EXIT_INCOMPLETE and "interrupted" not in text, text
         assert "3 pending" in lines[-1]
+        # JUnit: a cell not compared yet is an error, never a passed testcase
+        from parity.report.formats import sweep_junit
+
+        xml = sweep_junit(rep)
+        import xml.etree.ElementTree as ET
+
+        cases = {c.get("name"): c for c in ET.fromstring(xml).iter("testcase")}
+        for cid in ("b", "c", "d"):
+            assert cases[cid].find("error") is not None, xml
+        assert cases["a"].find("error") is None and cases["a"].find("failure") is None
     finally:
         lock.release()
     assert running_holder(d) is None

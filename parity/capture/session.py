@@ -276,7 +276,7 @@ class Session(RankRecord, StepClock, ParamTable):
             return
         self.failed = _one_line(e)
         _say(f"capture disabled: {self.failed}")
-        if os.environ.get("PARITY_DEBUG"):
+        if os.environ.get("PARITY_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"):
             traceback.print_exception(type(e), e, e.__traceback__)
         self._uninstall()
         if self.writer is None and self.k >= 1 and not self._claim_refused:

@@ -465,6 +465,10 @@ def sweep_junit(sweep: SweepReport | dict, fail_on: str | None = None) -> str:
         elif status == "skipped":
             counts["skipped"] += 1
             ET.SubElement(case, "skipped", message=reason)
+        elif status != "match":  # pending or running (a sweep read while it runs): not passed
+            counts["errors"] += 1
+            ET.SubElement(case, "error", message=_x(f"{status}: {reason or 'not compared yet'}"),
+                          type=_x(status or "unknown"))
         out = [tolerated + cell_text(report, cell, pol)] if tolerated else []
         for side_name, side in (cell.sides or {}).items():
             if isinstance(side, SideResult) and side.run_dir:
