@@ -155,10 +155,25 @@ def reduction_state(d: dict) -> str | None:
         return None
     if not any(counts.get(c) for c in REDUCTIONS):
         return "tolerated"
+    if _blind_structure(order):
+        return "unknown"
     verdict = prediction_verdict(d.get("reduction_order"))
     if verdict is None:
         return "fails"
     return {"differs": "fails", "same": "tolerated"}.get(verdict, "unknown")
+
+
+def _blind_structure(order: dict) -> bool:
+    """A diff written before parity told a side without manifests from one that reduces nothing:
+    its only reduction difference is a structure one where every gradient is reduced by zero
+    collectives on a side that recorded no bucket layouts (``X_source`` null). How that side
+    reduced is not known: unproven, never a failure."""
+    counts = order.get("consequences") if isinstance(order.get("consequences"), dict) else {}
+    structure = [x for x in order.get("structure") or [] if isinstance(x, dict)]
+    if counts.get(REDUCTION_ORDER) or not structure:
+        return False
+    return any(order.get(f"{side}_source") is None and all(not x.get(side) for x in structure)
+               for side in ("a", "b"))
 
 
 def order_suffix(order: dict) -> str:
