@@ -53,6 +53,33 @@ def test_same_run_against_itself(tmp_path):
     assert diff_runs(a, a).verdict == "incomplete"  # the same directory: said
 
 
+def test_a_copy_of_a_run_is_one_recording_not_two(tmp_path):
+    """Found by a tester: `cp -r c ccopy; parity diff c ccopy` held (exit 0), a hard-linked
+    copy too; only `parity diff c c` was caught. Every rank written by the same process (host,
+    pid, start time in meta.json) is one recording: incomplete, said."""
+    import json
+    import os
+    import shutil
+
+    a = make_run(tmp_path / "a")
+    for how in ("copy", "hardlink"):
+        b = tmp_path / how
+        shutil.copytree(a, b, **({"copy_function": os.link} if how == "hardlink" else {}))
+        r = diff_runs(a, b)
+        assert r.verdict == "incomplete" and r.exit_code("hash") == 3, how
+        assert "A and B are one recording" in r.incomplete[0]
+        assert "INCOMPLETE" in r.judge("hash").line()
+    # the same numbers recorded by another process: a real pair
+    other = tmp_path / "other"
+    shutil.copytree(a, other)
+    for m in other.glob("rank-*/meta.json"):
+        meta = json.loads(m.read_text())
+        meta["pid"] += 1
+        m.write_text(json.dumps(meta))
+    assert diff_runs(a, other).verdict == "match"
+    assert diff_runs(a, make_run(tmp_path / "twin")).verdict == "match"  # another recording
+
+
 def test_storage_order_differs_still_matches(tmp_path):
     """B stores its parameters in another order: roll-ups differ, per-parameter hashes do not."""
     a, b = pair(tmp_path, b={"param_order": "shuffled"})
