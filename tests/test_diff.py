@@ -502,3 +502,20 @@ def test_a_rank_whose_records_were_never_closed_is_incomplete(tmp_path):
     assert any(x.startswith("B rank(s) 1 never closed their records") for x in r.incomplete), \
         r.incomplete
     assert "never closed" in r.judge().line()
+
+
+def test_a_rank_folder_outside_the_world_size_with_data_is_never_a_clean_match(tmp_path):
+    """Found by a tester: `cp -r r2/rank-00001 r2/rank-00002` (world size 2) held (exit 0) with
+    a warning "outside the world size ... ignored": recorded data not compared is incomplete."""
+    import shutil
+
+    a, b = pair(tmp_path)
+    shutil.copytree(b / "rank-00001", b / "rank-00002")
+    r = diff_runs(a, b)
+    assert r.verdict == "incomplete" and r.exit_code("hash") == 3
+    assert any("B: rank directories 2 are outside the world size 2" in m for m in r.incomplete)
+    assert r.ranks_compared == [0, 1]
+    assert "INCOMPLETE" in r.judge("hash").line()
+    shutil.rmtree(b / "rank-00002")
+    (b / "rank-00002").mkdir()  # an empty one: incomplete too (as it was)
+    assert diff_runs(a, b).exit_code("hash") == 3

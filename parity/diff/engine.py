@@ -415,7 +415,8 @@ def _capture_disabled(run_a: Run, run_b: Run, incomplete: list[str]) -> None:
 def _usable_ranks(run_a: Run, run_b: Run, ws: int, problems: list[Problem],
                   incomplete: list[str]) -> tuple[dict[str, list[int]], list[int]]:
     """(each side's ranks with a parameter table, the ranks both sides have): only those are
-    compared; a rank one side lacks is said as incomplete, a stray rank folder as a problem."""
+    compared; a rank one side lacks is said as incomplete, and so is a rank folder outside the
+    world size (its records are not compared)."""
     usable: dict[str, list[int]] = {}
     for side, run in (("a", run_a), ("b", run_b)):
         ok = [r for r, rd in sorted(run.ranks.items()) if rd.n_params and 0 <= r < ws]
@@ -423,10 +424,10 @@ def _usable_ranks(run_a: Run, run_b: Run, ws: int, problems: list[Problem],
         if no_table:
             problems.append(Problem(side, f"rank(s) {ranges(no_table)} have no "
                                           "parameter table (params.json); not compared"))
-        extra = [r for r in run.ranks if not 0 <= r < ws]
-        if extra:
-            problems.append(Problem(side, f"rank directories {ranges(extra)} are "
-                                          f"outside the world size {ws}; ignored"))
+        extra = sorted(r for r in run.ranks if not 0 <= r < ws)
+        if extra:  # what was recorded there is not compared: never a clean verdict
+            incomplete.append(f"{side.upper()}: rank directories {ranges(extra)} are outside "
+                              f"the world size {ws}: what they hold is not compared")
         usable[side] = ok
         # what capture could not see (a graph path it does not hook, a manifest it could not
         # read) is said in meta.json; the verdict line's reader must see it too
