@@ -18,7 +18,7 @@ from parity.artifacts import RankData, Run, gc_paused, read_run
 from parity.records import SOURCE_C10D
 from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
-                                 explain_eager)
+                                 drop_invalid_buckets, explain_eager)
 from parity.diff.emulation import check_same_emulation, emulation_gaps
 from parity.diff.final_state import compare_final
 from parity.diff.scaled_loss import scaled_loss_notes, skipped_note
@@ -248,6 +248,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     first divergence, the verdict. Each phase is a function below; ``problems`` (said, not
     failing) and ``incomplete`` (not compared: the verdict cannot be ``match``) collect in the
     order the report prints them."""
+    drop_invalid_buckets(run_a, run_b)  # before anything reads them; said as damage
     problems = _run_problems(run_a, run_b)
     incomplete = _failed_jobs(run_a, run_b, tolerate_exit, problems)
     incomplete += damaged(run_a, run_b)

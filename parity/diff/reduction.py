@@ -1212,9 +1212,10 @@ def predict_runs(a_dir: str | Path, b_dir: str | Path, topology
     """The prediction for two run directories from their manifests and parameter tables alone
     (no hash comparison; ``parity diff --at`` gives the same ``reduction_order``)."""
     from parity.artifacts import read_run
-    from parity.diff.buckets import compare_buckets
+    from parity.diff.buckets import compare_buckets, drop_invalid_buckets
 
     run_a, run_b = read_run(a_dir), read_run(b_dir)
+    drop_invalid_buckets(run_a, run_b)  # a record of the wrong types: skipped, as in the diff
     usable = {side: sorted(r for r, rd in run.ranks.items() if rd.params)
               for side, run in (("a", run_a), ("b", run_b))}
     ranks = sorted(set(usable["a"]) & set(usable["b"]))
