@@ -519,3 +519,19 @@ def test_a_rank_folder_outside_the_world_size_with_data_is_never_a_clean_match(t
     shutil.rmtree(b / "rank-00002")
     (b / "rank-00002").mkdir()  # an empty one: incomplete too (as it was)
     assert diff_runs(a, b).exit_code("hash") == 3
+
+
+@pytest.mark.parametrize("capture", ["x", [1], 3])
+def test_a_meta_json_capture_that_is_not_an_object_is_damage_not_a_crash(tmp_path, capture):
+    """Found by a tester: `"capture": "x"` in a rank's meta.json crashed the diff with an
+    AttributeError (engine._hashers). It is damage: said, incomplete."""
+    a, b = pair(tmp_path)
+    for m in b.glob("rank-*/meta.json"):
+        meta = json.loads(m.read_text())
+        meta["capture"] = capture
+        m.write_text(json.dumps(meta))
+    r = diff_runs(a, b)
+    assert r.verdict == "incomplete" and r.exit_code("hash") == 3
+    assert any("rank(s) 0-1 have a meta.json whose capture is a" in m for m in r.incomplete)
+    r.judge("hash").line()
+    r.to_dict()

@@ -25,7 +25,8 @@ from parity.diff.scaled_loss import scaled_loss_notes, skipped_note
 from parity.diff.env import numerics_env_differences
 from parity.diff.magnitude import size_of_difference
 from parity.diff.reduction import assess, observe
-from parity.diff.one_sided import damaged, one_sided, refused_processes, same_run, unhashed
+from parity.diff.one_sided import (capture_of, damaged, one_sided, refused_processes, same_run,
+                                   unhashed)
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, HashComparison, ParamIndex,
                                 compare_hashes, param_keys, step_fields)
 from parity.diff.result import (CaptureWarning, ComparedRun, DiffResult, Divergence,
@@ -213,7 +214,7 @@ def _hashers(run: Run) -> set[str]:
     for rd in run.ranks.values():
         if not rd.steps:  # a rank that recorded nothing never resolved "auto"
             continue
-        cap = rd.meta.get("capture") or {}
+        cap = capture_of(rd.meta)
         h = cap.get("hasher")
         if h == "device":
             h = f"device v{cap.get('device_digest_version') or 1}"
@@ -235,7 +236,7 @@ def _capture_warnings(run: Run, side: str) -> list[CaptureWarning]:
     """Capture warnings of one side, one entry per distinct message with the ranks saying it."""
     by_msg: dict[str, list[int]] = {}
     for r, rd in sorted(run.ranks.items()):
-        ws = (rd.meta.get("capture") or {}).get("warnings")
+        ws = capture_of(rd.meta).get("warnings")
         for w in ws if isinstance(ws, list) else ():
             by_msg.setdefault(str(w), []).append(r)
     return [CaptureWarning(side, rs, m) for m, rs in by_msg.items()]
@@ -403,12 +404,21 @@ def _comparable_world_size(run_a: Run, run_b: Run) -> int:
 
 
 def _capture_disabled(run_a: Run, run_b: Run, incomplete: list[str]) -> None:
-    """Ranks where capture turned itself off: their later steps were never recorded."""
+    """Ranks where capture turned itself off: their later steps were never recorded; ranks
+    whose meta.json ``capture`` is not an object (damaged): what capture did there is not
+    known."""
     for side, run in (("a", run_a), ("b", run_b)):
-        off = [r for r, rd in sorted(run.ranks.items())
-               if (rd.meta.get("capture") or {}).get("disabled")]
+        odd = [r for r, rd in sorted(run.ranks.items())
+               if isinstance(rd.meta, dict) and rd.meta.get("capture") is not None
+               and not isinstance(rd.meta.get("capture"), dict)]
+        if odd:
+            got = type(run.ranks[odd[0]].meta.get("capture")).__name__
+            incomplete.append(f"{side.upper()}: rank(s) {ranges(odd)} have a meta.json whose "
+                              f"capture is a {got}, not an object (damaged): their capture "
+                              "settings, status and warnings are not known")
+        off = [r for r, rd in sorted(run.ranks.items()) if capture_of(rd.meta).get("disabled")]
         if off:
-            why = (run.ranks[off[0]].meta.get("capture") or {}).get("disabled")
+            why = capture_of(run.ranks[off[0]].meta).get("disabled")
             incomplete.append(f"{side.upper()}: capture was disabled on rank(s) {ranges(off)} "
                               f"({why}); later steps not recorded there")
 
@@ -434,7 +444,7 @@ def _usable_ranks(run_a: Run, run_b: Run, ws: int, problems: list[Problem],
         # read) is said in meta.json; the verdict line's reader must see it too
         said: list[str] = []
         for r in ok[:1] or sorted(run.ranks)[:1]:
-            cap = (run.ranks[r].meta or {}).get("capture") or {}
+            cap = capture_of(run.ranks[r].meta)
             said += [w for w in cap.get("warnings") or () if isinstance(w, str) and w not in said]
         problems += [Problem(side, f"capture: {w}") for w in said[:_SHOW]]
         if len(said) > _SHOW:
@@ -835,7 +845,7 @@ def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int]) -> l
     if hi - lo + 1 > len(steps):
         have = set(steps)
         gaps = [s for s in range(lo, hi + 1) if s not in have]
-        every = sorted({e for x in runs for e in [(x.meta.get("capture") or {}).get("every")]
+        every = sorted({e for x in runs for e in [capture_of(x.meta).get("every")]
                         if isinstance(e, int) and e > 1})
         why = (f"sampled every {' / '.join(map(str, every))} step(s)" if every else
                "no record of them on either side")

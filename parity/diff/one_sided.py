@@ -18,6 +18,13 @@ from parity.diff.hashes import step_fields
 from parity.text import ranges
 
 
+def capture_of(meta) -> dict:
+    """A rank's meta.json ``capture`` object; {} where it (or meta itself) is missing or not an
+    object (damage the engine says: ``_capture_disabled``)."""
+    cap = meta.get("capture") if isinstance(meta, dict) else None
+    return cap if isinstance(cap, dict) else {}
+
+
 def one_sided(ra: list[RankData], rb: list[RankData], ranks: list[int], steps: list[int],
               loss_bits) -> list[str]:
     """Gradients or losses present on one side only at a (rank, step) both sides recorded."""
@@ -103,8 +110,9 @@ def unhashed(run_a: Run, run_b: Run, show: int = 3) -> list[str]:
         found: dict[str, str] = {}
         ranks = []
         for r, rd in sorted(run.ranks.items()):
-            rows = (rd.meta.get("capture") or {}).get("unhashed") or []
-            rows = [x for x in rows if isinstance(x, dict) and isinstance(x.get("fqn"), str)]
+            rows = capture_of(rd.meta).get("unhashed")
+            rows = [x for x in rows if isinstance(x, dict) and isinstance(x.get("fqn"), str)
+                    ] if isinstance(rows, list) else []
             if rows:
                 ranks.append(r)
             for x in rows:
