@@ -589,3 +589,19 @@ def test_a_side_without_manifests_is_unproven_never_a_reduction_failure(tmp_path
         "consequences": {"reduction_structure": 1},
         "structure": [{"fqn": "p0", "a": 1, "b": 0}, {"fqn": "p1", "a": 1, "b": 0}]}}
     assert consequences.reduction_state(old) == "unknown"
+    # B recorded its all-gathers (identical) but no reduction: the layouts compared say
+    # "identical", the reductions are still unproven under --fail-on reduction, said
+    ag = make_run(tmp_path / "ag", world_size=2, steps=2, n_params=8, bucket_hook=lambda b, r:
+                  None if b["collective"] == "reduce_scatter" else b)
+    r = diff_runs(a, ag)
+    assert r.order.verdict == "identical" and r.order.structure == []
+    assert r.exit_code("reduction") == 3 and r.exit_code("any") == 0
+    assert "gradient reductions (B recorded none)" in r.judge("reduction").line()
+    assert "B recorded no bucket manifests" not in r.judge("hash").line()
+    # the console's verdict line is the JSON-fed one (every report says the same words)
+    from parity.policy import judge_pair
+
+    r = diff_runs(a, b)
+    for p in ("hash", "reduction", "any"):
+        assert r.judge(p).line() == judge_pair(r.to_dict(), p).line()
+    assert "bucket layouts unavailable (B recorded no bucket manifests)" in r.judge("hash").line()

@@ -59,6 +59,7 @@ from parity.diff.reduction_count import ChunkOrders, Orders, RiskCount, channel_
 from parity.diff.reduction_steps import (annotate_buckets, group_size_of, infer_ops, layouts_at,
                                          one_sided_all_reduces, op_of, paired_all_reduces,
                                          signature, step_of)
+from parity.consequences import blind_note as cq_blind
 from parity.errors import ParityError
 from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, parse_topology
 from parity.nccl import predict as nccl_predict
@@ -75,8 +76,6 @@ ONE_SIDED_AR = ("only {side} recorded all-reduce buckets{what} (the other side's
 HSDP_REPLICATE = "fsdp2 replicate"  # c10d_allreduce.py: FSDP2's all-reduce of a shard row
 # a side whose manifests hold no reduction of any kind (recorded with --no-manifests, or by a
 # rank that wrote none): its gradients' reductions are unseen, not "zero collectives"
-BLIND = ("{side} recorded no reduction collectives (no bucket manifests): how its gradients "
-         "were reduced is not known")
 MAX_STEPS = 32  # steps whose layouts are compared and predicted (those where a manifest changed)
 BOUND = ("an upper bound: elements whose rank order of summation differs between A and B in "
          "some scenario NCCL may run; a different order changes bits only where rounding "
@@ -678,7 +677,7 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
     ans.kinds.add(kind)
     if ctx.blind:  # how that side reduced is not known: never a structure difference
         ans.unknown.append({"collective": kind, "a": None, "b": None, "step": step,
-                            "reason": BLIND.format(side=ctx.blind)})
+                            "reason": cq_blind(ctx.blind)})
         return
     if kind == AR and ctx.ar_only:
         ans.unpredicted.append({"collective": AR, "a": None, "b": None, "step": step,
@@ -1240,7 +1239,7 @@ def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]],
     odd: set = set()
     order.structure = []
     if blind:
-        note = BLIND.format(side=blind) + "; reduction structure not compared"
+        note = cq_blind(blind) + "; reduction structure not compared"
         if note not in order.notes:
             order.notes.append(note)
     for kind in (RS, AR) if not blind else ():
