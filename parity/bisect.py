@@ -37,6 +37,7 @@ from parity.capture import env_record
 from parity.errors import (EXIT_INCOMPLETE, EXIT_INTERRUPTED, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE,
                            ParityError)
 from parity.rundir import ops_ranks, read_ops
+from parity.text import ranges
 
 SCHEMA_VERSION = 1  # bisect.json: parity/schemas/bisect.schema.json
 GRAD_OP = "parity.grad"
@@ -517,14 +518,43 @@ def _groups(a_only: list[dict], b_only: list[dict]) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ 5. command
-def _first_divergence(a_dir: Path, b_dir: Path) -> tuple[int | None, list[int], str, str | None]:
-    """(first divergent step, its ranks, the hash verdict, the bucket-layout verdict)."""
+@dataclass
+class _Pair:
+    """What ``parity diff A B`` says of the pair that bisect needs before rerunning anything."""
+
+    step: int | None  # the first divergent step
+    ranks: list[int]  # its ranks
+    verdict: str  # the hash verdict
+    layouts: str | None  # the bucket-layout verdict
+    incomplete: list[str]  # why the diff is incomplete
+    ranks_compared: list[int]
+    steps_compared: list[int]
+
+
+def _first_divergence(a_dir: Path, b_dir: Path) -> _Pair:
+    """The diff of the recorded runs: first divergent step and ranks, verdicts, and what both
+    sides recorded (to check --rank and --step before any rerun)."""
     from parity.diff import diff_runs
 
     result = diff_runs(a_dir, b_dir)
     fd = result.first_divergence
-    ranks = list(fd.ranks) if fd is not None else []
-    return result.first_divergent_step, ranks, result.verdict, result.order.verdict
+    return _Pair(result.first_divergent_step, list(fd.ranks) if fd is not None else [],
+                 result.verdict, result.order.verdict, list(result.incomplete),
+                 list(result.ranks_compared), list(result.steps_compared))
+
+
+def _check_request(pair: _Pair | None, step: int | None, rank: int | None) -> None:
+    """--rank and --step against the recorded runs, before anything is rerun: a rank neither
+    side recorded, or a step past the last one both recorded, is a usage error (exit 2)."""
+    if pair is None:
+        return
+    if rank is not None and pair.ranks_compared and rank not in pair.ranks_compared:
+        raise ParityError(f"--rank {rank}: the runs recorded rank(s) "
+                          f"{ranges(pair.ranks_compared)} (both sides)", EXIT_USAGE)
+    if step is not None and pair.steps_compared and step > max(pair.steps_compared):
+        raise ParityError(f"--step {step}: the runs recorded steps up to "
+                          f"{max(pair.steps_compared)} (both sides): the recorded jobs do not reach "
+                          f"step {step}", EXIT_USAGE)
 
 
 def _check_reproduced(orig: Path, new: Path, step: int, rank: int) -> str | None:
@@ -582,17 +612,28 @@ def bisect(a_dir: str | os.PathLike, b_dir: str | os.PathLike, *, out_dir: str |
     why = "given with --step"
     layouts = None
     if step is None:
-        step, div_ranks, verdict, layouts = _first_divergence(a_dir, b_dir)
+        pair = _first_divergence(a_dir, b_dir)
+        _check_request(pair, None, rank)
+        step, div_ranks, layouts = pair.step, pair.ranks, pair.layouts
+        if step is None and pair.verdict != "match":
+            # not "the runs do not diverge": what was not compared may diverge
+            why_not = "; ".join(pair.incomplete[:2]) or f"diff verdict {pair.verdict!r}"
+            raise ParityError(f"the pair is incomplete, so no divergent step is known: {why_not} "
+                              "(parity diff A B says what is missing; give --step K to look at "
+                              "a step anyway)", EXIT_INCOMPLETE)
         if step is None:
-            return EXIT_OK, {"schema_version": SCHEMA_VERSION, "verdict": "nothing_to_bisect", "diff_verdict": verdict,
+            return EXIT_OK, {"schema_version": SCHEMA_VERSION, "verdict": "nothing_to_bisect",
+                             "diff_verdict": pair.verdict,
                              "detail": "the runs do not diverge at any compared step (give "
                              "--step K to look at a step anyway)"}
         why = "first divergent step"
     else:
         try:
-            layouts = _first_divergence(a_dir, b_dir)[3]
-        except Exception:  # noqa: BLE001 - the layouts only refine the wording
-            layouts = None
+            pair = _first_divergence(a_dir, b_dir)
+        except Exception:  # noqa: BLE001 - the diff only refines the wording and the checks
+            pair = None
+        _check_request(pair, step, rank)
+        layouts = pair.layouts if pair is not None else None
     if step < 1:
         raise ParityError(f"step {step} is the initial parameters: bisect looks at training "
                           "steps >= 1 (the models differ before the first op runs)", EXIT_USAGE)

@@ -143,6 +143,26 @@ def reduction_phrase(ro) -> str | None:
     return what
 
 
+# a side whose manifests hold no reduction of any kind (recorded with --no-manifests, or a rank
+# that wrote none): how it reduced its gradients is not known, never "by zero collectives"
+# (diff/reduction.py notes it in ``order.notes``; policy reads it back)
+BLIND = " recorded no reduction collectives (no bucket manifests): how its gradients were " \
+        "reduced is not known"
+
+
+def blind_note(side: str) -> str:
+    """'B recorded no reduction collectives (...)'."""
+    return f"{side}{BLIND}"
+
+
+def blind_side(order: dict) -> str | None:
+    """"A" / "B" when the order comparison notes that side recorded no reduction at all."""
+    for n in order.get("notes") or ():
+        if isinstance(n, str) and n[:1] in ("A", "B") and n[1:].startswith(BLIND):
+            return n[0]
+    return None
+
+
 def reduction_state(d: dict) -> str | None:
     """What policy ``reduction`` makes of a diff (``DiffResult.to_dict()`` or a cell's diff):
     ``fails`` (a reduction difference, predicted at risk at some topology when a prediction was
@@ -153,12 +173,29 @@ def reduction_state(d: dict) -> str | None:
     counts = order.get("consequences")
     if not isinstance(counts, dict):
         return None
+    if blind_side(order):  # a side's reductions were not recorded: unproven
+        return "unknown"
     if not any(counts.get(c) for c in REDUCTIONS):
         return "tolerated"
+    if _blind_structure(order):
+        return "unknown"
     verdict = prediction_verdict(d.get("reduction_order"))
     if verdict is None:
         return "fails"
     return {"differs": "fails", "same": "tolerated"}.get(verdict, "unknown")
+
+
+def _blind_structure(order: dict) -> bool:
+    """A diff written before parity told a side without manifests from one that reduces nothing:
+    its only reduction difference is a structure one where every gradient is reduced by zero
+    collectives on a side that recorded no bucket layouts (``X_source`` null). How that side
+    reduced is not known: unproven, never a failure."""
+    counts = order.get("consequences") if isinstance(order.get("consequences"), dict) else {}
+    structure = [x for x in order.get("structure") or [] if isinstance(x, dict)]
+    if counts.get(REDUCTION_ORDER) or not structure:
+        return False
+    return any(order.get(f"{side}_source") is None and all(not x.get(side) for x in structure)
+               for side in ("a", "b"))
 
 
 def order_suffix(order: dict) -> str:

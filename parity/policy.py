@@ -183,6 +183,9 @@ def _one_sided(order: dict) -> str:
              and "recorded buckets" in n]
     if not notes or order.get("compared"):
         return ""
+    blind = consequences.blind_side(order)
+    if blind:  # no manifests at all on that side (--no-manifests): it did not say it issued none
+        return f"{blind} recorded no bucket manifests"
     said = "; ".join(f"only {side[0]} recorded {coll} buckets, {'B' if side[0] == 'A' else 'A'} "
                      "issued none" for coll, side in (n.split(": only ", 1) for n in notes))
     return said
@@ -266,6 +269,9 @@ def judge_pair(d: dict, policy: str) -> Verdict:
             v.not_compared.append(predicted)
     elif policy == "reduction" and state == "fails" and ov not in ORDER_FAILURES:
         v.failed.append("a gradient reduced by a different number of collectives")
+    elif policy == "reduction" and state == "unknown" and consequences.blind_side(order):
+        v.not_compared.append(f"gradient reductions ({consequences.blind_side(order)} recorded "
+                              "none)")
     v.not_compared += [str(x) for x in d.get("not_recorded") or []]  # neither side has it
     v.not_compared += [f"incomplete data: {m}" for m in incomplete[:4]]
     if len(incomplete) > 4:

@@ -3,6 +3,7 @@ differences found by real 2-rank CPU reruns (eager vs eager, eager FSDP2 vs comp
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -247,3 +248,54 @@ def test_reorder_op_must_name_an_rmsnorm():
                        text=True, timeout=TIMEOUT)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "is not an RMSNorm module; known: layers.0.attention_norm" in p.stderr
+
+
+# ------------------------------------------------- unit: what the recorded runs say, before reruns
+def _no_rerun(monkeypatch):
+    import parity.bisect as pb
+
+    def rerun(*a, **k):
+        raise AssertionError("rerun called")
+
+    monkeypatch.setattr(pb, "rerun", rerun)
+    return pb
+
+
+def test_an_incomplete_pair_is_not_said_not_to_diverge(tmp_path, monkeypatch):
+    """Found by a tester: bisect said "nothing to bisect: the runs do not diverge" (exit 0) on an
+    interrupted run, a missing rank, damaged hashes. The pair is incomplete: exit 3, the diff's
+    reason, nothing rerun."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from synth import make_run
+
+    pb = _no_rerun(monkeypatch)
+    a = make_run(tmp_path / "a", world_size=2, steps=4, n_params=8)
+    for name, kw in (("short", {"stop_after": 2}), ("rank", {"missing_ranks": [1]}),
+                     ("failed", {"status": "failed"})):
+        b = make_run(tmp_path / name, world_size=2, steps=4, n_params=8, **kw)
+        with pytest.raises(ParityError, match="the pair is incomplete") as e:
+            pb.bisect(a, b, out_dir=tmp_path / "out", say=lambda m: None)
+        assert e.value.exit_code == 3, name
+    b = make_run(tmp_path / "same", world_size=2, steps=4, n_params=8)
+    code, rep = pb.bisect(a, b, out_dir=tmp_path / "out", say=lambda m: None)
+    assert code == 0 and rep["verdict"] == "nothing_to_bisect"
+
+
+def test_rank_and_step_are_checked_before_rerunning(tmp_path, monkeypatch):
+    """Found by a tester: `--rank 9` reran both jobs and only then exited 2; `--step 99` reran
+    both and exited 3 "rerun failed". Both are usage errors found in the records (exit 2)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from synth import make_run
+
+    pb = _no_rerun(monkeypatch)
+    a = make_run(tmp_path / "a", world_size=2, steps=4, n_params=8)
+    b = make_run(tmp_path / "b", world_size=2, steps=4, n_params=8, diverge_at=2)
+    for kw, said in (({"rank": 9}, "--rank 9: the runs recorded rank(s) 0-1"),
+                     ({"step": 99}, "--step 99: the runs recorded steps up to 4"),
+                     ({"step": 2, "rank": 5}, "--rank 5")):
+        with pytest.raises(ParityError, match=re.escape(said)) as e:
+            pb.bisect(a, b, out_dir=tmp_path / "out", say=lambda m: None, **kw)
+        assert e.value.exit_code == 2 and "\n" not in str(e.value)
+    p = _cli("bisect", a, b, "--rank", "9", "--out", tmp_path / "o")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert not (tmp_path / "o").exists()  # nothing rerun, nothing written

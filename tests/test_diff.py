@@ -53,6 +53,33 @@ def test_same_run_against_itself(tmp_path):
     assert diff_runs(a, a).verdict == "incomplete"  # the same directory: said
 
 
+def test_a_copy_of_a_run_is_one_recording_not_two(tmp_path):
+    """Found by a tester: `cp -r c ccopy; parity diff c ccopy` held (exit 0), a hard-linked
+    copy too; only `parity diff c c` was caught. Every rank written by the same process (host,
+    pid, start time in meta.json) is one recording: incomplete, said."""
+    import json
+    import os
+    import shutil
+
+    a = make_run(tmp_path / "a")
+    for how in ("copy", "hardlink"):
+        b = tmp_path / how
+        shutil.copytree(a, b, **({"copy_function": os.link} if how == "hardlink" else {}))
+        r = diff_runs(a, b)
+        assert r.verdict == "incomplete" and r.exit_code("hash") == 3, how
+        assert "A and B are one recording" in r.incomplete[0]
+        assert "INCOMPLETE" in r.judge("hash").line()
+    # the same numbers recorded by another process: a real pair
+    other = tmp_path / "other"
+    shutil.copytree(a, other)
+    for m in other.glob("rank-*/meta.json"):
+        meta = json.loads(m.read_text())
+        meta["pid"] += 1
+        m.write_text(json.dumps(meta))
+    assert diff_runs(a, other).verdict == "match"
+    assert diff_runs(a, make_run(tmp_path / "twin")).verdict == "match"  # another recording
+
+
 def test_storage_order_differs_still_matches(tmp_path):
     """B stores its parameters in another order: roll-ups differ, per-parameter hashes do not."""
     a, b = pair(tmp_path, b={"param_order": "shuffled"})
@@ -475,3 +502,36 @@ def test_a_rank_whose_records_were_never_closed_is_incomplete(tmp_path):
     assert any(x.startswith("B rank(s) 1 never closed their records") for x in r.incomplete), \
         r.incomplete
     assert "never closed" in r.judge().line()
+
+
+def test_a_rank_folder_outside_the_world_size_with_data_is_never_a_clean_match(tmp_path):
+    """Found by a tester: `cp -r r2/rank-00001 r2/rank-00002` (world size 2) held (exit 0) with
+    a warning "outside the world size ... ignored": recorded data not compared is incomplete."""
+    import shutil
+
+    a, b = pair(tmp_path)
+    shutil.copytree(b / "rank-00001", b / "rank-00002")
+    r = diff_runs(a, b)
+    assert r.verdict == "incomplete" and r.exit_code("hash") == 3
+    assert any("B: rank directories 2 are outside the world size 2" in m for m in r.incomplete)
+    assert r.ranks_compared == [0, 1]
+    assert "INCOMPLETE" in r.judge("hash").line()
+    shutil.rmtree(b / "rank-00002")
+    (b / "rank-00002").mkdir()  # an empty one: incomplete too (as it was)
+    assert diff_runs(a, b).exit_code("hash") == 3
+
+
+@pytest.mark.parametrize("capture", ["x", [1], 3])
+def test_a_meta_json_capture_that_is_not_an_object_is_damage_not_a_crash(tmp_path, capture):
+    """Found by a tester: `"capture": "x"` in a rank's meta.json crashed the diff with an
+    AttributeError (engine._hashers). It is damage: said, incomplete."""
+    a, b = pair(tmp_path)
+    for m in b.glob("rank-*/meta.json"):
+        meta = json.loads(m.read_text())
+        meta["capture"] = capture
+        m.write_text(json.dumps(meta))
+    r = diff_runs(a, b)
+    assert r.verdict == "incomplete" and r.exit_code("hash") == 3
+    assert any("rank(s) 0-1 have a meta.json whose capture is a" in m for m in r.incomplete)
+    r.judge("hash").line()
+    r.to_dict()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+
+import pytest
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -315,3 +317,44 @@ def test_rank_specific_manifest_fields_are_not_disagreements(tmp_path):
     assert r.order.rank_disagreements["a"] == []
     assert r.order.rank_disagreements["b"] == [
         "rank 5: reduce_scatter bucket 0 (layers.1) differs from rank 0's"]
+
+
+@pytest.mark.parametrize("bad", [
+    {"index": "x", "entries": []},  # '<' between str and int (bucket_summary._latest_fsdp2)
+    {"total_bytes": "big"},  # int("big") (bucket_summary._bytes)
+    {"entries": ["not an entry"]},
+    {"entries": [{"fqn": 7, "offset": "0", "size": 4, "numel": 1, "dtype": "float32"}]},
+    {"step": True},
+])
+def test_bucket_records_of_the_wrong_types_are_skipped_and_named(tmp_path, bad):
+    """Found by a tester: a buckets.jsonl line with "index": "x" or "total_bytes": "big" crashed
+    diff and inspect (exit 4). Such a line is not of the schema: skipped, named, and the pair
+    is incomplete (damage), never a traceback."""
+    import json
+
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+    from parity.diff.bucket_summary import summarize_run
+    from parity.artifacts import read_run
+
+    a = make_run(tmp_path / "a", world_size=2, steps=2, n_params=8)
+    b = make_run(tmp_path / "b", world_size=2, steps=2, n_params=8)
+    path = b / "rank-00000" / "buckets.jsonl"
+    first = json.loads(path.read_text().splitlines()[0])
+    with open(path, "a") as f:
+        f.write(json.dumps({**first, **bad}) + "\n")
+    r = diff_runs(a, b)
+    assert r.exit_code("hash") == 3 and r.verdict == "incomplete"
+    assert any(p.side == "b" and "buckets.jsonl: record" in p.message
+               and "not of the schema, skipped" in p.message for p in r.problems), r.problems
+    assert any("B: damaged records on rank(s) 0" in m for m in r.incomplete), r.incomplete
+    assert r.order.verdict == "identical"  # the valid records are compared as before
+    summary = summarize_run(read_run(b))
+    assert summary["graphs"] and "not of the schema" in summary["skipped"][0]
+    for args in (["diff", str(a), str(b)], ["inspect", str(b)],
+                 ["diff", str(a), str(b), "--at", "2x1", "--fail-on", "reduction"]):
+        got = CliRunner().invoke(cli, args)
+        assert got.exit_code in (0, 3), (args, got.output)
+        assert "internal error" not in got.output and got.exception is None or \
+            isinstance(got.exception, SystemExit), got.output

@@ -268,6 +268,11 @@ def test_meta_records_the_emulation_and_diff_refuses_a_plain_run(job, tmp_path):
     assert emu["groups"].get("2x1:channels=4") == 1 and emu["not_emulated"] == {}
     assert json.loads((run / "run.json").read_text())["capture"]["emulate_nccl"] == TOPO
     same = shutil.copytree(run, tmp_path / "same")  # a directory with itself is incomplete
+    assert _parity("diff", str(run), str(same)).returncode == 3  # and so is a copy of it
+    for m in same.glob("rank-*/meta.json"):  # as if another process had recorded it
+        d = json.loads(m.read_text())
+        d["pid"] = d["pid"] + 100000
+        m.write_text(json.dumps(d))
     assert _parity("diff", str(run), str(same)).returncode == 0
     plain = tmp_path / "plain"
     shutil.copytree(run, plain)

@@ -555,3 +555,53 @@ def test_all_reduces_recorded_on_one_side_only_are_said_not_compared(tmp_path):
     assert any("only A recorded all-reduce buckets" in n for n in r.order.notes)
     ro = r.reduction_order
     assert ro.verdict == "unknown" and "only A recorded" in ro.unpredicted[0]["reason"]
+
+
+def test_a_side_without_manifests_is_unproven_never_a_reduction_failure(tmp_path):
+    """Found by a tester: B recorded with --no-manifests, and --fail-on reduction said "a
+    gradient reduced by a different number of collectives" (exit 1); with --at, "N elements of
+    21 parameters at risk". A side without manifests leaves the reductions unproven (3)."""
+    from tests.synth import make_run
+
+    from parity import consequences
+    from parity.diff import diff_runs
+
+    a = make_run(tmp_path / "a", world_size=2, steps=2, n_params=8)
+    b = make_run(tmp_path / "b", world_size=2, steps=2, n_params=8, bucket_layout=None)
+    r = diff_runs(a, b)
+    assert r.order.verdict == "unavailable" and r.order.structure == []
+    assert not r.order.consequences.get("reduction_structure")
+    assert any("B recorded no reduction collectives" in n for n in r.order.notes)
+    assert r.exit_code("reduction") == 3 and r.exit_code("hash") == 0
+    line = r.judge("reduction").line()
+    assert "INCOMPLETE" in line and "different number of collectives" not in line
+    r = diff_runs(a, b, at="2x1")
+    d = r.to_dict()
+    assert d["reduction_order"]["verdict"] == "unknown" and not d["reduction_order"]["at_risk"]
+    assert r.exit_code("reduction") == 3
+    assert "at risk" not in r.judge("reduction").line()
+    # the other way round too
+    assert diff_runs(b, a, at="2x1").exit_code("reduction") == 3
+    # a diff.json written by the old code (structure "b: 0" for every gradient, B's source
+    # null) is unproven too when judged again (a sweep's cells)
+    old = {"verdict": "match", "order": {
+        "verdict": "unavailable", "a_source": "fsdp2", "b_source": None,
+        "consequences": {"reduction_structure": 1},
+        "structure": [{"fqn": "p0", "a": 1, "b": 0}, {"fqn": "p1", "a": 1, "b": 0}]}}
+    assert consequences.reduction_state(old) == "unknown"
+    # B recorded its all-gathers (identical) but no reduction: the layouts compared say
+    # "identical", the reductions are still unproven under --fail-on reduction, said
+    ag = make_run(tmp_path / "ag", world_size=2, steps=2, n_params=8, bucket_hook=lambda b, r:
+                  None if b["collective"] == "reduce_scatter" else b)
+    r = diff_runs(a, ag)
+    assert r.order.verdict == "identical" and r.order.structure == []
+    assert r.exit_code("reduction") == 3 and r.exit_code("any") == 0
+    assert "gradient reductions (B recorded none)" in r.judge("reduction").line()
+    assert "B recorded no bucket manifests" not in r.judge("hash").line()
+    # the console's verdict line is the JSON-fed one (every report says the same words)
+    from parity.policy import judge_pair
+
+    r = diff_runs(a, b)
+    for p in ("hash", "reduction", "any"):
+        assert r.judge(p).line() == judge_pair(r.to_dict(), p).line()
+    assert "bucket layouts unavailable (B recorded no bucket manifests)" in r.judge("hash").line()

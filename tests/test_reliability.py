@@ -223,6 +223,10 @@ def test_closed_stdout_keeps_every_exit_code(runs, tmp_path):
     a, bn = _ok(runs, "a"), _ok(runs, "bn")
     same = tmp_path / "a-copy"
     shutil.copytree(a, same)
+    for m in same.glob("rank-*/meta.json"):  # as if another process wrote it (a plain copy is
+        meta = json.loads(m.read_text())  # one recording with its original: incomplete)
+        meta["pid"] = meta["pid"] + 100000
+        m.write_text(json.dumps(meta))
     cases = [(["diff", str(a), str(same)], EXIT_OK), (["diff", str(a), str(bn)], EXIT_MISMATCH),
              (["diff", str(a), str(a)], EXIT_INCOMPLETE),
              (["diff", str(a), str(bn), "--json", str(tmp_path / "d.json")], EXIT_MISMATCH),

@@ -248,7 +248,13 @@ def test_a_compile_mode_is_named_from_the_compiled_regions(tmp_path):
 
 
 def _copy(src: Path, dst: Path) -> Path:
+    """A copy as if another process had recorded the same numbers (a plain copy is one
+    recording with its original: incomplete, one_sided.same_run)."""
     shutil.copytree(src, dst)
+    for m in dst.glob("rank-*/meta.json"):
+        meta = json.loads(m.read_text())
+        meta["pid"] = meta["pid"] + 100000
+        m.write_text(json.dumps(meta))
     return dst / "rank-00000"
 
 

@@ -142,6 +142,10 @@ def test_torchelastic_restart_keeps_attempts_and_continues_steps(tmp_path):
     import shutil
 
     shutil.copytree(out, tmp_path / "copy")  # the same directory twice is never a clean match
+    for m in (tmp_path / "copy").glob("rank-*/meta.json"):  # nor is a copy: as if another
+        meta = json.loads(m.read_text())  # process had recorded the same numbers
+        meta["pid"] = meta["pid"] + 100000
+        m.write_text(json.dumps(meta))
     r = diff_runs(out, tmp_path / "copy")
     assert r.verdict == "match"
     assert any("torchelastic restart 1" in w.message for w in r.warnings)

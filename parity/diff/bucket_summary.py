@@ -43,10 +43,92 @@ from typing import Any
 
 from parity.records import SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH
 
-__all__ = ["summarize", "summarize_run", "headline", "issued_elsewhere", "pair_rows", "side_label",
+__all__ = ["summarize", "summarize_run", "bucket_problem", "valid_buckets", "headline", "issued_elsewhere", "pair_rows", "side_label",
            "cell_headline", "bucket_homes", "moved_between", "summarize_pair"]
 
 BEFORE = "before_passes"
+
+# a bucket record's fields and the type each must have when present (null allowed): a line of
+# another type is not of the schema and is skipped, named (docs/reliability.md); every reader of
+# bucket records (this summary, the diff's layouts and reductions) sees only valid ones
+_INT, _STR = (int,), (str,)
+_FIELDS = {"source": _STR, "collective": _STR, "graph": _STR, "graph_id": _INT, "step": _INT,
+           "index": _INT, "group": _STR, "node": _STR, "dtype": _STR, "world_size": _INT,
+           "total_bytes": _INT, "stage": _STR, "trace": _STR, "module": _STR,
+           "placements": _STR, "position": _INT, "compute_before": _INT,
+           "max_consec_compute_between_rs": _INT, "around_bucketing": (dict,),
+           "spans_at_bucketing": (dict,), "entries": (list,)}
+_ENTRY_FIELDS = {"fqn": _STR, "offset": _INT, "size": _INT, "numel": _INT, "dtype": _STR,
+                 "shape": (list,), "module": _STR, "payload": _STR}
+
+
+def _wrong(value, types: tuple) -> bool:
+    if value is None:
+        return False
+    if isinstance(value, bool):  # JSON true/false: no field of a bucket record is one
+        return True
+    return not isinstance(value, types)
+
+
+def bucket_problem(rec, _entries_ok: dict | None = None) -> str | None:
+    """Why a bucket record is not of the schema (a field of the wrong type: ``"index": "x"``,
+    ``"total_bytes": "big"``, an entry that is not an object), or None when it is. ``_entries_ok``
+    (id of an entries list -> that list): lists already checked (every step repeats them)."""
+    if not isinstance(rec, dict):
+        return f"not an object ({type(rec).__name__})"
+    for k, types in _FIELDS.items():
+        v = rec.get(k)
+        if _wrong(v, types):
+            return f"{k} is {type(v).__name__} {_show(v)}, not {types[0].__name__}"
+    entries = rec.get("entries")
+    if not entries or (_entries_ok is not None and _entries_ok.get(id(entries)) is entries):
+        return None
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            return f"entry {i} is {type(e).__name__}, not an object"
+        for k, types in _ENTRY_FIELDS.items():
+            v = e.get(k)
+            if _wrong(v, types):
+                return f"entry {i} {k} is {type(v).__name__} {_show(v)}, not {types[0].__name__}"
+        shape = e.get("shape")
+        if shape is not None and any(not isinstance(d, int) or isinstance(d, bool)
+                                     for d in shape):
+            return f"entry {i} shape {_show(shape)} is not a list of integers"
+    if _entries_ok is not None:
+        _entries_ok[id(entries)] = entries
+    return None
+
+
+def _show(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def valid_buckets(records: list, _memo: dict | None = None) -> tuple[list, list[str]]:
+    """(the records of the schema, why each other one is not: "record N (all_gather index
+    'x'): index is str 'x', not int; skipped"). The very list comes back when every record is
+    valid (the reader shares byte-identical manifests between ranks and sides); ``_memo`` (id of
+    a records list -> (list, result)) checks a shared list once."""
+    if _memo is not None:
+        got = _memo.get(id(records))
+        if got is not None and got[0] is records:
+            return got[1]
+    ok_entries: dict = {} if _memo is None else _memo.setdefault("entries", {})
+    bad = []
+    for i, r in enumerate(records or ()):
+        why = bucket_problem(r, ok_entries)
+        if why is not None:
+            what = (f" ({r.get('collective')} index {_show(r.get('index'))})"
+                    if isinstance(r, dict) else "")
+            bad.append((i, f"record {i + 1}{what}: {why}; not of the schema, skipped"))
+    if not bad:
+        out = (records, [])
+    else:
+        skip = {i for i, _ in bad}
+        out = ([r for i, r in enumerate(records) if i not in skip], [m for _, m in bad])
+    if _memo is not None:
+        _memo[id(records)] = (records, out)
+    return out
 
 
 def _key(b: dict) -> tuple:
@@ -133,6 +215,7 @@ def _latest_dtensor(buckets: list[dict]) -> list[dict]:
 
 def summarize(buckets: list[dict]) -> dict:
     """The bucketing summary of one rank's records: ``{"graphs": [...], "attribution": [...]}``."""
+    buckets, _ = valid_buckets(buckets)  # a record of the wrong types is skipped
     groups: dict[tuple, dict[str, list[dict]]] = defaultdict(lambda: {"before": [], "after": []})
     by_source: dict[str, list[dict]] = defaultdict(list)
     for b in buckets:
@@ -209,6 +292,9 @@ def summarize_run(run: Any, _known: tuple[list, dict] | None = None) -> dict | N
         out = dict(_known[1])
     else:
         out = summarize(rd.buckets)
+        skipped = valid_buckets(rd.buckets)[1]
+        if skipped:  # said: the summary is of the valid records only
+            out["skipped"] = [f"rank {rd.rank} buckets.jsonl {m}" for m in skipped]
     out["rank"] = rd.rank
     return out
 

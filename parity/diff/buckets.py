@@ -19,6 +19,7 @@ components), so a bucket split or merged on one side forms one group. Each group
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass, field
 from itertools import zip_longest
 
@@ -26,6 +27,7 @@ from parity import consequences
 from parity.artifacts import Run
 from parity.records import (SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord,
                             as_int, as_str)
+from parity.diff.bucket_summary import valid_buckets
 from parity.text import ranges
 
 COLLECTIVES = ("all_gather", "reduce_scatter")
@@ -137,12 +139,39 @@ def _describe_change(old: Bucket, new: Bucket) -> str:
     return "dtype or total size changes"
 
 
+def drop_invalid_buckets(run_a: Run, run_b: Run) -> None:
+    """Bucket records with a field of the wrong type (``"index": "x"``, ``"total_bytes":
+    "big"``: bucket_summary.bucket_problem) are skipped and named, as the reader does with a
+    line that is not JSON: damage (the pair is incomplete), never a crash of a later reader.
+    A list shared by several ranks (byte-identical manifests) is checked once and stays shared."""
+    memo: dict = {}
+    for run in (run_a, run_b):
+        for r, rd in sorted(run.ranks.items()):
+            if not rd.buckets:
+                continue
+            kept, bad = valid_buckets(rd.buckets, memo)
+            if not bad:
+                continue
+            rd.buckets = kept
+            where = os.path.join(str(rd.path), "buckets.jsonl")
+            msgs = [f"{where}: {m}" for m in bad[:5]]
+            if len(bad) > 5:
+                msgs.append(f"{where}: {len(bad) - 5} more records not of the schema, "
+                            "skipped")
+            rd.problems.extend(msgs)
+            rd.damage.extend(msgs)
+            run.problems.extend(msgs)
+
+
 def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None,
                   _memo: dict | None = None) -> Layout:
     """The layouts of one rank's bucket records (see the module docstring). ``_memo``: see
     ``_bucket``; it also keeps each layout selected, so that the very same list of records
     (the reader shares byte-identical manifests, between sides too) is selected once and
     copied after."""
+    # a record of the wrong types is skipped (the diff engine has already said so, and
+    # dropped it; another caller, e.g. probe cases, gets the same layouts without a crash)
+    records = valid_buckets(records, None if _memo is None else _memo.setdefault("valid", {}))[0]
     sources = {r.get("source") for r in records}
     source = next((s for s in prefer if s in sources), None)
     if source is None:

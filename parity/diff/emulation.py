@@ -13,10 +13,11 @@ def emulation_of(run) -> str | None:
     """'TOPOLOGY (MODEL)' the run was emulated under, or None for a plain run. Read from the
     ranks' meta.json (``nccl_emulation``), else from run.json (``capture.emulate_nccl``)."""
     for _, rd in sorted(run.ranks.items()):
-        emu = (rd.meta or {}).get("nccl_emulation")
+        emu = rd.meta.get("nccl_emulation") if isinstance(rd.meta, dict) else None
         if isinstance(emu, dict):
             return f"{emu.get('topology')} ({emu.get('model')})"
-    cap = ((run.run_meta or {}).get("capture") or {})
+    meta = run.run_meta if isinstance(run.run_meta, dict) else {}
+    cap = meta.get("capture") if isinstance(meta.get("capture"), dict) else {}
     if cap.get("emulate_nccl"):
         return f"{cap['emulate_nccl']} (model unknown)"
     return None
@@ -47,7 +48,7 @@ def emulation_gaps(run_a, run_b) -> list[str]:
         gaps: dict[str, int] = {}
         ranks: dict[str, list[int]] = {}
         for r, rd in sorted(run.ranks.items()):
-            emu = (rd.meta or {}).get("nccl_emulation")
+            emu = rd.meta.get("nccl_emulation") if isinstance(rd.meta, dict) else None
             if not isinstance(emu, dict):
                 continue
             found = dict(emu.get("not_emulated") or {}) if isinstance(

@@ -18,14 +18,15 @@ from parity.artifacts import RankData, Run, gc_paused, read_run
 from parity.records import SOURCE_C10D
 from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
-                                 explain_eager)
+                                 drop_invalid_buckets, explain_eager)
 from parity.diff.emulation import check_same_emulation, emulation_gaps
 from parity.diff.final_state import compare_final
 from parity.diff.scaled_loss import scaled_loss_notes, skipped_note
 from parity.diff.env import numerics_env_differences
 from parity.diff.magnitude import size_of_difference
 from parity.diff.reduction import assess, observe
-from parity.diff.one_sided import damaged, one_sided, refused_processes, same_run, unhashed
+from parity.diff.one_sided import (capture_of, damaged, one_sided, refused_processes, same_run,
+                                   unhashed)
 from parity.diff.hashes import (DEFAULT_COUNT_BUDGET, KINDS, Aligner, HashComparison, ParamIndex,
                                 compare_hashes, param_keys, step_fields)
 from parity.diff.result import (CaptureWarning, ComparedRun, DiffResult, Divergence,
@@ -213,7 +214,7 @@ def _hashers(run: Run) -> set[str]:
     for rd in run.ranks.values():
         if not rd.steps:  # a rank that recorded nothing never resolved "auto"
             continue
-        cap = rd.meta.get("capture") or {}
+        cap = capture_of(rd.meta)
         h = cap.get("hasher")
         if h == "device":
             h = f"device v{cap.get('device_digest_version') or 1}"
@@ -235,7 +236,7 @@ def _capture_warnings(run: Run, side: str) -> list[CaptureWarning]:
     """Capture warnings of one side, one entry per distinct message with the ranks saying it."""
     by_msg: dict[str, list[int]] = {}
     for r, rd in sorted(run.ranks.items()):
-        ws = (rd.meta.get("capture") or {}).get("warnings")
+        ws = capture_of(rd.meta).get("warnings")
         for w in ws if isinstance(ws, list) else ():
             by_msg.setdefault(str(w), []).append(r)
     return [CaptureWarning(side, rs, m) for m, rs in by_msg.items()]
@@ -248,6 +249,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     first divergence, the verdict. Each phase is a function below; ``problems`` (said, not
     failing) and ``incomplete`` (not compared: the verdict cannot be ``match``) collect in the
     order the report prints them."""
+    drop_invalid_buckets(run_a, run_b)  # before anything reads them; said as damage
     problems = _run_problems(run_a, run_b)
     incomplete = _failed_jobs(run_a, run_b, tolerate_exit, problems)
     incomplete += damaged(run_a, run_b)
@@ -402,12 +404,21 @@ def _comparable_world_size(run_a: Run, run_b: Run) -> int:
 
 
 def _capture_disabled(run_a: Run, run_b: Run, incomplete: list[str]) -> None:
-    """Ranks where capture turned itself off: their later steps were never recorded."""
+    """Ranks where capture turned itself off: their later steps were never recorded; ranks
+    whose meta.json ``capture`` is not an object (damaged): what capture did there is not
+    known."""
     for side, run in (("a", run_a), ("b", run_b)):
-        off = [r for r, rd in sorted(run.ranks.items())
-               if (rd.meta.get("capture") or {}).get("disabled")]
+        odd = [r for r, rd in sorted(run.ranks.items())
+               if isinstance(rd.meta, dict) and rd.meta.get("capture") is not None
+               and not isinstance(rd.meta.get("capture"), dict)]
+        if odd:
+            got = type(run.ranks[odd[0]].meta.get("capture")).__name__
+            incomplete.append(f"{side.upper()}: rank(s) {ranges(odd)} have a meta.json whose "
+                              f"capture is a {got}, not an object (damaged): their capture "
+                              "settings, status and warnings are not known")
+        off = [r for r, rd in sorted(run.ranks.items()) if capture_of(rd.meta).get("disabled")]
         if off:
-            why = (run.ranks[off[0]].meta.get("capture") or {}).get("disabled")
+            why = capture_of(run.ranks[off[0]].meta).get("disabled")
             incomplete.append(f"{side.upper()}: capture was disabled on rank(s) {ranges(off)} "
                               f"({why}); later steps not recorded there")
 
@@ -415,7 +426,8 @@ def _capture_disabled(run_a: Run, run_b: Run, incomplete: list[str]) -> None:
 def _usable_ranks(run_a: Run, run_b: Run, ws: int, problems: list[Problem],
                   incomplete: list[str]) -> tuple[dict[str, list[int]], list[int]]:
     """(each side's ranks with a parameter table, the ranks both sides have): only those are
-    compared; a rank one side lacks is said as incomplete, a stray rank folder as a problem."""
+    compared; a rank one side lacks is said as incomplete, and so is a rank folder outside the
+    world size (its records are not compared)."""
     usable: dict[str, list[int]] = {}
     for side, run in (("a", run_a), ("b", run_b)):
         ok = [r for r, rd in sorted(run.ranks.items()) if rd.n_params and 0 <= r < ws]
@@ -423,16 +435,16 @@ def _usable_ranks(run_a: Run, run_b: Run, ws: int, problems: list[Problem],
         if no_table:
             problems.append(Problem(side, f"rank(s) {ranges(no_table)} have no "
                                           "parameter table (params.json); not compared"))
-        extra = [r for r in run.ranks if not 0 <= r < ws]
-        if extra:
-            problems.append(Problem(side, f"rank directories {ranges(extra)} are "
-                                          f"outside the world size {ws}; ignored"))
+        extra = sorted(r for r in run.ranks if not 0 <= r < ws)
+        if extra:  # what was recorded there is not compared: never a clean verdict
+            incomplete.append(f"{side.upper()}: rank directories {ranges(extra)} are outside "
+                              f"the world size {ws}: what they hold is not compared")
         usable[side] = ok
         # what capture could not see (a graph path it does not hook, a manifest it could not
         # read) is said in meta.json; the verdict line's reader must see it too
         said: list[str] = []
         for r in ok[:1] or sorted(run.ranks)[:1]:
-            cap = (run.ranks[r].meta or {}).get("capture") or {}
+            cap = capture_of(run.ranks[r].meta)
             said += [w for w in cap.get("warnings") or () if isinstance(w, str) and w not in said]
         problems += [Problem(side, f"capture: {w}") for w in said[:_SHOW]]
         if len(said) > _SHOW:
@@ -833,7 +845,7 @@ def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int]) -> l
     if hi - lo + 1 > len(steps):
         have = set(steps)
         gaps = [s for s in range(lo, hi + 1) if s not in have]
-        every = sorted({e for x in runs for e in [(x.meta.get("capture") or {}).get("every")]
+        every = sorted({e for x in runs for e in [capture_of(x.meta).get("every")]
                         if isinstance(e, int) and e > 1})
         why = (f"sampled every {' / '.join(map(str, every))} step(s)" if every else
                "no record of them on either side")

@@ -3,10 +3,10 @@
 A verdict of ``match`` means everything either side recorded was compared and equal. So a kind
 of record that only one side has (gradients captured by A and not by B under ``--no-grads``, a
 loss on one side only, per (rank, step)), a process that claimed a rank and was not recorded
-(capture/claims.py), damaged records (artifacts.py ``RankData.damage``) and a directory compared
-with itself each make the diff incomplete (exit 3), named in the verdict's ``not compared``; so
-does a tensor of a model that capture found and could not hash (:func:`unhashed`). The engine
-(engine.py) appends these lines to ``DiffResult.incomplete``.
+(capture/claims.py), damaged records (artifacts.py ``RankData.damage``) and a recording compared
+with itself (the same directory, or a copy of it) each make the diff incomplete (exit 3), named
+in the verdict's ``not compared``; so does a tensor of a model that capture found and could not
+hash (:func:`unhashed`). The engine (engine.py) appends these lines to ``DiffResult.incomplete``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,13 @@ import os
 from parity.artifacts import RankData, Run
 from parity.diff.hashes import step_fields
 from parity.text import ranges
+
+
+def capture_of(meta) -> dict:
+    """A rank's meta.json ``capture`` object; {} where it (or meta itself) is missing or not an
+    object (damage the engine says: ``_capture_disabled``)."""
+    cap = meta.get("capture") if isinstance(meta, dict) else None
+    return cap if isinstance(cap, dict) else {}
 
 
 def one_sided(ra: list[RankData], rb: list[RankData], ranks: list[int], steps: list[int],
@@ -103,8 +110,9 @@ def unhashed(run_a: Run, run_b: Run, show: int = 3) -> list[str]:
         found: dict[str, str] = {}
         ranks = []
         for r, rd in sorted(run.ranks.items()):
-            rows = (rd.meta.get("capture") or {}).get("unhashed") or []
-            rows = [x for x in rows if isinstance(x, dict) and isinstance(x.get("fqn"), str)]
+            rows = capture_of(rd.meta).get("unhashed")
+            rows = [x for x in rows if isinstance(x, dict) and isinstance(x.get("fqn"), str)
+                    ] if isinstance(rows, list) else []
             if rows:
                 ranks.append(r)
             for x in rows:
@@ -118,12 +126,42 @@ def unhashed(run_a: Run, run_b: Run, show: int = 3) -> list[str]:
 
 
 def same_run(run_a: Run, run_b: Run) -> str | None:
-    """A line when A and B are one directory (compared with itself, nothing is proven)."""
+    """A line when A and B are one recording: one directory, or two directories whose ranks
+    were written by the very same processes (a copy, a hard-linked copy, a restored backup:
+    every rank both have names the same host, pid and start time in its meta.json). Compared
+    with itself, nothing is proven."""
     try:
         same = os.path.samefile(run_a.path, run_b.path)
     except OSError:
         same = os.path.abspath(run_a.path) == os.path.abspath(run_b.path)
-    if not same:
+    if same:
+        return (f"A and B are the same directory ({run_a.path}): it was compared with itself, "
+                "not with another run")
+    if _same_processes(run_a, run_b):
+        return (f"A and B are one recording ({run_a.path} and {run_b.path}: every rank was "
+                "written by the same process, same host, pid and start time): a copy was "
+                "compared with its original, not with another run")
+    return None
+
+
+def _process(meta) -> tuple | None:
+    """(host, pid, started) of the process that wrote a rank, None where meta.json lacks one."""
+    if not isinstance(meta, dict):
         return None
-    return (f"A and B are the same directory ({run_a.path}): it was compared with itself, not "
-            "with another run")
+    key = (meta.get("host"), meta.get("pid"), meta.get("started"))
+    ok = (isinstance(key[0], str) and key[0] and isinstance(key[1], int)
+          and not isinstance(key[1], bool) and isinstance(key[2], (int, float))
+          and not isinstance(key[2], bool))
+    return key if ok else None
+
+
+def _same_processes(run_a: Run, run_b: Run) -> bool:
+    """Every rank both sides have (at least one) was written by the same process."""
+    common = sorted(set(run_a.ranks) & set(run_b.ranks))
+    if not common:
+        return False
+    for r in common:
+        pa = _process(getattr(run_a.ranks[r], "meta", None))
+        if pa is None or pa != _process(getattr(run_b.ranks[r], "meta", None)):
+            return False
+    return True

@@ -59,6 +59,7 @@ from parity.diff.reduction_count import ChunkOrders, Orders, RiskCount, channel_
 from parity.diff.reduction_steps import (annotate_buckets, group_size_of, infer_ops, layouts_at,
                                          one_sided_all_reduces, op_of, paired_all_reduces,
                                          signature, step_of)
+from parity.consequences import blind_note as cq_blind
 from parity.errors import ParityError
 from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, parse_topology
 from parity.nccl import predict as nccl_predict
@@ -73,6 +74,8 @@ ONE_SIDED_AR = ("only {side} recorded all-reduce buckets{what} (the other side's
                 "where no manifest source sees them: a functional collective run eagerly, a C++ "
                 "hook): not compared")
 HSDP_REPLICATE = "fsdp2 replicate"  # c10d_allreduce.py: FSDP2's all-reduce of a shard row
+# a side whose manifests hold no reduction of any kind (recorded with --no-manifests, or by a
+# rank that wrote none): its gradients' reductions are unseen, not "zero collectives"
 MAX_STEPS = 32  # steps whose layouts are compared and predicted (those where a manifest changed)
 BOUND = ("an upper bound: elements whose rank order of summation differs between A and B in "
          "some scenario NCCL may run; a different order changes bits only where rounding "
@@ -366,6 +369,7 @@ class _Context:
     version: str | None = None
     dims_of: dict = field(default_factory=dict)
     ar_only: str | None = None  # "A" / "B": only that side recorded all-reduce buckets
+    blind: str | None = None  # "A" / "B": that side recorded no reduction at all (no manifests)
     ar_what: str = ""  # " of gradients": only that side's carry gradients (one_sided_all_reduces)
 
 
@@ -671,6 +675,10 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
     if not ba and not bb and not na and not nb:
         return
     ans.kinds.add(kind)
+    if ctx.blind:  # how that side reduced is not known: never a structure difference
+        ans.unknown.append({"collective": kind, "a": None, "b": None, "step": step,
+                            "reason": cq_blind(ctx.blind)})
+        return
     if kind == AR and ctx.ar_only:
         ans.unpredicted.append({"collective": AR, "a": None, "b": None, "step": step,
                                 "reason": ONE_SIDED_AR.format(side=ctx.ar_only,
@@ -1203,9 +1211,10 @@ def predict_runs(a_dir: str | Path, b_dir: str | Path, topology
     """The prediction for two run directories from their manifests and parameter tables alone
     (no hash comparison; ``parity diff --at`` gives the same ``reduction_order``)."""
     from parity.artifacts import read_run
-    from parity.diff.buckets import compare_buckets
+    from parity.diff.buckets import compare_buckets, drop_invalid_buckets
 
     run_a, run_b = read_run(a_dir), read_run(b_dir)
+    drop_invalid_buckets(run_a, run_b)  # a record of the wrong types: skipped, as in the diff
     usable = {side: sorted(r for r, rd in run.ranks.items() if rd.params)
               for side, run in (("a", run_a), ("b", run_b))}
     ranks = sorted(set(usable["a"]) & set(usable["b"]))
@@ -1216,17 +1225,24 @@ def predict_runs(a_dir: str | Path, b_dir: str | Path, topology
 
 def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]],
              _counts: tuple[dict, dict] | None = None,
-             all_reduce: dict[str, list[Bucket]] | None = None) -> None:
+             all_reduce: dict[str, list[Bucket]] | None = None,
+             blind: str | None = None) -> None:
     """Consequence classes on the order comparison (parity.consequences): a reduce-scatter or
     all-reduce group carrying a gradient that the two sides reduce with a different number of
     collectives becomes ``reduction_structure``; ``order.structure`` lists such gradients and
-    ``order.consequences`` counts the differing groups per class."""
+    ``order.consequences`` counts the differing groups per class. ``blind`` ("A"/"B"): that
+    side recorded no reduction at all, so no gradient's count is known there and none is a
+    structure difference (said in ``order.notes``)."""
     from parity import consequences as cq
 
     ar = all_reduce or {}
     odd: set = set()
     order.structure = []
-    for kind in (RS, AR):
+    if blind:
+        note = cq_blind(blind) + "; reduction structure not compared"
+        if note not in order.notes:
+            order.notes.append(note)
+    for kind in (RS, AR) if not blind else ():
         if kind == RS and _counts is not None:
             na, nb = _counts
         else:
@@ -1349,6 +1365,7 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     start = max([min(st) for st in (steps_a, steps_b) if st] or [0])
     steps = [s for s in sorted(steps_a | steps_b) if s >= start]
     has_ar, ar_only, of_grads = one_sided_all_reduces(recs_a, recs_b)
+    blind = _blind(recs_a, recs_b)
     ar_what = " of gradients" if of_grads else ""
     notes: list[str] = []
     if len(steps) > MAX_STEPS:
@@ -1403,7 +1420,7 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
               _reduce_counts(RS, layouts["b"], [], order.eager.get("b") or [], shapes))
     last = per_step[-1]
     annotate(order, layouts, shapes, counts,
-             None if ar_only else {"a": last[3], "b": last[4]})
+             None if ar_only else {"a": last[3], "b": last[4]}, blind)
     if at is None:
         return None
     if isinstance(at, str):  # "8x8" or "1x8,8x8" (a sweep spec's at)
@@ -1419,7 +1436,7 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     out = []
     for topo in topos:
         ctx = _Context(shapes, world, _env_items(env), version, ar_only=ar_only,
-                       ar_what=ar_what)
+                       ar_what=ar_what, blind=blind)
         answers = []
         for k, (s, la, lb, ara, arb) in enumerate(per_step):
             c = counts if k == 0 else None
@@ -1429,6 +1446,18 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
         pred.emulated = emulated
         out.append(pred)
     return out[0] if len(out) == 1 and not isinstance(at, list) else Predictions(out)
+
+
+def _blind(recs_a: list, recs_b: list) -> str | None:
+    """"A" or "B" when that side's records hold no reduction of any kind (no reduce-scatter or
+    all-reduce, bucketed or eager) while the other side's do: the side recorded no manifests
+    (``--no-manifests``) or none of its reductions, so how it reduced is not known. None when
+    both sides recorded reductions, or neither did (nothing to compare either way)."""
+    def reduces(recs) -> bool:
+        return any(isinstance(r, dict) and r.get("collective") in (RS, AR) for r in recs or ())
+
+    ra, rb = reduces(recs_a), reduces(recs_b)
+    return None if ra == rb else "B" if ra else "A"
 
 
 def observe(prediction, divergent: list, first_step: int | None) -> None:

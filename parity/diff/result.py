@@ -173,7 +173,8 @@ class DiffResult:
     def exit_code(self, fail_on: str = "hash") -> int:
         """0 parity holds under ``fail_on``, 1 it does not, 3 data incomplete (docs/diff.md)."""
         return policy.pair_code(self.verdict, self.order.verdict, bool(self.incomplete), fail_on,
-                                reduction_state({"order": {"consequences": self.order.consequences},
+                                reduction_state({"order": {"consequences": self.order.consequences,
+                                                           "notes": self.order.notes},
                                                  "reduction_order": self._reduction_dict()}))
 
     def to_dict_reduction(self) -> dict | None:
@@ -195,7 +196,8 @@ class DiffResult:
             {"ranks": list(fd.ranks), "origin": fd.origin, "label": fd.label, "phase": fd.phase},
             "final_state": self.final_state, "not_recorded": self.not_recorded,
             "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket,
-                      "consequences": self.order.consequences},
+                      "consequences": self.order.consequences, "notes": self.order.notes,
+                      "compared": self.order.compared},
             "reduction_order": self._reduction_dict(),
             "params_only_in_a": self.params_only_in_a, "params_only_in_b": self.params_only_in_b,
             # the same words as the JSON-fed verdict (sweep reports, HTML): capture warnings
