@@ -917,7 +917,10 @@ class Run:
         rows = []
         for r in self.ranks.values():
             for b in r.buckets:
-                for pos, e in enumerate(b.get("entries", [])):
+                entries = b.get("entries") if isinstance(b, dict) else None
+                for pos, e in enumerate(entries if isinstance(entries, list) else ()):
+                    if not isinstance(e, dict):  # a damaged record (the diff names it)
+                        continue
                     rows.append({
                         "rank": r.rank, "source": b.get("source"), "collective": b.get("collective"),
                         "graph": b.get("graph"), "graph_id": b.get("graph_id"), "step": b.get("step"),

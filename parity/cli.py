@@ -272,8 +272,10 @@ def inspect_cmd(run_dir, json_file):
 EXIT_BISECT = ("\b\nExit codes:\n"
                "  0  no aligned op differs at that step (or the runs do not diverge)\n"
                "  1  a differing op is named\n"
-               "  2  a side cannot be rerun (the line names why), bad usage, unknown cell\n"
-               "  3  a rerun failed or recorded no ops at that step\n"
+               "  2  a side cannot be rerun (the line names why), bad usage, unknown cell,\n"
+               "     --rank/--step not in the recorded runs\n"
+               "  3  a rerun failed or recorded no ops at that step, or the pair is incomplete\n"
+               "     (no divergent step is known)\n"
                "  4  internal error in parity\n"
                "  130  interrupted")
 

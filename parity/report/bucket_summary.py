@@ -89,6 +89,11 @@ def regather(pair: dict) -> bool:
 def print_summary(summary: dict | None, console, title: str = "Bucketing") -> None:
     """One run: a row per graph and collective kind (counts, bytes, what the buckets carry),
     then, where recorded, the figures (AutoParallel's and parity's own), then attribution."""
+    skipped = [str(m) for m in (summary or {}).get("skipped") or []]
+    for m in skipped[:5]:  # damaged records, left out of what follows
+        console.print(T(f"skipped (damaged): {m}"))
+    if len(skipped) > 5:
+        console.print(T(f"skipped (damaged): {len(skipped) - 5} more"))
     if not summary or not summary.get("graphs"):
         console.print(T("Bucketing: no bucket manifests recorded"))
         return
