@@ -535,3 +535,9 @@ def test_a_meta_json_capture_that_is_not_an_object_is_damage_not_a_crash(tmp_pat
     assert any("rank(s) 0-1 have a meta.json whose capture is a" in m for m in r.incomplete)
     r.judge("hash").line()
     r.to_dict()
+
+
+def test_gradients_on_one_side_only_name_the_option_that_left_them_out(tmp_path):
+    a, b = pair(tmp_path, b={"grads": False})
+    r = diff_runs(a, b)
+    assert any(m.endswith("; B captured with --no-grads") for m in r.incomplete), r.incomplete

@@ -54,12 +54,25 @@ def one_sided(ra: list[RankData], rb: list[RankData], ranks: list[int], steps: l
                 st = [steps[j] for j in sorted({j for _, j in only})]
                 rk = [ranks[i] for i in sorted({i for i, _ in only})]
                 out.append(f"{what} recorded by {side} only at step(s) {ranges(st)} on rank(s) "
-                           f"{ranges(rk)} ({len(only)} record(s)){_hint(what)}")
+                           f"{ranges(rk)} ({len(only)} record(s)){_hint(what, ra, rb)}")
     return out
 
 
-def _hint(what: str) -> str:
-    return "; was one side captured with --no-grads?" if what == "gradients" else ""
+def _hint(what: str, ra: list[RankData], rb: list[RankData]) -> str:
+    """Why gradients are on one side only, from the options each side recorded."""
+    if what != "gradients":
+        return ""
+    opts = [{(capture_of(x.meta).get("grads"), capture_of(x.meta).get("every")) for x in side}
+            for side in (ra, rb)]
+    no_grads = [n for n, o in zip("AB", opts) if any(g is False for g, _ in o)]
+    if no_grads:
+        return f"; {' and '.join(no_grads)} captured with --no-grads"
+    every = [sorted({e for _, e in o if isinstance(e, int)}) for o in opts]
+    if every[0] != every[1] and all(every):
+        return (f"; A sampled every {'/'.join(map(str, every[0]))} step(s), B every "
+                f"{'/'.join(map(str, every[1]))} (a step a side skipped is written at its exit "
+                "without gradients)")
+    return ""
 
 
 def damaged(run_a: Run, run_b: Run) -> list[str]:
