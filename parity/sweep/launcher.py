@@ -188,11 +188,7 @@ def failure_hint(rank_logs: list[dict], base: Path | None = None, limit: int = 1
         p = Path(path) if base is None else base / path
         try:
             mtime = p.stat().st_mtime
-            with open(p, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - 16384))
-                tail = f.read().decode("utf-8", "replace")
+            tail = _tail(p)
         except OSError:
             continue
         lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
@@ -243,11 +239,7 @@ def console_hint(console_log: Path | str | None, limit: int = 160) -> str:
     if not console_log:
         return ""
     try:
-        with open(console_log, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 16384))
-            tail = f.read().decode("utf-8", "replace")
+        tail = _tail(console_log)
     except OSError:
         return ""
     for ln in reversed(tail.splitlines()):
@@ -326,3 +318,12 @@ def check_local_requirement(req: str, launcher_name: str) -> str | None:
     if head == "launcher":
         return None if arg == launcher_name else f"requires the {arg} launcher (this sweep: {launcher_name})"
     return f"unknown requirement {req!r}"
+
+
+def _tail(path, size: int = 16384) -> str:
+    """The last ``size`` bytes of a log, decoded (a rank's traceback, a launcher's error line
+    are at its end; the whole file may be large)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        f.seek(max(0, f.tell() - size))
+        return f.read().decode("utf-8", "replace")
