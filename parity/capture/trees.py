@@ -120,10 +120,11 @@ def fsdp_unsharded(root) -> set[int]:
             continue
         try:
             state = mod._get_fsdp_state()
-            groups = list(getattr(state, "_fsdp_param_groups", None) or ())
-            one = getattr(state, "_fsdp_param_group", None)
-            if one is not None:
-                groups.append(one)
+            if hasattr(state, "_fsdp_param_groups"):  # 2.14+: a list (the singular property
+                groups = list(state._fsdp_param_groups or ())  # raises for several groups)
+            else:
+                one = getattr(state, "_fsdp_param_group", None)
+                groups = [one] if one is not None else []
             for g in groups:
                 for fp in getattr(g, "fsdp_params", ()):
                     u = fp.__dict__.get("_unsharded_param")
