@@ -174,6 +174,10 @@ def test_steps_neither_side_recorded_are_said_and_an_unclosed_rank_is_incomplete
     rc, line, d = _diff(_ok(runs, "every"), _ok(runs, "every_osexit"))
     assert rc == EXIT_INCOMPLETE and line.startswith("PARITY INCOMPLETE"), line
     assert any(m.startswith("B rank(s) 0 never closed their records") for m in d["incomplete"])
+    # parity exec's own summary: the last record is step 4 of 5, and more may have run
+    err = runs["every_osexit"][2]
+    assert " x 4+ step(s) (3 recorded" in err and "steps after the last record are not known" \
+        in err, err[-1500:]
     assert "never closed" in line
 
 
