@@ -552,3 +552,27 @@ def test_final_state_skips_fsdp2_unsharded_parameters_and_reads_a_late_buffer(tm
     from parity.diff import diff_runs
 
     assert diff_runs(out, out).final_state["compared"]
+
+
+def test_final_state_skips_fsdp2_post_forward_shards(tmp_path):
+    """``fully_shard(..., reshard_after_forward=2)`` at 4 ranks: after the eval forward the first
+    layer holds its post-forward shards (FSDP2's ``_sharded_post_forward_param``, set without a
+    registration hook, like the unsharded parameters). They are its shards' state, not new
+    parameters: only the late buffer joins the final state. (The first version of
+    trees.fsdp_unsharded skipped the unsharded parameters only, and ``0.weight``/``0.bias``
+    joined as parameters no optimizer holds, with a capture warning on every rank.)"""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "parity", "exec", "--out", str(out), "--",
+                        *torchrun(str(HERE / "trainers" / "fsdp2_eval_after.py"), nproc=4)],
+                       env=_env(RESHARD_AFTER_FORWARD=2), capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "first weight after eval: mesh (2, 2)" in p.stdout  # the post-forward shard
+    run = read_run(out)
+    assert len(run.ranks) == 4
+    for rd in run.ranks.values():
+        late = [e["fqn"] for e in rd.params if e.get("since") == 4]
+        assert late == ["calib"], late
+        assert not [w for w in rd.meta["capture"]["warnings"] if "parameter(s)" in w], \
+            rd.meta["capture"]["warnings"]
+        assert rd.final is not None and rd.final["after_step"] == 3

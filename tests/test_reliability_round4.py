@@ -352,8 +352,12 @@ def test_a_collective_the_emulation_refuses_exits_2(tmp_path, case, said):
     """The rank stops with exit 2 (nccl_emulation._refuse); torchrun makes that its own 1;
     `parity exec` exits 2, as documented, with the rank's reason in run.json."""
     out = tmp_path / case
-    p = _start(out, "torchrun", "--standalone", "--nproc_per_node", "2", TRAINER,
-               opts=("--emulate-nccl", "1x2"), R4_CASE=case)
+    # torchrun next to this interpreter, else ``python -m torch.distributed.run`` (the venv may
+    # not be activated: a bare "torchrun" was not found, or was another torch's)
+    from tests.real_jobs import exe
+
+    p = _start(out, *exe("torchrun", "torch.distributed.run"), "--standalone",
+               "--nproc_per_node", "2", TRAINER, opts=("--emulate-nccl", "1x2"), R4_CASE=case)
     _, err = p.communicate(timeout=TIMEOUT)
     assert p.returncode == EXIT_USAGE, err[-3000:]
     assert f"parity: error: --emulate-nccl" in err and said in err, err[-3000:]

@@ -109,11 +109,19 @@ def tree_tensors(root, non_persistent: list[str] | None = None
     return params, buffers
 
 
+# What FSDP2 sets on a module in place of its sharded parameter, without a registration hook
+# (``FSDPParam._setattr_on_modules``): the unsharded parameter between an all-gather and its
+# reshard, and, with ``reshard_after_forward=<int>``, the post-forward shard on the smaller group
+# between a forward and the backward's all-gather (an eval forward leaves it there).
+_FSDP_STAND_INS = ("_unsharded_param", "_sharded_post_forward_param")
+
+
 def fsdp_unsharded(root) -> set[int]:
-    """The ids of the unsharded parameters FSDP2 has set on modules of ``root`` in place of
-    their shards (``FSDPParam._unsharded_param``, between an all-gather and its reshard: the
-    root after an eval forward, any module in a step that was interrupted). They are the state
-    of the shards the table holds, registered without a hook, not parameters of their own.
+    """The ids of the parameters FSDP2 has set on modules of ``root`` in place of their shards
+    (``FSDPParam._unsharded_param``, between an all-gather and its reshard: the root after an
+    eval forward, any module in a step that was interrupted; ``_sharded_post_forward_param``,
+    a module with ``reshard_after_forward=<int>`` after its forward). They are the state of the
+    shards the table holds, registered without a hook, not parameters of their own.
     Read through FSDP2's private state (torch 2.11-2.15: ``FSDPModule._get_fsdp_state()``,
     ``_fsdp_param_group`` or ``_fsdp_param_groups``, ``fsdp_params``); empty where absent."""
     ids: set[int] = set()
@@ -133,9 +141,10 @@ def fsdp_unsharded(root) -> set[int]:
                 groups = [one] if one is not None else []
             for g in groups:
                 for fp in getattr(g, "fsdp_params", ()):
-                    u = fp.__dict__.get("_unsharded_param")
-                    if u is not None:
-                        ids.add(id(u))
+                    for attr in _FSDP_STAND_INS:
+                        u = fp.__dict__.get(attr)
+                        if u is not None:
+                            ids.add(id(u))
         except Exception:  # noqa: BLE001 - another torch's layout: nothing skipped
             continue
     return ids
