@@ -296,6 +296,28 @@ def test_the_digest_path_queues_without_a_host_sync():
 
 
 @need_cuda
+def test_a_table_is_captured_only_after_it_ran_with_the_same_figures_setting():
+    """Triton compiles a kernel once per class of its integer arguments (1, a multiple of 16,
+    other): a table of 16k rows launched with figures, then without, needs a variant that a
+    table of other sizes compiled without figures does not provide. Capturing it on its second
+    use compiled that variant inside the CUDA graph capture (a refusal turns replay off for the
+    process). A table is captured once it ran with that setting itself (plan.launched)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    other = [torch.randn(5, device="cuda", generator=g) for _ in range(3)]  # n = 3
+    hashing.digest_tensors_async(other, "auto", stable=True).result()  # no figures, n "other"
+    ts = [torch.randn(9, device="cuda", generator=g) for _ in range(32)]  # n = 32
+    want = b"".join(hashing._digests_torch(ts))
+    assert hashing.digest_tensors_async(ts, "auto", stable=True, figures=True).result() == want
+    for _ in range(3):  # launched without figures once, captured after that, then replayed
+        assert hashing.digest_tensors_async(ts, "auto", stable=True).result() == want
+    seen = [s for same_key in hashing_triton._stable.values() for s in same_key
+            if s.members[0] is ts[0]]
+    assert hashing_triton._state["graphs"] is None, hashing_triton._state["graphs"]
+    assert seen and seen[0].plan.launched == {True, False}
+    assert seen[0].plan.graphs.get(False) is not None
+
+
+@need_cuda
 def test_tables_replayed_as_cuda_graphs_follow_the_tensors(monkeypatch):
     """A table used a second time is captured as a CUDA graph and replayed after that
     (hashing_triton._Graphed): the replay reads the tensors' current values; new storage, a

@@ -152,13 +152,17 @@ class _Plan:
     """A device table for one list of tensors (see the module docstring). ``fallback``: the
     slots whose dtype the kernels do not decode for the figures."""
 
-    __slots__ = ("table", "keys", "rows", "n", "device", "fallback", "graphs", "uses")
+    __slots__ = ("table", "keys", "rows", "n", "device", "fallback", "graphs", "uses",
+                 "launched")
 
     def __init__(self, table, keys, rows: int, n: int, device, fallback: tuple = ()):
         self.table, self.keys, self.rows, self.n, self.device = table, keys, rows, n, device
         self.fallback = fallback
         self.graphs: dict = {}  # figures (bool) -> _Graphed: this table's launches, replayable
         self.uses = 0  # launches so far (a table is captured on its second use)
+        # figures settings this table was launched with on the device: its kernels' variants
+        # (Triton compiles one per class of n and rows: 1, a multiple of 16, other) are loaded
+        self.launched: set = set()
 
 
 def _build(ptrs: list[int], nbytes: list[int], dtypes: list, device, chunk: int) -> _Plan:
@@ -366,7 +370,7 @@ def _launch(plan: _Plan, block: int, iters: int, figures: bool = False) -> Pendi
     _queue(plan, lanes, res, parts, block, iters, figures)
     keep = (lanes, res, parts, plan)
     if plan.device.type == "cuda":
-        _warm.add((plan.device, figures))
+        plan.launched.add(figures)
         return _to_host(plan, res, keep, figures)
     return _pending(plan, res, None, keep, figures)  # the interpreter, on CPU tensors
 
@@ -386,7 +390,6 @@ def _launch(plan: _Plan, block: int, iters: int, figures: bool = False) -> Pendi
 # stream, or where capture fails (the process then stops trying: one line on stderr), the
 # launches are queued as before.
 ENV_GRAPHS = "PARITY_DIGEST_GRAPHS"  # "0": never replay a table (queue the launches each call)
-_warm: set = set()  # (device, figures) whose kernels have run once here (compiled and loaded)
 _side: dict = {}  # device -> parity's capture stream
 
 
@@ -449,7 +452,9 @@ def _launch_plan(plan: _Plan, figures: bool = False) -> Pending | None:
         stream = torch.cuda.current_stream(plan.device)
         g = plan.graphs.get(figures)
         on = _graphs_on()
-        if g is None and on and plan.uses and (plan.device, figures) in _warm:
+        # captured once this very table ran with these figures: a kernel Triton has not
+        # compiled for its sizes would compile and load inside the capture, which CUDA refuses
+        if g is None and on and figures in plan.launched:
             g = _capture(plan, figures, stream)
         plan.uses += 1
         if g is not None and g.stream == stream and on:
