@@ -397,3 +397,35 @@ def test_host_figures_keep_the_bits_of_the_first_version():
     for t, row in zip(cases, got):
         want = np.array(_figures_as_first_written(t), dtype="<f8")
         assert row.tobytes() == want.tobytes(), (t.dtype, t.shape, row, want)
+
+
+def test_auto_is_resolved_once_per_run_so_cpu_rows_of_a_device_run_get_the_device_digest():
+    """--hasher auto picks one digest for the whole run at its first digest (table.py
+    ``_table_hasher``): a device run's rows that sit on the CPU (a buffer kept on the host, the
+    final state after ``model.cpu()``) get the device digest (by torch ops), which equals the
+    other run's digest of the same values on a GPU; per tensor, xxh3 and the device digest never
+    agree (found by reading, round 5). Pure logic: a stand-in for a CUDA tensor (no GPU here)."""
+    from parity.capture.hashing import digest_tensors_async
+    from parity.capture.table import ParamTable
+
+    class OnCuda:  # what _table_hasher reads of a CUDA tensor
+        is_cuda = True
+        layout = torch.strided
+
+        def detach(self):
+            return self
+
+    class Run(ParamTable):
+        def __init__(self, hasher):
+            self.hasher, self._resolved_hasher = hasher, None
+            self.table, self._buffer_keys = [], set()
+
+    cpu = torch.arange(6, dtype=torch.float32)
+    run = Run("auto")
+    assert run._table_hasher([OnCuda(), cpu]) == "device"
+    assert run._table_hasher([cpu]) == "device"  # resolved once: a later CPU-only call too
+    got = digest_tensors_async([cpu], run._table_hasher([cpu])).result()
+    assert got == device_digests([cpu])[0] != host_digest(cpu)
+    run = Run("auto")
+    assert run._table_hasher([cpu]) == "xxh3" and run._table_hasher([OnCuda()]) == "xxh3"
+    assert Run("device")._table_hasher([cpu]) == "device"

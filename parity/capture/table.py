@@ -389,13 +389,33 @@ class ParamTable:
             return list(self.table)
         return [p.tensor() if type(p) is _Buffer else p for p in self.table]
 
+    def _table_hasher(self, tensors: list) -> str:
+        """The digest of every row of this run: ``--hasher``, or for ``auto`` resolved once, at
+        the first digest: ``device`` when a tensor of the table (or of this first call) is on
+        a CUDA device, else ``xxh3``. Once per run, not per tensor: a row that sits on the CPU
+        in a device run (a buffer kept on the host, the final state after ``model.cpu()``)
+        gets the device digest too (by torch ops), so that it compares with the other run's
+        row of the same values on the device; per tensor, xxh3 and the device digest never
+        agree and the diff would report identical values as a mismatch."""
+        h = self._resolved_hasher
+        if h is None:
+            if self.hasher != "auto":
+                h = self.hasher
+            else:
+                every = [*self._tensors(), *tensors]
+                h = "device" if any(t is not None and local_tensor(t).is_cuda
+                                    for t in every) else "xxh3"
+            self._resolved_hasher = h
+        return h
+
     def _digest_rows(self, tensors: list, rows=None, **options) -> Digests:
         """``digest_tensors_async`` of ``tensors`` (table rows ``rows``, default 0..n-1;
         ``options`` passed on); a tensor that cannot be hashed (a buffer replaced by a meta
         tensor, a subclass) gets NO_HASH and is named (``capture.unhashed``) instead of turning
         capture off."""
+        hasher = self._table_hasher(tensors)
         try:
-            return digest_tensors_async(tensors, self.hasher, **options)
+            return digest_tensors_async(tensors, hasher, **options)
         except Exception:  # noqa: BLE001 - find the tensor, say it, hash the rest
             pass
         figures = bool(options.get("figures"))
@@ -405,7 +425,7 @@ class ParamTable:
             try:
                 if trees.unhashable(t) is not None:
                     raise TypeError(trees.unhashable(t))
-                d = digest_tensors_async([t], self.hasher, figures=figures)
+                d = digest_tensors_async([t], hasher, figures=figures)
                 out.append(d.result())
                 figs.append(d.figures() if figures else b"")
             except Exception as e:  # noqa: BLE001

@@ -201,10 +201,7 @@ class RankRecord:
             if dupes:
                 self.warn(f"parameter names are not unique after normalization: "
                           f"{', '.join(sorted(dupes)[:5])}")
-            if self._resolved_hasher is None:
-                devs = {local_tensor(p).device.type for p in self._tensors() if p is not None}
-                self._resolved_hasher = ("device" if self.hasher == "device"
-                                         or (self.hasher == "auto" and "cuda" in devs) else "xxh3")
+            self._table_hasher([])  # resolved at the first digest already (table.py)
             w.meta.update(self._runtime_meta())
             w.meta["capture"] = self._capture_meta()
             w.update_meta()
