@@ -61,7 +61,8 @@ stage() {  # stage NAME LIMIT_SECONDS CMD...: run with a time limit, print as it
 # found in the cache) in the background while the tests run: the benchmark then times it
 # without waiting for the compiler (~10-20 s, once per machine and torch)
 # (a failed build prints what the compiler said, so that one run on a GPU says why)
-"$PY" - > "$OUT/host_check.log" 2>&1 <<'EOF' &
+# (under a time limit like every stage: a hung compiler must not stall the check)
+timeout --kill-after=10 180 "$PY" - > "$OUT/host_check.log" 2>&1 <<'EOF' &
 from parity.capture import host_native as h
 h.build_now()
 print("host check:", h.status())
@@ -79,7 +80,7 @@ stage tests 150 "$PY" -m pytest -q -p no:cacheprovider \
     "tests/test_workload.py::test_capture_on_cuda_eager_vs_compiled_two_ranks_sharing_a_gpu" \
     -k "not interpreter and not positions_restart and not sm90" || FAILED=1
 
-wait "$PREBUILD"
+wait "$PREBUILD" || echo "host check: the build did not finish within 180 s (exit $?)" >> "$OUT/host_check.log"
 cat "$OUT/host_check.log"
 
 # 2. the cuda benchmark (full sizes; each figure printed as it comes; MISS marks a target)
