@@ -150,6 +150,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self._trees_skipped: list[dict] = []  # their meta.json ``capture.skipped`` entries
         self._unhashed: dict[str, str] = {}  # fqn -> why it is not hashed (capture.unhashed)
         self._fqn_roots: dict[str, object] = {}  # name -> the root module that holds it
+        self._unnamed: dict[str, int] = {}  # "dtype[shape]" -> unnamed rows of it so far
         self._root_labels: dict[int, str] = {}  # id(root) -> prefix for its colliding names
         self._labels_said: set[str] = set()
         self._optimizers: set[int] = set()  # ids of the optimizers that stepped

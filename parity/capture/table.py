@@ -354,6 +354,19 @@ class ParamTable:
         return {id(m) for root in self._name_roots for m in root.modules()}
 
     # ------------------------------------------------------------------------ names
+    def _unnamed_name(self, p) -> str:
+        """The name of a tensor no module holds (a raw tensor the trainer optimises, the values
+        of a ``torch.func.functional_call`` params dict): its dtype and global shape, and its
+        order among the unnamed tensors of that dtype and shape (``<unnamed float32[16,8]>``,
+        then ``... #2``). Not its row: a row number matched the tensors of two runs by their
+        place in the optimizer, so the same tensors handed to it in another order (or one
+        more named parameter before them) were compared with the wrong ones: a FAILS "before
+        the first optimizer step" on identical runs (round 5)."""
+        key = f"{dtype_name(p.dtype)}[{','.join(str(d) for d in p.shape)}]"
+        n = self._unnamed.get(key, 0) + 1
+        self._unnamed[key] = n
+        return f"<unnamed {key}>" if n == 1 else f"<unnamed {key} #{n}>"
+
     def _unique_name(self, raw: str | None, root, i: int) -> tuple[str, str | None]:
         """(normalized name, raw name) of a new row: a name that another model already holds
         gets this model's class name as a prefix (``Discriminator.l1.weight``), and a counter
@@ -476,7 +489,7 @@ class ParamTable:
 
     def _param_entry(self, p, raw, root, i: int, extra: dict) -> dict:
         lt = local_tensor(p)
-        fqn, raw = self._unique_name(raw, root, i)
+        fqn, raw = self._unique_name(raw, root, i) if raw else (self._unnamed_name(p), raw)
         entry = {"fqn": fqn, "raw_fqn": raw, "shape": list(lt.shape), "global_shape": list(p.shape),
                  "dtype": dtype_name(lt.dtype), "placement": None, "mesh_coord": None, **extra}
         if _is_dtensor(p):
