@@ -107,3 +107,13 @@ def test_unnamed_tensors_are_matched_by_dtype_and_shape_not_by_their_row(runs):
     # and a real difference in those tensors still fails, at the step that made it
     rc, line, d = _diff(a, _ok(runs, "funcall_reversed_lr"))
     assert rc == EXIT_MISMATCH and "from step 1" in line, line
+
+
+@pytest.mark.parametrize("at", ["", "_first"])
+def test_a_step_that_raised_is_no_step(runs, at):
+    a, b = _ok(runs, f"skip_continue{at}"), _ok(runs, f"skip_raise{at}")
+    rc, line, d = _diff(a, b)
+    assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
+    assert d["steps_compared"] == [0, 1, 2, 3] and not d["incomplete"]
+    meta = json.loads((b / "rank-00000" / "meta.json").read_text())
+    assert meta["capture"]["steps"] == 3, meta["capture"]

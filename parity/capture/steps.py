@@ -56,6 +56,13 @@ class StepClock:
                 outer = self._outer() if self._outer is not None else None
                 if self.depth >= 1 and opt is outer:
                     self.depth = 0  # the previous step() of this optimizer raised midway
+                    if not self.open and self.done == self.k - 1:
+                        # it began step k and never ended it (no post-hook, nothing written):
+                        # it was no step, and this one takes its number. Counting it shifted
+                        # every later step by one against a run that skipped the batch
+                        # without calling step() (an exception caught around step(), an OOM
+                        # retried): a FAILS on identical updates, and a step "missing"
+                        self.k -= 1
                 self.depth += 1
                 self._optimizers.add(id(opt))
                 if self.depth == 1:
