@@ -117,3 +117,27 @@ def test_a_step_that_raised_is_no_step(runs, at):
     assert d["steps_compared"] == [0, 1, 2, 3] and not d["incomplete"]
     meta = json.loads((b / "rank-00000" / "meta.json").read_text())
     assert meta["capture"]["steps"] == 3, meta["capture"]
+
+
+def test_fsdp2_sync_at_every_micro_batch_is_a_reduction_structure_difference(tmp_path):
+    cmd = ("torchrun", "--standalone", "--nproc_per_node", "2", TRAINER)
+    jobs = {s: _start(tmp_path / s, *cmd, R5_CASE="nosync", R5_STEPS=1,
+                      R5_SYNC=s.rstrip("2")) for s in ("each", "last", "each2")}
+    for s, p in jobs.items():
+        _, err = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == EXIT_OK, err[-2000:]
+    a, b = tmp_path / "each", tmp_path / "last"
+    # exact gradients: the hashes hold whatever the order, so only the layouts can tell
+    rc, line, d = _diff(a, b)
+    assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
+    assert "tolerated: a gradient reduced by a different number of collectives" in line, line
+    assert {(x["a"], x["b"]) for x in d["order"]["structure"]} == {(2, 1)}
+    assert any("reduced by 2 buckets per step in A" in n for n in d["order"]["notes"])
+    for policy in ("any", "reduction"):
+        rc, line, _ = _diff(a, b, "--fail-on", policy)
+        assert rc == EXIT_MISMATCH and line.startswith("PARITY FAILS"), line
+        assert "a gradient reduced by a different number of collectives" in line, line
+    # the same structure on both sides (a sync at every micro-batch): nothing to say
+    rc, line, d = _diff(a, tmp_path / "each2", "--fail-on", "any")
+    assert rc == EXIT_OK and "bucket layouts identical" in line, line
+    assert "different number" not in line and not d["order"]["structure"], line
