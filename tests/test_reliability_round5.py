@@ -9,6 +9,10 @@ once gave a wrong verdict:
 - a ``step()`` that raised before it ended (a pre-hook refusing the batch, caught by the
   trainer) was counted as a step: every later step shifted by one against a run that skipped
   the batch with ``continue``, FAILS on identical updates and a step "missing";
+- two frozen models of one class (an ensemble of teachers) were told apart by the order they
+  were built (``Sequential#2.`` for the later one): built in the other order, each was compared
+  with the other's twin, FAILS at step 0 on identical runs. Now labelled in the order of their
+  contents;
 - FSDP2 reduce-scattering every gradient at each micro-batch against once per step
   (``set_requires_gradient_sync(False)``) read "bucket layouts identical" under every policy
   (the repeated reduce-scatters were dropped as re-gathers) and held under ``--fail-on any``
@@ -60,6 +64,9 @@ JOBS = {  # name: trainer knobs
     "skip_raise": {"R5_CASE": "abort", "R5_SKIP": "raise"},
     "skip_raise_first": {"R5_CASE": "abort", "R5_SKIP": "raise", "R5_ABORT_AT": 1},
     "skip_continue_first": {"R5_CASE": "abort", "R5_ABORT_AT": 1},
+    "teachers": {"R5_CASE": "teachers"},
+    "teachers_reversed": {"R5_CASE": "teachers", "R5_BUILD": "reverse"},
+    "teachers_reversed_other": {"R5_CASE": "teachers", "R5_BUILD": "reverse", "R5_SEED2": 11},
 }
 
 
@@ -117,6 +124,16 @@ def test_a_step_that_raised_is_no_step(runs, at):
     assert d["steps_compared"] == [0, 1, 2, 3] and not d["incomplete"]
     meta = json.loads((b / "rank-00000" / "meta.json").read_text())
     assert meta["capture"]["steps"] == 3, meta["capture"]
+
+
+def test_twin_models_are_labelled_by_their_contents_not_the_order_they_were_built(runs):
+    a, b = _ok(runs, "teachers"), _ok(runs, "teachers_reversed")
+    assert "Sequential#2.0.weight" in _fqns(a)  # twins: the later-named one is labelled
+    rc, line, d = _diff(a, b)
+    assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
+    # a teacher that differs still fails, before the first step
+    rc, line, d = _diff(a, _ok(runs, "teachers_reversed_other"))
+    assert rc == EXIT_MISMATCH and "from step 0" in line, line
 
 
 def test_fsdp2_sync_at_every_micro_batch_is_a_reduction_structure_difference(tmp_path):

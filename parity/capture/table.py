@@ -41,9 +41,29 @@ import torch
 from parity.artifacts import NO_FIGURES, NO_HASH
 from parity.capture import trees
 from parity.capture.env import one_line
-from parity.capture.hashing import Digests, digest_tensors_async, local_tensor
+from parity.capture.hashing import Digests, digest_tensors_async, host_digest, local_tensor
 from parity.capture.names import normalize_fqn
 from parity.records import dtype_name
+
+def _content_key(root) -> bytes:
+    """A digest of a module tree's contents that does not depend on when it was built: its
+    tensors' names, dtypes, shapes and first 256 elements (a few bytes copied per tensor, on
+    any device). Orders twin models for naming only (ParamTable._naming_order)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    params, buffers = trees.tree_tensors(root)
+    for fqn, t in [*params, *((f, b) for f, _, _, b in buffers)]:
+        h.update(f"{fqn}:{t.dtype}:{tuple(t.shape)};".encode())
+        if trees.unhashable(t) is not None:
+            continue
+        try:
+            x = local_tensor(t).reshape(-1)[:256]
+            h.update(host_digest(x))
+        except Exception:  # noqa: BLE001  a tensor that cannot be read: its name and shape
+            pass
+    return h.digest()
+
 
 def _placement_str(p) -> str:
     name = type(p).__name__
@@ -534,7 +554,7 @@ class ParamTable:
         _REGISTRATION["dirty"] = False
         start = len(self.table)
         tensors = []
-        for root in list(self._name_roots):
+        for root in self._naming_order(list(self._name_roots)):
             params, buffers = trees.tree_tensors(root)
             held = trees.fsdp_unsharded(root) if final else ()
             for fqn, p in params:
@@ -589,6 +609,28 @@ class ParamTable:
             self.warn(f"{what} joined the table {when} "
                       f"({shown}{', ...' if len(tensors) > 3 else ''})")
         return len(tensors)
+
+    def _naming_order(self, roots: list) -> list:
+        """``roots`` in the order their tensors are named. Two models of one class whose names
+        collide are told apart by a label that goes to the later one (``Sequential#2.``): in
+        the order they were found, that is built. Two frozen teachers of one class built in
+        another order in the other run then swapped labels, and the diff compared each with
+        the other's twin: FAILS "parameters differ before the first optimizer step" on
+        identical runs (round 5). Roots that hold no name yet and share their class with
+        another such root are therefore taken in the order of their contents (a digest of
+        each tensor's first elements, names and shapes): the same models get the same labels
+        whatever the order they were built in. Other roots keep their places."""
+        named = {id(r) for r in self._fqn_roots.values() if r is not None}
+        fresh = [r for r in roots if id(r) not in named]
+        classes: dict[str, int] = {}
+        for r in fresh:
+            classes[type(r).__name__] = classes.get(type(r).__name__, 0) + 1
+        twins = [r for r in fresh if classes[type(r).__name__] > 1]
+        if not twins:
+            return roots
+        keyed = {id(r): (type(r).__name__, _content_key(r)) for r in twins}
+        ordered = iter(sorted(twins, key=lambda r: keyed[id(r)]))
+        return [next(ordered) if id(r) in keyed else r for r in roots]
 
     def _check_params(self, opt) -> None:
         """After step 1: parameters that joined an optimizer (``add_param_group``, an optimizer

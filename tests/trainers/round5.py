@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node 2 tests/trainers/round5.py (R5_CASE=nosync)
 
 Knobs (environment):
-  R5_CASE=funcall|abort|nosync   (default funcall)
+  R5_CASE=funcall|abort|teachers|nosync   (default funcall)
       funcall  a Linear-Tanh-Linear model trained through ``torch.func.functional_call`` with a
                params dict of clones (tensors no module holds: the optimizer's only
                parameters), SGD, R5_STEPS steps
@@ -13,6 +13,9 @@ Knobs (environment):
                by a step pre-hook of the trainer that raises, caught around ``opt.step()``
                (R5_SKIP=raise): the same updates either way; R5_STEPS iterations are run
                besides the skipped one
+      teachers two frozen teachers of one class (an ensemble, no optimizer holds them) and a
+               Linear student; R5_BUILD=reverse builds the teachers in the other order (each
+               seeded alone: the same models); R5_SEED2=S seeds the second teacher (default 10)
       nosync   FSDP2 (gloo), three Linear layers each sharded, one step of two micro-batches,
                with integer weights and inputs and a sum loss (every gradient exact, so any
                order of reduction gives the same bits); R5_SYNC=each (default) reduce-scatters
@@ -91,6 +94,31 @@ def abort():
             pass
 
 
+def teachers():
+    def build(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).requires_grad_(False)
+
+    seed2 = int(os.environ.get("R5_SEED2", "10"))
+    if os.environ.get("R5_BUILD") == "reverse":
+        t2 = build(seed2)
+        t1 = build(9)
+    else:
+        t1 = build(9)
+        t2 = build(seed2)
+    torch.manual_seed(2)
+    student = nn.Linear(8, 4)
+    x, _ = _data()
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        with torch.no_grad():
+            target = t1(x) + 0.5 * t2(x)
+        loss = ((student(x) - target) ** 2).mean()
+        loss.backward()
+        opt.step()
+
+
 def nosync():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -120,4 +148,4 @@ def nosync():
 
 
 if __name__ == "__main__":
-    {"funcall": funcall, "abort": abort, "nosync": nosync}[CASE]()
+    {"funcall": funcall, "abort": abort, "teachers": teachers, "nosync": nosync}[CASE]()
