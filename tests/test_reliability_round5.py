@@ -13,6 +13,10 @@ once gave a wrong verdict:
   were built (``Sequential#2.`` for the later one): built in the other order, each was compared
   with the other's twin, FAILS at step 0 on identical runs. Now labelled in the order of their
   contents;
+- a trainer that compiles its optimizer step had capture's global optimizer hooks traced by
+  dynamo: the graph broke inside them and the step ran other code than without parity
+  (step 1 took the eager values): capture changed the run it recorded. The hooks are now
+  wrapped in ``torch._dynamo.disable`` at the first ``torch.compile``;
 - FSDP2 reduce-scattering every gradient at each micro-batch against once per step
   (``set_requires_gradient_sync(False)``) read "bucket layouts identical" under every policy
   (the repeated reduce-scatters were dropped as re-gathers) and held under ``--fail-on any``
@@ -134,6 +138,29 @@ def test_twin_models_are_labelled_by_their_contents_not_the_order_they_were_buil
     # a teacher that differs still fails, before the first step
     rc, line, d = _diff(a, _ok(runs, "teachers_reversed_other"))
     assert rc == EXIT_MISMATCH and "from step 0" in line, line
+
+
+def test_a_compiled_optimizer_step_runs_as_it_does_without_parity(tmp_path):
+    """The step's values under `parity exec` are the values without it (capture's hooks are
+    not traced into the compiled step), and the diff against the eager step says step 1."""
+    import torch
+
+    plain = subprocess.run([sys.executable, TRAINER], capture_output=True, text=True,
+                           timeout=TIMEOUT, env=_env(R5_CASE="cstep", R5_COMPILE=1,
+                                                     R5_SAVE=tmp_path / "plain.pt"))
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    jobs = {"compiled": _start(tmp_path / "compiled", R5_CASE="cstep", R5_COMPILE=1,
+                               R5_SAVE=tmp_path / "captured.pt"),
+            "eager": _start(tmp_path / "eager", R5_CASE="cstep")}
+    for name, p in jobs.items():
+        _, err = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == EXIT_OK, err[-2000:]
+    alone = torch.load(tmp_path / "plain.pt")
+    captured = torch.load(tmp_path / "captured.pt")
+    for k, (x, y) in enumerate(zip(alone, captured), 1):
+        assert all(torch.equal(a, b) for a, b in zip(x, y)), f"step {k} changed by capture"
+    rc, line, d = _diff(tmp_path / "eager", tmp_path / "compiled")
+    assert rc == EXIT_MISMATCH and "from step 1" in line, line  # compiled Adam: other values
 
 
 def test_fsdp2_sync_at_every_micro_batch_is_a_reduction_structure_difference(tmp_path):

@@ -141,6 +141,11 @@ def install(current) -> None:
 
     def compile(*args, **kwargs):
         s = _current()
+        if s is not None:
+            try:  # a compiled optimizer step must not trace capture's hooks
+                s.hide_from_dynamo()
+            except Exception as e:  # noqa: BLE001  (fail soft: session.py)
+                s._fail(e)
         if s is not None and s.manifests:
             from parity.capture.sources.manifest_source import ON_COMPILE
 

@@ -103,6 +103,9 @@ class StepClock:
             return
         if h is None or h.id not in hooks:
             self._consumed_handles[id(opt)] = opt.register_step_pre_hook(self._consumed_hook)
+            if self._dynamo_hidden:  # a compiled step must not trace it (hide_from_dynamo)
+                self._dynamo_hidden = False
+                self.hide_from_dynamo()
         else:
             hooks.move_to_end(h.id)
 

@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node 2 tests/trainers/round5.py (R5_CASE=nosync)
 
 Knobs (environment):
-  R5_CASE=funcall|abort|teachers|nosync   (default funcall)
+  R5_CASE=funcall|abort|teachers|cstep|nosync   (default funcall)
       funcall  a Linear-Tanh-Linear model trained through ``torch.func.functional_call`` with a
                params dict of clones (tensors no module holds: the optimizer's only
                parameters), SGD, R5_STEPS steps
@@ -16,6 +16,10 @@ Knobs (environment):
       teachers two frozen teachers of one class (an ensemble, no optimizer holds them) and a
                Linear student; R5_BUILD=reverse builds the teachers in the other order (each
                seeded alone: the same models); R5_SEED2=S seeds the second teacher (default 10)
+      cstep    the model trained with Adam whose step is compiled (R5_COMPILE=1:
+               ``torch.compile(backend="eager")`` of a function calling ``opt.step()``, as the
+               PyTorch tutorial on compiling the optimizer does; default: eager); R5_SAVE=PATH
+               saves every step's parameters (torch.save of a list of lists)
       nosync   FSDP2 (gloo), three Linear layers each sharded, one step of two micro-batches,
                with integer weights and inputs and a sum loss (every gradient exact, so any
                order of reduction gives the same bits); R5_SYNC=each (default) reduce-scatters
@@ -119,6 +123,25 @@ def teachers():
         opt.step()
 
 
+def cstep():
+    model = _model()
+    x, y = _data()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = opt.step
+    if os.environ.get("R5_COMPILE") == "1":
+        @torch.compile(backend="eager")
+        def step():
+            opt.step()
+    history = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        step()
+        history.append([p.detach().clone() for p in model.parameters()])
+    if os.environ.get("R5_SAVE"):
+        torch.save(history, os.environ["R5_SAVE"])
+
+
 def nosync():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -148,4 +171,5 @@ def nosync():
 
 
 if __name__ == "__main__":
-    {"funcall": funcall, "abort": abort, "teachers": teachers, "nosync": nosync}[CASE]()
+    {"funcall": funcall, "abort": abort, "teachers": teachers, "cstep": cstep,
+     "nosync": nosync}[CASE]()
