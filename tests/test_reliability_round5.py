@@ -16,7 +16,8 @@ once gave a wrong verdict:
 - a trainer that compiles its optimizer step had capture's global optimizer hooks traced by
   dynamo: the graph broke inside them and the step ran other code than without parity
   (step 1 took the eager values): capture changed the run it recorded. The hooks are now
-  wrapped in ``torch._dynamo.disable`` at the first ``torch.compile``;
+  wrapped in ``torch._dynamo.disable`` at the first ``torch.compile``; so is the
+  ``backward`` patch, which dynamo traced in a compiled forward-and-backward (no loss noted);
 - FSDP2 reduce-scattering every gradient at each micro-batch against once per step
   (``set_requires_gradient_sync(False)``) read "bucket layouts identical" under every policy
   (the repeated reduce-scatters were dropped as re-gathers) and held under ``--fail-on any``
@@ -161,6 +162,19 @@ def test_a_compiled_optimizer_step_runs_as_it_does_without_parity(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(x, y)), f"step {k} changed by capture"
     rc, line, d = _diff(tmp_path / "eager", tmp_path / "compiled")
     assert rc == EXIT_MISMATCH and "from step 1" in line, line  # compiled Adam: other values
+
+
+def test_the_loss_of_a_compiled_forward_and_backward_is_recorded(tmp_path):
+    """``loss.backward()`` inside a compiled function: capture's backward patch was traced by
+    dynamo (where it stands aside) and no loss was noted: exit 3, "loss recorded by A only"."""
+    jobs = {"eager": _start(tmp_path / "eager", R5_CASE="cstep"),
+            "train": _start(tmp_path / "train", R5_CASE="cstep", R5_COMPILE="train")}
+    for name, p in jobs.items():
+        _, err = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == EXIT_OK, err[-2000:]
+    rc, line, d = _diff(tmp_path / "eager", tmp_path / "train")
+    assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line  # backend eager: same values
+    assert "(param, grad, loss, final state)" in line and d["loss"]["captured"], line
 
 
 def test_fsdp2_sync_at_every_micro_batch_is_a_reduction_structure_difference(tmp_path):

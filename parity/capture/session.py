@@ -221,6 +221,7 @@ class Session(RankRecord, StepClock, ParamTable):
         import torch._dynamo
 
         self._dynamo_hidden = True
+        patches.hide_from_dynamo()
         for h in [*self._handles, *self._consumed_handles.values()]:
             table = h.hooks_dict_ref() if hasattr(h, "hooks_dict_ref") else None
             fn = table.get(h.id) if table is not None else None

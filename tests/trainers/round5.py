@@ -18,7 +18,9 @@ Knobs (environment):
                seeded alone: the same models); R5_SEED2=S seeds the second teacher (default 10)
       cstep    the model trained with Adam whose step is compiled (R5_COMPILE=1:
                ``torch.compile(backend="eager")`` of a function calling ``opt.step()``, as the
-               PyTorch tutorial on compiling the optimizer does; default: eager); R5_SAVE=PATH
+               PyTorch tutorial on compiling the optimizer does; R5_COMPILE=train: the forward
+               and ``loss.backward()`` compiled in one function, the step eager; default:
+               eager); R5_SAVE=PATH
                saves every step's parameters (torch.save of a list of lists)
       nosync   FSDP2 (gloo), three Linear layers each sharded, one step of two micro-batches,
                with integer weights and inputs and a sum loss (every gradient exact, so any
@@ -128,14 +130,22 @@ def cstep():
     x, y = _data()
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     step = opt.step
+
+    def forward_backward():
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
     if os.environ.get("R5_COMPILE") == "1":
         @torch.compile(backend="eager")
         def step():
             opt.step()
+    elif os.environ.get("R5_COMPILE") == "train":
+        forward_backward = torch.compile(forward_backward, backend="eager")
     history = []
     for _ in range(STEPS):
         opt.zero_grad()
-        ((model(x) - y) ** 2).mean().backward()
+        forward_backward()
         step()
         history.append([p.detach().clone() for p in model.parameters()])
     if os.environ.get("R5_SAVE"):
