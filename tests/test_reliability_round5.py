@@ -18,6 +18,9 @@ once gave a wrong verdict:
   (step 1 took the eager values): capture changed the run it recorded. The hooks are now
   wrapped in ``torch._dynamo.disable`` at the first ``torch.compile``; so is the
   ``backward`` patch, which dynamo traced in a compiled forward-and-backward (no loss noted);
+- a parameter set to None after the last step (``m.bias = None``): the final state hashed the
+  tensor capture keeps a reference to, and the pair held against a run that kept the bias.
+  Now absent from the final state (all-zero hash), with a warning;
 - FSDP2 reduce-scattering every gradient at each micro-batch against once per step
   (``set_requires_gradient_sync(False)``) read "bucket layouts identical" under every policy
   (the repeated reduce-scatters were dropped as re-gathers) and held under ``--fail-on any``
@@ -72,6 +75,10 @@ JOBS = {  # name: trainer knobs
     "teachers": {"R5_CASE": "teachers"},
     "teachers_reversed": {"R5_CASE": "teachers", "R5_BUILD": "reverse"},
     "teachers_reversed_other": {"R5_CASE": "teachers", "R5_BUILD": "reverse", "R5_SEED2": 11},
+    "kept": {"R5_CASE": "drop"},
+    "dropped": {"R5_CASE": "drop", "R5_DROP": "bias"},
+    "dropped_again": {"R5_CASE": "drop", "R5_DROP": "bias"},
+    "moved": {"R5_CASE": "drop", "R5_DROP": "move"},
 }
 
 
@@ -139,6 +146,19 @@ def test_twin_models_are_labelled_by_their_contents_not_the_order_they_were_buil
     # a teacher that differs still fails, before the first step
     rc, line, d = _diff(a, _ok(runs, "teachers_reversed_other"))
     assert rc == EXIT_MISMATCH and "from step 0" in line, line
+
+
+def test_a_parameter_dropped_after_the_last_step_is_absent_from_the_final_state(runs):
+    kept, dropped = _ok(runs, "kept"), _ok(runs, "dropped")
+    rc, line, d = _diff(kept, dropped)
+    assert rc == EXIT_MISMATCH and "hash mismatch in the final state" in line, line
+    assert d["final_state"]["params"] == ["2.bias"], d["final_state"]
+    assert "B: 1 parameter(s) left the model after step 3 (2.bias)" in line, line
+    rc, line, d = _diff(dropped, _ok(runs, "dropped_again"))
+    assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
+    # moved into a parametrization, not dropped: the same tensor, still the model's
+    rc, line, d = _diff(kept, _ok(runs, "moved"))
+    assert rc == EXIT_OK and "left the model" not in line, line
 
 
 def test_a_compiled_optimizer_step_runs_as_it_does_without_parity(tmp_path):

@@ -141,6 +141,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self._trees_dirty = True  # a module tree joined: sync its tensors (table.py)
         self._registration_handles: list = []
         self._name_roots: list = []  # the module trees of the process (table.py, trees.py)
+        self._row_homes: dict[int, tuple] = {}  # param row -> (its root, raw name): writing.py
         self._roots_scan = None  # (key, live root modules): one gc scan per step at most
         self._roots_fresh = False  # the next _gc_roots scans whatever the key (periodic scan)
         self._trees_scanned: int | None = None  # the step of the last search for new trees

@@ -506,6 +506,8 @@ class ParamTable:
         self._table_ids[id(p)] = i
         self.table.append(p)
         self.entries.append(self._param_entry(p, raw, root, i, extra))
+        if raw and root is not None:  # where the model holds it (the final state asks again)
+            self._row_homes[i] = (root, raw)
 
     def _param_entry(self, p, raw, root, i: int, extra: dict) -> dict:
         lt = local_tensor(p)

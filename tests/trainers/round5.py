@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node 2 tests/trainers/round5.py (R5_CASE=nosync)
 
 Knobs (environment):
-  R5_CASE=funcall|abort|teachers|cstep|nosync   (default funcall)
+  R5_CASE=funcall|abort|teachers|cstep|drop|nosync   (default funcall)
       funcall  a Linear-Tanh-Linear model trained through ``torch.func.functional_call`` with a
                params dict of clones (tensors no module holds: the optimizer's only
                parameters), SGD, R5_STEPS steps
@@ -22,6 +22,10 @@ Knobs (environment):
                and ``loss.backward()`` compiled in one function, the step eager; default:
                eager); R5_SAVE=PATH
                saves every step's parameters (torch.save of a list of lists)
+      drop     the model trained R5_STEPS steps, then R5_DROP: bias (``model[2].bias = None``,
+               as an export step that drops a bias), move (an identity parametrization
+               registered on ``model[2].weight``: the same Parameter moves to
+               ``parametrizations.weight.original``), or nothing (default); the model lives on
       nosync   FSDP2 (gloo), three Linear layers each sharded, one step of two micro-batches,
                with integer weights and inputs and a sum loss (every gradient exact, so any
                order of reduction gives the same bits); R5_SYNC=each (default) reduce-scatters
@@ -152,6 +156,27 @@ def cstep():
         torch.save(history, os.environ["R5_SAVE"])
 
 
+_KEEP = []
+
+
+def drop():
+    model = _model()
+    x, y = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    what = os.environ.get("R5_DROP", "")
+    if what == "bias":
+        model[2].bias = None
+    elif what == "move":
+        from torch.nn.utils import parametrize
+
+        parametrize.register_parametrization(model[2], "weight", nn.Identity())
+    _KEEP.append(model)  # alive when the process ends
+
+
 def nosync():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -182,4 +207,4 @@ def nosync():
 
 if __name__ == "__main__":
     {"funcall": funcall, "abort": abort, "teachers": teachers, "cstep": cstep,
-     "nosync": nosync}[CASE]()
+     "drop": drop, "nosync": nosync}[CASE]()
