@@ -308,6 +308,9 @@ def bisect_cmd(a_dir, b_dir, cell, step, rank, out_dir, json_file):
 
     from parity.bisect import bisect, format_report, sweep_sides
 
+    if out_dir == "":
+        raise ParityError("bisect: --out is empty; give a directory, or leave --out out "
+                          "(SWEEP_DIR/bisect, else ./parity-bisect)")
     envs = ({}, {})
     if cell is not None:
         if b_dir is not None:
@@ -369,6 +372,9 @@ def sweep_cmd(spec, out_dir, only, jobs, resume, steps, dry_run, launcher, fail_
     from parity.sweep.model import as_report
     from parity.sweep.runner import run_sweep
 
+    if out_dir == "":  # as exec: an empty --out is a mistake, not the default folder
+        raise ParityError("sweep: --out is empty; give a directory, or leave --out out "
+                          "(reports/<spec name>)")
     sweep = run_sweep(spec, out_dir=out_dir, only=only, jobs=jobs, resume=resume, steps=steps,
                       dry_run=dry_run, launcher=launcher, fail_on=fail_on, control=control)
     if sweep is None:  # --dry-run: the plan is printed, nothing ran

@@ -360,6 +360,12 @@ def test_exec_out_empty_is_a_usage_error(tmp_path, monkeypatch, capsys):
     code, _, err = run_main(["exec", "--out", "", "--", "true"], capsys)
     assert code == 2 and "--out is empty" in err
     assert list(tmp_path.iterdir()) == []  # nothing written into the current directory
+    # sweep and bisect the same (they used to take '' for their default folder)
+    code, _, err = run_main(["sweep", "--out", "", "--dry-run"], capsys)
+    assert code == 2 and "sweep: --out is empty" in err and err.count("\n") == 1
+    code, _, err = run_main(["bisect", "a", "b", "--out", ""], capsys)
+    assert code == 2 and "bisect: --out is empty" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
 
 
 # ------------------------------------------------------------------------- 7. one-line errors

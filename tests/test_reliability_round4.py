@@ -71,6 +71,9 @@ JOBS = {  # name: trainer knobs (and "opts": parity exec options)
     "every": {"R4_STEPS": 5, "opts": ("--every", "2")},
     "every_again": {"R4_STEPS": 5, "opts": ("--every", "2")},
     "every_osexit": {"R4_STEPS": 5, "R4_OSEXIT": 1, "opts": ("--every", "2")},
+    # a non-persistent buffer of another value on each side: not hashed, said
+    "npbuf": {"R4_STEPS": 1, "R4_NPBUF": 1},
+    "npbuf_other": {"R4_STEPS": 1, "R4_NPBUF": 2},
 }
 
 
@@ -171,6 +174,10 @@ def test_steps_neither_side_recorded_are_said_and_an_unclosed_rank_is_incomplete
     rc, line, d = _diff(_ok(runs, "every"), _ok(runs, "every_osexit"))
     assert rc == EXIT_INCOMPLETE and line.startswith("PARITY INCOMPLETE"), line
     assert any(m.startswith("B rank(s) 0 never closed their records") for m in d["incomplete"])
+    # parity exec's own summary: the last record is step 4 of 5, and more may have run
+    err = runs["every_osexit"][2]
+    assert " x 4+ step(s) (3 recorded" in err and "steps after the last record are not known" \
+        in err, err[-1500:]
     assert "never closed" in line
 
 
@@ -180,8 +187,8 @@ def test_an_edit_between_steps_is_attributed_to_the_interval(runs):
     assert rc == EXIT_MISMATCH, line
     fd = d["first_divergence"]
     assert d["first_divergent_step"] == 2 and fd["origin"] == "between", fd
-    assert fd["phase"] == "after step 1's optimizer step, before step 2's forward", fd
-    assert "(between steps: after step 1's optimizer step, before step 2's forward)" in line
+    assert fd["phase"] == "after step 1's optimizer step, before or during step 2's forward", fd
+    assert "(between steps: after step 1's optimizer step, before or during step 2's forward)" in line
     assert "step 1's parameters match" not in fd["explanation"]  # worded as the others
     assert "the parameters of step 1 match" in fd["explanation"]
     # B wrote an entry record for step 2 only (the clamp); A none (nothing changed)
@@ -404,3 +411,18 @@ def test_the_shared_reference_owner_keeps_its_link_after_resume(tmp_path):
     assert owner["status"] == "match" and owner["sides"]["reference"].get("reused")
     assert owner["shares_reference_with"] == ["cand=ok"], owner
     assert "reference job shared with cand=ok" in owner["reason"]
+
+
+def test_non_persistent_buffers_are_named_as_not_compared(runs):
+    """They are not in state_dict and not hashed (docs/capture.md): a match cannot cover them,
+    so the verdict line names them; the runs differ only there and hold."""
+    a, b = _ok(runs, "npbuf"), _ok(runs, "npbuf_other")
+    meta = json.loads((a / "rank-00000" / "meta.json").read_text())
+    assert meta["capture"]["non_persistent_buffers"] == ["mask"]
+    rc, line, d = _diff(a, b)
+    assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
+    said = [m for m in d["not_recorded"] if "non-persistent buffer" in m]
+    assert said and said[0].startswith("1 non-persistent buffer(s) (mask: "), d["not_recorded"]
+    assert "not compared: " in line and "1 non-persistent buffer(s) (mask" in line
+    rc, line, d = _diff(_ok(runs, "one_step"), _ok(runs, "one_step_again"))
+    assert not any("non-persistent" in m for m in d["not_recorded"]), d["not_recorded"]

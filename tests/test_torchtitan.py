@@ -149,6 +149,9 @@ def test_every_step_captured_without_disabling(name, request):
     for rank in (0, 1):
         meta = job.meta(rank)
         assert meta["status"] == "ok" and meta["capture"]["disabled"] is None
+        assert meta["capture"]["warnings"] == [], meta["capture"]["warnings"]
+        # rope's cache, a non-persistent buffer per layer: not hashed, named on a verdict line
+        assert "layers.0.attention.rope.cache" in meta["capture"]["non_persistent_buffers"]
         # every step, then the final state (the model as the trainer left it, issue 32)
         assert [s["step"] for s in job.steps(rank)] == [*range(STEPS + 1), "final"]
         assert all(s["loss"] is not None for s in job.steps(rank)[1:-1]), "loss not found"

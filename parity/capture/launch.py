@@ -205,7 +205,8 @@ def summarize(out: Path) -> tuple[str, bool]:
         return f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}-{max(xs)}"
 
     line = (f"captured {len(ranks)}" + (f" of {world}" if world and world != len(ranks) else "")
-            + f" rank(s) x {span(steps)} step(s) ({span(recs)} recorded"
+            # a rank never closed (os._exit): steps after its last record are not known
+            + f" rank(s) x {span(steps)}{'+' if unclosed else ''} step(s) ({span(recs)} recorded"
             + (f"; {optimizers} optimizers: " + (
                 "those stepped back to back count as one step" if together else
                 "each step() after its own backward is a step") if optimizers > 1 else "")
@@ -221,7 +222,8 @@ def summarize(out: Path) -> tuple[str, bool]:
         line += f", capture disabled on {disabled} rank(s)"
     if unclosed:  # os._exit, or a signal: a step --every skipped and the final state are lost
         line += (f", {unclosed} rank(s) never closed their records (the process ended without "
-                 "parity's exit handler: os._exit or a signal; a diff says the run is incomplete)")
+                 "parity's exit handler: os._exit or a signal; steps after the last record are not "
+                 "known; a diff says the run is incomplete)")
     return line, captured
 
 

@@ -151,6 +151,8 @@ class Session(RankRecord, StepClock, ParamTable):
         self._skipped_trees = weakref.WeakSet()  # trees of fake / meta / subclass tensors
         self._trees_skipped: list[dict] = []  # their meta.json ``capture.skipped`` entries
         self._unhashed: dict[str, str] = {}  # fqn -> why it is not hashed (capture.unhashed)
+        # non-persistent buffers of the trees (not hashed by design: capture.non_persistent_buffers)
+        self._non_persistent: dict[str, None] = {}
         self._fqn_roots: dict[str, object] = {}  # name -> the root module that holds it
         self._unnamed: dict[str, int] = {}  # "dtype[shape]" -> unnamed rows of it so far
         self._root_labels: dict[int, str] = {}  # id(root) -> prefix for its colliding names

@@ -557,7 +557,12 @@ class ParamTable:
         start = len(self.table)
         tensors = []
         for root in self._naming_order(list(self._name_roots)):
-            params, buffers = trees.tree_tensors(root)
+            skipped: list[str] = []
+            params, buffers = trees.tree_tensors(root, skipped)
+            label = self._root_labels.get(id(root))  # no _unique_name: it claims names
+            for fqn in skipped:  # by design (not in state_dict), said on the verdict line
+                name = normalize_fqn(fqn)
+                self._non_persistent.setdefault(f"{label}.{name}" if label else name)
             held = trees.fsdp_unsharded(root) if final else ()
             for fqn, p in params:
                 if id(p) in self._table_ids or id(p) in held:

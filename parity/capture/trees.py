@@ -82,9 +82,13 @@ def is_graph_module(m) -> bool:
     return isinstance(m, GraphModule)
 
 
-def tree_tensors(root) -> tuple[list[tuple[str, object]], list[tuple[str, object, str, object]]]:
+def tree_tensors(root, non_persistent: list[str] | None = None
+                 ) -> tuple[list[tuple[str, object]], list[tuple[str, object, str, object]]]:
     """(parameters ``[(fqn, p)]``, persistent buffers ``[(fqn, module, name, t)]``) of a tree,
-    each tensor once (the first name that reaches it). Buffers are what ``state_dict`` saves."""
+    each tensor once (the first name that reaches it). Buffers are what ``state_dict`` saves.
+    The names of the non-persistent buffers left out are appended to ``non_persistent`` when
+    given (the verdict line says they were not compared: meta.json
+    ``capture.non_persistent_buffers``)."""
     params: list[tuple[str, object]] = []
     buffers: list[tuple[str, object, str, object]] = []
     seen: set[int] = set()
@@ -96,6 +100,8 @@ def tree_tensors(root) -> tuple[list[tuple[str, object]], list[tuple[str, object
             params.append((f"{prefix}.{name}" if prefix else name, p))
         skip = getattr(mod, "_non_persistent_buffers_set", ())
         for name, b in mod._buffers.items():
+            if b is not None and name in skip and non_persistent is not None:
+                non_persistent.append(f"{prefix}.{name}" if prefix else name)
             if b is None or name in skip or id(b) in seen:
                 continue
             seen.add(id(b))

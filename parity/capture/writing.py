@@ -76,6 +76,8 @@ class RankRecord:
                 # model that could not be (named on the verdict line): trees.py, table.py
                 "skipped": list(self._trees_skipped),
                 "unhashed": [{"fqn": f, "reason": r} for f, r in self._unhashed.items()],
+                # not in state_dict, so not hashed by design; the verdict line names them
+                "non_persistent_buffers": list(self._non_persistent),
                 "seconds": round(self.capture_seconds
                                  + sum(s.seconds for s in self._sources.values() if s is not None),
                                  6)}

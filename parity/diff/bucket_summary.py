@@ -77,26 +77,34 @@ def bucket_problem(rec, _entries_ok: dict | None = None) -> str | None:
     (id of an entries list -> that list): lists already checked (every step repeats them)."""
     if not isinstance(rec, dict):
         return f"not an object ({type(rec).__name__})"
-    for k, types in _FIELDS.items():
-        v = rec.get(k)
-        if _wrong(v, types):
-            return f"{k} is {type(v).__name__} {_show(v)}, not {types[0].__name__}"
+    wrong = _first_wrong(rec, _FIELDS)
+    if wrong is not None:
+        return wrong
     entries = rec.get("entries")
     if not entries or (_entries_ok is not None and _entries_ok.get(id(entries)) is entries):
         return None
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
             return f"entry {i} is {type(e).__name__}, not an object"
-        for k, types in _ENTRY_FIELDS.items():
-            v = e.get(k)
-            if _wrong(v, types):
-                return f"entry {i} {k} is {type(v).__name__} {_show(v)}, not {types[0].__name__}"
+        wrong = _first_wrong(e, _ENTRY_FIELDS)
+        if wrong is not None:
+            return f"entry {i} {wrong}"
         shape = e.get("shape")
         if shape is not None and any(not isinstance(d, int) or isinstance(d, bool)
                                      for d in shape):
             return f"entry {i} shape {_show(shape)} is not a list of integers"
     if _entries_ok is not None:
         _entries_ok[id(entries)] = entries
+    return None
+
+
+def _first_wrong(obj: dict, fields: dict) -> str | None:
+    """'index is str 'x', not int' for the first field of ``obj`` of a type ``fields`` does not
+    allow, or None."""
+    for k, types in fields.items():
+        v = obj.get(k)
+        if _wrong(v, types):
+            return f"{k} is {type(v).__name__} {_show(v)}, not {types[0].__name__}"
     return None
 
 

@@ -609,10 +609,14 @@ def _between(step: int, prev: int | None, loss_div: bool | None,
     ones step ``step``'s optimizer step found differ while step ``step - 1``'s records match.
     Where in the interval it happened is read from what the step itself recorded: a loss that
     differs too says the forward already used the edited parameters; a matching loss cannot
-    place it closer than before the optimizer step (an EMA copy is not in the forward)."""
+    place it closer than before the optimizer step (an EMA copy is not in the forward). A
+    differing loss cannot tell an edit before the forward from one inside it (a clamp in
+    ``forward()``), so the phase says "before or during". A global optimizer step post-hook
+    (``register_optimizer_step_post_hook``) runs after parity's own, registered first, and its
+    edit lands here too: the explanation names it."""
     after = f"after step {step - 1}'s optimizer step" if step > 1 else "after step 0"
     if loss_div:
-        where = f"before step {step}'s forward (its loss differs too)"
+        where = f"before or during step {step}'s forward (its loss differs too)"
     elif loss_div is False and not grad_div:
         where = (f"before step {step}'s optimizer step (its loss and gradients match: after its "
                  "backward, or in parameters its forward does not use, such as an EMA copy)")
@@ -625,9 +629,10 @@ def _between(step: int, prev: int | None, loss_div: bool | None,
     before = (f"the parameters of step {prev} match" if prev is not None
               else "no earlier step was captured")
     return "between", (f"the parameters changed {after} and {where}, while {before}: the "
-                       "trainer edited them between step() calls (a clamp, an EMA or weight "
-                       "update by hand, weights loaded), not a forward, backward or optimizer "
-                       "step"), phase
+                       "trainer edited them in place outside the optimizer's update (a clamp, "
+                       "an EMA or weight update by hand, weights loaded, an edit inside "
+                       "forward(), a global optimizer step post-hook: those run after the "
+                       "step is recorded), not through gradients and an optimizer step"), phase
 
 
 def _final_divergence(fc, index: ParamIndex, buffers: set[str], layouts: dict[str, Layout]
@@ -835,7 +840,7 @@ def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int]) -> l
     """What neither side recorded: steps both skipped (``--every``), gradients of steps both
     recorded without them (the last step, written at exit when sampling skipped it), no
     gradients or no loss at all (``--no-grads``; a trainer that never calls ``backward`` on a
-    loss). Not missing data (exit 3 is for what one side has and the other lacks): both sides
+    loss), non-persistent buffers (never hashed: capture.non_persistent_buffers). Not missing data (exit 3 is for what one side has and the other lacks): both sides
     chose it alike. But a ``match`` does not cover it, so the verdict line says it."""
     out: list[str] = []
     if not ra or not steps:
@@ -866,6 +871,16 @@ def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int]) -> l
                        "step that sampling skipped is written at exit without its gradients)")
     if later and not any(_loss_bits(x.steps.get(s)) is not None for s in later for x in runs):
         out.append("the loss (neither side recorded it: no backward() of a loss tensor)")
+    np_names: dict[str, None] = {}
+    for x in runs:
+        for n in capture_of(x.meta).get("non_persistent_buffers") or ():
+            if isinstance(n, str):
+                np_names.setdefault(n)
+    if np_names:
+        names = list(np_names)
+        shown = ", ".join(names[:3]) + (f", +{len(names) - 3} more" if len(names) > 3 else "")
+        out.append(f"{len(names)} non-persistent buffer(s) ({shown}: not in state_dict, not "
+                   "hashed; a change in one shows in the loss and gradients, which are)")
     return out
 
 

@@ -70,7 +70,7 @@ class FirstDivergence:
     # the label reports show; ``origin`` is its code, not a claim about which pass differs
     label: str | None = None
     # where in the step it happened, when that is not the step's own passes: between step()
-    # calls ("after step 1's optimizer step, before step 2's forward"), or the final state
+    # calls ("after step 1's optimizer step, before or during step 2's forward"), or the final state
     phase: str | None = None
 
 

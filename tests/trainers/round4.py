@@ -25,6 +25,8 @@ Knobs (environment):
                       model is kept alive to the end of the process
   R4_AFTER_B=name     that edit shifts by another value (0.5 instead of 0.25)
   R4_OSEXIT=1         end with os._exit(0) (no atexit handlers run)
+  R4_NPBUF=V          the model holds a non-persistent buffer "mask" of value V that its forward
+                      does not read
 """
 
 import os
@@ -44,6 +46,9 @@ class Net(nn.Module):
         super().__init__()
         self.l1 = nn.Linear(4, 8)
         self.l2 = nn.Linear(8, 2)
+        npbuf = os.environ.get("R4_NPBUF")
+        if npbuf:  # a non-persistent buffer the forward does not read (not in state_dict)
+            self.register_buffer("mask", torch.full((8,), float(npbuf)), persistent=False)
 
     def forward(self, x):
         return self.l2(torch.tanh(self.l1(x)))
