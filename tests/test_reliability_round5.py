@@ -21,6 +21,10 @@ once gave a wrong verdict:
 - a parameter set to None after the last step (``m.bias = None``): the final state hashed the
   tensor capture keeps a reference to, and the pair held against a run that kept the bias.
   Now absent from the final state (all-zero hash), with a warning;
+- a gradient None on one side (``zero_grad(set_to_none=True)`` and a parameter unused at a
+  step) against zeros on the other: the reports said the size of the difference was not shown
+  because "the runs carry no per-tensor figures"; now they name the side without a gradient
+  (not a wrong verdict: the gradients do differ);
 - FSDP2 reduce-scattering every gradient at each micro-batch against once per step
   (``set_requires_gradient_sync(False)``) read "bucket layouts identical" under every policy
   (the repeated reduce-scatters were dropped as re-gathers) and held under ``--fail-on any``
@@ -79,6 +83,8 @@ JOBS = {  # name: trainer knobs
     "dropped": {"R5_CASE": "drop", "R5_DROP": "bias"},
     "dropped_again": {"R5_CASE": "drop", "R5_DROP": "bias"},
     "moved": {"R5_CASE": "drop", "R5_DROP": "move"},
+    "to_none": {"R5_CASE": "zeroing"},
+    "zeroed": {"R5_CASE": "zeroing", "R5_NONE": 0},
 }
 
 
@@ -159,6 +165,26 @@ def test_a_parameter_dropped_after_the_last_step_is_absent_from_the_final_state(
     # moved into a parametrization, not dropped: the same tensor, still the model's
     rc, line, d = _diff(kept, _ok(runs, "moved"))
     assert rc == EXIT_OK and "left the model" not in line, line
+
+
+def test_a_gradient_none_on_one_side_is_said_not_called_missing_figures(runs):
+    """set_to_none=True against False with a parameter unused at step 2: the gradients differ
+    (None against zeros, the parameters do not), and the reports said the size was not shown
+    because "the runs carry no per-tensor figures" (they do)."""
+    a, b = _ok(runs, "to_none"), _ok(runs, "zeroed")
+    p = subprocess.run([*PARITY, "diff", str(a), str(b)], capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert p.returncode == EXIT_MISMATCH, p.stderr
+    assert "(loss equal, gradients differ)" in p.stdout.splitlines()[0], p.stdout
+    text = " ".join(p.stdout.split())
+    assert "A has no gradient (None, hashed as absent) for gate.weight, gate.bias where B " \
+        "has one" in text, text
+    assert "carry no per-tensor figures" not in text, text
+    _, _, d = _diff(a, b)
+    assert "A has no gradient or tensor there (None) for gate.weight" in \
+        d["first_divergence"]["explanation"], d["first_divergence"]
+    assert d["magnitude"]["absent"] == [{"fqn": "gate.weight", "kind": "grad", "side": "a"},
+                                        {"fqn": "gate.bias", "kind": "grad", "side": "a"}]
 
 
 def test_a_compiled_optimizer_step_runs_as_it_does_without_parity(tmp_path):

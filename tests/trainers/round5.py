@@ -4,7 +4,7 @@
     torchrun --standalone --nproc_per_node 2 tests/trainers/round5.py (R5_CASE=nosync)
 
 Knobs (environment):
-  R5_CASE=funcall|abort|teachers|cstep|drop|nosync   (default funcall)
+  R5_CASE=funcall|abort|teachers|cstep|drop|zeroing|nosync   (default funcall)
       funcall  a Linear-Tanh-Linear model trained through ``torch.func.functional_call`` with a
                params dict of clones (tensors no module holds: the optimizer's only
                parameters), SGD, R5_STEPS steps
@@ -26,6 +26,10 @@ Knobs (environment):
                as an export step that drops a bias), move (an identity parametrization
                registered on ``model[2].weight``: the same Parameter moves to
                ``parametrizations.weight.original``), or nothing (default); the model lives on
+      zeroing  a Linear and a ``gate`` Linear whose output is added, except at step 2 (the gate
+               gets no gradient there); SGD without momentum, so the parameters do not care;
+               ``opt.zero_grad(set_to_none=R5_NONE)`` (default 1: gradients set to None; 0:
+               zeroed)
       nosync   FSDP2 (gloo), three Linear layers each sharded, one step of two micro-batches,
                with integer weights and inputs and a sum loss (every gradient exact, so any
                order of reduction gives the same bits); R5_SYNC=each (default) reduce-scatters
@@ -177,6 +181,21 @@ def drop():
     _KEEP.append(model)  # alive when the process ends
 
 
+def zeroing():
+    torch.manual_seed(1)
+    model = nn.ModuleDict({"a": nn.Linear(8, 4), "gate": nn.Linear(8, 4)})
+    x, y = _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    to_none = os.environ.get("R5_NONE", "1") == "1"
+    for k in range(1, STEPS + 1):
+        opt.zero_grad(set_to_none=to_none)
+        out = model["a"](x)
+        if k != 2:
+            out = out + model["gate"](x)
+        ((out - y) ** 2).mean().backward()
+        opt.step()
+
+
 def nosync():
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -207,4 +226,4 @@ def nosync():
 
 if __name__ == "__main__":
     {"funcall": funcall, "abort": abort, "teachers": teachers, "cstep": cstep,
-     "drop": drop, "nosync": nosync}[CASE]()
+     "drop": drop, "zeroing": zeroing, "nosync": nosync}[CASE]()
