@@ -8,7 +8,9 @@ once gave a wrong verdict:
   identical runs. Now named by dtype, shape and order among their likes;
 - a ``step()`` that raised before it ended (a pre-hook refusing the batch, caught by the
   trainer) was counted as a step: every later step shifted by one against a run that skipped
-  the batch with ``continue``, FAILS on identical updates and a step "missing";
+  the batch with ``continue``, FAILS on identical updates and a step "missing"; when the
+  second of two optimizers stepped back to back refused, the first one's next step was
+  taken for a step inside it (unseen) and its update read "between steps";
 - two frozen models of one class (an ensemble of teachers) were told apart by the order they
   were built (``Sequential#2.`` for the later one): built in the other order, each was compared
   with the other's twin, FAILS at step 0 on identical runs. Now labelled in the order of their
@@ -76,6 +78,8 @@ JOBS = {  # name: trainer knobs
     "skip_raise": {"R5_CASE": "abort", "R5_SKIP": "raise"},
     "skip_raise_first": {"R5_CASE": "abort", "R5_SKIP": "raise", "R5_ABORT_AT": 1},
     "skip_continue_first": {"R5_CASE": "abort", "R5_ABORT_AT": 1},
+    "skip_continue_two": {"R5_CASE": "abort", "R5_TWO": 1},
+    "skip_raise_two": {"R5_CASE": "abort", "R5_SKIP": "raise", "R5_TWO": 1},
     "teachers": {"R5_CASE": "teachers"},
     "teachers_reversed": {"R5_CASE": "teachers", "R5_BUILD": "reverse"},
     "teachers_reversed_other": {"R5_CASE": "teachers", "R5_BUILD": "reverse", "R5_SEED2": 11},
@@ -134,7 +138,7 @@ def test_unnamed_tensors_are_matched_by_dtype_and_shape_not_by_their_row(runs):
     assert rc == EXIT_MISMATCH and "from step 1" in line, line
 
 
-@pytest.mark.parametrize("at", ["", "_first"])
+@pytest.mark.parametrize("at", ["", "_first", "_two"])
 def test_a_step_that_raised_is_no_step(runs, at):
     a, b = _ok(runs, f"skip_continue{at}"), _ok(runs, f"skip_raise{at}")
     rc, line, d = _diff(a, b)

@@ -12,7 +12,9 @@ Knobs (environment):
                is skipped: by ``continue`` before ``opt.step()`` (R5_SKIP=continue, default), or
                by a step pre-hook of the trainer that raises, caught around ``opt.step()``
                (R5_SKIP=raise): the same updates either way; R5_STEPS iterations are run
-               besides the skipped one
+               besides the skipped one. R5_TWO=1: two optimizers stepped back to back (one
+               step), layer 0's then layer 2's, and only the second refuses (R5_STEPS
+               iterations in all)
       teachers two frozen teachers of one class (an ensemble, no optimizer holds them) and a
                Linear student; R5_BUILD=reverse builds the teachers in the other order (each
                seeded alone: the same models); R5_SEED2=S seeds the second teacher (default 10)
@@ -84,7 +86,9 @@ class _Skip(Exception):
 def abort():
     model = _model()
     x, y = _data()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    two = os.environ.get("R5_TWO") == "1"
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1) if two else None
+    opt = torch.optim.SGD(model[2].parameters() if two else model.parameters(), lr=0.1)
     skip_at = int(os.environ.get("R5_ABORT_AT", "2"))
     by_raise = os.environ.get("R5_SKIP", "continue") == "raise"
     it = {"k": 0}
@@ -95,11 +99,15 @@ def abort():
 
     if by_raise:
         opt.register_step_pre_hook(refuse)
-    for k in range(1, STEPS + 2):
+    for k in range(1, (STEPS if two else STEPS + 1) + 1):
         it["k"] = k
         opt.zero_grad()
+        if two:
+            first.zero_grad()
         loss = ((model(x * k) - y) ** 2).mean()
         loss.backward()
+        if two:
+            first.step()  # the first of two stepped back to back: it always runs
         if not by_raise and k == skip_at:
             continue
         try:
