@@ -84,15 +84,19 @@ def status(hash_verdict: str | None, order_verdict: str | None) -> str:
 
 
 def pair_code(hash_verdict: str | None, order_verdict: str | None, incomplete: bool,
-              policy: str, reduction: str | None = None) -> int:
+              policy: str, reduction: str | None = None, structure: bool = False) -> int:
     """Exit code of one pair: 1 a failure under the policy in the compared data (even when data
     is incomplete: parity demonstrably fails), else 3 when data is missing or the policy needs
     bucket layouts a side did not record, else 0. ``reduction`` (policy ``reduction``): what
-    :func:`parity.consequences.reduction_state` says of the diff."""
+    :func:`parity.consequences.reduction_state` says of the diff. ``structure``: some gradient
+    is reduced by a different number of collectives on the two sides (``order.structure``), which
+    ``any`` fails on even where every layout compared is identical."""
     if fails_on_hash(policy) and hash_verdict == "hash_mismatch":
         return EXIT_MISMATCH
     if fails_on_order(policy) and order_verdict in ORDER_FAILURES:
         return EXIT_MISMATCH
+    if policy == "any" and structure:
+        return EXIT_MISMATCH  # the same layouts, but a gradient reduced more times on one side
     if policy == "reduction" and (reduction == "fails" or (
             reduction is None and order_verdict in ORDER_FAILURES)):
         return EXIT_MISMATCH  # None: a diff without consequence classes (older): not tolerated
@@ -104,6 +108,13 @@ def pair_code(hash_verdict: str | None, order_verdict: str | None, incomplete: b
     if policy == "reduction" and reduction == "unknown":
         return EXIT_INCOMPLETE
     return EXIT_OK
+
+
+def structure_only(order: dict) -> bool:
+    """The compared bucket layouts are identical, but some gradient is reduced by a different
+    number of collectives on the two sides (``order.structure``; neither side blind)."""
+    return (order.get("verdict") == "identical" and consequences.blind_side(order) is None
+            and any(isinstance(x, dict) for x in order.get("structure") or []))
 
 
 @dataclass
@@ -213,7 +224,10 @@ def judge_pair(d: dict, policy: str) -> Verdict:
     ov = order.get("verdict")
     incomplete = [str(x) for x in d.get("incomplete") or []]
     state = consequences.reduction_state(d)
-    v = Verdict(pair_code(hv, ov, bool(incomplete), policy, state), policy)
+    structure = [x for x in order.get("structure") or [] if isinstance(x, dict)]
+    blind = consequences.blind_side(order)
+    v = Verdict(pair_code(hv, ov, bool(incomplete), policy, state, structure_only(order)),
+                policy)
     kinds = list(d.get("kinds_compared") or [])
     if (d.get("loss") or {}).get("captured"):
         kinds.append("loss")
@@ -251,6 +265,14 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         (v.failed if fails_on_order(policy) or reduction_fails else v.tolerated).append(phrase)
     elif ov == "identical":
         v.held.append("bucket layouts identical")
+        if structure and not blind and policy != "reduction":  # reduction: said below
+            # the layouts match, but one side reduces a gradient more often (FSDP2 syncing at
+            # every micro-batch against once per step): never hidden behind "identical"
+            x = structure[0]
+            phrase = (f"a gradient reduced by a different number of collectives "
+                      f"({x.get('fqn')}: {x.get('a')} in A, {x.get('b')} in B per step"
+                      + (f"; {len(structure)} gradients" if len(structure) > 1 else "") + ")")
+            (v.failed if policy == "any" else v.tolerated).append(phrase)
         left = _left_out(order)
         if left:  # compared ones are identical; what one side alone recorded is said
             v.not_compared.append(left)
@@ -381,7 +403,8 @@ def cell_code(cell, policy: str) -> int | None:
     ov = order.get("verdict")
     if cell.status == ORDER_MISMATCH and ov not in ORDER_FAILURES:
         ov = "order_differs"
-    return pair_code(hv, ov, False, policy, consequences.reduction_state(diff))
+    return pair_code(hv, ov, False, policy, consequences.reduction_state(diff),
+                     structure_only(order))
 
 
 def nondeterministic_code(cell, policy: str) -> int:

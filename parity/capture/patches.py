@@ -74,6 +74,22 @@ def _note_loss(t) -> None:
         pass
 
 
+def hide_from_dynamo() -> None:
+    """Wrap the ``backward`` patches in ``torch._dynamo.disable`` (at the first
+    ``torch.compile``: Session.hide_from_dynamo). A compiled function that calls
+    ``loss.backward()`` (a whole training step compiled) had dynamo trace the patch, where
+    ``_tracing()`` is true: the loss was never noted (``loss recorded by A only``, exit 3,
+    against the same step run eagerly). Disabled, the patch runs eagerly at the graph break
+    dynamo makes at ``backward`` anyway, and notes the loss."""
+    import torch._dynamo
+
+    for owner, key in ((torch.Tensor, "Tensor.backward"), (torch.autograd, "autograd.backward")):
+        cur = getattr(owner, "backward")
+        if key in _ORIG and cur is not _ORIG[key] and not getattr(cur, "_torchdynamo_disable",
+                                                                  False):
+            setattr(owner, "backward", torch._dynamo.disable(cur))
+
+
 def install(current) -> None:
     """Patch ``Tensor.backward``, ``torch.autograd.backward``, ``destroy_process_group``,
     ``torch.compile`` and ``sys.excepthook`` once per process; each asks ``current()`` for the
@@ -141,6 +157,11 @@ def install(current) -> None:
 
     def compile(*args, **kwargs):
         s = _current()
+        if s is not None:
+            try:  # a compiled optimizer step must not trace capture's hooks
+                s.hide_from_dynamo()
+            except Exception as e:  # noqa: BLE001  (fail soft: session.py)
+                s._fail(e)
         if s is not None and s.manifests:
             from parity.capture.sources.manifest_source import ON_COMPILE
 

@@ -128,6 +128,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self._skipped: str | None = None  # why this step's optimizer step did not run
         self._opt_pre_calls = 0  # optimizer pre-hooks seen (a GradScaler.step that ran none)
         self._consumed_handles: dict[int, object] = {}  # id(optimizer) -> our last pre-hook
+        self._dynamo_hidden = False  # the optimizer hooks wrapped in torch._dynamo.disable
         self.written = -1  # last step written
         # parameter table
         self.table: list = []
@@ -140,6 +141,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self._trees_dirty = True  # a module tree joined: sync its tensors (table.py)
         self._registration_handles: list = []
         self._name_roots: list = []  # the module trees of the process (table.py, trees.py)
+        self._row_homes: dict[int, tuple] = {}  # param row -> (its root, raw name): writing.py
         self._roots_scan = None  # (key, live root modules): one gc scan per step at most
         self._roots_fresh = False  # the next _gc_roots scans whatever the key (periodic scan)
         self._trees_scanned: int | None = None  # the step of the last search for new trees
@@ -152,6 +154,7 @@ class Session(RankRecord, StepClock, ParamTable):
         # non-persistent buffers of the trees (not hashed by design: capture.non_persistent_buffers)
         self._non_persistent: dict[str, None] = {}
         self._fqn_roots: dict[str, object] = {}  # name -> the root module that holds it
+        self._unnamed: dict[str, int] = {}  # "dtype[shape]" -> unnamed rows of it so far
         self._root_labels: dict[int, str] = {}  # id(root) -> prefix for its colliding names
         self._labels_said: set[str] = set()
         self._optimizers: set[int] = set()  # ids of the optimizers that stepped
@@ -183,6 +186,8 @@ class Session(RankRecord, StepClock, ParamTable):
 
             self._handles.append(register_optimizer_step_pre_hook(self._pre_hook))
             self._handles.append(register_optimizer_step_post_hook(self._post_hook))
+            if "torch._dynamo" in sys.modules:  # the API, started after a compile
+                self.hide_from_dynamo()
             # No module hook: a global forward pre-hook is seen by every tracer (dynamo export
             # cannot trace Module._call_impl's hook path; a compiled model recompiles once it
             # is gone). The model trees come from a gc scan instead (table.py, trees.py).
@@ -204,6 +209,27 @@ class Session(RankRecord, StepClock, ParamTable):
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         return self
+
+    def hide_from_dynamo(self) -> None:
+        """Wrap capture's optimizer hooks in ``torch._dynamo.disable`` (once, at the first
+        ``torch.compile``: dynamo is imported by then; patches.py). A trainer that compiles
+        its optimizer step (``torch.compile(opt.step)`` or a function calling it) has dynamo
+        trace ``Optimizer.step``'s hook loop: it inlined capture's hooks, broke the graph
+        inside them, and the step ran other code than without parity (a compiled Adam step
+        under ``parity exec`` gave the eager step's values at step 1 and other values after:
+        capture changed the run it recorded; round 5). Disabled, they run eagerly at a clean
+        graph break before and after the step, and the step compiles as it does alone."""
+        if self._dynamo_hidden:
+            return
+        import torch._dynamo
+
+        self._dynamo_hidden = True
+        patches.hide_from_dynamo()
+        for h in [*self._handles, *self._consumed_handles.values()]:
+            table = h.hooks_dict_ref() if hasattr(h, "hooks_dict_ref") else None
+            fn = table.get(h.id) if table is not None else None
+            if fn is not None and not getattr(fn, "_torchdynamo_disable", False):
+                table[h.id] = torch._dynamo.disable(fn)
 
     def stop(self, status: str | None = None, error: str | None = None) -> None:
         """Write what is pending, close the files and remove every hook. Idempotent."""

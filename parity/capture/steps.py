@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
+import sys
 import time
 import weakref
 
@@ -39,6 +40,24 @@ def sampled(step: int, every: int) -> bool:
     return step <= 1 or step % every == 0
 
 
+def _running(outer) -> bool:
+    """Whether ``outer``'s ``step()`` is on the calling stack (a container's inner optimizer
+    steps inside it): a frame whose ``self`` is ``outer`` (the hook wrapper of its ``step``, a
+    container's own ``step``) or a ``--step-on`` wrapper whose stand-in it is. Not any frame
+    that holds it (the training loop holds its optimizers). Asked only when a pre-hook finds
+    another optimizer's step still open."""
+    if outer is None:
+        return False
+    f = sys._getframe(2)
+    while f is not None:
+        loc = f.f_locals
+        if loc.get("self") is outer or (f.f_code.co_name == "step_on"
+                                         and loc.get("stand_in") is outer):
+            return True
+        f = f.f_back
+    return False
+
+
 class StepClock:
     """Optimizer step hooks (state in ``Session.__init__``)."""
 
@@ -54,8 +73,22 @@ class StepClock:
         try:
             with self._lock:
                 outer = self._outer() if self._outer is not None else None
+                if self.depth >= 1 and opt is not outer and not _running(outer):
+                    # not nested: the outer step() raised midway (a sibling optimizer that
+                    # refused, caught by the trainer), and this one would have been counted
+                    # as its inner step, unseen (round 5)
+                    self.depth = 0
+                    if not self.open and self.done == self.k - 1:
+                        self.k -= 1  # it began step k and wrote nothing: no step (below)
                 if self.depth >= 1 and opt is outer:
                     self.depth = 0  # the previous step() of this optimizer raised midway
+                    if not self.open and self.done == self.k - 1:
+                        # it began step k and never ended it (no post-hook, nothing written):
+                        # it was no step, and this one takes its number. Counting it shifted
+                        # every later step by one against a run that skipped the batch
+                        # without calling step() (an exception caught around step(), an OOM
+                        # retried): a FAILS on identical updates, and a step "missing"
+                        self.k -= 1
                 self.depth += 1
                 self._optimizers.add(id(opt))
                 if self.depth == 1:
@@ -96,6 +129,9 @@ class StepClock:
             return
         if h is None or h.id not in hooks:
             self._consumed_handles[id(opt)] = opt.register_step_pre_hook(self._consumed_hook)
+            if self._dynamo_hidden:  # a compiled step must not trace it (hide_from_dynamo)
+                self._dynamo_hidden = False
+                self.hide_from_dynamo()
         else:
             hooks.move_to_end(h.id)
 

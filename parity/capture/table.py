@@ -41,9 +41,29 @@ import torch
 from parity.artifacts import NO_FIGURES, NO_HASH
 from parity.capture import trees
 from parity.capture.env import one_line
-from parity.capture.hashing import Digests, digest_tensors_async, local_tensor
+from parity.capture.hashing import Digests, digest_tensors_async, host_digest, local_tensor
 from parity.capture.names import normalize_fqn
 from parity.records import dtype_name
+
+def _content_key(root) -> bytes:
+    """A digest of a module tree's contents that does not depend on when it was built: its
+    tensors' names, dtypes, shapes and first 256 elements (a few bytes copied per tensor, on
+    any device). Orders twin models for naming only (ParamTable._naming_order)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    params, buffers = trees.tree_tensors(root)
+    for fqn, t in [*params, *((f, b) for f, _, _, b in buffers)]:
+        h.update(f"{fqn}:{t.dtype}:{tuple(t.shape)};".encode())
+        if trees.unhashable(t) is not None:
+            continue
+        try:
+            x = local_tensor(t).reshape(-1)[:256]
+            h.update(host_digest(x))
+        except Exception:  # noqa: BLE001  a tensor that cannot be read: its name and shape
+            pass
+    return h.digest()
+
 
 def _placement_str(p) -> str:
     name = type(p).__name__
@@ -354,6 +374,19 @@ class ParamTable:
         return {id(m) for root in self._name_roots for m in root.modules()}
 
     # ------------------------------------------------------------------------ names
+    def _unnamed_name(self, p) -> str:
+        """The name of a tensor no module holds (a raw tensor the trainer optimises, the values
+        of a ``torch.func.functional_call`` params dict): its dtype and global shape, and its
+        order among the unnamed tensors of that dtype and shape (``<unnamed float32[16,8]>``,
+        then ``... #2``). Not its row: a row number matched the tensors of two runs by their
+        place in the optimizer, so the same tensors handed to it in another order (or one
+        more named parameter before them) were compared with the wrong ones: a FAILS "before
+        the first optimizer step" on identical runs (round 5)."""
+        key = f"{dtype_name(p.dtype)}[{','.join(str(d) for d in p.shape)}]"
+        n = self._unnamed.get(key, 0) + 1
+        self._unnamed[key] = n
+        return f"<unnamed {key}>" if n == 1 else f"<unnamed {key} #{n}>"
+
     def _unique_name(self, raw: str | None, root, i: int) -> tuple[str, str | None]:
         """(normalized name, raw name) of a new row: a name that another model already holds
         gets this model's class name as a prefix (``Discriminator.l1.weight``), and a counter
@@ -493,10 +526,12 @@ class ParamTable:
         self._table_ids[id(p)] = i
         self.table.append(p)
         self.entries.append(self._param_entry(p, raw, root, i, extra))
+        if raw and root is not None:  # where the model holds it (the final state asks again)
+            self._row_homes[i] = (root, raw)
 
     def _param_entry(self, p, raw, root, i: int, extra: dict) -> dict:
         lt = local_tensor(p)
-        fqn, raw = self._unique_name(raw, root, i)
+        fqn, raw = self._unique_name(raw, root, i) if raw else (self._unnamed_name(p), raw)
         entry = {"fqn": fqn, "raw_fqn": raw, "shape": list(lt.shape), "global_shape": list(p.shape),
                  "dtype": dtype_name(lt.dtype), "placement": None, "mesh_coord": None, **extra}
         if _is_dtensor(p):
@@ -541,7 +576,7 @@ class ParamTable:
         _REGISTRATION["dirty"] = False
         start = len(self.table)
         tensors = []
-        for root in list(self._name_roots):
+        for root in self._naming_order(list(self._name_roots)):
             skipped: list[str] = []
             params, buffers = trees.tree_tensors(root, skipped)
             label = self._root_labels.get(id(root))  # no _unique_name: it claims names
@@ -601,6 +636,28 @@ class ParamTable:
             self.warn(f"{what} joined the table {when} "
                       f"({shown}{', ...' if len(tensors) > 3 else ''})")
         return len(tensors)
+
+    def _naming_order(self, roots: list) -> list:
+        """``roots`` in the order their tensors are named. Two models of one class whose names
+        collide are told apart by a label that goes to the later one (``Sequential#2.``): in
+        the order they were found, that is built. Two frozen teachers of one class built in
+        another order in the other run then swapped labels, and the diff compared each with
+        the other's twin: FAILS "parameters differ before the first optimizer step" on
+        identical runs (round 5). Roots that hold no name yet and share their class with
+        another such root are therefore taken in the order of their contents (a digest of
+        each tensor's first elements, names and shapes): the same models get the same labels
+        whatever the order they were built in. Other roots keep their places."""
+        named = {id(r) for r in self._fqn_roots.values() if r is not None}
+        fresh = [r for r in roots if id(r) not in named]
+        classes: dict[str, int] = {}
+        for r in fresh:
+            classes[type(r).__name__] = classes.get(type(r).__name__, 0) + 1
+        twins = [r for r in fresh if classes[type(r).__name__] > 1]
+        if not twins:
+            return roots
+        keyed = {id(r): (type(r).__name__, _content_key(r)) for r in twins}
+        ordered = iter(sorted(twins, key=lambda r: keyed[id(r)]))
+        return [next(ordered) if id(r) in keyed else r for r in roots]
 
     def _check_params(self, opt) -> None:
         """After step 1: parameters that joined an optimizer (``add_param_group``, an optimizer

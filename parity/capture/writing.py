@@ -284,7 +284,10 @@ class RankRecord:
             with self._lock:
                 self._resolve()
                 self._final_rows(self._step_base + self.done)
-                now = self._digest_rows(self._tensors(), stable=True).result()
+                tensors = self._tensors()
+                for i in self._left_rows():
+                    tensors[i] = None  # the model no longer holds it: absent (NO_HASH)
+                now = self._digest_rows(tensors, stable=True).result()
                 after = self._step_base + self.done
                 if self._last_param_step == after and self._last_params == now:
                     self.writer.write_final(after, same_as=self._last_param_ref)
@@ -311,6 +314,38 @@ class RankRecord:
         # those are the shards' state, not new parameters (trees.fsdp_unsharded skips them).
         self._trees_scanned = None
         self._sync_trees(after + 1, final=True)
+
+    def _left_rows(self) -> list[int]:
+        """Parameter rows whose module no longer holds a parameter of that name when the run
+        ends (``m.bias = None``, ``del m.bias``, a submodule replaced by one without it): the
+        final state is the model the run ended with, so they are absent there (the all-zero
+        hash), with a warning. Capture keeps a reference to every row's tensor, so without
+        this the final state hashed the removed parameter's old values and a run that dropped
+        a bias after training held against one that kept it (round 5). A parameter replaced
+        by another tensor (FSDP2's unsharded one after an eval forward, a new Parameter: it
+        joins as its own row) is not absent, nor one the trees still hold under another name
+        (moved into a parametrization)."""
+        left = []
+        for i, (root, raw) in self._row_homes.items():
+            path, _, name = raw.rpartition(".")
+            try:
+                mod = root.get_submodule(path) if path else root
+            except AttributeError:
+                left.append(i)  # the submodule left the tree
+                continue
+            params = getattr(mod, "_parameters", None)
+            if isinstance(params, dict) and params.get(name) is None \
+                    and not isinstance(getattr(mod, "_buffers", {}).get(name), torch.Tensor):
+                left.append(i)
+        if left:  # moved, not removed (a parametrization's ``original``, a tied twin): held
+            held = {id(t) for r in self._name_roots for t in r.parameters()}
+            left = [i for i in left if id(self.table[i]) not in held]
+        if left:
+            names = [self.entries[i]["fqn"] for i in left]
+            self.warn(f"{len(left)} parameter(s) left the model after step {self.done} "
+                      f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): absent "
+                      "from the final state")
+        return left
 
     def flush_final(self) -> None:
         """Write the last finished step if sampling skipped it (params and loss; no grads)."""

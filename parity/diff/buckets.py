@@ -247,7 +247,12 @@ def _select(records: list[dict], source: str | None, rank: int | None,
                 continue
             seen_params |= params
             chosen.extend(buckets)
-        if graph and coll == "reduce_scatter":
+        if coll == "reduce_scatter":
+            # a gradient reduced by several buckets of one step: a chunked loss in a graph, or
+            # eager FSDP2 syncing the gradient at every micro-batch of an accumulation (the
+            # duplicates are dropped below, so the count must be kept here: without it a side
+            # that reduce-scatters each gradient twice per step read as "identical" to one that
+            # reduces once, set_requires_gradient_sync(False) on all but the last micro-batch)
             per_fqn: dict[str, int] = {}
             for b in chosen:
                 for f in set(b.fqns):
@@ -766,8 +771,13 @@ def compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks:
     first_notes: list[str] = []
     for side, run in (("a", run_a), ("b", run_b)):
         for (coll, fqn), n in sorted(layouts[side].repeats.items()):
-            first_notes.append(f"{coll}: {fqn} is carried by {n} buckets of {side.upper()}'s "
-                               "graph; compared: the first")
+            if layouts[side].source == SOURCE_GRAPH:
+                first_notes.append(f"{coll}: {fqn} is carried by {n} buckets of "
+                                   f"{side.upper()}'s graph; compared: the first")
+            else:
+                first_notes.append(f"{coll}: {fqn}'s gradient is reduced by {n} buckets per "
+                                   f"step in {side.upper()} (a sync at every micro-batch); "
+                                   "compared: the first")
         ref = layouts[side].rank
         order.eager[side] = eager_collectives(run.ranks[ref].buckets) if ref in run.ranks else []
         if order.eager[side]:

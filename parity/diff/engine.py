@@ -316,6 +316,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     # the size of each difference, from the figures next to the hashes (summaries, no verdict)
     magnitude = size_of_difference(ra, rb, ranks, aligns, index, divergent,
                                    divergent[0].step if divergent else None, steps_compared)
+    if fd is not None and magnitude.get("absent") and fd.step == divergent[0].step:
+        fd.explanation += _absent_note(magnitude["absent"])
     _lazy_problems(ra, rb, n_before, problems)  # tables parsed for the checks above
     verdict = _verdict(first, incomplete)
     sides = _sides(run_a, run_b, ws, usable, side_steps, layouts)
@@ -601,6 +603,20 @@ def _first_divergence(run_a: Run, ra: list[RankData], rb: list[RankData], ranks:
                              n_kind["grad"] if hc.grads_compared else None, sorted(rank_set),
                              loss_div, why, label, phase)
     return first, fd, divergent
+
+
+def _absent_note(absent: list[dict]) -> str:
+    """The first divergence's explanation, continued: the tensors one side did not have (a
+    gradient left None, e.g. ``zero_grad(set_to_none=True)`` and a parameter the forward did not
+    use, against a zeroed gradient on the other side: magnitude._absent)."""
+    parts = []
+    for side in ("a", "b"):
+        names = [x["fqn"] for x in absent if x.get("side") == side]
+        if names:
+            parts.append(f"{side.upper()} has no gradient or tensor there (None) for "
+                         f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}")
+    return ("; " + "; ".join(parts) + " where the other side has one (a gradient set to None "
+            "against one zeroed, for instance)") if parts else ""
 
 
 def _between(step: int, prev: int | None, loss_div: bool | None,

@@ -162,11 +162,33 @@ def size_of_difference(ra: list[RankData], rb: list[RankData], ranks: list[int],
     recorded = any(p["steps"] and p["steps"][0]["step"] == first for p in params)
     out = {"recorded": recorded, "note": NOTE, "params": params, "per_step": []}
     if not recorded:
+        out["absent"] = _absent(figs, locate, pos, divergent, first)
         return out
     i0 = pos.get(divergent[0].ranks[0]) if divergent[0].ranks else None
     if i0 is not None:
         table = _Table(locate(i0))
         out["per_step"] = [_step_max(figs, table, i0, s, ranks[i0]) for s in later]
+    return out
+
+
+def _absent(figs, locate, pos: dict, divergent: list[Divergence], first: int) -> list[dict]:
+    """The divergent tensors of the first divergent step that one side did not have (its
+    figures are ``NO_FIGURES``: a gradient that was None, hashed as absent) while the other
+    did: ``[{fqn, kind, side}]``, side the one without. Their size cannot be given, and the
+    reports say why instead of "the runs carry no figures" (a trainer zeroing gradients with
+    ``set_to_none=False`` against one that sets them to None, round 5)."""
+    out = []
+    for d in [d for d in divergent if d.step == first][:MAX_PARAMS]:
+        i = pos.get(d.ranks[0]) if d.ranks else None
+        if i is None:
+            continue
+        fa, fb = figs.get(i, first, "grad" if d.kind == "grad" else "param")
+        hit = locate(i).get(d.fqn)
+        if fa is None or fb is None or hit is None or hit[0] >= len(fa) or hit[1] >= len(fb):
+            continue
+        qa, qb = float(fa[hit[0]][1]), float(fb[hit[1]][1])
+        if (qa < 0) != (qb < 0):
+            out.append({"fqn": d.fqn, "kind": d.kind, "side": "a" if qa < 0 else "b"})
     return out
 
 

@@ -175,7 +175,10 @@ class DiffResult:
         return policy.pair_code(self.verdict, self.order.verdict, bool(self.incomplete), fail_on,
                                 reduction_state({"order": {"consequences": self.order.consequences,
                                                            "notes": self.order.notes},
-                                                 "reduction_order": self._reduction_dict()}))
+                                                 "reduction_order": self._reduction_dict()}),
+                                policy.structure_only({"verdict": self.order.verdict,
+                                                       "notes": self.order.notes,
+                                                       "structure": self.order.structure}))
 
     def to_dict_reduction(self) -> dict | None:
         """``reduction_order`` as in the JSON (None: no ``--at``)."""
@@ -197,7 +200,7 @@ class DiffResult:
             "final_state": self.final_state, "not_recorded": self.not_recorded,
             "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket,
                       "consequences": self.order.consequences, "notes": self.order.notes,
-                      "compared": self.order.compared},
+                      "compared": self.order.compared, "structure": self.order.structure},
             "reduction_order": self._reduction_dict(),
             "params_only_in_a": self.params_only_in_a, "params_only_in_b": self.params_only_in_b,
             # the same words as the JSON-fed verdict (sweep reports, HTML): capture warnings

@@ -269,6 +269,18 @@ def _size_section(r: DiffResult) -> list:
     if not m:
         return []
     if not m.get("recorded"):
+        absent = [x for x in m.get("absent") or [] if isinstance(x, dict)]
+        if absent:  # one side had no such tensor (a gradient that was None): no size
+            lines = []
+            for side in ("a", "b"):
+                names = [str(x.get("fqn")) for x in absent if x.get("side") == side]
+                if names:
+                    what = "gradient" if all(x.get("kind") == "grad" for x in absent
+                                             if x.get("side") == side) else "tensor"
+                    lines.append(f"{side.upper()} has no {what} (None, hashed as absent) for "
+                                 f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''} "
+                                 f"where {'B' if side == 'a' else 'A'} has one")
+            return [T("Size of the difference: not shown: " + "; ".join(lines), "dim")]
         return [T("Size of the difference: not shown (the runs carry no per-tensor figures: "
                   "recorded before parity kept them, or by another hasher)", "dim")]
     rows = [s for s in m.get("per_step") or [] if isinstance(s, dict)]
