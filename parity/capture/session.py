@@ -158,6 +158,10 @@ class Session(RankRecord, StepClock, ParamTable):
         self._root_labels: dict[int, str] = {}  # id(root) -> prefix for its colliding names
         self._labels_said: set[str] = set()
         self._optimizers: set[int] = set()  # ids of the optimizers that stepped
+        # optimizer class -> its per-parameter state's tensor keys (capture.optimizer_state):
+        # not hashed, named on the verdict line; optimizers whose state was read
+        self._opt_state: dict[str, list[str]] = {}
+        self._opt_state_seen: set[int] = set()
         self._opt_sigs: dict[int, tuple] = {}  # id(optimizer) -> param_groups signature
         self._step_base = 0  # steps recorded by earlier torchelastic attempts of this rank
         self._resolved_hasher: str | None = None

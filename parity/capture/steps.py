@@ -15,6 +15,7 @@ initialised in ``Session.__init__``).
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import os
 import sys
@@ -239,6 +240,8 @@ class StepClock:
             with self._lock:
                 if self.depth == 0:
                     return
+                if id(opt) not in self._opt_state_seen:
+                    self._note_opt_state(opt)
                 self.depth -= 1
                 if self.depth == 0:
                     self.done = self.k
@@ -255,6 +258,24 @@ class StepClock:
         except Exception as e:  # noqa: BLE001
             self._fail(e)
         self.capture_seconds += time.perf_counter() - t0
+
+    def _note_opt_state(self, opt) -> None:
+        """Name the per-parameter state ``opt`` keeps (Adam's ``exp_avg``, ``exp_avg_sq``,
+        ``step``; SGD's ``momentum_buffer``), once it has some: capture hashes parameters,
+        gradients and the loss, not optimizer state, so the verdict line says it was not
+        compared (``capture.optimizer_state``). A difference there shows in later steps'
+        parameters, never in the last step's. Keys only: no tensor is read."""
+        state = getattr(opt, "state", None)
+        if not state or not hasattr(state, "values"):
+            return  # none yet (SGD without momentum, a step that was skipped): asked again
+        self._opt_state_seen.add(id(opt))
+        keys: set[str] = set()
+        for per_param in itertools.islice(state.values(), 4):
+            if isinstance(per_param, dict):
+                keys.update(str(k) for k, v in per_param.items() if isinstance(v, torch.Tensor))
+        if keys:
+            name = type(opt).__name__
+            self._opt_state[name] = sorted(set(self._opt_state.get(name, ())) | keys)
 
     def _begin_step(self) -> None:
         if self.k >= 1 and not self._table_final:

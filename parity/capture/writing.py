@@ -78,6 +78,8 @@ class RankRecord:
                 "unhashed": [{"fqn": f, "reason": r} for f, r in self._unhashed.items()],
                 # not in state_dict, so not hashed by design; the verdict line names them
                 "non_persistent_buffers": list(self._non_persistent),
+                # per-parameter optimizer state (Adam's moments...): not hashed, named likewise
+                "optimizer_state": dict(self._opt_state),
                 "seconds": round(self.capture_seconds
                                  + sum(s.seconds for s in self._sources.values() if s is not None),
                                  6)}

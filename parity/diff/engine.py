@@ -856,7 +856,8 @@ def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int]) -> l
     """What neither side recorded: steps both skipped (``--every``), gradients of steps both
     recorded without them (the last step, written at exit when sampling skipped it), no
     gradients or no loss at all (``--no-grads``; a trainer that never calls ``backward`` on a
-    loss), non-persistent buffers (never hashed: capture.non_persistent_buffers). Not missing data (exit 3 is for what one side has and the other lacks): both sides
+    loss), optimizer state and non-persistent buffers (never hashed: capture.optimizer_state,
+    capture.non_persistent_buffers). Not missing data (exit 3 is for what one side has and the other lacks): both sides
     chose it alike. But a ``match`` does not cover it, so the verdict line says it."""
     out: list[str] = []
     if not ra or not steps:
@@ -887,6 +888,17 @@ def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int]) -> l
                        "step that sampling skipped is written at exit without its gradients)")
     if later and not any(_loss_bits(x.steps.get(s)) is not None for s in later for x in runs):
         out.append("the loss (neither side recorded it: no backward() of a loss tensor)")
+    opt_state: dict[str, set] = {}
+    for x in runs:
+        got = capture_of(x.meta).get("optimizer_state")
+        for cls, keys in (got.items() if isinstance(got, dict) else ()):
+            if isinstance(keys, list):
+                opt_state.setdefault(str(cls), set()).update(str(k) for k in keys)
+    if opt_state:
+        what = "; ".join(f"{cls}: {', '.join(sorted(keys))}"
+                         for cls, keys in sorted(opt_state.items()))
+        out.append(f"optimizer state ({what}; not hashed: a difference in it shows in later "
+                   "steps' parameters, not in the last step's)")
     np_names: dict[str, None] = {}
     for x in runs:
         for n in capture_of(x.meta).get("non_persistent_buffers") or ():
