@@ -34,3 +34,40 @@ def capture(run: Path, entry: list[str], *, nproc: int = 4, exec_args: list[str]
     if proc.returncode != 0:
         pytest.fail(f"{run.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return run
+
+
+def run_table(jobs: dict, start, at_once: int = 3, timeout: float = 900) -> dict:
+    """``{name: (run dir, exit code, stderr)}`` of a table of jobs ``{name: knobs}``, ``at_once``
+    at a time; ``start(name, knobs)`` returns ``(run dir, Popen)`` (stderr piped, text)."""
+    out, pending, running = {}, list(jobs.items()), []
+    while pending or running:
+        while pending and len(running) < at_once:
+            name, knobs = pending.pop(0)
+            running.append((name, *start(name, dict(knobs))))
+        name, run, p = running.pop(0)
+        _, err = p.communicate(timeout=timeout)
+        out[name] = (run, p.returncode, err)
+    return out
+
+
+def diff_cli(a: Path, b: Path, *extra: str, timeout: float = 900) -> tuple[int, str, dict]:
+    """(exit code, verdict line, diff JSON) of the real ``parity diff A B [extra]`` (its JSON
+    beside B, one file per number of extra options)."""
+    import json
+
+    js = Path(str(b) + f".diff{len(extra)}.json")
+    p = subprocess.run([sys.executable, "-m", "parity", "diff", str(a), str(b), "--json",
+                        str(js), *extra], capture_output=True, text=True, timeout=timeout)
+    assert p.returncode in (0, 1, 3), p.stderr
+    line = p.stdout.splitlines()[0] if p.stdout else ""
+    return p.returncode, line, json.loads(js.read_text())
+
+
+def knob_env(prefix: str, **knobs) -> dict[str, str]:
+    """This process's environment without the knobs of a test trainer (``prefix``: ``R4_``...)
+    or parity's own capture switches, one thread, and ``knobs`` set."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith((prefix, "PARITY_CAPTURE", "PARITY_OPS"))}
+    env["OMP_NUM_THREADS"] = "1"
+    env.update({k: str(v) for k, v in knobs.items()})
+    return env

@@ -18,7 +18,6 @@ and sweep cases run in their own tests.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import xxhash
 
 from parity import params_codec
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
+from tests.real_jobs import diff_cli, knob_env, run_table
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round4.py")
@@ -37,11 +37,7 @@ TIMEOUT = 900
 
 
 def _env(**knobs):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("R4_", "PARITY_CAPTURE", "PARITY_OPS"))}
-    env["OMP_NUM_THREADS"] = "1"
-    env.update({k: str(v) for k, v in knobs.items()})
-    return env
+    return knob_env("R4_", **knobs)
 
 
 def _start(out, *command, opts=(), **knobs):
@@ -81,17 +77,12 @@ JOBS = {  # name: trainer knobs (and "opts": parity exec options)
 def runs(tmp_path_factory):
     """{name: (run dir, exit code, stderr)} of every job above."""
     root = tmp_path_factory.mktemp("round4")
-    out, pending, running = {}, list(JOBS.items()), []
-    while pending or running:
-        while pending and len(running) < 3:
-            name, knobs = pending.pop(0)
-            knobs = dict(knobs)
-            opts = knobs.pop("opts", ())
-            running.append((name, _start(root / name, opts=opts, **knobs)))
-        name, p = running.pop(0)
-        _, err = p.communicate(timeout=TIMEOUT)
-        out[name] = (root / name, p.returncode, err)
-    return out
+
+    def start(name, knobs):
+        opts = knobs.pop("opts", ())
+        return root / name, _start(root / name, opts=opts, **knobs)
+
+    return run_table(JOBS, start, timeout=TIMEOUT)
 
 
 def _ok(runs, name) -> Path:
@@ -101,13 +92,7 @@ def _ok(runs, name) -> Path:
 
 
 def _diff(a, b, *extra):
-    """(exit code, verdict line, diff JSON) of the real CLI."""
-    js = Path(str(b) + ".diff.json")
-    p = subprocess.run([*PARITY, "diff", str(a), str(b), "--json", str(js), *extra],
-                       capture_output=True, text=True, timeout=TIMEOUT)
-    assert p.returncode in (0, 1, 3), p.stderr
-    line = p.stdout.splitlines()[0] if p.stdout else ""
-    return p.returncode, line, json.loads(js.read_text())
+    return diff_cli(a, b, *extra, timeout=TIMEOUT)
 
 
 def _steps(run: Path, rank: int = 0) -> list[dict]:

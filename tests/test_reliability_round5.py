@@ -40,7 +40,6 @@ in its own test.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +47,7 @@ from pathlib import Path
 import pytest
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
+from tests.real_jobs import diff_cli, knob_env, run_table
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round5.py")
@@ -56,11 +56,7 @@ TIMEOUT = 900
 
 
 def _env(**knobs):
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("R5_", "PARITY_CAPTURE", "PARITY_OPS"))}
-    env["OMP_NUM_THREADS"] = "1"
-    env.update({k: str(v) for k, v in knobs.items()})
-    return env
+    return knob_env("R5_", **knobs)
 
 
 def _start(out, *command, **knobs):
@@ -96,15 +92,8 @@ JOBS = {  # name: trainer knobs
 def runs(tmp_path_factory):
     """{name: (run dir, exit code, stderr)} of every job above."""
     root = tmp_path_factory.mktemp("round5")
-    out, pending, running = {}, list(JOBS.items()), []
-    while pending or running:
-        while pending and len(running) < 3:
-            name, knobs = pending.pop(0)
-            running.append((name, _start(root / name, **knobs)))
-        name, p = running.pop(0)
-        _, err = p.communicate(timeout=TIMEOUT)
-        out[name] = (root / name, p.returncode, err)
-    return out
+    return run_table(JOBS, lambda name, knobs: (root / name, _start(root / name, **knobs)),
+                     timeout=TIMEOUT)
 
 
 def _ok(runs, name) -> Path:
@@ -114,13 +103,7 @@ def _ok(runs, name) -> Path:
 
 
 def _diff(a, b, *extra):
-    """(exit code, verdict line, diff JSON) of the real CLI."""
-    js = Path(str(b) + f".diff{len(extra)}.json")
-    p = subprocess.run([*PARITY, "diff", str(a), str(b), "--json", str(js), *extra],
-                       capture_output=True, text=True, timeout=TIMEOUT)
-    assert p.returncode in (0, 1, 3), p.stderr
-    line = p.stdout.splitlines()[0] if p.stdout else ""
-    return p.returncode, line, json.loads(js.read_text())
+    return diff_cli(a, b, *extra, timeout=TIMEOUT)
 
 
 def _fqns(run: Path) -> list[str]:
