@@ -225,11 +225,17 @@ class Session(RankRecord, StepClock, ParamTable):
         graph break before and after the step, and the step compiles as it does alone."""
         if self._dynamo_hidden:
             return
-        import torch._dynamo
-
         self._dynamo_hidden = True
         patches.hide_from_dynamo()
-        for h in [*self._handles, *self._consumed_handles.values()]:
+        self._hide_hooks([*self._handles, *self._consumed_handles.values()])
+
+    @staticmethod
+    def _hide_hooks(handles) -> None:
+        """Replace each hook of ``handles`` in its hook dict by ``torch._dynamo.disable`` of it
+        (once: a wrapped hook is left as it is)."""
+        import torch._dynamo
+
+        for h in handles:
             table = h.hooks_dict_ref() if hasattr(h, "hooks_dict_ref") else None
             fn = table.get(h.id) if table is not None else None
             if fn is not None and not getattr(fn, "_torchdynamo_disable", False):

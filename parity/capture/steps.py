@@ -131,8 +131,7 @@ class StepClock:
         if h is None or h.id not in hooks:
             self._consumed_handles[id(opt)] = opt.register_step_pre_hook(self._consumed_hook)
             if self._dynamo_hidden:  # a compiled step must not trace it (hide_from_dynamo)
-                self._dynamo_hidden = False
-                self.hide_from_dynamo()
+                self._hide_hooks([self._consumed_handles[id(opt)]])
         else:
             hooks.move_to_end(h.id)
 

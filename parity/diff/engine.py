@@ -889,21 +889,21 @@ def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int]) -> l
     if later and not any(_loss_bits(x.steps.get(s)) is not None for s in later for x in runs):
         out.append("the loss (neither side recorded it: no backward() of a loss tensor)")
     opt_state: dict[str, set] = {}
+    np_names: dict[str, None] = {}
     for x in runs:
-        got = capture_of(x.meta).get("optimizer_state")
+        cap = capture_of(x.meta)
+        got = cap.get("optimizer_state")
         for cls, keys in (got.items() if isinstance(got, dict) else ()):
             if isinstance(keys, list):
                 opt_state.setdefault(str(cls), set()).update(str(k) for k in keys)
+        for n in cap.get("non_persistent_buffers") or ():
+            if isinstance(n, str):
+                np_names.setdefault(n)
     if opt_state:
         what = "; ".join(f"{cls}: {', '.join(sorted(keys))}"
                          for cls, keys in sorted(opt_state.items()))
         out.append(f"optimizer state ({what}; not hashed: a difference in it shows in later "
                    "steps' parameters, not in the last step's)")
-    np_names: dict[str, None] = {}
-    for x in runs:
-        for n in capture_of(x.meta).get("non_persistent_buffers") or ():
-            if isinstance(n, str):
-                np_names.setdefault(n)
     if np_names:
         names = list(np_names)
         shown = ", ".join(names[:3]) + (f", +{len(names) - 3} more" if len(names) > 3 else "")
