@@ -337,10 +337,12 @@ class RankWriter:
         return p_off, p_digest
 
     def write_final(self, after_step: int, hashes: bytes | None = None,
-                    same_as: tuple[int, str] | None = None) -> None:
+                    same_as: tuple[int, str] | None = None, changed: bool | None = None) -> None:
         """The state the trainer ended with, after step ``after_step``: ``hashes`` (a new
         ``final`` record), or ``same_as`` (offset, roll-up) of that step's parameter record
-        when nothing changed since it (no bytes written twice)."""
+        when nothing changed since it (no bytes written twice). ``changed``: whether the rows
+        the last step recorded changed since (default: a new record was written; a record
+        that only adds rows, the optimizers' state, is new but not changed)."""
         if hashes is not None:
             off, digest = self._hash_record(after_step, "final", hashes)
         elif same_as is not None:
@@ -349,7 +351,7 @@ class RankWriter:
             raise ValueError("write_final: hashes or same_as")
         self._steps.append({"v": SCHEMA_VERSION, "step": FINAL, "after_step": after_step,
                             "param_digest": digest, "param_offset": off,
-                            "changed": hashes is not None})
+                            "changed": hashes is not None if changed is None else changed})
 
     def write_bucket(self, bucket: dict) -> None:
         self._buckets.append({"v": SCHEMA_VERSION, **bucket})

@@ -233,7 +233,8 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         kinds.append("loss")
     final = d.get("final_state") if isinstance(d.get("final_state"), dict) else {}
     if final.get("compared"):
-        kinds.append("final state")
+        kinds.append("final state with optimizer state" if final.get("optimizer_state")
+                     else "final state")
     scope = (f"{_plural(len(d.get('steps_compared') or []), 'step')} x "
              f"{_plural(len(d.get('ranks_compared') or []), 'rank')} x "
              f"{_plural(int(d.get('params_compared') or 0), 'parameter')}")

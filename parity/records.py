@@ -32,6 +32,10 @@ SOURCE_GRAPH = "graph"  # a compiled graph (capture/sources/graph.py, capture/so
 SOURCE_DTENSOR = "dtensor"  # DTensor redistributions outside graphs (capture/sources/eager_collectives.py)
 SOURCE_C10D = "c10d"  # plain c10d all-reduces outside graphs: HSDP, hand-written (capture/sources/c10d_allreduce.py)
 
+# params.json ``kind`` of a row that holds an optimizer's per-parameter state (Adam's
+# ``exp_avg``...), hashed in the final state only (capture/opt_state.py, diff/opt_state.py)
+KIND_OPTIMIZER_STATE = "optimizer_state"
+
 ABSENT: Any = _Absent()
 # optional record keys, written after the required ones when present (docs/artifacts.md)
 _OPTIONAL = {"stage": str, "trace": str, "module": str, "placements": str, "position": int,

@@ -56,7 +56,7 @@ BUILD = "2"  # how it is built (_command, _standards): a change gets new builds,
 WAIT_FOR_OTHER_S = 120.0  # how long a process waits for another one's build of the same key
 
 _state: dict = {"check": None, "status": "not built", "thread": None}
-_lock = threading.Lock()
+_lock = threading.RLock()  # reentrant: a finalizer that hashes (table.py) may run inside
 
 
 def _disabled() -> bool:

@@ -158,6 +158,12 @@ class Session(RankRecord, StepClock, ParamTable):
         self._root_labels: dict[int, str] = {}  # id(root) -> prefix for its colliding names
         self._labels_said: set[str] = set()
         self._optimizers: set[int] = set()  # ids of the optimizers that stepped
+        # the same, in the order they first stepped: id -> weakref.finalize that hashes its
+        # state when it is freed before capture stops (table._state_rows, opt_state.py)
+        self._opt_watch: dict[int, weakref.finalize] = {}
+        self._opt_freed: dict[int, tuple] = {}  # id -> (entries, Digests) of a freed one
+        self._opt_unwatched: list[str] = []  # optimizer classes whose state is not hashed
+        self._opt_state_final = False  # their state was hashed in the final state
         # optimizer class -> its per-parameter state's tensor keys (capture.optimizer_state):
         # not hashed, named on the verdict line; optimizers whose state was read
         self._opt_state: dict[str, list[str]] = {}

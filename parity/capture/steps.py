@@ -91,7 +91,9 @@ class StepClock:
                         # retried): a FAILS on identical updates, and a step "missing"
                         self.k -= 1
                 self.depth += 1
-                self._optimizers.add(id(opt))
+                if id(opt) not in self._optimizers:
+                    self._optimizers.add(id(opt))
+                    self._watch_optimizer(opt)  # its state joins the final state (table.py)
                 if self.depth == 1:
                     self._outer = weakref.ref(opt)
                     continuing = (self.open and self.backwards == 0
@@ -241,6 +243,7 @@ class StepClock:
                     return
                 if id(opt) not in self._opt_state_seen:
                     self._note_opt_state(opt)
+                self._rewatch_optimizer(opt)  # its state replaced by hand since the last step
                 self.depth -= 1
                 if self.depth == 0:
                     self.done = self.k

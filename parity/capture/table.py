@@ -31,6 +31,7 @@ is initialised in ``Session.__init__``), split out so that each concern reads on
 from __future__ import annotations
 
 import functools
+import os
 import time
 import types
 import weakref
@@ -38,8 +39,8 @@ from collections.abc import Callable
 
 import torch
 
-from parity.artifacts import NO_FIGURES, NO_HASH
-from parity.capture import trees
+from parity.artifacts import HASH_BYTES, NO_FIGURES, NO_HASH
+from parity.capture import opt_state, patches, trees
 from parity.capture.env import one_line
 from parity.capture.hashing import Digests, digest_tensors_async, host_digest, local_tensor
 from parity.capture.names import normalize_fqn
@@ -76,6 +77,19 @@ def _placement_str(p) -> str:
     if name in ("Partial", "_Partial"):
         return f"Partial({getattr(p, 'reduce_op', '')})"
     return repr(p)
+
+
+def _tensor_entry(fqn: str, raw: str | None, t, extra: dict) -> dict:
+    """A row's params.json entry: its name, shape and dtype (a DTensor's local shard's, and its
+    placement and mesh coordinate), ``extra`` keys after the common ones."""
+    lt = local_tensor(t)
+    entry = {"fqn": fqn, "raw_fqn": raw, "shape": list(lt.shape), "global_shape": list(t.shape),
+             "dtype": dtype_name(lt.dtype), "placement": None, "mesh_coord": None, **extra}
+    if _is_dtensor(t):
+        entry["placement"] = ", ".join(_placement_str(pl) for pl in t.placements)
+        coord = t.device_mesh.get_coordinate()
+        entry["mesh_coord"] = list(coord) if coord is not None else None
+    return entry
 
 
 def _is_dtensor(t) -> bool:
@@ -530,15 +544,101 @@ class ParamTable:
             self._row_homes[i] = (root, raw)
 
     def _param_entry(self, p, raw, root, i: int, extra: dict) -> dict:
-        lt = local_tensor(p)
         fqn, raw = self._unique_name(raw, root, i) if raw else (self._unnamed_name(p), raw)
-        entry = {"fqn": fqn, "raw_fqn": raw, "shape": list(lt.shape), "global_shape": list(p.shape),
-                 "dtype": dtype_name(lt.dtype), "placement": None, "mesh_coord": None, **extra}
-        if _is_dtensor(p):
-            entry["placement"] = ", ".join(_placement_str(pl) for pl in p.placements)
-            coord = p.device_mesh.get_coordinate()
-            entry["mesh_coord"] = list(coord) if coord is not None else None
-        return entry
+        return _tensor_entry(fqn, raw, p, extra)
+
+    def _watch_optimizer(self, opt) -> None:
+        """At an optimizer's first step: a finalizer that hashes its state if it is freed before
+        capture stops (a trainer's ``main()`` returned: its optimizer is gone when the process
+        exits, its parameters are not, capture holds them). It holds the optimizer's own
+        ``state`` and ``param_groups`` objects, nothing more: no tensor outlives the optimizer.
+        ``load_state_dict`` replaces ``opt.state``: a post-hook of that (and, for an
+        assignment by hand, each step's post-hook: ``_rewatch_optimizer``) watches the new one,
+        so that the old state is freed when the trainer lets it go, not held by capture."""
+        try:
+            f = weakref.finalize(opt, self._optimizer_freed, id(opt), opt.state, opt.param_groups)
+        except TypeError:  # no __weakref__ (a class with __slots__): its state is not hashed
+            self._opt_unwatched.append(type(opt).__name__)
+            return
+        f.atexit = False  # at exit, capture's own stop reads the live ones
+        first = id(opt) not in self._opt_watch
+        self._opt_watch[id(opt)] = f
+        if first and hasattr(opt, "register_load_state_dict_post_hook"):
+            try:  # (the hook gets the optimizer as its argument: no reference to it is kept)
+                self._handles.append(opt.register_load_state_dict_post_hook(
+                    self._rewatch_optimizer))
+            except Exception:  # noqa: BLE001 - each step's check still sees the new state
+                pass
+
+    def _rewatch_optimizer(self, opt) -> None:
+        """Watch ``opt``'s current ``state`` and ``param_groups`` if they are no longer the
+        objects its finalizer holds (``load_state_dict``, an assignment). ~1 us."""
+        f = self._opt_watch.get(id(opt))
+        got = f.peek() if f is not None else None
+        if got is not None and (got[2][1] is not getattr(opt, "state", None)
+                                or got[2][2] is not getattr(opt, "param_groups", None)):
+            f.detach()
+            self._watch_optimizer(opt)
+
+    def _optimizer_freed(self, key: int, state, groups) -> None:
+        """The finalizer of a watched optimizer: its state's rows are named and hashed now (the
+        state is freed with it) and kept for the final state."""
+        if self.stopped or self.failed or os.getpid() != self.pid:
+            return
+        try:
+            with self._lock:
+                holder = types.SimpleNamespace(state=state, param_groups=groups)
+                rows = opt_state.state_rows([holder], self._table_ids, self.entries,
+                                            {e["fqn"] for e in self.entries})
+                if rows:
+                    entries = [_tensor_entry(n, None, t, {"kind": opt_state.KIND,
+                                                          "optimizer": False}) for n, t in rows]
+                    tensors = [t for _, t in rows]
+                    # freed inside a trace or a CUDA graph capture (a gc there): no kernel of
+                    # capture's may run, so its tensors are kept and hashed at stop
+                    self._opt_freed[key] = (entries, tensors if patches._tracing() else
+                                            self._digest_rows(tensors))
+        except Exception as e:  # noqa: BLE001 - a finalizer must not raise
+            self.warn(f"the state of an optimizer freed at step {self.done} was not hashed: "
+                      f"{one_line(e)}")
+
+    def _state_rows(self, since: int) -> dict[int, bytes]:
+        """The optimizers' state tensors join the table as rows of the final state only
+        (opt_state.py: why, and what is left out); ``since`` is the step after the last one.
+        Live optimizers' tensors are rows as any other; a freed one's rows hold None and their
+        digests, taken when it was freed, are returned ({row: digest}) for the final record.
+        Called once, when capture stops."""
+        live = []
+        for f in list(self._opt_watch.values()):
+            got = f.peek()  # (the optimizer, the callback, its arguments, ...) while it lives
+            if got is not None:
+                live.append(got[0])
+            f.detach()
+        taken = {e["fqn"] for e in self.entries}
+        rows = opt_state.state_rows(live, self._table_ids, self.entries, taken)
+        extra = {"kind": opt_state.KIND, "optimizer": False, "since": since}
+        for name, t in rows:
+            self.table.append(t)
+            self.entries.append(_tensor_entry(name, None, t, extra))
+        fixed: dict[int, bytes] = {}
+        # the last one freed first: an optimizer re-created for the same parameters (a new
+        # phase) names their state, not the one it replaced
+        for entries, digests in reversed(list(self._opt_freed.values())):
+            if isinstance(digests, list):  # freed inside a trace: hashed now
+                digests = self._digest_rows(digests)
+            got = digests.result()
+            for j, e in enumerate(entries):
+                if e["fqn"] in taken:
+                    continue
+                taken.add(e["fqn"])
+                fixed[len(self.table)] = got[j * HASH_BYTES:(j + 1) * HASH_BYTES]
+                self.table.append(None)
+                self.entries.append({**e, "since": since})
+        self._opt_freed.clear()
+        if rows or fixed:
+            self._ensure_writer().write_params(self.entries)
+        self._opt_state_final = not self._opt_unwatched
+        return fixed
 
     def _scan_in_budget(self) -> bool:
         """A periodic scan is due: always without the copy watch (nothing else announces a

@@ -78,8 +78,10 @@ class RankRecord:
                 "unhashed": [{"fqn": f, "reason": r} for f, r in self._unhashed.items()],
                 # not in state_dict, so not hashed by design; the verdict line names them
                 "non_persistent_buffers": list(self._non_persistent),
-                # per-parameter optimizer state (Adam's moments...): not hashed, named likewise
+                # per-parameter optimizer state (Adam's moments...): its keys, named on the
+                # verdict line unless both runs hashed it in the final state (opt_state.py)
                 "optimizer_state": dict(self._opt_state),
+                "optimizer_state_final": self._opt_state_final,
                 "seconds": round(self.capture_seconds
                                  + sum(s.seconds for s in self._sources.values() if s is not None),
                                  6)}
@@ -286,15 +288,23 @@ class RankRecord:
             with self._lock:
                 self._resolve()
                 self._final_rows(self._step_base + self.done)
+                freed = self._state_rows(self._step_base + self.done + 1)  # opt_state.py
                 tensors = self._tensors()
                 for i in self._left_rows():
                     tensors[i] = None  # the model no longer holds it: absent (NO_HASH)
                 now = self._digest_rows(tensors, stable=True).result()
+                if freed:  # the state of optimizers freed earlier, hashed then
+                    buf = bytearray(now)
+                    for i, d in freed.items():
+                        buf[i * HASH_BYTES:(i + 1) * HASH_BYTES] = d
+                    now = bytes(buf)
                 after = self._step_base + self.done
-                if self._last_param_step == after and self._last_params == now:
+                last = self._last_params if self._last_param_step == after else None
+                same = last is not None and now[:len(last)] == last
+                if same and len(now) == len(last):
                     self.writer.write_final(after, same_as=self._last_param_ref)
-                else:
-                    self.writer.write_final(after, hashes=now)
+                else:  # (rows only the final state has: the optimizers' state, opt_state.py)
+                    self.writer.write_final(after, hashes=now, changed=not same)
         except Exception as e:  # noqa: BLE001
             self.warn(f"the final state (after step {self.done}) was not recorded: "
                       f"{cenv.one_line(e)}")

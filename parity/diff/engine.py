@@ -15,11 +15,12 @@ import time
 from pathlib import Path
 
 from parity.artifacts import RankData, Run, gc_paused, read_run
-from parity.records import SOURCE_C10D
+from parity.records import KIND_OPTIMIZER_STATE, SOURCE_C10D
 from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
                                  drop_invalid_buckets, explain_eager)
 from parity.diff.emulation import check_same_emulation, emulation_gaps
+from parity.diff import opt_state
 from parity.diff.final_state import compare_final
 from parity.diff.scaled_loss import scaled_loss_notes, skipped_note
 from parity.diff.env import numerics_env_differences
@@ -266,8 +267,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
 
     # -- parameters
     n_before = {id(x): len(x.problems) for x in ra + rb}  # what lazy reads add is said too
-    index, aligns, only_a, only_b = _align_params(ra, rb, ranks, allow_param_mismatch,
-                                                  incomplete)
+    index, aligns, only_a, only_b, one_state = _align_params(ra, rb, ranks,
+                                                             allow_param_mismatch, incomplete)
+    state_hashed = (opt_state.hashed_by(ra), opt_state.hashed_by(rb))
 
     # -- steps
     steps = sorted(set().union(*(x.steps for x in ra), *(y.steps for y in rb))) if ranks else []
@@ -302,12 +304,15 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         observe(reduction, divergent, first)
 
     # -- the state the runs ended with (after the trainer's last edit)
-    final = compare_final(ranks, ra, rb, aligns, index)
+    states = opt_state.state_names(ra[:1]) | one_state  # (A's table is parsed already)
+    n_params, n_states = _n_compared(aligns, index, states)
+    final = compare_final(ranks, ra, rb, aligns, index,
+                          one_state if all(state_hashed) else set(), n_states)
     incomplete += final.incomplete
     if first is None and final.ranks:
         buffers = {p["fqn"] for x in ra[:1] + rb[:1] for p in x.params
                    if p.get("kind") == "buffer"}
-        fd, divergent = _final_divergence(final, index, buffers, layouts)
+        fd, divergent = _final_divergence(final, index, buffers, states, layouts)
         first = fd.step
     problems += scaled_loss_notes(ra, rb, ranks, steps)
     if fd is not None:
@@ -325,14 +330,15 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     return DiffResult(
         a=sides["a"], b=sides["b"], verdict=verdict, incomplete=incomplete, world_size=ws,
         ranks_compared=ranks, steps_compared=steps_compared,
-        params_compared=_n_compared(aligns),
+        params_compared=n_params,
         bucketing=summarize_pair(run_a, run_b),
         kinds_compared=["param", "grad"] if hc.grads_compared else ["param"],
         params_only_in_a=only_a, params_only_in_b=only_b, first_divergent_step=first,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
         problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
         reduction_order=reduction, magnitude=magnitude, final_state=final.to_dict(index),
-        not_recorded=_not_recorded(ra, rb, steps),
+        not_recorded=_not_recorded(ra, rb, steps, state_hashed,
+                                   n_states if final.compared else 0),
     )
 
 
@@ -480,6 +486,9 @@ def _align_params(ra: list[RankData], rb: list[RankData], ranks: list[int],
         names_b.update(dict.fromkeys(kb))
     only_a = [k for k in names_a if k not in names_b]
     only_b = [k for k in names_b if k not in names_a]
+    # optimizer state one side holds and the other does not: a final-state difference (or
+    # not compared against a run that hashed none), not parameter sets that differ
+    only_a, only_b, one_state = opt_state.split_one_sided(only_a, only_b, ra, rb)
     if (only_a or only_b) and not allow_param_mismatch:
         parts = []
         if only_a:
@@ -493,8 +502,8 @@ def _align_params(ra: list[RankData], rb: list[RankData], ranks: list[int],
     index.ids_of(list(names_a))  # global ids in A's order
     aligns = [aligner.align(ka, kb) for ka, kb in zip(keys_a, keys_b)]
     del keys_a, keys_b
-    _unaligned(ranks, aligns, set(only_a) | set(only_b), incomplete)
-    return index, aligns, only_a, only_b
+    _unaligned(ranks, aligns, set(only_a) | set(only_b) | one_state, incomplete)
+    return index, aligns, only_a, only_b, one_state
 
 
 def _side_steps(run_a: Run, run_b: Run, usable: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -519,7 +528,7 @@ def _coverage_gaps(hc: HashComparison, ranks: list[int], steps_compared: list[in
         incomplete.append("no step was recorded by both sides")
     if not ranks:
         incomplete.append("no rank has a parameter table on both sides")
-    elif not _n_compared(aligns):
+    elif not any(al.gids for al in aligns):
         incomplete.append("no parameter was compared: no rank's table shares an entry with the "
                           "other side's same rank")
 
@@ -651,26 +660,52 @@ def _between(step: int, prev: int | None, loss_div: bool | None,
                        "step is recorded), not through gradients and an optimizer step"), phase
 
 
-def _final_divergence(fc, index: ParamIndex, buffers: set[str], layouts: dict[str, Layout]
-                      ) -> tuple[FirstDivergence, list[Divergence]]:
+def _final_divergence(fc, index: ParamIndex, buffers: set[str], states: set[str],
+                      layouts: dict[str, Layout]) -> tuple[FirstDivergence, list[Divergence]]:
     """What differs in the final state when every step matched: the trainer changed the model
-    after its last ``step()``."""
+    after its last ``step()``, or the optimizers' state differs (``states``: those rows'
+    names; opt_state.py), which no step's parameters show yet."""
     k = fc.after_step
     loc_a, loc_b = layouts["a"].locate(), layouts["b"].locate()
     divergent = []
     for gid, rks in fc.differs:
         name = index.names[gid]
-        kind = "buffer" if name.split("#", 1)[0] in buffers else "param"
+        base = name.split("#", 1)[0]
+        kind = ("buffer" if base in buffers else
+                KIND_OPTIMIZER_STATE if name in states or base in states else "param")
         divergent.append(Divergence(k, name, kind, rks, _links(name, loc_a, loc_b)))
     n_buf = sum(1 for d in divergent if d.kind == "buffer")
-    what = (f"{len(divergent) - n_buf} parameter(s)" + (f" and {n_buf} buffer(s)" if n_buf else ""))
-    why = (f"every step matches, but the state the runs ended with differs ({what}, on rank(s) "
-           f"{ranges(fc.ranks)}): the model was changed after step {k}'s optimizer step, when "
-           "the run ended (an edit after the last step(), a last update by hand, an evaluation "
-           "forward that updated buffers)")
-    phase = f"after step {k}'s optimizer step, when the run ended"
+    n_state = sum(1 for d in divergent if d.kind == KIND_OPTIMIZER_STATE)
+    n_par = len(divergent) - n_buf - n_state
+    parts = [f"{n} {w}" for n, w in ((n_par, "parameter(s)"), (n_buf, "buffer(s)"),
+                                     (n_state, "optimizer state tensor(s)")) if n]
+    what = " and ".join(parts)
+    if n_state and not n_par and not n_buf:
+        held = "; ".join(_state_sides(fc, index))
+        why = (f"every step matches and so do the final parameters, but the optimizer state the "
+               f"runs ended with differs ({what}, on rank(s) {ranges(fc.ranks)}"
+               + (f"; {held}" if held else "") + "): the optimizers' update rules or settings "
+               "differ (betas, momentum, another optimizer) in a way the parameters do not show "
+               f"by step {k}; a later step's would")
+        phase = f"in the optimizer state after step {k}'s optimizer step"
+    else:
+        why = (f"every step matches, but the state the runs ended with differs ({what}, on "
+               f"rank(s) {ranges(fc.ranks)}): the model was changed after step {k}'s optimizer "
+               "step, when the run ended (an edit after the last step(), a last update by hand, "
+               "an evaluation forward that updated buffers)")
+        phase = f"after step {k}'s optimizer step, when the run ended"
     return FirstDivergence(k, "final", False, k, len(divergent), None, sorted(fc.ranks), None,
                            why, "final state differs", phase), divergent
+
+
+def _state_sides(fc, index: ParamIndex) -> list[str]:
+    """Which side holds state rows the other lacks (``SGD momentum`` on one side only)."""
+    out = []
+    for side, gids in (("A", fc.state_only_a), ("B", fc.state_only_b)):
+        if gids:
+            names = [index.names[g] for g in gids]
+            out.append(f"{side} alone holds {len(names)} ({_names(names, 3)})")
+    return out
 
 
 def _verdict(first: int | None, incomplete: list[str]) -> str:
@@ -751,12 +786,15 @@ def _table_keys(lst: list[RankData], seen: dict) -> list[tuple[str, ...]]:
     return out
 
 
-def _n_compared(aligns) -> int:
+def _n_compared(aligns, index: ParamIndex, states: set[str]) -> tuple[int, int]:
+    """(parameters and buffers compared, optimizer-state rows compared: ``states`` names)."""
     distinct = list({id(al): al for al in aligns}.values())
     if not distinct:
-        return 0
+        return 0, 0
     # a set of the Python ids: no numpy on the path of two identical runs
-    return len(set().union(*(al.gids for al in distinct)))
+    gids = set().union(*(al.gids for al in distinct))
+    n_states = sum(1 for g in gids if index.names[g] in states) if states else 0
+    return len(gids) - n_states, n_states
 
 
 def _links(name: str, loc_a: dict, loc_b: dict) -> dict:
@@ -852,13 +890,17 @@ def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
                           "earlier there)")
 
 
-def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int]) -> list[str]:
+def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int],
+                  state_hashed: tuple[bool, bool] = (False, False),
+                  state_rows: int = 0) -> list[str]:
     """What neither side recorded: steps both skipped (``--every``), gradients of steps both
     recorded without them (the last step, written at exit when sampling skipped it), no
     gradients or no loss at all (``--no-grads``; a trainer that never calls ``backward`` on a
-    loss), optimizer state and non-persistent buffers (never hashed: capture.optimizer_state,
-    capture.non_persistent_buffers). Not missing data (exit 3 is for what one side has and the other lacks): both sides
-    chose it alike. But a ``match`` does not cover it, so the verdict line says it."""
+    loss), optimizer state where no state row was compared in the final state (``state_rows``;
+    diff/opt_state.py) and non-persistent buffers (never hashed: capture.non_persistent_buffers).
+    Not missing data (exit 3 is for what one side has and the other lacks): both sides chose it
+    alike (optimizer state hashed by one side only: a run of an older parity). But a ``match``
+    does not cover it, so the verdict line says it."""
     out: list[str] = []
     if not ra or not steps:
         return out
@@ -888,22 +930,20 @@ def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int]) -> l
                        "step that sampling skipped is written at exit without its gradients)")
     if later and not any(_loss_bits(x.steps.get(s)) is not None for s in later for x in runs):
         out.append("the loss (neither side recorded it: no backward() of a loss tensor)")
-    opt_state: dict[str, set] = {}
+    state_keys: dict[str, set] = {}
     np_names: dict[str, None] = {}
     for x in runs:
         cap = capture_of(x.meta)
         got = cap.get("optimizer_state")
         for cls, keys in (got.items() if isinstance(got, dict) else ()):
             if isinstance(keys, list):
-                opt_state.setdefault(str(cls), set()).update(str(k) for k in keys)
+                state_keys.setdefault(str(cls), set()).update(str(k) for k in keys)
         for n in cap.get("non_persistent_buffers") or ():
             if isinstance(n, str):
                 np_names.setdefault(n)
-    if opt_state:
-        what = "; ".join(f"{cls}: {', '.join(sorted(keys))}"
-                         for cls, keys in sorted(opt_state.items()))
-        out.append(f"optimizer state ({what}; not hashed: a difference in it shows in later "
-                   "steps' parameters, not in the last step's)")
+    said = opt_state.not_compared_text(state_keys, *state_hashed, state_rows)
+    if said:
+        out.append(said)
     if np_names:
         names = list(np_names)
         shown = ", ".join(names[:3]) + (f", +{len(names) - 3} more" if len(names) > 3 else "")

@@ -29,6 +29,9 @@ class FinalComparison:
     differs: list[tuple[int, list[int]]] = field(default_factory=list)  # (gid, ranks)
     ranks: list[int] = field(default_factory=list)  # ranks whose final state differs
     incomplete: list[str] = field(default_factory=list)
+    state_rows: int = 0  # optimizer-state rows (opt_state.py) both sides hold
+    state_only_a: list[int] = field(default_factory=list)  # gids of state rows A alone holds
+    state_only_b: list[int] = field(default_factory=list)
 
     @property
     def equal(self) -> bool | None:
@@ -38,13 +41,19 @@ class FinalComparison:
         return {"compared": self.compared, "after_step": self.after_step, "equal": self.equal,
                 "ranks": list(self.ranks),
                 "params": [index.names[g] for g, _ in self.differs][:50],
-                "params_differing": len(self.differs)}
+                "params_differing": len(self.differs),
+                "optimizer_state": self.state_rows if self.compared else 0}
 
 
 def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
-                  aligns: list[ParamAlignment], index: ParamIndex) -> FinalComparison:
-    """Compare the final states of ``ranks`` (parallel lists ``ra``, ``rb``, ``aligns``)."""
-    out = FinalComparison()
+                  aligns: list[ParamAlignment], index: ParamIndex,
+                  one_state: set[str] = frozenset(), state_rows: int = 0) -> FinalComparison:
+    """Compare the final states of ``ranks`` (parallel lists ``ra``, ``rb``, ``aligns``).
+    ``one_state``: optimizer-state rows one side holds and the other does not, where both
+    sides hashed their state (diff/opt_state.py): each is a difference on the ranks that hold
+    it. ``state_rows``: how many state rows both sides hold (said as compared)."""
+    out = FinalComparison(state_rows=state_rows)
+    only: dict[str, set[int]] = {"A": set(), "B": set()}
     one_sided: dict[str, list[int]] = {"A": [], "B": []}
     other_step: list[tuple[int, int, int]] = []
     unreadable: list[int] = []
@@ -63,6 +72,14 @@ def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
             continue
         out.compared = True
         afters.add(sa)
+        lone = ([("A", k) for k in al.only_a if k in one_state]
+                + [("B", k) for k in al.only_b if k in one_state]) if one_state else []
+        for side, k in lone:  # state one side's optimizer keeps and the other's does not
+            g = index.ids_of([k])[0]
+            only[side].add(g)
+            per_gid.setdefault(g, []).append(r)
+        if lone:
+            out.ranks.append(r)
         if al.identity and fa.get("param_digest") == fb.get("param_digest"):
             continue
         ha, hb = x.hashes(sa, "final"), y.hashes(sb, "final")
@@ -71,11 +88,13 @@ def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
             continue
         bad = (ha[al.ia] != hb[al.ib]).any(axis=1)
         if bad.any():
-            out.ranks.append(r)
+            if not lone:
+                out.ranks.append(r)
             for g in al.gid[bad].tolist():
                 per_gid.setdefault(g, []).append(r)
     out.after_step = max(afters) if afters else None
     out.differs = sorted(per_gid.items())
+    out.state_only_a, out.state_only_b = sorted(only["A"]), sorted(only["B"])
     for side, rs in one_sided.items():
         if rs:
             out.incomplete.append(f"the final state (after the last step) was recorded by "

@@ -22,6 +22,7 @@ from parity.diff import DiffResult
 from parity.diff.magnitude import first_sizes, rel_text, size_texts, ulps_text
 from parity.text import ranges
 from parity.report.reduction import reduction_section
+from parity.records import KIND_OPTIMIZER_STATE
 from parity.report.stdout import make_rich_console
 from parity.report.text import T
 
@@ -31,6 +32,8 @@ MAX_STEP_ROWS = 12
 MAX_BUCKET_ROWS = 18
 MAX_PROBLEMS = 8
 _ABBR = {"all_gather": "AG", "reduce_scatter": "RS"}
+_FINAL_KINDS = {"param": "parameter", "buffer": "buffer",
+                KIND_OPTIMIZER_STATE: "optimizer state tensor"}
 _KIND_COLL = {"grad": "reduce_scatter", "param": "all_gather", "buffer": "all_gather"}
 _ORDER_TEXT = {
     "identical": ("identical", "green"),
@@ -115,8 +118,14 @@ def _verdict_lines(r: DiffResult, fail_on: str = "hash") -> list:
     elif r.verdict == "hash_mismatch":
         fd = r.first_divergence
         line.append("HASH MISMATCH", "bold red")
-        line.append(f" from step {r.first_divergent_step}")
-        if fd is not None:
+        if fd is not None and fd.origin == "final":  # every step matched
+            line.append(f" in the final state (after step {fd.step}): ")
+            n = {k: sum(1 for d in r.divergent if d.kind == k) for k in _FINAL_KINDS}
+            line.append(" and ".join(_plural(n[k], w) for k, w in _FINAL_KINDS.items() if n[k])
+                        + f" differ on rank(s) {_ranks(fd.ranks)}")
+        else:
+            line.append(f" from step {r.first_divergent_step}")
+        if fd is not None and fd.origin != "final":
             bits = []
             if fd.grads:
                 bits.append(_plural(fd.grads, "gradient"))
@@ -242,8 +251,8 @@ def _divergent_table(r: DiffResult) -> Table:
         t.add_column("B bucket @ offset", no_wrap=True)
     shown = r.divergent[:MAX_DIVERGENT_ROWS]
     for d in shown:
-        coll = _KIND_COLL[d.kind]
-        links = d.buckets.get(coll, {})
+        coll = _KIND_COLL.get(d.kind)  # (optimizer state: in no collective)
+        links = d.buckets.get(coll, {}) if coll else {}
         a, b = _bucket_cell(links.get("a"), coll), _bucket_cell(links.get("b"), coll)
         if sizes:
             cells = [a + T(" / ") + b, *map(T, size_texts(sizes.get(
