@@ -454,16 +454,27 @@ def align_buckets(coll: str, la: list[Bucket], lb: list[Bucket]) -> tuple[list[B
             parent[ry] = rx
 
     owner: dict[str, tuple[str, int]] = {}
+    unnamed: dict[str, list[tuple[str, int]]] = {"a": [], "b": []}
     for side, buckets in (("a", la), ("b", lb)):
         for b in buckets:
             node = (side, b.index)
             find(node)
+            if not any(f is not None for f in b.fqns):
+                unnamed[side].append(node)
             for f in b.fqns:
+                if f is None:  # a tensor no parameter names (a flag, a count) links nothing
+                    continue
                 other = owner.get(f)
                 if other is None:
                     owner[f] = node
                 else:
                     union(other, node)
+    # buckets of unnamed tensors only (DDP Join's flag all-reduces, a trainer's own
+    # all_reduce of a count): paired in issue order. Linked through their shared ``None``
+    # name, two of them on each side were one group, "partition differs" on byte-identical
+    # records, and ``--fail-on any`` failed identical runs (round 6)
+    for x, y in zip(unnamed["a"], unnamed["b"]):
+        union(x, y)
     comps: dict[tuple[str, int], tuple[list[Bucket], list[Bucket]]] = {}
     for b in la:
         comps.setdefault(find(("a", b.index)), ([], []))[0].append(b)

@@ -279,7 +279,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     _lazy_problems(ra, rb, n_before, problems)
     both = hc.compared_rows  # numpy only where something differs (hashes.py)
     steps_compared = hc.steps_compared if ranks else []
-    _step_gaps(steps, ranks, ra, rb, both, incomplete)
+    gaps_alike: list[str] = []  # steps ranks that ended early on both sides did not record
+    _step_gaps(steps, ranks, ra, rb, both, incomplete, gaps_alike)
     _coverage_gaps(hc, ranks, steps_compared, aligns, incomplete)
     loss = _compare_loss(ra, rb, ranks, steps, ws)
     # what one side recorded and the other did not is not compared: parity is not proven
@@ -337,8 +338,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
         problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
         reduction_order=reduction, magnitude=magnitude, final_state=final.to_dict(index),
-        not_recorded=_not_recorded(ra, rb, steps, state_hashed,
-                                   n_states if final.compared else 0),
+        not_recorded=gaps_alike + _not_recorded(ra, rb, steps, state_hashed,
+                                                n_states if final.compared else 0),
     )
 
 
@@ -859,7 +860,12 @@ def _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, shape_rows: s
         problems.append(Problem(None, f"... {n_shape} shards differ in shape or dtype in all"))
 
 
-def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
+def _ended_ok(rd: RankData) -> bool:
+    """Whether the rank's ``meta.json`` says it ended cleanly (not killed, not raising)."""
+    return isinstance(rd.meta, dict) and rd.meta.get("status") == "ok"
+
+
+def _step_gaps(steps, ranks, ra, rb, both, incomplete, not_recorded) -> None:
     if not ranks or not steps:
         return
     if all(len(x.steps) == len(steps) for x in ra) and all(len(y.steps) == len(steps) for y in rb):
@@ -879,6 +885,19 @@ def _step_gaps(steps, ranks, ra, rb, both, incomplete) -> None:
                 f"{'B' if name == 'A' else 'A'} has: step(s) {ranges([steps[j] for j in cols])} on "
                 f"{len(rws)} rank(s) (first: rank {ranks[rws[0]]})")
     neither = ~pa & ~pb
+    # a rank that ended cleanly on both sides and recorded the same steps there trained fewer
+    # steps by design (uneven inputs, DDP ``Join``): nothing either side recorded is left out,
+    # so it is said under "not compared", not incomplete (round 6: identical runs were exit 3)
+    ended = np.array([_ended_ok(x) and _ended_ok(y) and x.steps.keys() == y.steps.keys()
+                      for x, y in zip(ra, rb)])
+    by_design = neither & ended[:, None]
+    if by_design.any():
+        cols = np.flatnonzero(by_design.any(axis=0))
+        rws = np.flatnonzero(by_design.any(axis=1))
+        not_recorded.append(f"step(s) {ranges([steps[j] for j in cols])} on rank(s) "
+                            f"{ranges([ranks[i] for i in rws])} (their training ended earlier "
+                            "on both sides, cleanly: neither side recorded them)")
+    neither &= ~by_design
     if neither.any():
         cols = np.flatnonzero(neither.any(axis=0))
         rws = np.flatnonzero(neither.any(axis=1))
