@@ -148,3 +148,28 @@ def test_what_the_verdict_line_says_of_optimizer_state(hashed, rows, said):
     else:
         assert text.startswith("optimizer state (Adam: exp_avg, step; ") and said in text, text
     assert not_compared_text({}, False, False, 0) is None
+
+
+def test_zero_against_plain_adam_compares_the_state_across_ranks(tmp_path):
+    """``ZeroRedundancyOptimizer`` keeps each parameter's state on one rank, plain Adam on
+    every rank: the rows a rank holds on one side only are compared with that name's rows on
+    the other ranks (bitwise the same updates: HOLDS), not left out as "placed on other ranks"
+    (exit 3)."""
+    round6 = str(Path(__file__).parent / "trainers" / "round6.py")
+    cmd = (*exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node", "2",
+           round6)
+    jobs = {}
+    for name, mode in (("zero", ""), ("plain", "plain")):
+        env = knob_env("R6_", R6_CASE="zero", R6_MODE=mode)
+        argv = [*exe("parity", "parity"), "exec", "--out", str(tmp_path / name), "--", *cmd]
+        jobs[name] = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+    for name, p in jobs.items():
+        _, err = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == EXIT_OK, f"{name}: {err[-2000:]}"
+    zero0 = json.loads((tmp_path / "zero" / "rank-00000" / "params.json").read_text())
+    assert len(zero0["columns"]["fqn"]) < 16  # rank 0 holds part of the state
+    for a, b in (("zero", "plain"), ("plain", "zero")):
+        rc, line, d = diff_cli(tmp_path / a, tmp_path / b)
+        assert rc == EXIT_OK and "final state with optimizer state" in line, line
+        assert d["final_state"]["optimizer_state"] == 12, d["final_state"]

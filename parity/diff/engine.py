@@ -305,10 +305,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         observe(reduction, divergent, first)
 
     # -- the state the runs ended with (after the trainer's last edit)
-    states = opt_state.state_names(ra[:1]) | one_state  # (A's table is parsed already)
-    n_params, n_states = _n_compared(aligns, index, states)
-    final = compare_final(ranks, ra, rb, aligns, index,
-                          one_state if all(state_hashed) else set(), n_states)
+    states = opt_state.state_names(ra) | one_state  # (tables the alignment parsed)
+    n_params, state_gids = _n_compared(aligns, index, states)
+    final = compare_final(ranks, ra, rb, aligns, index, all(state_hashed), state_gids)
     incomplete += final.incomplete
     if first is None and final.ranks:
         buffers = {p["fqn"] for x in ra[:1] + rb[:1] for p in x.params
@@ -339,7 +338,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
         reduction_order=reduction, magnitude=magnitude, final_state=final.to_dict(index),
         not_recorded=gaps_alike + _not_recorded(ra, rb, steps, state_hashed,
-                                                n_states if final.compared else 0),
+                                                final.state_rows if final.compared else 0),
     )
 
 
@@ -503,7 +502,7 @@ def _align_params(ra: list[RankData], rb: list[RankData], ranks: list[int],
     index.ids_of(list(names_a))  # global ids in A's order
     aligns = [aligner.align(ka, kb) for ka, kb in zip(keys_a, keys_b)]
     del keys_a, keys_b
-    _unaligned(ranks, aligns, set(only_a) | set(only_b) | one_state, incomplete)
+    _unaligned(ranks, aligns, set(only_a) | set(only_b) | one_state, incomplete, ra, rb)
     return index, aligns, only_a, only_b, one_state
 
 
@@ -787,15 +786,15 @@ def _table_keys(lst: list[RankData], seen: dict) -> list[tuple[str, ...]]:
     return out
 
 
-def _n_compared(aligns, index: ParamIndex, states: set[str]) -> tuple[int, int]:
-    """(parameters and buffers compared, optimizer-state rows compared: ``states`` names)."""
+def _n_compared(aligns, index: ParamIndex, states: set[str]) -> tuple[int, set[int]]:
+    """(parameters and buffers compared, the optimizer-state rows aligned: ``states`` names)."""
     distinct = list({id(al): al for al in aligns}.values())
     if not distinct:
-        return 0, 0
+        return 0, set()
     # a set of the Python ids: no numpy on the path of two identical runs
     gids = set().union(*(al.gids for al in distinct))
-    n_states = sum(1 for g in gids if index.names[g] in states) if states else 0
-    return len(gids) - n_states, n_states
+    state_gids = {g for g in gids if index.names[g] in states} if states else set()
+    return len(gids) - len(state_gids), state_gids
 
 
 def _links(name: str, loc_a: dict, loc_b: dict) -> dict:
@@ -971,14 +970,17 @@ def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int],
     return out
 
 
-def _unaligned(ranks, aligns, glob_only: set, incomplete: list[str]) -> None:
+def _unaligned(ranks, aligns, glob_only: set, incomplete: list[str], ra, rb) -> None:
     """Entries a rank's table has on one side only, while the other side has that name on some
     other rank (a pipeline-stage split or an expert placement that moved): not compared, so
     parity is not proven."""
     n, bad = 0, []
-    for r, al in zip(ranks, aligns):
-        k = sum(1 for x in al.only_a if x not in glob_only) + sum(
-            1 for x in al.only_b if x not in glob_only)
+    for r, al, x_a, x_b in zip(ranks, aligns, ra, rb):
+        # (optimizer-state rows are compared across ranks: diff/final_state.py)
+        la = [x for x in al.only_a if x not in glob_only]
+        lb = [x for x in al.only_b if x not in glob_only]
+        k = (len(la) - len(opt_state.state_keys(x_a, la))
+             + len(lb) - len(opt_state.state_keys(x_b, lb)))
         if k:
             n += k
             bad.append(r)

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parity.artifacts import RankData
-from parity.diff.hashes import ParamAlignment, ParamIndex
+from parity.diff.hashes import ParamAlignment, ParamIndex, param_keys
+from parity.diff.opt_state import state_keys
 from parity.text import ranges
 
 __all__ = ["FinalComparison", "compare_final"]
@@ -29,7 +30,7 @@ class FinalComparison:
     differs: list[tuple[int, list[int]]] = field(default_factory=list)  # (gid, ranks)
     ranks: list[int] = field(default_factory=list)  # ranks whose final state differs
     incomplete: list[str] = field(default_factory=list)
-    state_rows: int = 0  # optimizer-state rows (opt_state.py) both sides hold
+    state_rows: int = 0  # optimizer-state rows (opt_state.py) compared, on their ranks or across
     state_only_a: list[int] = field(default_factory=list)  # gids of state rows A alone holds
     state_only_b: list[int] = field(default_factory=list)
 
@@ -46,19 +47,21 @@ class FinalComparison:
 
 
 def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
-                  aligns: list[ParamAlignment], index: ParamIndex,
-                  one_state: set[str] = frozenset(), state_rows: int = 0) -> FinalComparison:
+                  aligns: list[ParamAlignment], index: ParamIndex, state_both: bool = False,
+                  state_gids: set[int] = frozenset()) -> FinalComparison:
     """Compare the final states of ``ranks`` (parallel lists ``ra``, ``rb``, ``aligns``).
-    ``one_state``: optimizer-state rows one side holds and the other does not, where both
-    sides hashed their state (diff/opt_state.py): each is a difference on the ranks that hold
-    it. ``state_rows``: how many state rows both sides hold (said as compared)."""
-    out = FinalComparison(state_rows=state_rows)
-    only: dict[str, set[int]] = {"A": set(), "B": set()}
+    Optimizer-state rows a rank holds on one side only (diff/opt_state.py) are compared across
+    ranks (:func:`_lone_state`); ``state_both``: both sides hashed their optimizers' state, so
+    a state row the other side holds on no rank is a difference (else not compared, and said
+    on the verdict line). ``state_gids``: state rows aligned on their ranks (compared)."""
+    out = FinalComparison()
+    compared_states = set(state_gids)
     one_sided: dict[str, list[int]] = {"A": [], "B": []}
     other_step: list[tuple[int, int, int]] = []
     unreadable: list[int] = []
     per_gid: dict[int, list[int]] = {}
     afters = set()
+    lone: list[tuple[int, RankData, RankData, int, list[str], list[str]]] = []
     for r, x, y, al in zip(ranks, ra, rb, aligns):
         fa, fb = x.final, y.final
         if fa is None and fb is None:
@@ -72,14 +75,10 @@ def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
             continue
         out.compared = True
         afters.add(sa)
-        lone = ([("A", k) for k in al.only_a if k in one_state]
-                + [("B", k) for k in al.only_b if k in one_state]) if one_state else []
-        for side, k in lone:  # state one side's optimizer keeps and the other's does not
-            g = index.ids_of([k])[0]
-            only[side].add(g)
-            per_gid.setdefault(g, []).append(r)
-        if lone:
-            out.ranks.append(r)
+        if not al.identity and (al.only_a or al.only_b):
+            la, lb = state_keys(x, al.only_a), state_keys(y, al.only_b)
+            if la or lb:
+                lone.append((r, x, y, sa, la, lb))
         if al.identity and fa.get("param_digest") == fb.get("param_digest"):
             continue
         ha, hb = x.hashes(sa, "final"), y.hashes(sb, "final")
@@ -88,13 +87,16 @@ def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
             continue
         bad = (ha[al.ia] != hb[al.ib]).any(axis=1)
         if bad.any():
-            if not lone:
-                out.ranks.append(r)
+            out.ranks.append(r)
             for g in al.gid[bad].tolist():
                 per_gid.setdefault(g, []).append(r)
+    if lone:
+        _lone_state(lone, ranks, ra, rb, index, state_both, out, per_gid, unreadable,
+                    compared_states)
+        out.ranks = sorted(set(out.ranks))
+    out.state_rows = len(compared_states)
     out.after_step = max(afters) if afters else None
-    out.differs = sorted(per_gid.items())
-    out.state_only_a, out.state_only_b = sorted(only["A"]), sorted(only["B"])
+    out.differs = sorted((g, sorted(set(rs))) for g, rs in per_gid.items())
     for side, rs in one_sided.items():
         if rs:
             out.incomplete.append(f"the final state (after the last step) was recorded by "
@@ -108,3 +110,46 @@ def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
         out.incomplete.append(f"the final state of rank(s) {ranges(unreadable)} could not be "
                               "read; not compared")
     return out
+
+
+def _lone_state(lone, ranks, ra, rb, index: ParamIndex, state_both: bool, out: FinalComparison,
+                per_gid: dict[int, list[int]], unreadable: list[int], compared: set[int]) -> None:
+    """Optimizer-state rows a rank holds on one side only, compared across ranks: each such
+    name is equal when every rank of both sides that holds it in its final state holds one
+    value (a plain optimizer's replicated state against ``ZeroRedundancyOptimizer``'s one
+    owner), a difference on those ranks when the values differ, and, when the other side
+    holds it on no rank, a difference (``state_both``) or not compared (the other side did
+    not hash its state)."""
+    names = dict.fromkeys(k for _, _, _, _, la, lb in lone for k in (*la, *lb))  # table order
+    values: dict[str, dict[str, list[tuple[int, bytes]]]] = {k: {"A": [], "B": []} for k in names}
+    for r, x, y in zip(ranks, ra, rb):
+        fa, fb = x.final, y.final
+        if fa is None or fb is None or fa.get("after_step") != fb.get("after_step"):
+            continue
+        for side, rd, f in (("A", x, fa), ("B", y, fb)):
+            keys = param_keys(rd.params)
+            held = [(i, k) for i, k in enumerate(keys) if k in names]
+            if not held:
+                continue
+            h = rd.hashes(f.get("after_step"), "final")
+            if h is None or h.shape[0] != len(keys):
+                unreadable.append(r)
+                continue
+            for i, k in held:
+                values[k][side].append((r, h[i].tobytes()))
+    for k in names:
+        va, vb = values[k]["A"], values[k]["B"]
+        g = index.ids_of([k])[0]
+        if va and vb:
+            compared.add(g)  # compared across ranks
+            if len({v for _, v in va + vb}) == 1:
+                continue
+            rs = [r for r, _ in va + vb]
+        elif not state_both:
+            continue  # the other side hashed no state: said on the verdict line
+        else:  # state one side's optimizers keep and the other's do not: compared, differs
+            compared.add(g)
+            (out.state_only_a if va else out.state_only_b).append(g)
+            rs = [r for r, _ in va or vb]
+        per_gid.setdefault(g, []).extend(rs)
+        out.ranks.extend(rs)

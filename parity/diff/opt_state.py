@@ -2,7 +2,11 @@
 state one side holds and the other does not, and what the verdict line says of it.
 
 Why here and not in the alignment: state rows are compared by name like parameters, but they
-differ from parameters in one way. Two runs whose optimizers keep other state (SGD with momentum
+differ from parameters in two ways. A sharded optimizer (``ZeroRedundancyOptimizer``) keeps
+each parameter's state on one rank, a plain one on every rank: a state row one side's rank has
+and the other side's same rank does not is compared with that name's rows on the other ranks
+(diff/final_state.py: equal when every rank of both sides that holds it holds one value), not
+left out as an entry "placed on other ranks". And Two runs whose optimizers keep other state (SGD with momentum
 against SGD without: ``momentum_buffer`` rows on one side only) hold different state, which is
 a difference in the final state (a FAIL), not two tables that cannot be compared (exit 2, as
 for parameter sets that differ). And a run recorded before parity hashed optimizer state (no
@@ -16,12 +20,23 @@ from parity.artifacts import RankData
 from parity.diff.one_sided import capture_of
 from parity.records import KIND_OPTIMIZER_STATE
 
-__all__ = ["state_names", "hashed_by", "split_one_sided", "not_compared_text"]
+__all__ = ["state_names", "state_keys", "hashed_by", "split_one_sided", "not_compared_text"]
 
 
 def state_names(rds: list[RankData]) -> set[str]:
-    """Names of the optimizer-state rows in the tables of ``rds``."""
-    return {p.get("fqn") for x in rds for p in x.params if p.get("kind") == KIND_OPTIMIZER_STATE}
+    """Names of the optimizer-state rows in the tables of ``rds``, one table read per distinct
+    table (ranks of one FSDP job list the same names: the diff parsed the first one already)."""
+    distinct = {x.keys_digest: x for x in reversed(rds)}.values()
+    return {p.get("fqn") for x in distinct for p in x.params
+            if p.get("kind") == KIND_OPTIMIZER_STATE}
+
+
+def state_keys(rd: RankData, keys: list[str]) -> list[str]:
+    """The optimizer-state rows among ``keys`` of ``rd``'s table (a rank's unaligned names)."""
+    if not keys:
+        return []
+    kinds = {p.get("fqn"): p.get("kind") for p in rd.params}
+    return [k for k in keys if kinds.get(k) == KIND_OPTIMIZER_STATE]
 
 
 def hashed_by(rds: list[RankData]) -> bool:
