@@ -555,8 +555,11 @@ class ParamTable:
         ``load_state_dict`` replaces ``opt.state``: a post-hook of that (and, for an
         assignment by hand, each step's post-hook: ``_rewatch_optimizer``) watches the new one,
         so that the old state is freed when the trainer lets it go, not held by capture."""
+        state, groups = getattr(opt, "state", None), getattr(opt, "param_groups", None)
+        if state is None or groups is None:  # no state to hash (step_on.py's stand-in)
+            return
         try:
-            f = weakref.finalize(opt, self._optimizer_freed, id(opt), opt.state, opt.param_groups)
+            f = weakref.finalize(opt, self._optimizer_freed, id(opt), state, groups)
         except TypeError:  # no __weakref__ (a class with __slots__): its state is not hashed
             self._opt_unwatched.append(type(opt).__name__)
             return
