@@ -61,7 +61,7 @@ def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
     unreadable: list[int] = []
     per_gid: dict[int, list[int]] = {}
     afters = set()
-    lone: list[tuple[int, RankData, RankData, int, list[str], list[str]]] = []
+    lone: dict[str, None] = {}  # state rows some rank holds on one side only, table order
     for r, x, y, al in zip(ranks, ra, rb, aligns):
         fa, fb = x.final, y.final
         if fa is None and fb is None:
@@ -76,9 +76,7 @@ def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
         out.compared = True
         afters.add(sa)
         if not al.identity and (al.only_a or al.only_b):
-            la, lb = state_keys(x, al.only_a), state_keys(y, al.only_b)
-            if la or lb:
-                lone.append((r, x, y, sa, la, lb))
+            lone.update(dict.fromkeys(state_keys(x, al.only_a) + state_keys(y, al.only_b)))
         if al.identity and fa.get("param_digest") == fb.get("param_digest"):
             continue
         ha, hb = x.hashes(sa, "final"), y.hashes(sb, "final")
@@ -112,15 +110,15 @@ def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
     return out
 
 
-def _lone_state(lone, ranks, ra, rb, index: ParamIndex, state_both: bool, out: FinalComparison,
-                per_gid: dict[int, list[int]], unreadable: list[int], compared: set[int]) -> None:
+def _lone_state(names: dict[str, None], ranks, ra, rb, index: ParamIndex, state_both: bool,
+                out: FinalComparison, per_gid: dict[int, list[int]], unreadable: list[int],
+                compared: set[int]) -> None:
     """Optimizer-state rows a rank holds on one side only, compared across ranks: each such
     name is equal when every rank of both sides that holds it in its final state holds one
     value (a plain optimizer's replicated state against ``ZeroRedundancyOptimizer``'s one
     owner), a difference on those ranks when the values differ, and, when the other side
     holds it on no rank, a difference (``state_both``) or not compared (the other side did
     not hash its state)."""
-    names = dict.fromkeys(k for _, _, _, _, la, lb in lone for k in (*la, *lb))  # table order
     values: dict[str, dict[str, list[tuple[int, bytes]]]] = {k: {"A": [], "B": []} for k in names}
     for r, x, y in zip(ranks, ra, rb):
         fa, fb = x.final, y.final
@@ -133,7 +131,8 @@ def _lone_state(lone, ranks, ra, rb, index: ParamIndex, state_both: bool, out: F
                 continue
             h = rd.hashes(f.get("after_step"), "final")
             if h is None or h.shape[0] != len(keys):
-                unreadable.append(r)
+                if r not in unreadable:
+                    unreadable.append(r)
                 continue
             for i, k in held:
                 values[k][side].append((r, h[i].tobytes()))
