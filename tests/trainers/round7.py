@@ -17,6 +17,8 @@ Knobs (environment):
   R7_PERTURB=1  reload: exp_avg of the reloaded copy scaled by 1.5
   R7_WRAP   dist: ddp | fsdp2 | zero | none (2 ranks, gloo)
   R7_COMPILE=1  compile: the optimizer step under torch.compile
+  R7_RESET=assign|clear|load  plain: the optimizer's state dropped (or a copy loaded, its
+            exp_avg times R7_SCALE) after the last step
   R7_END=return|keep  the optimizer freed when main() returns (default) or kept globally
 
     python tests/trainers/round7.py
@@ -202,6 +204,15 @@ def main():
         for _ in range(STEPS):
             step(model, [opt], x)
             steps.append(snap(model))
+        if E("R7_RESET") == "assign":  # the state dropped after the last step
+            opt.state = defaultdict(dict)
+        elif E("R7_RESET") == "clear":
+            opt.state.clear()
+        elif E("R7_RESET") == "load":  # a perturbed copy loaded after the last step
+            saved = copy.deepcopy(opt.state_dict())
+            for st in saved["state"].values():
+                st["exp_avg"].mul_(float(E("R7_SCALE", "1")))
+            opt.load_state_dict(saved)
         opts = [opt]
     elif CASE == "phases":  # the optimizer re-created for the same parameters, 3 phases
         n = int(E("R7_PHASES", "3"))
