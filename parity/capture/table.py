@@ -594,21 +594,29 @@ class ParamTable:
         try:
             with self._lock:
                 holder = types.SimpleNamespace(state=state, param_groups=groups)
-                rows = opt_state.state_rows([holder], self._table_ids, self.entries,
-                                            {e["fqn"] for e in self.entries})
-                if rows:
-                    entries = [_tensor_entry(n, None, t, {"kind": opt_state.KIND,
-                                                          "optimizer": False}) for n, t in rows]
-                    tensors = [t for _, t in rows]
+                if patches._tracing():
                     # freed inside a trace or a CUDA graph capture (a gc there): no kernel of
-                    # capture's may run, so its tensors are kept and hashed at stop
-                    # (an id reused by a later optimizer: its entry moves last, the newest)
-                    self._opt_freed.pop(key, None)
-                    self._opt_freed[key] = (entries, tensors if patches._tracing() else
-                                            self._digest_rows(tensors))
+                    # capture's may run, nor a tensor be made (a Python number's row would be
+                    # fake, or a node of the traced graph): its state is kept, read at stop
+                    self._opt_freed.append(holder)
+                    return
+                got = self._freed_rows(holder, self._digest_rows)
+                if got is not None:
+                    self._opt_freed.append(got)
         except Exception as e:  # noqa: BLE001 - a finalizer must not raise
             self.warn(f"the state of an optimizer freed at step {self.done} was not hashed: "
                       f"{one_line(e)}")
+
+    def _freed_rows(self, holder, digest) -> tuple[list, object] | None:
+        """(params.json entries, ``digest(tensors)``) of a freed optimizer's state rows, named
+        now (``holder``: its ``state`` and ``param_groups``); None when it kept none."""
+        rows = opt_state.state_rows([holder], self._table_ids, self.entries,
+                                    {e["fqn"] for e in self.entries})
+        if not rows:
+            return None
+        entries = [_tensor_entry(n, None, t, {"kind": opt_state.KIND, "optimizer": False})
+                   for n, t in rows]
+        return entries, digest([t for _, t in rows])
 
     def _state_rows(self, since: int) -> dict[int, bytes]:
         """The optimizers' state tensors join the table as rows of the final state only
@@ -631,9 +639,12 @@ class ParamTable:
         fixed: dict[int, bytes] = {}
         # the last one freed first: an optimizer re-created for the same parameters (a new
         # phase) names their state, not the one it replaced
-        for entries, digests in reversed(list(self._opt_freed.values())):
-            if isinstance(digests, list):  # freed inside a trace: hashed now
-                digests = self._digest_rows(digests)
+        for got in reversed(self._opt_freed):
+            if isinstance(got, types.SimpleNamespace):  # freed inside a trace: read now
+                got = self._freed_rows(got, self._digest_rows)
+            if got is None:
+                continue
+            entries, digests = got
             got = digests.result()
             for j, e in enumerate(entries):
                 if e["fqn"] in taken:
