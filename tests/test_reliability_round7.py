@@ -22,6 +22,9 @@ parameters).
   side keeps"; they are now not compared, said on the verdict line (meta.json
   ``capture.optimizer_state_rows``). Against 8d4fe41 (no state rows) the line names the
   optimizer state under ``not compared``;
+- an optimizer freed while ``make_fx`` traces (a gc there): capture named and entered its
+  state rows inside the trace, adding ``detach`` nodes of tensor constants to the trainer's
+  traced graph (capture changing the job). Its state is now kept and read at stop;
 - shapes that held or failed rightly, kept as regressions: Adam foreach against for-loop
   (equal), fused (its state differs: FAILS, in the final state), LBFGS identical runs.
 """
@@ -29,6 +32,7 @@ parameters).
 from __future__ import annotations
 
 import glob
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,6 +65,7 @@ JOBS = {  # name: trainer knobs (nproc: a torchrun job of that many ranks)
     "foreach": {"R7_IMPL": "foreach"},
     "forloop": {"R7_IMPL": "forloop"},
     "fused": {"R7_IMPL": "fused"},
+    "fxfree": {"R7_CASE": "fxfree", "R7_OPT": "custom"},
     "fsdp2": {"R7_CASE": "dist", "R7_WRAP": "fsdp2", "R7_STEPS": 1, "nproc": 2},
     "ddp": {"R7_CASE": "dist", "R7_WRAP": "ddp", "R7_STEPS": 1, "nproc": 2},
 }
@@ -241,3 +246,19 @@ def test_a_run_before_state_rows_names_the_state_not_compared(runs, old_runs):
     assert rc == EXIT_OK, line
     assert "not compared:" in line and "optimizer state (Adam: exp_avg, exp_avg_sq, step; " \
         "hashed in the final state by B only" in line, line
+
+
+def test_an_optimizer_freed_inside_a_trace_leaves_the_traced_graph_alone(runs):
+    """The trainer frees its optimizer (a custom one with Python numbers in its state) inside a
+    ``make_fx`` trace of ``t * 2``: the graph must be that of the job without parity
+    (placeholder, mul, output). Before: four more nodes (tensor constants and their detach)."""
+    d = _ok(runs, "fxfree")
+    graph = torch.load(f"{d}.truth", weights_only=False)["extra"]["graph"]
+    assert graph == ["placeholder:t_1", "call_function:aten.mul.Tensor", "output:output"], graph
+    plain = subprocess.run([sys.executable, TRAINER], env=knob_env("R7_", R7_CASE="fxfree",
+                                                                    R7_OPT="custom"),
+                           capture_output=True, text=True, timeout=TIMEOUT, cwd=HERE.parent)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert f"traced graph: {graph}" in plain.stdout, plain.stdout
+    names = json.loads((d / "rank-00000" / "params.json").read_text())["columns"]["fqn"]
+    assert {"0.weight:buf", "0.weight:scale", "2.bias:count"} <= set(names), names  # at stop

@@ -4,7 +4,7 @@ optimizer's state dict at the end], "steps": [per-step parameter state dicts]}.
 
 Knobs (environment):
   R7_CASE   plain | phases | delopt | two | shared | addgroup | freeze | reload | handstate |
-            dist | compile | big
+            dist | compile | big | fxfree (the optimizer freed inside a make_fx trace)
   R7_OPT    adam | adamw | bigadam | adagrad | rmsprop | sgd | lbfgs | sparse | custom
             | adafactor | nadam | radam | adamax | asgd | rprop | adadelta (default adam; custom keeps
             Python numbers in its state, R7_HALF=1 other ones)
@@ -366,6 +366,22 @@ def main():
             KEEP.append(opt) if E("R7_END") == "keep" else None
             return
         opts = [opt]
+    elif CASE == "fxfree":  # the optimizer freed while make_fx traces another function
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        held = [make_opt(model.parameters())]
+        for _ in range(STEPS):
+            step(model, held, x)
+            steps.append(snap(model))
+
+        def fn(t):
+            held.pop()
+            return t * 2
+
+        g = make_fx(fn)(torch.randn(3))
+        extra["graph"] = [f"{n.op}:{n.target}" for n in g.graph.nodes]
+        print("traced graph:", extra["graph"], flush=True)
+        opts = []
     else:
         raise SystemExit(f"unknown R7_CASE {CASE}")
     save(model, opts, steps, extra)
