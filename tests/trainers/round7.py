@@ -6,8 +6,8 @@ Knobs (environment):
   R7_CASE   plain | phases | delopt | two | shared | addgroup | freeze | reload | handstate |
             dist | compile | big | fxfree (the optimizer freed inside a make_fx trace)
   R7_OPT    adam | adamw | bigadam | adagrad | rmsprop | sgd | lbfgs | sparse | custom
-            | adafactor | nadam | radam | adamax | asgd | rprop | adadelta (default adam; custom keeps
-            Python numbers in its state, R7_HALF=1 other ones)
+            | adafactor | nadam | radam | adamax | asgd | rprop | adadelta (default adam;
+            custom keeps Python numbers in its state, R7_HALF=1 other ones)
   R7_IMPL   foreach | forloop | fused (Adam/AdamW; default: torch's choice)
   R7_CAPT=1 capturable;  R7_AMS=1 amsgrad;  R7_B1 beta1 (0.5);  R7_LR (0.01);  R7_MOM (0.9)
   R7_NEST=1 SGD nesterov;  R7_STEPS (3)
