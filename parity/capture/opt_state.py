@@ -11,12 +11,20 @@ they belong to and their key (``layers.0.weight:exp_avg``), so that the diff com
 name like any other row. Not per step: that would read the state (twice the parameters' bytes
 for Adam) at every step for a difference the next step's parameters show anyway.
 
-What is left out, on purpose: a state entry that is not a tensor (SGD's ``momentum_buffer``
-before momentum is used is None; a LBFGS's Python scalars), a tensor capture cannot hash (fake,
+A state entry that is a Python number (LBFGS's ``n_iter``, ``t``, ``prev_loss``; a custom
+optimizer's float) is hashed as a 0-d tensor (float64, int64), and a list or tuple of tensors
+and numbers (LBFGS's ``old_dirs`` history) as one row per element (``key.0``, ``key.1``...):
+left out, two runs whose optimizers ended in other such state held (round 7).
+
+What is left out, on purpose: any other entry (SGD's ``momentum_buffer`` before momentum is
+used is None; strings, dicts), a tensor capture cannot hash (fake,
 meta, a subclass: trees.unhashable), the state of a parameter that is not in the table (it was
-not hashed either), and a second optimizer's state for a parameter another optimizer already
-named (the first one wins; two optimizers stepping one tensor is itself a difference the
-parameters show). Nothing here runs inside a step or a trace: it is called once, at stop.
+not hashed either). A second optimizer alive at stop that holds state for a parameter an
+earlier one already named gets its own rows, ``#2`` after the name (``2.weight:exp_avg#2``):
+left out, two runs whose second optimizer of a shared parameter ended in other state held
+(round 7). (A freed optimizer's rows that a live one or a later-freed one already named are
+left out in table.py: that is an optimizer re-created for the same parameters.) Nothing here
+runs inside a step or a trace: it is called once, at stop.
 """
 
 from __future__ import annotations
@@ -26,7 +34,13 @@ import torch
 from parity.capture import trees
 from parity.records import KIND_OPTIMIZER_STATE
 
-__all__ = ["KIND", "SEPARATOR", "state_rows"]
+__all__ = ["KIND", "ROWS_VERSION", "SEPARATOR", "state_rows"]
+
+# meta.json ``capture.optimizer_state_rows``: which entries become rows. 2: tensors, Python
+# numbers, lists, a second optimizer's ``#2`` rows (round 7); absent: tensors only. Two runs
+# of one job recorded with other versions hold other state rows for equal state: the diff
+# leaves rows one side's version makes out (said), instead of failing on them.
+ROWS_VERSION = 2
 
 KIND = KIND_OPTIMIZER_STATE  # params.json ``kind`` of these rows
 SEPARATOR = ":"  # between the parameter's name and the state key (no module attribute has one)
@@ -39,6 +53,7 @@ def state_rows(optimizers: list, row_of: dict[int, int], entries: list[dict],
     row, ``entries`` are the table's entries (the parameter's name), ``taken`` the names already
     in the table (extended here)."""
     out: list[tuple[str, torch.Tensor]] = []
+    mine: set[str] = set()  # the names given here: a second optimizer's get "#2"
     for opt in optimizers:
         state = getattr(opt, "state", None)
         groups = getattr(opt, "param_groups", None)
@@ -52,11 +67,30 @@ def state_rows(optimizers: list, row_of: dict[int, int], entries: list[dict],
                     continue
                 base = entries[row]["fqn"]
                 for key in sorted(k for k in per_param if isinstance(k, str)):
-                    t = per_param[key]
-                    if not isinstance(t, torch.Tensor) or trees.unhashable(t) is not None:
-                        continue
-                    name = f"{base}{SEPARATOR}{key}"
-                    if name not in taken:
-                        taken.add(name)
-                        out.append((name, t))
+                    for name, t in _entries(f"{base}{SEPARATOR}{key}", per_param[key]):
+                        n, first = 1, name
+                        while name in mine:
+                            n += 1
+                            name = f"{first}#{n}"
+                        if name not in taken:
+                            taken.add(name)
+                            mine.add(name)
+                            out.append((name, t))
     return out
+
+
+def _entries(name: str, v) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of one state entry: a hashable tensor as it is, a Python number as a 0-d
+    tensor, a list or tuple element by element (``name.i``); nothing for anything else."""
+    if isinstance(v, torch.Tensor):
+        return [(name, v)] if trees.unhashable(v) is None else []
+    if isinstance(v, (bool, int, float)):
+        try:
+            return [(name, torch.tensor(v, dtype=torch.float64 if isinstance(v, float)
+                                        else torch.int64))]
+        except (OverflowError, RuntimeError):  # an int beyond int64: left out
+            return []
+    if isinstance(v, (list, tuple)):
+        return [e for i, x in enumerate(v) if not isinstance(x, (list, tuple))
+                for e in _entries(f"{name}.{i}", x)]
+    return []

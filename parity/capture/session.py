@@ -161,7 +161,9 @@ class Session(RankRecord, StepClock, ParamTable):
         # the same, in the order they first stepped: id -> weakref.finalize that hashes its
         # state when it is freed before capture stops (table._state_rows, opt_state.py)
         self._opt_watch: dict[int, weakref.finalize] = {}
-        self._opt_freed: dict[int, tuple] = {}  # id -> (entries, Digests) of a freed one
+        # freed optimizers' (entries, Digests), or their state read at stop, in the order freed
+        # (a list, not keyed by id: a later optimizer may reuse a freed one's id, round 7)
+        self._opt_freed: list = []
         self._opt_unwatched: list[str] = []  # optimizer classes whose state is not hashed
         self._opt_state_final = False  # their state was hashed in the final state
         # optimizer class -> its per-parameter state's tensor keys (capture.optimizer_state):

@@ -91,8 +91,11 @@ class StepClock:
                         # retried): a FAILS on identical updates, and a step "missing"
                         self.k -= 1
                 self.depth += 1
-                if id(opt) not in self._optimizers:
+                known = self._opt_watch.get(id(opt))
+                if id(opt) not in self._optimizers or (known is not None and not known.alive):
+                    # (a watched one that was freed: a new optimizer reuses its id, round 7)
                     self._optimizers.add(id(opt))
+                    self._opt_state_seen.discard(id(opt))
                     self._watch_optimizer(opt)  # its state joins the final state (table.py)
                 if self.depth == 1:
                     self._outer = weakref.ref(opt)

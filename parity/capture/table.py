@@ -547,14 +547,18 @@ class ParamTable:
         fqn, raw = self._unique_name(raw, root, i) if raw else (self._unnamed_name(p), raw)
         return _tensor_entry(fqn, raw, p, extra)
 
-    def _watch_optimizer(self, opt) -> None:
+    def _watch_optimizer(self, opt, first: bool = True) -> None:
         """At an optimizer's first step: a finalizer that hashes its state if it is freed before
         capture stops (a trainer's ``main()`` returned: its optimizer is gone when the process
         exits, its parameters are not, capture holds them). It holds the optimizer's own
         ``state`` and ``param_groups`` objects, nothing more: no tensor outlives the optimizer.
         ``load_state_dict`` replaces ``opt.state``: a post-hook of that (and, for an
         assignment by hand, each step's post-hook: ``_rewatch_optimizer``) watches the new one,
-        so that the old state is freed when the trainer lets it go, not held by capture."""
+        so that the old state is freed when the trainer lets it go, not held by capture.
+        ``first``: a new optimizer (its hook registered), not a re-watch of a watched one. An
+        optimizer freed before another is created may lend it its ``id``: capture watches the
+        newcomer as new when the id's finalizer is dead (steps.py), else its state was never
+        hashed and the freed one's stale state stood for it in the final state (round 7)."""
         state, groups = getattr(opt, "state", None), getattr(opt, "param_groups", None)
         if state is None or groups is None:  # no state to hash (step_on.py's stand-in)
             return
@@ -564,7 +568,6 @@ class ParamTable:
             self._opt_unwatched.append(type(opt).__name__)
             return
         f.atexit = False  # at exit, capture's own stop reads the live ones
-        first = id(opt) not in self._opt_watch
         self._opt_watch[id(opt)] = f
         if first and hasattr(opt, "register_load_state_dict_post_hook"):
             try:  # (the hook gets the optimizer as its argument: no reference to it is kept)
@@ -581,7 +584,7 @@ class ParamTable:
         if got is not None and (got[2][1] is not getattr(opt, "state", None)
                                 or got[2][2] is not getattr(opt, "param_groups", None)):
             f.detach()
-            self._watch_optimizer(opt)
+            self._watch_optimizer(opt, first=False)
 
     def _optimizer_freed(self, key: int, state, groups) -> None:
         """The finalizer of a watched optimizer: its state's rows are named and hashed now (the
@@ -591,19 +594,29 @@ class ParamTable:
         try:
             with self._lock:
                 holder = types.SimpleNamespace(state=state, param_groups=groups)
-                rows = opt_state.state_rows([holder], self._table_ids, self.entries,
-                                            {e["fqn"] for e in self.entries})
-                if rows:
-                    entries = [_tensor_entry(n, None, t, {"kind": opt_state.KIND,
-                                                          "optimizer": False}) for n, t in rows]
-                    tensors = [t for _, t in rows]
+                if patches._tracing():
                     # freed inside a trace or a CUDA graph capture (a gc there): no kernel of
-                    # capture's may run, so its tensors are kept and hashed at stop
-                    self._opt_freed[key] = (entries, tensors if patches._tracing() else
-                                            self._digest_rows(tensors))
+                    # capture's may run, nor a tensor be made (a Python number's row would be
+                    # fake, or a node of the traced graph): its state is kept, read at stop
+                    self._opt_freed.append(holder)
+                    return
+                got = self._freed_rows(holder, self._digest_rows)
+                if got is not None:
+                    self._opt_freed.append(got)
         except Exception as e:  # noqa: BLE001 - a finalizer must not raise
             self.warn(f"the state of an optimizer freed at step {self.done} was not hashed: "
                       f"{one_line(e)}")
+
+    def _freed_rows(self, holder, digest) -> tuple[list, object] | None:
+        """(params.json entries, ``digest(tensors)``) of a freed optimizer's state rows, named
+        now (``holder``: its ``state`` and ``param_groups``); None when it kept none."""
+        rows = opt_state.state_rows([holder], self._table_ids, self.entries,
+                                    {e["fqn"] for e in self.entries})
+        if not rows:
+            return None
+        entries = [_tensor_entry(n, None, t, {"kind": opt_state.KIND, "optimizer": False})
+                   for n, t in rows]
+        return entries, digest([t for _, t in rows])
 
     def _state_rows(self, since: int) -> dict[int, bytes]:
         """The optimizers' state tensors join the table as rows of the final state only
@@ -626,9 +639,12 @@ class ParamTable:
         fixed: dict[int, bytes] = {}
         # the last one freed first: an optimizer re-created for the same parameters (a new
         # phase) names their state, not the one it replaced
-        for entries, digests in reversed(list(self._opt_freed.values())):
-            if isinstance(digests, list):  # freed inside a trace: hashed now
-                digests = self._digest_rows(digests)
+        for got in reversed(self._opt_freed):
+            if isinstance(got, types.SimpleNamespace):  # freed inside a trace: read now
+                got = self._freed_rows(got, self._digest_rows)
+            if got is None:
+                continue
+            entries, digests = got
             got = digests.result()
             for j, e in enumerate(entries):
                 if e["fqn"] in taken:

@@ -20,7 +20,7 @@ import torch
 from parity import __version__
 from parity.artifacts import HASH_BYTES, NO_FIGURES, NO_HASH, RankWriter
 from parity.capture import env as cenv
-from parity.capture import fingerprint, gpu_facts, host_native, nccl_emulation
+from parity.capture import fingerprint, gpu_facts, host_native, nccl_emulation, opt_state
 from parity.capture.env import env_int as _env_int
 from parity.capture.hashing import DEVICE_DIGEST_VERSION, device_backend, host_digest, local_tensor
 from parity.rundir import RANK_FILES, rank_dir
@@ -82,6 +82,9 @@ class RankRecord:
                 # verdict line unless both runs hashed it in the final state (opt_state.py)
                 "optimizer_state": dict(self._opt_state),
                 "optimizer_state_final": self._opt_state_final,
+                # which state entries are rows (diff/opt_state.rows_version): 2 = tensors,
+                # Python numbers, lists, a second optimizer's "#2" rows (round 7)
+                "optimizer_state_rows": opt_state.ROWS_VERSION,
                 "seconds": round(self.capture_seconds
                                  + sum(s.seconds for s in self._sources.values() if s is not None),
                                  6)}

@@ -291,7 +291,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     same = same_run(run_a, run_b)
     if same:
         incomplete.insert(0, same)
-    _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, _ranks_to_check(hc, ranks))
+    reshaped = _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems,
+                             _ranks_to_check(hc, ranks))
 
     # -- buckets
     layouts, order = compare_buckets(run_a, run_b, usable, ranks)
@@ -303,11 +304,15 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
                                              loss, layouts, order)
     if reduction is not None:  # an emulated pair: predicted against observed
         observe(reduction, divergent, first)
+    if fd is not None and reshaped:  # hashes of other slices: the verdict line says so
+        fd.label += (f"; {reshaped[0]} shard(s) differ in shape or dtype ({reshaped[1]}): "
+                     "sharded otherwise, their hashes differ even where the values are equal")
 
     # -- the state the runs ended with (after the trainer's last edit)
     states = opt_state.state_names(ra) | one_state  # (tables the alignment parsed)
     n_params, state_gids = _n_compared(aligns, index, states)
-    final = compare_final(ranks, ra, rb, aligns, index, all(state_hashed), state_gids)
+    final = compare_final(ranks, ra, rb, aligns, index, all(state_hashed), state_gids,
+                          opt_state.rows_version(ra) == opt_state.rows_version(rb))
     incomplete += final.incomplete
     if first is None and final.ranks:
         buffers = {p["fqn"] for x in ra[:1] + rb[:1] for p in x.params
@@ -338,7 +343,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
         reduction_order=reduction, magnitude=magnitude, final_state=final.to_dict(index),
         not_recorded=gaps_alike + _not_recorded(ra, rb, steps, state_hashed,
-                                                final.state_rows if final.compared else 0),
+                                                final.state_rows if final.compared else 0)
+        + _other_rows(final, index),
     )
 
 
@@ -807,11 +813,16 @@ def _links(name: str, loc_a: dict, loc_b: dict) -> dict:
 _SHAPE = operator.itemgetter("shape", "dtype")
 
 
-def _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, shape_rows: set[int]) -> None:
+def _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems,
+                  shape_rows: set[int]) -> tuple[int, str] | None:
     """Per-rank table differences that do not stop the diff: entries one rank has on one side
     only (while both sides know the name, every rank), shards of different shape or dtype (the
-    ranks in ``shape_rows``: comparing 1,500 shapes on 256 ranks costs more than the diff)."""
-    missing_msgs, shape_msgs, n_shape = [], [], 0
+    ranks in ``shape_rows``: comparing 1,500 shapes on 256 ranks costs more than the diff).
+    Returns (how many shards differ in shape or dtype, the first one) or None: an FSDP2 run
+    against a DDP run hashes a shard on one side and the whole tensor on the other, which
+    differ for equal values; the verdict line names that cause (round 7), not only a warning
+    at the report's end."""
+    missing_msgs, shape_msgs, n_shape, first = [], [], 0, ""
     seen: set[tuple] = set()
     glob_only = set(only_a) | set(only_b)
     for row, (r, x, y, al) in enumerate(zip(ranks, ra, rb, aligns)):
@@ -848,6 +859,8 @@ def _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, shape_rows: s
                     if len(shape_msgs) < _SHOW:
                         shape_msgs.append(f"rank {r} {pa[rows[k]]['fqn']}: shape/dtype {u[0]} "
                                           f"{u[1]} in A, {v[0]} {v[1]} in B")
+                        first = first or (f"first: rank {r} {pa[rows[k]]['fqn']} {u[0]} in A, "
+                                          f"{v[0]} in B")
     for m in missing_msgs[:_SHOW]:
         problems.append(Problem(None, m))
     if len(missing_msgs) > _SHOW:
@@ -857,6 +870,7 @@ def _check_tables(ranks, ra, rb, aligns, only_a, only_b, problems, shape_rows: s
         problems.append(Problem(None, m))
     if n_shape > len(shape_msgs):
         problems.append(Problem(None, f"... {n_shape} shards differ in shape or dtype in all"))
+    return (n_shape, first) if n_shape else None
 
 
 def _ended_ok(rd: RankData) -> bool:
@@ -968,6 +982,19 @@ def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int],
         out.append(f"{len(names)} non-persistent buffer(s) ({shown}: not in state_dict, not "
                    "hashed; a change in one shows in the loss and gradients, which are)")
     return out
+
+
+def _other_rows(final, index: ParamIndex) -> list[str]:
+    """The verdict line's entry for optimizer-state rows one side's parity makes and the
+    other's does not (capture.optimizer_state_rows differs: Python numbers, lists and a second
+    optimizer's ``#2`` rows are rows since round 7): not compared, rather than a FAIL of two
+    runs of one job recorded by two versions of parity."""
+    if not final.state_versions:
+        return []
+    names = [index.names[g] for g in final.state_versions]
+    return [f"{len(names)} optimizer-state row(s) ({_names(names, 2)}) that one side's parity "
+            "hashes and the other's does not (another version: numbers, lists, a second "
+            "optimizer's state)"]
 
 
 def _unaligned(ranks, aligns, glob_only: set, incomplete: list[str], ra, rb) -> None:

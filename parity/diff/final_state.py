@@ -33,6 +33,7 @@ class FinalComparison:
     state_rows: int = 0  # optimizer-state rows (opt_state.py) compared, on their ranks or across
     state_only_a: list[int] = field(default_factory=list)  # gids of state rows A alone holds
     state_only_b: list[int] = field(default_factory=list)
+    state_versions: list[int] = field(default_factory=list)  # gids left out: other row versions
 
     @property
     def equal(self) -> bool | None:
@@ -48,12 +49,15 @@ class FinalComparison:
 
 def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
                   aligns: list[ParamAlignment], index: ParamIndex, state_both: bool = False,
-                  state_gids: set[int] = frozenset()) -> FinalComparison:
+                  state_gids: set[int] = frozenset(), same_rows: bool = True
+                  ) -> FinalComparison:
     """Compare the final states of ``ranks`` (parallel lists ``ra``, ``rb``, ``aligns``).
     Optimizer-state rows a rank holds on one side only (diff/opt_state.py) are compared across
     ranks (:func:`_lone_state`); ``state_both``: both sides hashed their optimizers' state, so
     a state row the other side holds on no rank is a difference (else not compared, and said
-    on the verdict line). ``state_gids``: state rows aligned on their ranks (compared)."""
+    on the verdict line). ``state_gids``: state rows aligned on their ranks (compared).
+    ``same_rows``: both sides' captures make the same entries rows (``optimizer_state_rows``);
+    else a state row one side holds on no rank is left out (``state_versions``), not failed."""
     out = FinalComparison()
     compared_states = set(state_gids)
     one_sided: dict[str, list[int]] = {"A": [], "B": []}
@@ -90,7 +94,7 @@ def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
                 per_gid.setdefault(g, []).append(r)
     if lone:
         _lone_state(lone, ranks, ra, rb, index, state_both, out, per_gid, unreadable,
-                    compared_states)
+                    compared_states, same_rows)
         out.ranks = sorted(set(out.ranks))
     out.state_rows = len(compared_states)
     out.after_step = max(afters) if afters else None
@@ -112,7 +116,7 @@ def compare_final(ranks: list[int], ra: list[RankData], rb: list[RankData],
 
 def _lone_state(names: dict[str, None], ranks, ra, rb, index: ParamIndex, state_both: bool,
                 out: FinalComparison, per_gid: dict[int, list[int]], unreadable: list[int],
-                compared: set[int]) -> None:
+                compared: set[int], same_rows: bool = True) -> None:
     """Optimizer-state rows a rank holds on one side only, compared across ranks: each such
     name is equal when every rank of both sides that holds it in its final state holds one
     value (a plain optimizer's replicated state against ``ZeroRedundancyOptimizer``'s one
@@ -146,6 +150,9 @@ def _lone_state(names: dict[str, None], ranks, ra, rb, index: ParamIndex, state_
             rs = [r for r, _ in va + vb]
         elif not state_both:
             continue  # the other side hashed no state: said on the verdict line
+        elif not same_rows:  # a parity that makes other entries rows (a number, "#2"): said
+            out.state_versions.append(g)
+            continue
         else:  # state one side's optimizers keep and the other's do not: compared, differs
             compared.add(g)
             (out.state_only_a if va else out.state_only_b).append(g)

@@ -20,7 +20,8 @@ from parity.artifacts import RankData
 from parity.diff.one_sided import capture_of
 from parity.records import KIND_OPTIMIZER_STATE
 
-__all__ = ["state_names", "state_keys", "hashed_by", "split_one_sided", "not_compared_text"]
+__all__ = ["state_names", "state_keys", "hashed_by", "rows_version", "split_one_sided",
+           "not_compared_text"]
 
 
 def state_names(rds: list[RankData]) -> set[str]:
@@ -37,6 +38,12 @@ def state_keys(rd: RankData, keys: list[str]) -> list[str]:
         return []
     kinds = {p.get("fqn"): p.get("kind") for p in rd.params}
     return [k for k in keys if kinds.get(k) == KIND_OPTIMIZER_STATE]
+
+
+def rows_version(rds: list[RankData]) -> set:
+    """The ``capture.optimizer_state_rows`` versions of ``rds`` (None: before round 7, tensors
+    only): capture/opt_state.ROWS_VERSION."""
+    return {capture_of(x.meta).get("optimizer_state_rows") for x in rds}
 
 
 def hashed_by(rds: list[RankData]) -> bool:
