@@ -164,9 +164,12 @@ def test_zero_against_plain_adam_compares_the_state_across_ranks(tmp_path):
         argv = [*exe("parity", "parity"), "exec", "--out", str(tmp_path / name), "--", *cmd]
         jobs[name] = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)
+    errs = {}
     for name, p in jobs.items():
-        _, err = p.communicate(timeout=TIMEOUT)
-        assert p.returncode == EXIT_OK, f"{name}: {err[-2000:]}"
+        _, errs[name] = p.communicate(timeout=TIMEOUT)
+        assert p.returncode == EXIT_OK, f"{name}: {errs[name][-2000:]}"
+    # the wrapped local optimizer steps inside ZeRO's own step(): one optimizer, not two
+    assert "optimizers:" not in errs["zero"], errs["zero"][-2000:]
     zero0 = json.loads((tmp_path / "zero" / "rank-00000" / "params.json").read_text())
     assert len(zero0["columns"]["fqn"]) < 16  # rank 0 holds part of the state
     for a, b in (("zero", "plain"), ("plain", "zero")):

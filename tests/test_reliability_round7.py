@@ -159,6 +159,8 @@ def test_an_optimizer_that_reuses_a_freed_ones_id_is_watched(runs, kept):
     moments. Before: HELD (the new optimizer was never watched; the first phase's stale state
     was compared), kept alive at stop or freed when main() returned."""
     a, b = ("reuse", "reuse_b75") if kept else ("reuse_freed", "reuse_freed_b75")
+    # the exec summary counts three optimizers, though they share one id
+    assert "; 3 optimizers: " in runs[a][2], runs[a][2][-2000:]
     a, b = _ok(runs, a), _ok(runs, b)
     assert _truth(a, b) == (True, False)
     rc, line, d = diff_cli(a, b)

@@ -158,6 +158,11 @@ class Session(RankRecord, StepClock, ParamTable):
         self._root_labels: dict[int, str] = {}  # id(root) -> prefix for its colliding names
         self._labels_said: set[str] = set()
         self._optimizers: set[int] = set()  # ids of the optimizers that stepped
+        # the exec summary's count: optimizers whose step() ran at the top (ZeRO's wrapped
+        # local optimizer steps inside its own: not another one), a new one counted even when
+        # it reuses a freed one's id
+        self._top_optimizers: set[int] = set()
+        self._top_optimizer_count = 0
         # the same, in the order they first stepped: id -> weakref.finalize that hashes its
         # state when it is freed before capture stops (table._state_rows, opt_state.py)
         self._opt_watch: dict[int, weakref.finalize] = {}

@@ -96,9 +96,13 @@ class StepClock:
                     # (a watched one that was freed: a new optimizer reuses its id, round 7)
                     self._optimizers.add(id(opt))
                     self._opt_state_seen.discard(id(opt))
+                    self._top_optimizers.discard(id(opt))
                     self._watch_optimizer(opt)  # its state joins the final state (table.py)
                 if self.depth == 1:
                     self._outer = weakref.ref(opt)
+                    if id(opt) not in self._top_optimizers:
+                        self._top_optimizers.add(id(opt))
+                        self._top_optimizer_count += 1
                     continuing = (self.open and self.backwards == 0
                                   and id(opt) not in self.step_opts)
                     if not continuing:

@@ -71,7 +71,7 @@ class RankRecord:
                                              if self._resolved_hasher == "device" else None),
                 "source": self.source, "warnings": list(self.warnings), "disabled": self.failed,
                 "recorded_steps": self.recorded_steps, "steps": self.done,
-                "optimizers": len(self._optimizers),
+                "optimizers": self._top_optimizer_count,
                 # module trees not hashed (fake / meta / subclass tensors), tensors of the
                 # model that could not be (named on the verdict line): trees.py, table.py
                 "skipped": list(self._trees_skipped),
