@@ -183,3 +183,35 @@ def install(current) -> None:
 
     _ORIG["excepthook"] = orig_excepthook
     sys.excepthook = excepthook
+
+    from parity.capture import post_import
+
+    post_import.when_imported(_PIPE_STAGE, _wrap_stage_backward_input)
+
+
+_PIPE_STAGE = "torch.distributed.pipelining.stage"
+
+
+def _wrap_stage_backward_input(mod) -> None:
+    """The loss of a pipeline's last stage under the split-backward schedules. Zero-bubble
+    schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, and DualPipeV
+    for some micro-batches) compute the last stage's input gradients with
+    ``stage_backward_input(losses, None, ...)``, i.e. ``torch.autograd.grad`` of the loss,
+    never ``backward()``: zero-bubble runs recorded no loss (bitwise-equal runs against
+    DualPipeV were incomplete, "loss recorded by B only"), and DualPipeV recorded the part of
+    the micro-batches it ran through ``backward()`` (2.79 where the trainer's losses summed
+    3.20). ``stage.py`` looks the function up by its module global at each call; a call with
+    ``output_grads`` None is a loss's (the schedules' last stage), noted as ``backward()``
+    notes it."""
+    orig = getattr(mod, "stage_backward_input", None)
+    if orig is None or "stage_backward_input" in _ORIG:
+        return
+
+    def stage_backward_input(stage_outputs_or_loss, output_grads, *args, **kwargs):
+        if output_grads is None and not _tracing():
+            _note_loss(stage_outputs_or_loss)
+        return orig(stage_outputs_or_loss, output_grads, *args, **kwargs)
+
+    functools.update_wrapper(stage_backward_input, orig)
+    _ORIG["stage_backward_input"] = orig
+    mod.stage_backward_input = stage_backward_input

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 tests/trainers/round8a.py   (R8_CASE=pipe|fsdp1|
                                                                          offload|prefetch|hook)
-    torchrun --standalone --nproc_per_node 4 tests/trainers/round8a.py   (R8_CASE=twod)
+    torchrun --standalone --nproc_per_node 4 tests/trainers/round8a.py   (R8_CASE=twod|ppdp)
 
 Ground truth: with R8_SAVE=PATH each rank saves ``PATH.<rank>`` (torch.save of a dict):
 ``steps``, one entry per iteration with the parameters this rank holds (full tensors where
@@ -11,9 +11,10 @@ rank computes none: a pipeline's first stage), ``final`` (the state dict at the 
 ``opt`` (the optimizer's state dict at the end, local). Compared with ``torch.equal``.
 
 Knobs (environment):
-  R8_CASE   pipe | fsdp1 | fsdp2 | twod | offload | prefetch | hook
+  R8_CASE   pipe | ppdp | accum | fsdp1 | fsdp2 | twod | offload | prefetch | hook
   R8_STEPS  iterations (default 3);  R8_LR  learning rate (default 0.05)
-  R8_SCHED  pipe: gpipe | 1f1b | interleaved (2 stages per rank);  R8_MB micro-batches (4)
+  R8_SCHED  pipe: gpipe | 1f1b | interleaved | looped | zb (InterleavedZeroBubble) | zbv |
+            dualpipev (the last five: 2 stages per rank; zbv, dualpipev in a V);  R8_MB (4)
   R8_ORIG   fsdp1: 1 use_orig_params=True (default), 0 False
   R8_STRAT  fsdp1: full | grad_op | no_shard (default full)
   R8_HOOK   hook: none | fp16 | bf16 (refused on CPU) | bf16own (the same, own name) |
@@ -21,7 +22,7 @@ Knobs (environment):
   R8_PREF   prefetch: 1 explicit forward/backward prefetching (default 0: none); twod: 1
             the first layer unsharded before each forward
   R8_OPT    sgd | adam (default sgd with momentum 0.9)
-  R8_WRAP   fsdp1/fsdp2: one (the root only: one flat parameter / one group; default: each
+  R8_WRAP   accum: fsdp2 | ddp;  fsdp1/fsdp2: one (the root only: one flat parameter / one group; default: each
             Linear its own unit)
   R8_LOG=1  fsdp1/fsdp2: the loss all-reduced for logging after each step
   R8_GATHER=0  fsdp1: no summon_full_params per step (its ground truth: the losses and the
@@ -102,16 +103,21 @@ def pipe():
     """A 4-layer MLP (6 with R8_SCHED=interleaved) split into stages: 2 ranks, one stage each
     (interleaved: 2 stages each, rank r holds stages r and r + 2). The loss exists only on the
     last stage; every rank steps its own optimizer over its stages' parameters."""
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
+    import torch.distributed.pipelining as PP
+    from torch.distributed.pipelining import PipelineStage
 
     rank, world = dist.get_rank(), dist.get_world_size()
     sched = E("R8_SCHED", "gpipe")
     n_mb = int(E("R8_MB", "4"))
-    per_rank = 2 if sched == "interleaved" else 1
+    multi = {"interleaved": PP.ScheduleInterleaved1F1B, "looped": PP.ScheduleLoopedBFS,
+             "zb": PP.ScheduleInterleavedZeroBubble, "zbv": PP.ScheduleZBVZeroBubble,
+             "dualpipev": PP.ScheduleDualPipeV}
+    per_rank = 2 if sched in multi else 1
     n_stages = world * per_rank
     full = _model(n=n_stages * 2)
     ids = [rank + i * world for i in range(per_rank)]
+    if sched in ("zbv", "dualpipev"):  # V: rank r holds stages r and 2 * world - 1 - r
+        ids = [rank, 2 * world - 1 - rank]
     stages, mods = [], []
     for s in ids:
         mod = nn.Sequential(*[full[2 * s], nn.Tanh(), full[2 * s + 1]])
@@ -123,10 +129,10 @@ def pipe():
     def loss_fn(out, y):
         return _mse(out, y)
 
-    if sched == "interleaved":
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n_mb, loss_fn=loss_fn)
+    if sched in multi:
+        schedule = multi[sched](stages, n_microbatches=n_mb, loss_fn=loss_fn)
     else:
-        cls = Schedule1F1B if sched == "1f1b" else ScheduleGPipe
+        cls = PP.Schedule1F1B if sched == "1f1b" else PP.ScheduleGPipe
         schedule = cls(stages[0], n_microbatches=n_mb, loss_fn=loss_fn)
     named = [(f"{s}.{n}", p) for s, m in mods for n, p in m.named_parameters()]
     for k in range(1, STEPS + 1):
@@ -141,6 +147,43 @@ def pipe():
         loss = torch.stack(losses).sum() if losses else None
         note(named, loss)
     finish({n: p for n, p in named}, opt)
+    dist.destroy_process_group()
+
+
+def ppdp():
+    """Pipelining x FSDP2 on a (2, 2) mesh ("pp", "dp"), 4 ranks: each pp rank builds only its
+    own stage (2 Linear layers, fully_shard of each and of the stage over "dp"), R8_SCHED
+    gpipe | 1f1b; the dp ranks take different batches."""
+    import torch.distributed.pipelining as PP
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    full = _model(n=4)
+    stage_mod = nn.Sequential(full[2 * pp], nn.Tanh(), full[2 * pp + 1])
+    del full
+    for m in stage_mod:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh["dp"])
+    fully_shard(stage_mod, mesh=mesh["dp"])
+    stage = PipelineStage(stage_mod, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    cls = PP.Schedule1F1B if E("R8_SCHED", "gpipe") == "1f1b" else PP.ScheduleGPipe
+    schedule = cls(stage, n_microbatches=int(E("R8_MB", "4")), loss_fn=_mse)
+    opt = _opt(stage_mod.parameters())
+    for k in range(1, STEPS + 1):
+        x, y = _data(10 * k + dp)
+        opt.zero_grad()
+        losses = []
+        if pp == 0:
+            schedule.step(x, target=y, losses=losses)
+        else:
+            schedule.step(target=y, losses=losses)
+        opt.step()
+        note(list(stage_mod.named_parameters()),
+             torch.stack(losses).sum() if losses else None)
+    finish(dict(stage_mod.named_parameters()), opt)
     dist.destroy_process_group()
 
 
@@ -298,6 +341,48 @@ def twod():
     dist.destroy_process_group()
 
 
+def accum():
+    """Gradient accumulation over 2 micro-batches per step, 2 ranks: FSDP2 (R8_WRAP=fsdp2,
+    default) or DDP (R8_WRAP=ddp); R8_MODE=nosync: no gradient sync on the first micro-batch
+    (``set_requires_gradient_sync(False)`` / ``no_sync()``), else a sync on each."""
+    import contextlib
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    model = _model()
+    ddp = E("R8_WRAP") == "ddp"
+    if ddp:
+        inner, model = model, DDP(model)
+    else:
+        for m in model:
+            fully_shard(m)
+        fully_shard(model)
+        inner = model
+    opt = _opt(model.parameters())
+    nosync = E("R8_MODE") == "nosync"
+    for k in range(1, STEPS + 1):
+        opt.zero_grad()
+        total = None
+        for mb in range(2):
+            x, y = _data(100 * k + 10 * mb + rank)
+            last = mb == 1
+            ctx = contextlib.nullcontext()
+            if nosync and ddp and not last:
+                ctx = model.no_sync()
+            elif nosync and not ddp:
+                model.set_requires_gradient_sync(last)
+            with ctx:
+                loss = _mse(model(x), y) / 2
+                loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        opt.step()
+        note(list(inner.named_parameters()), total)
+    finish(dict(inner.named_parameters()), opt)
+    dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------ DDP comm hooks
 def _bf16_hook(state, bucket):
     """torch's bf16_compress_hook, line for line, under a name torch does not refuse on CPU."""
@@ -351,7 +436,7 @@ def hook():
     dist.destroy_process_group()
 
 
-CASES = {f.__name__: f for f in (pipe, fsdp1, fsdp2, offload, prefetch, twod, hook)}
+CASES = {f.__name__: f for f in (pipe, ppdp, accum, fsdp1, fsdp2, offload, prefetch, twod, hook)}
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
