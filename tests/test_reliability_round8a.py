@@ -8,10 +8,11 @@ parameters, gradients and loss, the final state and the optimizer's state).
   ``set_modules_to_forward_prefetch``): that first unshard runs before the root's first
   forward, where FSDP2 sets ``_param_fqn`` from the root's registered parameters; the layer's
   parameters are the unsharded ones then, so FSDP2 never names them, and capture wrote that
-  layer's all-gather and reduce-scatter as ``<fsdp param 0>``, ``<fsdp param 1>`` for the
-  whole run. Against the same job without prefetching (bitwise-equal values, the same layouts)
-  ``--fail-on any`` FAILED: "bucket partition differs ... reduction structure, sums change".
-  Now such a parameter is named from the module that owns it;
+  layer's all-gather, reduce-scatter and (HSDP) replicate all-reduce as ``<fsdp param 0>``,
+  ``<fsdp param 1>`` for the whole run. Against the same job without prefetching
+  (bitwise-equal values, the same layouts) ``--fail-on any`` FAILED: "bucket partition
+  differs ... reduction structure, sums change". Now such a parameter is named from the
+  module that owns it;
 - pipeline schedules that split the backward (ZBVZeroBubble, InterleavedZeroBubble, and
   DualPipeV for some micro-batches) take the last stage's loss gradient with
   ``torch.autograd.grad`` (``stage_backward_input``), never ``backward()``: zero-bubble runs
@@ -48,9 +49,9 @@ def _start(out: Path, nproc: int = 2, **knobs):
                             stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
 
 
-JOBS = {  # name: trainer knobs (2 ranks each)
-    "prefetch_none": {"R8_CASE": "prefetch"},
-    "prefetch": {"R8_CASE": "prefetch", "R8_PREF": 1},
+JOBS = {  # name: trainer knobs (nproc: ranks, default 2)
+    "hsdp": {"R8_CASE": "hsdp", "nproc": 4},
+    "hsdp_prefetch": {"R8_CASE": "hsdp", "R8_PREF": 1, "nproc": 4},
     "zbv": {"R8_CASE": "pipe", "R8_SCHED": "zbv"},
     "dualpipev": {"R8_CASE": "pipe", "R8_SCHED": "dualpipev"},
     "ddp": {"R8_CASE": "hook"},
@@ -102,15 +103,19 @@ def _diff(a, b, *extra):
 
 
 def test_a_group_unsharded_before_the_roots_first_forward_is_named(runs):
-    """FSDP2 with explicit prefetching against the same job without: bitwise-equal values and
-    layouts; the first layer's buckets carry its parameters' names on both sides."""
-    a, b = _ok(runs, "prefetch_none"), _ok(runs, "prefetch")
+    """HSDP (FSDP2 on a (2, 2) replicate x shard mesh) with explicit prefetching against the
+    same job without: bitwise-equal values and layouts; the first layer's all-gather,
+    reduce-scatter and replicate all-reduce carry its parameters' names on both sides."""
+    a, b = _ok(runs, "hsdp"), _ok(runs, "hsdp_prefetch")
     assert truth(a, b)
+    names = {f"{i}.{w}" for i in range(4) for w in ("weight", "bias")}
     for run in (a, b):
         for f in sorted(run.glob("rank-*/buckets.jsonl")):
             recs = [json.loads(line) for line in f.read_text().splitlines()]
-            fqns = {e["fqn"] for r in recs if r["source"] == "fsdp2" for e in r["entries"]}
-            assert fqns == {f"{i}.{w}" for i in range(4) for w in ("weight", "bias")}, fqns
+            fsdp = [r for r in recs if r["source"] == "fsdp2" or r["group"] == "fsdp2 replicate"]
+            assert {r["collective"] for r in fsdp} == {"all_gather", "reduce_scatter",
+                                                       "all_reduce"}, f
+            assert {e["fqn"] for r in fsdp for e in r["entries"]} == names, f
     for policy in ("hash", "any", "reduction"):
         rc, line, d = _diff(a, b, "--fail-on", policy)
         assert d["order"]["verdict"] == "identical", d["order"]["first_bucket"]

@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node 2 tests/trainers/round8a.py   (R8_CASE=pipe|fsdp1|
                                                                          offload|prefetch|hook)
-    torchrun --standalone --nproc_per_node 4 tests/trainers/round8a.py   (R8_CASE=twod|ppdp)
+    torchrun --standalone --nproc_per_node 4 tests/trainers/round8a.py   (R8_CASE=twod|ppdp|hsdp)
 
 Ground truth: with R8_SAVE=PATH each rank saves ``PATH.<rank>`` (torch.save of a dict):
 ``steps``, one entry per iteration with the parameters this rank holds (full tensors where
@@ -11,7 +11,7 @@ rank computes none: a pipeline's first stage), ``final`` (the state dict at the 
 ``opt`` (the optimizer's state dict at the end, local). Compared with ``torch.equal``.
 
 Knobs (environment):
-  R8_CASE   pipe | ppdp | accum | fsdp1 | fsdp2 | twod | offload | prefetch | hook
+  R8_CASE   pipe | ppdp | accum | hsdp | fsdp1 | fsdp2 | twod | offload | prefetch | hook
   R8_STEPS  iterations (default 3);  R8_LR  learning rate (default 0.05)
   R8_SCHED  pipe: gpipe | 1f1b | interleaved | looped | zb (InterleavedZeroBubble) | zbv |
             dualpipev (the last five: 2 stages per rank; zbv, dualpipev in a V);  R8_MB (4)
@@ -383,6 +383,38 @@ def accum():
     dist.destroy_process_group()
 
 
+def hsdp():
+    """HSDP: FSDP2 over a (2, 2) mesh ("rep", "shard"), 4 ranks, each Linear its own group;
+    R8_PREF=1: explicit prefetching (each layer prefetches the next in forward, the previous
+    in backward; the first layer unsharded before each forward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
+    model = _model()
+    for m in model:
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    layers = list(model)
+    if E("R8_PREF") == "1":
+        for a, b in zip(layers, layers[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    opt = _opt(model.parameters())
+    rank = dist.get_rank()
+    for k in range(1, STEPS + 1):
+        x, y = _data(10 * k + rank)
+        opt.zero_grad()
+        if E("R8_PREF") == "1":
+            layers[0].unshard()
+        loss = _mse(model(x), y)
+        loss.backward()
+        opt.step()
+        note(list(model.named_parameters()), loss)
+    finish(dict(model.named_parameters()), opt)
+    dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------ DDP comm hooks
 def _bf16_hook(state, bucket):
     """torch's bf16_compress_hook, line for line, under a name torch does not refuse on CPU."""
@@ -436,7 +468,7 @@ def hook():
     dist.destroy_process_group()
 
 
-CASES = {f.__name__: f for f in (pipe, ppdp, accum, fsdp1, fsdp2, offload, prefetch, twod, hook)}
+CASES = {f.__name__: f for f in (pipe, ppdp, accum, hsdp, fsdp1, fsdp2, offload, prefetch, twod, hook)}
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
