@@ -17,7 +17,9 @@ parameters, gradients and loss, the final state and the optimizer's state).
   DualPipeV for some micro-batches) take the last stage's loss gradient with
   ``torch.autograd.grad`` (``stage_backward_input``), never ``backward()``: zero-bubble runs
   recorded no loss, DualPipeV a partial sum, and a ZBV/DualPipeV pair of bitwise-equal values
-  was incomplete (exit 3). ``stage_backward_input`` of a loss now notes it;
+  was incomplete (exit 3). ``stage_backward_input`` of a loss now notes it; and a stage that
+  is not the last, sending one element per micro-batch, had the ``autograd.backward`` of its
+  output (with the next stage's gradient) noted as a loss: no longer;
 - DDP's fp16 compression hook fails rightly, kept as a regression.
 """
 
@@ -52,8 +54,9 @@ def _start(out: Path, nproc: int = 2, **knobs):
 JOBS = {  # name: trainer knobs (nproc: ranks, default 2)
     "hsdp": {"R8_CASE": "hsdp", "nproc": 4},
     "hsdp_prefetch": {"R8_CASE": "hsdp", "R8_PREF": 1, "nproc": 4},
-    "zbv": {"R8_CASE": "pipe", "R8_SCHED": "zbv"},
-    "dualpipev": {"R8_CASE": "pipe", "R8_SCHED": "dualpipev"},
+    # a one-feature stage boundary, micro-batches of one sample: stage 0 sends one element
+    "zbv": {"R8_CASE": "pipe", "R8_SCHED": "zbv", "R8_NARROW": 1, "R8_MB": 16},
+    "dualpipev": {"R8_CASE": "pipe", "R8_SCHED": "dualpipev", "R8_NARROW": 1, "R8_MB": 16},
     "ddp": {"R8_CASE": "hook"},
     "ddp_fp16": {"R8_CASE": "hook", "R8_HOOK": "fp16"},
 }
@@ -127,8 +130,11 @@ def test_the_last_stage_loss_of_split_backward_schedules_is_recorded(runs):
     bitwise-equal values. Zero-bubble takes the loss's input gradients with
     ``torch.autograd.grad`` (``stage_backward_input``), never ``backward()``: no loss was
     recorded there, DualPipeV's was the part of its micro-batches run through ``backward()``
-    (2.79 against the trainer's 3.20), and the pair was incomplete (exit 3). Now each rank's
-    recorded loss is the sum of the schedule's losses, as the trainer saw it, and it holds."""
+    (2.79 against the trainer's 3.20), and the pair was incomplete (exit 3). Stage 0 sends one
+    element per micro-batch here: its ``stage_backward`` (``autograd.backward`` of that output
+    with the gradient stage 1 sent) was noted as a loss (11.82 where the trainer's losses sum
+    to 12.11). Now each rank's recorded loss is the sum of the schedule's losses, as the
+    trainer saw it (none on a rank without the last stage), and the pair holds."""
     a, b = _ok(runs, "zbv"), _ok(runs, "dualpipev")
     assert truth(a, b)
     for run in (a, b):

@@ -22,6 +22,7 @@ Knobs (environment):
   R8_PREF   prefetch: 1 explicit forward/backward prefetching (default 0: none); twod: 1
             the first layer unsharded before each forward
   R8_OPT    sgd | adam (default sgd with momentum 0.9)
+  R8_NARROW=1  layer 1 outputs one feature (pipe with R8_MB=16: one element per micro-batch)
   R8_WRAP   accum: fsdp2 | ddp;  fsdp1/fsdp2: one (the root only: one flat parameter / one group; default: each
             Linear its own unit)
   R8_LOG=1  fsdp1/fsdp2: the loss all-reduced for logging after each step
@@ -44,12 +45,14 @@ TRUTH = {"steps": [], "final": None, "opt": None}
 
 
 def _model(n=4, width=16):
+    """n Linear layers 8 -> width -> ... -> 4; R8_NARROW=1: layer 1 outputs one feature (a
+    pipeline's first stage then sends one element per sample)."""
     torch.manual_seed(1)
-    layers = [nn.Linear(8, width)]
-    for _ in range(n - 2):
-        layers += [nn.Linear(width, width)]
-    layers += [nn.Linear(width, 4)]
-    return nn.Sequential(*layers)
+    narrow = E("R8_NARROW") == "1"
+    widths = [8] + [width] * (n - 1) + [4]
+    if narrow:
+        widths[2] = 1
+    return nn.Sequential(*[nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
 
 
 def _opt(params):
