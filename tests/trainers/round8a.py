@@ -19,12 +19,14 @@ Knobs (environment):
   R8_STRAT  fsdp1: full | grad_op | no_shard (default full)
   R8_HOOK   hook: none | fp16 | bf16 (refused on CPU) | bf16own (the same, own name) |
             allreduce | powersgd (DDP communication hook; default none)
-  R8_PREF   prefetch: 1 explicit forward/backward prefetching (default 0: none); twod: 1
-            the first layer unsharded before each forward
+  R8_PREF   prefetch, hsdp: 1 explicit forward/backward prefetching (default 0: none); twod:
+            1 the first layer unsharded before each forward
+  R8_MODE   offload: none (no offload policy);  accum: nosync (no sync but at the last
+            micro-batch)
   R8_OPT    sgd | adam (default sgd with momentum 0.9)
   R8_NARROW=1  layer 1 outputs one feature (pipe with R8_MB=16: one element per micro-batch)
-  R8_WRAP   accum: fsdp2 | ddp;  fsdp1/fsdp2: one (the root only: one flat parameter / one group; default: each
-            Linear its own unit)
+  R8_WRAP   accum: fsdp2 | ddp;  fsdp1/fsdp2: one (the root only: one flat parameter / one
+            group; default: each Linear its own unit)
   R8_LOG=1  fsdp1/fsdp2: the loss all-reduced for logging after each step
   R8_GATHER=0  fsdp1: no summon_full_params per step (its ground truth: the losses and the
             final full parameters only)
@@ -471,7 +473,8 @@ def hook():
     dist.destroy_process_group()
 
 
-CASES = {f.__name__: f for f in (pipe, ppdp, accum, hsdp, fsdp1, fsdp2, offload, prefetch, twod, hook)}
+CASES = {f.__name__: f for f in (pipe, ppdp, accum, hsdp, fsdp1, fsdp2, offload, prefetch, twod,
+                                  hook)}
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
