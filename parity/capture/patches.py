@@ -63,6 +63,8 @@ def _note_loss(t) -> None:
     if s is None or s.failed:
         return
     s.backwards += 1
+    if _NOT_LOSS[0]:  # a pipeline stage's outputs with their incoming gradients
+        return
     try:
         if isinstance(t, (list, tuple)):
             t = t[0] if len(t) == 1 else None
@@ -183,3 +185,62 @@ def install(current) -> None:
 
     _ORIG["excepthook"] = orig_excepthook
     sys.excepthook = excepthook
+
+    from parity.capture import post_import
+
+    post_import.when_imported(_PIPE_STAGE, _wrap_stage_backward_input)
+
+
+_PIPE_STAGE = "torch.distributed.pipelining.stage"
+_NOT_LOSS = [0]  # > 0 while a pipeline stage back-propagates its outputs' gradients
+
+
+def _wrap_stage_backward_input(mod) -> None:
+    """The loss of a pipeline's last stage under the split-backward schedules. Zero-bubble
+    schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``, and DualPipeV
+    for some micro-batches) compute the last stage's input gradients with
+    ``stage_backward_input(losses, None, ...)``, i.e. ``torch.autograd.grad`` of the loss,
+    never ``backward()``: zero-bubble runs recorded no loss (bitwise-equal runs against
+    DualPipeV were incomplete, "loss recorded by B only"), and DualPipeV recorded the part of
+    the micro-batches it ran through ``backward()`` (2.79 where the trainer's losses summed
+    3.20). ``stage.py`` looks the function up by its module global at each call; a call with
+    ``output_grads`` None is a loss's (the schedules' last stage), noted as ``backward()``
+    notes it."""
+    _wrap_stage_backward(mod)
+    orig = getattr(mod, "stage_backward_input", None)
+    if orig is None or "stage_backward_input" in _ORIG:
+        return
+
+    def stage_backward_input(stage_outputs_or_loss, output_grads, *args, **kwargs):
+        if output_grads is None and not _tracing():
+            _note_loss(stage_outputs_or_loss)
+        return orig(stage_outputs_or_loss, output_grads, *args, **kwargs)
+
+    functools.update_wrapper(stage_backward_input, orig)
+    _ORIG["stage_backward_input"] = orig
+    mod.stage_backward_input = stage_backward_input
+
+
+def _wrap_stage_backward(mod) -> None:
+    """A stage that is not the last back-propagates its outputs with the gradients the next
+    stage sent (``stage_backward(outputs, output_grads, ...)``: ``torch.autograd.backward``
+    with ``grad_tensors``). An output of one element per micro-batch (a one-feature boundary,
+    micro-batches of one sample) was noted as that rank's loss: the first stage "recorded a
+    loss" (the sum of its outputs) where the trainer has none. Inside such a call nothing is
+    a loss; the last stage's call (``output_grads`` None) is noted as before."""
+    orig = getattr(mod, "stage_backward", None)
+    if orig is None or "stage_backward" in _ORIG:
+        return
+
+    def stage_backward(stage_output, output_grads, *args, **kwargs):
+        if output_grads is None:
+            return orig(stage_output, output_grads, *args, **kwargs)
+        _NOT_LOSS[0] += 1
+        try:
+            return orig(stage_output, output_grads, *args, **kwargs)
+        finally:
+            _NOT_LOSS[0] -= 1
+
+    functools.update_wrapper(stage_backward, orig)
+    _ORIG["stage_backward"] = orig
+    mod.stage_backward = stage_backward

@@ -47,6 +47,7 @@ from typing import Any
 
 from parity.capture.names import normalize_fqn
 from parity.capture.patches import _tracing
+from parity.capture.sources.fsdp2 import param_fqn
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
 from parity.capture.table import _module_roots, registered_ddp
 from parity.records import SOURCE_C10D, BucketEntry, BucketRecord, dtype_name
@@ -233,7 +234,7 @@ class C10dAllReduces(ManifestSource):
         entries, off = [], 0
         for i, (fp, size) in enumerate(zip(params, sizes)):
             numel = size.numel() // world
-            fqn = getattr(fp, "_param_fqn", None)
+            fqn = param_fqn(fp)  # FSDP2's name, else its owner module's (fsdp2.py)
             entries.append(BucketEntry(normalize_fqn(fqn) if fqn else f"<fsdp param {i}>",
                                        off * esize, numel * esize, numel, dtype,
                                        list(getattr(fp, "sharded_size", ()) or ())))

@@ -66,6 +66,49 @@ def _calling_group(depth: int = 2):
     return None
 
 
+_MODULE_NAMES: dict[int, tuple] = {}  # id(module) -> (weakref, name): param_fqn's fallback
+
+
+def param_fqn(fsdp_param) -> str | None:
+    """An FSDPParam's name (raw, not normalized): FSDP2's ``_param_fqn``, else the name from
+    the module that owns it. FSDP2 sets ``_param_fqn`` at the root's first forward, from the
+    root's registered parameters, so a group unsharded before that (``unshard()`` of the first
+    layer ahead of the forward, explicit prefetching) never gets it (its parameters were the
+    unsharded ones then), and its layouts (all-gather, reduce-scatter, HSDP's replicate
+    all-reduce) were written as ``<fsdp param i>``: "partition differs" against a run that
+    named them. Named as FSDP2 names the others: relative to the outermost ``fully_shard``
+    module holding the owner (the one that becomes the root)."""
+    fqn = getattr(fsdp_param, "_param_fqn", None)
+    if fqn:
+        return fqn
+    info = getattr(fsdp_param, "_module_info", None)
+    mod, name = getattr(info, "module", None), getattr(info, "param_name", None)
+    if mod is None or not name:
+        return None
+    global _MODULE_NAMES
+    got = _MODULE_NAMES.get(id(mod))
+    if got is None or got[0]() is not mod:  # weak: a freed module's id may be reused
+        import weakref
+
+        from torch.distributed.fsdp import FSDPModule
+
+        from parity.capture.table import _module_roots
+
+        names: dict[int, tuple] = {}
+        for root in _module_roots():
+            for _, top in root.named_modules():
+                if not isinstance(top, FSDPModule) or id(top) in names:
+                    continue  # pre-order: the outermost FSDP module names its subtree
+                for mname, m in top.named_modules(remove_duplicate=False):
+                    if id(m) not in names:
+                        names[id(m)] = (weakref.ref(m), mname)
+        _MODULE_NAMES = names
+        got = names.get(id(mod))
+        if got is None:
+            return None
+    return f"{got[1]}.{name}" if got[1] else name
+
+
 class FSDP2Recorder(ManifestSource):
     """Wraps FSDP2's collective entry points and reports bucket layouts as they change.
 
@@ -196,7 +239,8 @@ class FSDP2Recorder(ManifestSource):
         if group is not None and group._module_fqn is not None:
             return self._normalize(group._module_fqn)
         # Fallback: the common module prefix of the parameters.
-        fqns = [fp._param_fqn for fp in fsdp_params if getattr(fp, "_param_fqn", None)]
+        fqns = [f for f in (self._fqn(fp, i) for i, fp in enumerate(fsdp_params))
+                if not f.startswith("<")]
         if not fqns:
             return None
         return self._normalize(common_module(fqns))
@@ -232,7 +276,7 @@ class FSDP2Recorder(ManifestSource):
             total_bytes=sum(e.size for e in entries)))
 
     def _fqn(self, fsdp_param, i: int) -> str:
-        fqn = getattr(fsdp_param, "_param_fqn", None)
+        fqn = param_fqn(fsdp_param)
         return self._normalize(fqn) if fqn else f"<fsdp param {i}>"
 
     def _on_all_gather(self, fsdp_params, group, result, param_group) -> None:
