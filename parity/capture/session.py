@@ -207,8 +207,6 @@ class Session(RankRecord, StepClock, ParamTable):
             # exists yet, so the hooks see every one (the trees without a gc scan)
             self._registration_handles = table.install_registration_hooks(
                 track=self.source == "exec")
-            if self._dynamo_hidden:
-                self._hide_hooks(self._registration_handles)
             if self.manifests:
                 from parity.capture.sources import registry as sources
 
@@ -232,19 +230,12 @@ class Session(RankRecord, StepClock, ParamTable):
         inside them, and the step ran other code than without parity (a compiled Adam step
         under ``parity exec`` gave the eager step's values at step 1 and other values after:
         capture changed the run it recorded; round 5). Disabled, they run eagerly at a clean
-        graph break before and after the step, and the step compiles as it does alone.
-
-        The module registration hooks too: compiled autograd calls ``torch.compile`` from
-        inside a backward that dynamo watches (a compiled step with ``compiled_autograd``), and
-        dynamo, converting ``Module.__setattr__``'s frame there, inlined capture's hook on a
-        half-built ``OptimizedModule`` and raised (the job died under ``parity exec``;
-        round 8b)."""
+        graph break before and after the step, and the step compiles as it does alone."""
         if self._dynamo_hidden:
             return
         self._dynamo_hidden = True
         patches.hide_from_dynamo()
-        self._hide_hooks([*self._handles, *self._consumed_handles.values(),
-                          *self._registration_handles])
+        self._hide_hooks([*self._handles, *self._consumed_handles.values()])
 
     @staticmethod
     def _hide_hooks(handles) -> None:

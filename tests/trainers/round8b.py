@@ -21,6 +21,9 @@ Knobs (environment):
   R8_DET      1: torch.use_deterministic_algorithms(True)
   R8_DROP     dropout probability (0);  R8_FALLBACK=1: inductor config fallback_random
   R8_OPT      sgd | adam (adam);  R8_LR (0.01);  R8_LR1 lr of ensemble member 1 (R8_LR)
+  R8_BWD      autograd: torch.autograd.backward(loss) (else loss.backward())
+  R8_TAO      1: torch._dynamo.config.trace_autograd_ops = True (backward traced in the graph)
+  R8_REGBUF   1: the model registers a buffer in its forward
   R8_STEPS    (3);  R8_HOOK=1: a gradient hook (p.register_hook) doubling each gradient
 
     python tests/trainers/round8b.py
@@ -92,6 +95,8 @@ class Net(nn.Module):
         h = self.inp(x)
         for b in self.blocks:
             h = b(h)
+        if E("R8_REGBUF") == "1":  # a buffer registered in forward (traced when compiled)
+            self.register_buffer("last", h.detach().sum(0))
         return self.out(h)
 
 
@@ -145,6 +150,8 @@ def mlp(truth):
         torch.use_deterministic_algorithms(True)
     if E("R8_CA") == "1":
         torch._dynamo.config.compiled_autograd = True
+    if E("R8_TAO") == "1":  # dynamo traces backward() into the graph
+        torch._dynamo.config.trace_autograd_ops = True
     net = model
     if COMPILE == "wrap":
         net = torch.compile(model, **compile_kw())
@@ -177,6 +184,8 @@ def mlp(truth):
 
             with compiled_autograd._enable(ca_backend):
                 loss.backward()
+        elif E("R8_BWD") == "autograd":
+            torch.autograd.backward(loss)
         else:
             loss.backward()
         return loss
@@ -238,13 +247,15 @@ def ensemble(truth):
 
 
 def export(truth):
-    """The model exported (torch.export.export) and its .module() trained, or the eager model
-    (R8_EXPORT=0)."""
+    """The model exported (torch.export.export; R8_STRICT=1: strict, dynamo's trace) and its
+    .module() trained, or the eager model (R8_EXPORT=0)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     net = model
     if E("R8_EXPORT", "1") == "1":
-        net = torch.export.export(model, (torch.randn(8, 4),)).module()
+        ep = torch.export.export(model, (torch.randn(8, 4),), strict=E("R8_STRICT") == "1")
+        GRAPHS.append(("export", len(ep.graph.nodes), str(ep.graph)))
+        net = ep.module()
     opt = make_opt(net.parameters())
     for i in range(STEPS):
         x, y = batch(i)
