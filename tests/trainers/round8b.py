@@ -23,6 +23,7 @@ Knobs (environment):
   R8_OPT      sgd | adam (adam);  R8_LR (0.01);  R8_LR1 lr of ensemble member 1 (R8_LR)
   R8_BWD      autograd: torch.autograd.backward(loss) (else loss.backward())
   R8_TAO      1: torch._dynamo.config.trace_autograd_ops = True (backward traced in the graph)
+  R8_DDP      1: DistributedDataParallel (torchrun, gloo), the same batch on every rank
   R8_REGBUF   1: the model registers a buffer in its forward
   R8_STEPS    (3);  R8_HOOK=1: a gradient hook (p.register_hook) doubling each gradient
 
@@ -101,7 +102,7 @@ class Net(nn.Module):
 
 
 def clean(name: str) -> str:
-    for junk in ("_orig_mod.", "_checkpoint_wrapped_module."):
+    for junk in ("_orig_mod.", "_checkpoint_wrapped_module.", "module."):
         name = name.replace(junk, "")
     return name
 
@@ -153,6 +154,13 @@ def mlp(truth):
     if E("R8_TAO") == "1":  # dynamo traces backward() into the graph
         torch._dynamo.config.trace_autograd_ops = True
     net = model
+    if E("R8_DDP") == "1":  # torchrun, gloo: DDP around the model, then compiled (or not)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        if E("R8_CA") == "1":  # compiled autograd needs DDP's Python reducer
+            torch._dynamo.config.optimize_ddp = "python_reducer"
+        model = net = nn.parallel.DistributedDataParallel(model)
     if COMPILE == "wrap":
         net = torch.compile(model, **compile_kw())
     elif COMPILE == "inplace":
@@ -286,7 +294,7 @@ def main():
                                      for c in input_codes.seen if c() is not None), flush=True)
     keep = truth.pop("keep", None)
     if E("R8_SAVE"):
-        torch.save(truth, E("R8_SAVE"))
+        torch.save(truth, E("R8_SAVE") + (f".{E('RANK')}" if E("RANK", "0") != "0" else ""))
     return opts, keep
 
 
