@@ -77,19 +77,46 @@ def _note_loss(t) -> None:
 
 
 def hide_from_dynamo() -> None:
-    """Wrap the ``backward`` patches in ``torch._dynamo.disable`` (at the first
-    ``torch.compile``: Session.hide_from_dynamo). A compiled function that calls
-    ``loss.backward()`` (a whole training step compiled) had dynamo trace the patch, where
-    ``_tracing()`` is true: the loss was never noted (``loss recorded by A only``, exit 3,
-    against the same step run eagerly). Disabled, the patch runs eagerly at the graph break
-    dynamo makes at ``backward`` anyway, and notes the loss."""
-    import torch._dynamo
+    """Hide the ``backward`` patches from dynamo (at the first ``torch.compile``:
+    Session.hide_from_dynamo). A compiled function that calls ``loss.backward()`` (a whole
+    training step compiled) had dynamo trace the patch, where ``_tracing()`` is true: the loss
+    was never noted (``loss recorded by A only``, exit 3, against the same step run eagerly).
 
-    for owner, key in ((torch.Tensor, "Tensor.backward"), (torch.autograd, "autograd.backward")):
-        cur = getattr(owner, "backward")
-        if key in _ORIG and cur is not _ORIG[key] and not getattr(cur, "_torchdynamo_disable",
-                                                                  False):
-            setattr(owner, "backward", torch._dynamo.disable(cur))
+    The patch's own frame is skipped (``torch._dynamo.skip``: a call to it breaks the graph,
+    as dynamo does at ``backward`` anyway, and the frame runs eagerly), and its bookkeeping
+    runs under ``torch._dynamo.disable``; the original ``backward`` it calls is left to dynamo
+    as without parity. Before (round 8b), the whole patch was ``disable``d, recursively: the
+    trainer's own Python run inside that backward (gradient hooks, a custom
+    ``autograd.Function``'s backward, compiled autograd's runtime) was no longer compiled by
+    the enclosing ``torch.compile``: 1 graph under ``parity exec`` against 6 without it for
+    a compiled step whose parameters had gradient hooks."""
+    import torch._dynamo
+    from torch._dynamo.decorators import skip
+
+    _ENTER[0] = torch._dynamo.disable(_enter)
+    for fn in _PATCHES:
+        if not getattr(fn, "_torchdynamo_disable", False):
+            skip(fn)
+
+
+# Only the outermost call counts: Tensor.backward calls torch.autograd.backward, and a
+# reentrant activation checkpoint calls it again from inside the backward pass (possibly on an
+# autograd device thread), with tensors that are not the loss.
+_DEPTH = [0]
+
+
+def _enter(t) -> bool:
+    """Before a ``backward`` of the patches: note the loss and count the depth, unless inside
+    another one or a trace (False: nothing done)."""
+    if _DEPTH[0] or _tracing():
+        return False
+    _note_loss(t)
+    _DEPTH[0] += 1
+    return True
+
+
+_ENTER = [_enter]  # torch._dynamo.disable(_enter) once hidden (hide_from_dynamo)
+_PATCHES: list = []  # the backward patches (their frames skipped by dynamo once hidden)
 
 
 def install(current) -> None:
@@ -103,30 +130,21 @@ def install(current) -> None:
     orig_tensor_backward = torch.Tensor.backward
     orig_autograd_backward = torch.autograd.backward
 
-    # Only the outermost call counts: Tensor.backward calls torch.autograd.backward, and a
-    # reentrant activation checkpoint calls it again from inside the backward pass (possibly
-    # on an autograd device thread), with tensors that are not the loss.
-    depth = [0]
-
     def backward(self, *args, **kwargs):
-        if depth[0] or _tracing():
+        if not _ENTER[0](self):
             return orig_tensor_backward(self, *args, **kwargs)
-        _note_loss(self)
-        depth[0] += 1
         try:
             return orig_tensor_backward(self, *args, **kwargs)
         finally:
-            depth[0] -= 1
+            _DEPTH[0] -= 1
 
     def autograd_backward(tensors, *args, **kwargs):
-        if depth[0] or _tracing():
+        if not _ENTER[0](tensors):
             return orig_autograd_backward(tensors, *args, **kwargs)
-        _note_loss(tensors)
-        depth[0] += 1
         try:
             return orig_autograd_backward(tensors, *args, **kwargs)
         finally:
-            depth[0] -= 1
+            _DEPTH[0] -= 1
 
     for new, old in ((backward, orig_tensor_backward), (autograd_backward, orig_autograd_backward)):
         new.__wrapped__ = old
@@ -137,6 +155,7 @@ def install(current) -> None:
     _ORIG["autograd.backward"] = orig_autograd_backward
     torch.Tensor.backward = backward
     torch.autograd.backward = autograd_backward
+    _PATCHES.extend((backward, autograd_backward))
 
     import torch.distributed as dist
 

@@ -166,6 +166,13 @@ def _stranger() -> None:
 
 
 def _note_registration(module=None, name=None, value=None, *_rest) -> None:
+    # Traced by dynamo (a compiled forward that registers a buffer, or compiled autograd's own
+    # torch.compile, run inside a compiled step's backward: dynamo converts Module.__setattr__
+    # there): nothing, as without the hook. Reading ``module`` there had dynamo wrap a
+    # half-built OptimizedModule and raise: the job died under parity exec (round 8b).
+    # Not hidden with torch._dynamo.disable: that breaks the trainer's graph at the call.
+    if torch.compiler.is_compiling():
+        return
     _REGISTRATION["dirty"] = True
     if _REGISTRATION["tracking"]:
         _track(module)
@@ -328,6 +335,10 @@ class ParamTable:
         candidates = [r for r in self._gc_roots() if not any(r is k for k in known)
                       and r not in self._skipped_trees and trees.skip_reason(r) is None]
         scans = [scan(r) for r in candidates]
+        if sum(1 for found in scans if found) > 1:  # one of them may be garbage not collected
+            del scans
+            candidates = self._collected(candidates)
+            scans = [scan(r) for r in candidates]
         # the tree holding most of them names them (a compiler's GraphModule holding the same
         # parameters last); stable: the older root wins ties
         for found, root in sorted(zip(scans, candidates), reverse=True,
@@ -339,6 +350,18 @@ class ParamTable:
             if len(names) == len(want):
                 break
         return names
+
+    def _collected(self, candidates: list) -> list:
+        """``candidates`` less those a garbage collection frees (``trees.alive``, with this
+        table's own references to them dropped first: the cached scan). Asked when several
+        trees hold the parameters to be named: torch.export's ``Wrapper``, holding the
+        exported model as ``_export_root`` in a reference cycle, outranked the module the
+        trainer steps (``ep.module()``, a GraphModule), so a trained exported program was named
+        ``_export_root.0.weight`` and exit 2 against the eager model (round 8b)."""
+        self._roots_scan = None
+        mine = list(candidates)
+        candidates.clear()
+        return trees.alive(mine)
 
     def _add_root(self, root) -> None:
         """A module tree of the process: its tensors are hashed (the next sync adds them)."""

@@ -183,7 +183,7 @@ def alive(candidates: list) -> list:
             refs.append(weakref.ref(m))
         except TypeError:  # no weakref support: keep it
             refs.append(lambda m=m: m)
-    del candidates
+    candidates.clear()  # the caller's list too: nothing but the weak references left here
     gc.collect()
     return [m for m in (r() for r in refs) if m is not None]
 

@@ -319,6 +319,13 @@ class C10dAllReduces(ManifestSource):
 
         out: list[BucketRecord] = []
         for ddp in self._ddp_modules():
+            if getattr(ddp, "_use_python_reducer", False):
+                # torch._dynamo.config.optimize_ddp = "python_reducer" (compiled autograd):
+                # DDP's per-parameter hooks all-reduce each gradient (in the compiled autograd
+                # graph: graph.py records those), its C++ Reducer's buckets never run. Read,
+                # they stood for what ran: "bucket layouts identical" against C++ DDP's one
+                # bucket, under --fail-on any too (round 8b).
+                continue
             try:
                 info = ddp._get_ddp_logging_data()
             except Exception:  # noqa: BLE001 - an older DDP: nothing to read

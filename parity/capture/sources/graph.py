@@ -92,13 +92,33 @@ class _Compilation:
         self.plain_fqns = plain_fqns
 
 
+def _dynamo_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch._dynamo.disable(fn)``, or ``fn`` where dynamo cannot be had."""
+    try:
+        import torch._dynamo
+
+        return torch._dynamo.disable(fn)
+    except Exception:  # noqa: BLE001 - no dynamo: nothing watches frames
+        return fn
+
+
+def _dynamo_skipped(fn: Callable[..., Any]) -> None:
+    """Mark ``fn``'s own frame skipped by dynamo (what it calls is not)."""
+    try:
+        from torch._dynamo.decorators import skip
+
+        skip(fn)
+    except Exception:  # noqa: BLE001 - no dynamo: nothing watches frames
+        pass
+
+
 def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
     if compiler is None:
         return None
     # Never stack our own wrappers: a stale one would report the wrong graph_id.
     compiler = getattr(compiler, "_parity_inner", compiler)
 
-    def wrapped(gm: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+    def before(gm: Any) -> tuple:
         pre = None
         try:
             if hasattr(gm, "graph"):
@@ -110,16 +130,33 @@ def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
             _warn_once(f"{type(e).__name__}: {e} (before {graph_kind} passes)")
         around = graph_passes.AroundCompiler(compiler, gm, graph_kind)  # jit: it IS the pass
         graph_bucketing.begin()  # inductor's bucketing passes, if they run in this compiler
-        try:
-            result = compiler(gm, example_inputs, *args, **kwargs)
-        finally:
-            bucketed = graph_bucketing.end()
+        return pre, around
+
+    def after(gm: Any, pre: Any, around: Any, bucketed: list, result: Any) -> Any:
         _emit(gm, graph_kind, comp, pre, around=around.counts(gm), bucketed=bucketed)
         runtime = _state["runtime"]
         if runtime is not None and hasattr(gm, "graph"):
             result = runtime(gm, graph_kind, comp.graph_id, result)
         return result
 
+    # aot_autograd compiles a backward graph lazily, at the first backward, from inside the
+    # trainer's code, where dynamo may be watching frames (a compiled step that calls
+    # ``backward()``). Torch wraps its own backward compiler in ``torch._dynamo.disable``; this
+    # wrapper stands outside it, so dynamo traced capture's graph walk (``resume_in_
+    # extract_buckets`` frames; round 8b). Capture's parts run with dynamo disabled, the
+    # wrapper's own frame is skipped, and the compiler it wraps is called as without parity.
+    before, after = _dynamo_disabled(before), _dynamo_disabled(after)
+    end_bucketing = _dynamo_disabled(graph_bucketing.end)
+
+    def wrapped(gm: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        pre, around = before(gm)
+        try:
+            result = compiler(gm, example_inputs, *args, **kwargs)
+        finally:
+            bucketed = end_bucketing()
+        return after(gm, pre, around, bucketed, result)
+
+    _dynamo_skipped(wrapped)
     try:
         functools.update_wrapper(wrapped, compiler)
     except Exception:
