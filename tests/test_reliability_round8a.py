@@ -59,6 +59,9 @@ JOBS = {  # name: trainer knobs (nproc: ranks, default 2)
     "dualpipev": {"R8_CASE": "pipe", "R8_SCHED": "dualpipev", "R8_NARROW": 1, "R8_MB": 16},
     "ddp": {"R8_CASE": "hook"},
     "ddp_fp16": {"R8_CASE": "hook", "R8_HOOK": "fp16"},
+    # two micro-batches a step at one rank: DDP syncing both, or no_sync() on the first
+    "accum_ddp": {"R8_CASE": "accum", "R8_WRAP": "ddp", "nproc": 1},
+    "accum_ddp_nosync": {"R8_CASE": "accum", "R8_WRAP": "ddp", "R8_MODE": "nosync", "nproc": 1},
 }
 
 
@@ -156,3 +159,24 @@ def test_ddp_fp16_compression_hook_fails(runs):
     for policy in ("hash", "any"):
         rc, line, _ = _diff(a, b, "--fail-on", policy)
         assert rc == EXIT_MISMATCH and "from step 1" in line, line
+
+
+def test_ddp_no_sync_is_a_reduction_structure_difference(runs):
+    """DDP all-reducing its buckets at each of two micro-batches against ``no_sync()`` on the
+    first: at one rank the values are bitwise equal, but each gradient is reduced twice a step
+    against once. DDP's buckets are read from its logging data once a step, which does not say
+    how many backward passes synced: the pair read "bucket layouts identical" and HELD under
+    ``--fail-on any`` (FSDP2's same pair fails). Now the plan is written once per syncing
+    pass, and ``any`` fails on the reduction structure; ``hash`` still holds."""
+    a, b = _ok(runs, "accum_ddp"), _ok(runs, "accum_ddp_nosync")
+    assert truth(a, b)
+
+    def ddp_lines(run):
+        f = run / "rank-00000" / "buckets.jsonl"
+        return [r for r in map(json.loads, f.read_text().splitlines()) if r["group"] == "ddp"]
+
+    assert len(ddp_lines(a)) == 2 * len(ddp_lines(b)) > 0
+    rc, line, _ = _diff(a, b, "--fail-on", "any")
+    assert rc == EXIT_MISMATCH and "reduction-structure" in line, line
+    rc, line, _ = _diff(a, b)
+    assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parity.capture.names import normalize_fqn
+from parity.capture import patches
 from parity.capture.patches import _tracing
 from parity.capture.sources.fsdp2 import param_fqn
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
@@ -102,6 +103,8 @@ class C10dAllReduces(ManifestSource):
         self._ddp_sig: tuple | None = None  # the DDP buckets last written, and their step
         self._ddp_step: int | None = None
         self._ddp_rebuilt = False
+        self._ddp_counts: tuple | None = None  # the syncing passes per DDP last written
+        self._ddp_syncs: dict[int, int] = {}  # id(DDP) -> backward passes that synced, this step
         self.busy = False
 
     def ready(self) -> bool:
@@ -120,9 +123,12 @@ class C10dAllReduces(ManifestSource):
                 setattr(mod, fn_name, self._wrap(fn, fn_name == "all_reduce_coalesced"))
         if not any(attr == "all_reduce" for _, attr, _ in self.patches):
             return "torch.distributed.all_reduce not found in this torch version"
+        patches.ON_BACKWARD.append(self._count_ddp_syncs)
         return None
 
     def uninstall(self) -> None:
+        if self._count_ddp_syncs in patches.ON_BACKWARD:
+            patches.ON_BACKWARD.remove(self._count_ddp_syncs)
         for mod, attr, fn in reversed(self.patches):
             if getattr(getattr(mod, attr, None), "_parity_original", None) is fn:
                 setattr(mod, attr, fn)
@@ -313,8 +319,23 @@ class C10dAllReduces(ManifestSource):
             self._ddps = [weakref.ref(r) for r in found]
         return [d for d in (r() for r in self._ddps) if d is not None]
 
+    def _count_ddp_syncs(self) -> None:
+        """Before each outermost ``backward()``: count it for each DDP whose last forward
+        prepared its reducer for a backward (``_post_forward`` sets ``require_forward_param_sync``
+        True exactly then; under ``no_sync()`` False). DDP's buckets are read from its logging
+        data once a step, which says nothing of how many backward passes all-reduced them:
+        ``no_sync()`` for all micro-batches but the last against syncing at each one (equal
+        values at one rank) read "bucket layouts identical", a HOLD under ``--fail-on any``,
+        where FSDP2's same pair fails "a gradient reduced by a different number of
+        collectives" (round 8a). The buckets are now written once per syncing pass."""
+        for ddp in self._ddp_modules():
+            if getattr(ddp, "require_forward_param_sync", False):
+                self._ddp_syncs[id(ddp)] = self._ddp_syncs.get(id(ddp), 0) + 1
+
     def _ddp_records(self) -> list[BucketRecord]:
-        """One all-reduce bucket line per DDP bucket, in the order DDP all-reduces them."""
+        """One all-reduce bucket line per DDP bucket, in the order DDP all-reduces them; the
+        whole plan again for each further backward pass of the step that synced
+        (``_count_ddp_syncs``; once where none was seen: a backward capture does not see)."""
         import torch
 
         out: list[BucketRecord] = []
@@ -340,7 +361,8 @@ class C10dAllReduces(ManifestSource):
             if groups is None:
                 continue
             size = ddp.process_group.size() if getattr(ddp, "process_group", None) else 1
-            for idx in groups:
+            passes = max(1, self._ddp_syncs.get(id(ddp), 1))
+            for idx in groups * passes:
                 entries, off = [], 0
                 for i in idx:
                     fqn, p = params[i]
@@ -362,15 +384,19 @@ class C10dAllReduces(ManifestSource):
         """DDP's buckets, written when they change. DDP rebuilds them once, in gradient-ready
         order, at the start of its second iteration; its logging data shows the rebuilt ones a
         step later, so they are stamped with the step after the first one recorded."""
+        counts = tuple(sorted(self._ddp_syncs.values()))
         recs = self._ddp_records()
-        sig = tuple((r.world_size, tuple((e.fqn, e.numel) for e in r.entries)) for r in recs)
-        if not recs or sig == self._ddp_sig:
+        self._ddp_syncs = {}
+        sig = tuple(dict.fromkeys((r.world_size, tuple((e.fqn, e.numel) for e in r.entries))
+                                  for r in recs))  # the plan (a pass repeated: once)
+        if not recs or (sig == self._ddp_sig and counts == self._ddp_counts):
             return
         step = self.step()
-        if self._ddp_sig is not None and self._ddp_step is not None and not self._ddp_rebuilt:
+        if (sig != self._ddp_sig and self._ddp_sig is not None and self._ddp_step is not None
+                and not self._ddp_rebuilt):
             step = self._ddp_step + 1  # the rebuilt buckets ran from DDP's second iteration on
             self._ddp_rebuilt = True
-        self._ddp_sig, self._ddp_step = sig, step
+        self._ddp_sig, self._ddp_step, self._ddp_counts = sig, step, counts
         for r in recs:
             r.step = step
             self.emit(r)
