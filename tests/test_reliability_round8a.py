@@ -32,6 +32,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
 from tests.real_jobs import diff_cli, exe, knob_env, run_table
@@ -51,18 +52,23 @@ def _start(out: Path, nproc: int = 2, **knobs):
                             stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
 
 
+# torch 2.11's V-shaped pipeline schedules fail on gloo without parity too ("Pair is not
+# connected", both ranks; 2.13 and 2.15 run them); 2.12 not tried
+V_SCHEDULES = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
 JOBS = {  # name: trainer knobs (nproc: ranks, default 2)
     "hsdp": {"R8_CASE": "hsdp", "nproc": 4},
     "hsdp_prefetch": {"R8_CASE": "hsdp", "R8_PREF": 1, "nproc": 4},
-    # a one-feature stage boundary, micro-batches of one sample: stage 0 sends one element
-    "zbv": {"R8_CASE": "pipe", "R8_SCHED": "zbv", "R8_NARROW": 1, "R8_MB": 16},
-    "dualpipev": {"R8_CASE": "pipe", "R8_SCHED": "dualpipev", "R8_NARROW": 1, "R8_MB": 16},
     "ddp": {"R8_CASE": "hook"},
     "ddp_fp16": {"R8_CASE": "hook", "R8_HOOK": "fp16"},
     # two micro-batches a step at one rank: DDP syncing both, or no_sync() on the first
     "accum_ddp": {"R8_CASE": "accum", "R8_WRAP": "ddp", "nproc": 1},
     "accum_ddp_nosync": {"R8_CASE": "accum", "R8_WRAP": "ddp", "R8_MODE": "nosync", "nproc": 1},
 }
+if V_SCHEDULES:  # a one-feature stage boundary, micro-batches of one sample: one element sent
+    JOBS["zbv"] = {"R8_CASE": "pipe", "R8_SCHED": "zbv", "R8_NARROW": 1, "R8_MB": 16}
+    JOBS["dualpipev"] = {"R8_CASE": "pipe", "R8_SCHED": "dualpipev", "R8_NARROW": 1,
+                         "R8_MB": 16}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +144,9 @@ def test_the_last_stage_loss_of_split_backward_schedules_is_recorded(runs):
     with the gradient stage 1 sent) was noted as a loss (11.82 where the trainer's losses sum
     to 12.11). Now each rank's recorded loss is the sum of the schedule's losses, as the
     trainer saw it (none on a rank without the last stage), and the pair holds."""
+    if not V_SCHEDULES:
+        pytest.skip(f"torch {torch.__version__}: its V-shaped pipeline schedules fail on gloo "
+                    "without parity too (2.13+ run them)")
     a, b = _ok(runs, "zbv"), _ok(runs, "dualpipev")
     assert truth(a, b)
     for run in (a, b):
