@@ -71,3 +71,20 @@ def knob_env(prefix: str, **knobs) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env.update({k: str(v) for k, v in knobs.items()})
     return env
+
+
+def values_equal(a, b) -> bool:
+    """Ground truth of the reliability rounds: bitwise equality of saved values (tensors by
+    dtype, shape and ``torch.equal``; dicts by keys; lists and tuples item by item)."""
+    import torch
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict):
+        return (isinstance(b, dict) and a.keys() == b.keys()
+                and all(values_equal(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)):
+        return (isinstance(b, (list, tuple)) and len(a) == len(b)
+                and all(values_equal(x, y) for x, y in zip(a, b)))
+    return a == b

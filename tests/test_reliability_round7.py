@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_table
+from tests.real_jobs import diff_cli, exe, knob_env, run_table, values_equal
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round7.py")
@@ -128,16 +128,7 @@ def _ok(runs, name) -> Path:
     return d
 
 
-def _eq(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_eq(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return (isinstance(b, (list, tuple)) and len(a) == len(b)
-                and all(_eq(x, y) for x, y in zip(a, b)))
-    return a == b
+_eq = values_equal
 
 
 def _truth(a: Path, b: Path) -> tuple[bool, bool]:

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_table
+from tests.real_jobs import diff_cli, exe, knob_env, run_table, values_equal
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round8a.py")
@@ -85,16 +85,7 @@ def _ok(runs, name) -> Path:
     return d
 
 
-def _equal(x, y) -> bool:
-    import torch
-
-    if isinstance(x, dict) and isinstance(y, dict):
-        return x.keys() == y.keys() and all(_equal(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
-        return len(x) == len(y) and all(_equal(a, b) for a, b in zip(x, y))
-    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-        return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
-    return x == y
+_equal = values_equal
 
 
 def _truth(run: Path) -> list:

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_table
+from tests.real_jobs import diff_cli, exe, knob_env, run_table, values_equal
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round8b.py")
@@ -101,16 +101,7 @@ def _load(d: Path) -> dict:
     return torch.load(f"{d}.truth", weights_only=False)
 
 
-def _eq(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_eq(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return (isinstance(b, (list, tuple)) and len(a) == len(b)
-                and all(_eq(x, y) for x, y in zip(a, b)))
-    return a == b
+_eq = values_equal
 
 
 def _equal(a: Path, b: Path) -> bool:

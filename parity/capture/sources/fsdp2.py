@@ -102,10 +102,10 @@ def param_fqn(fsdp_param) -> str | None:
                 for mname, m in top.named_modules(remove_duplicate=False):
                     if id(m) not in names:
                         names[id(m)] = (weakref.ref(m), mname)
-        _MODULE_NAMES = names
-        got = names.get(id(mod))
-        if got is None:
-            return None
+        got = names.setdefault(id(mod), (weakref.ref(mod), None))  # a miss, remembered:
+        _MODULE_NAMES = names  # no rescan of the module trees at each later collective
+    if got[1] is None:
+        return None
     return f"{got[1]}.{name}" if got[1] else name
 
 
