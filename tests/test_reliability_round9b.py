@@ -43,10 +43,12 @@ JOBS = {  # name: trainer knobs; "plain": run without parity exec as well
     "graph": {**CAP, "plain": True},
     "graph_again": {**CAP},
     "registration": {**CAP, "R9_ORDER": "registration"},
-    "mixed": {**CAP, "R9_PDTYPE": "bf16", "R9_RDTYPE": "bf16", "R9_PAD": "1"},
+    "mixed": {**CAP, "R9_PDTYPE": "bf16", "R9_RDTYPE": "bf16", "R9_PAD": "1",
+              "R9_REPLICATE": "1"},  # biases replicated: their gradients all-reduced, bucketed
     "shapes": {"R9_TIED": "1", "R9_UNUSED": "1", "R9_FROZEN": "1", "R9_REDUCE": "sum",
                "R9_PASS": "plain"},
-    "four": {"R9_PAD": "1", "R9_PASS": "manual", "R9_ORDER": "registration", "nproc": 4},
+    "four": {"R9_PAD": "1", "R9_PASS": "manual", "R9_ORDER": "registration",
+             "R9_REPLICATE": "1", "nproc": 4},
     "inductor": {**CAP, "R9_BACKEND": "inductor", "R9_TDM": "inner", "R9_PDTYPE": "bf16",
                  "plain": True},
     # parity's own compiled workload, bf16 all-gathers bucketed by bucket_fsdp_* (default mode)
@@ -105,6 +107,37 @@ def test_every_graph_manifest_entry_is_what_the_graph_sends(runs, name):
     graph = [b for b in (d / "rank-00000" / "buckets.jsonl").read_text().splitlines()
              if '"source":"graph"' in b and "before_passes" not in b]
     assert graph, "no graph manifest"
+
+
+def test_the_check_finds_a_wrong_manifest(runs, tmp_path):
+    """The ground-truth check is not vacuous: two parameters' names exchanged in one
+    reduce-scatter bucket line and an all-gather offset moved, in a copy of a right run, are
+    each reported."""
+    import json
+    import shutil
+
+    d = _ok(runs, "graph")
+    for what in ("swap", "shift"):
+        copy = tmp_path / what
+        shutil.copytree(d, copy)
+        path = copy / "rank-00000" / "buckets.jsonl"
+        lines, done = [], False
+        for line in path.read_text().splitlines():
+            b = json.loads(line)
+            if (not done and b.get("source") == "graph" and b.get("stage") != "before_passes"
+                    and len(b["entries"]) >= 2):
+                e = b["entries"]
+                if what == "swap" and b["collective"] == "reduce_scatter":
+                    e[0]["fqn"], e[1]["fqn"] = e[1]["fqn"], e[0]["fqn"]
+                    done = True
+                elif what == "shift" and b["collective"] == "all_gather":
+                    e[1]["offset"] += 4
+                    done = True
+            lines.append(json.dumps(b))
+        path.write_text("\n".join(lines) + "\n")
+        assert done
+        found = problems(copy, f"{d}.truth")
+        assert found and all(x.startswith("rank 0 ") for x in found), found
 
 
 def _first_differing(a: Path, b: Path, kind: str) -> int | None:

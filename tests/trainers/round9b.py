@@ -30,6 +30,7 @@ Knobs (environment):
   R9_PAD      1: dims not divisible by the world size (padded shards)
   R9_UNUSED   1: a parameter the forward never uses;  R9_TIED=1: a weight used twice
   R9_FROZEN   1: one layer's parameters frozen (requires_grad False)
+  R9_REPLICATE 1: biases Replicate (gradients all-reduced; bucket_all_reduce)
   R9_STEPS    (2);  R9_TDM=1 (inductor): record through a TorchDispatchMode
 
     torchrun --standalone --nproc_per_node 2 tests/trainers/round9b.py
@@ -81,7 +82,9 @@ def shard_model(model, mesh):
         names = []
         for name, p in list(module.named_parameters(recurse=False)):
             if id(p) not in done:  # a tied weight is sharded once, the same Parameter twice
-                done[id(p)] = nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]),
+                # R9_REPLICATE=1: biases replicated, their gradients all-reduced (HSDP-like)
+                place = Replicate() if E("R9_REPLICATE") == "1" and p.dim() == 1 else Shard(0)
+                done[id(p)] = nn.Parameter(distribute_tensor(p.detach(), mesh, [place]),
                                            requires_grad=p.requires_grad)
             module.register_parameter(name, done[id(p)])
             names.append(name)
@@ -215,6 +218,8 @@ def run_passes(gm, fqns, registration):
     ag = sort(bucketing.bucket_all_gather_by_mb(gm, cap_fn, ag_filter, mode))
     if ag:
         bucketing.merge_all_gather(gm, ag, mode)
+    if E("R9_REPLICATE") == "1":
+        bucketing.bucket_all_reduce(gm, cap_fn, "default" if mode != "default" else mode)
     stable_topological_sort(gm.graph)
     gm.graph.lint()
     gm.recompile()
@@ -267,7 +272,7 @@ class Recorder(fx.Interpreter):
         if name in COLLECTIVES:
             RECORDS.append({"graph": self.kind, "cid": self.cid, "step": STATE["step"],
                             "node": self._node.name, "op": name, "input": _keep(args[0]),
-                            "reduce_op": args[1] if "reduce_scatter" in name else None})
+                            "reduce_op": args[1] if "reduce" in name else None})
         return super().call_function(target, args, kwargs)
 
 
@@ -307,7 +312,7 @@ class DispatchRecorder(torch.utils._python_dispatch.TorchDispatchMode):
         if name in COLLECTIVES:
             RECORDS.append({"graph": self.kind, "cid": 0, "step": STATE["step"], "node": None,
                             "op": name, "input": _keep(args[0]),
-                            "reduce_op": args[1] if "reduce_scatter" in name else None})
+                            "reduce_op": args[1] if "reduce" in name else None})
         return func(*args, **(kwargs or {}))
 
 
