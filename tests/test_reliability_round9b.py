@@ -46,7 +46,7 @@ JOBS = {  # name: trainer knobs; "plain": run without parity exec as well
     "mixed": {**CAP, "R9_PDTYPE": "bf16", "R9_RDTYPE": "bf16", "R9_PAD": "1",
               "R9_REPLICATE": "1"},  # biases replicated: their gradients all-reduced, bucketed
     "shapes": {"R9_TIED": "1", "R9_UNUSED": "1", "R9_FROZEN": "1", "R9_REDUCE": "sum",
-               "R9_PASS": "plain"},
+               "R9_PASS": "plain", "R9_ACT": "1"},  # + an activation gathered, one all-reduced
     "four": {"R9_PAD": "1", "R9_PASS": "manual", "R9_ORDER": "registration",
              "R9_REPLICATE": "1", "nproc": 4},
     "inductor": {**CAP, "R9_BACKEND": "inductor", "R9_TDM": "inner", "R9_PDTYPE": "bf16",

@@ -31,6 +31,7 @@ Knobs (environment):
   R9_UNUSED   1: a parameter the forward never uses;  R9_TIED=1: a weight used twice
   R9_FROZEN   1: one layer's parameters frozen (requires_grad False)
   R9_REPLICATE 1: biases Replicate (gradients all-reduced; bucket_all_reduce)
+  R9_ACT      1: an activation all-gathered and a statistic all-reduced in the forward
   R9_STEPS    (2);  R9_TDM=1 (inductor): record through a TorchDispatchMode
 
     torchrun --standalone --nproc_per_node 2 tests/trainers/round9b.py
@@ -115,7 +116,16 @@ class Net(nn.Module):
         h = torch.tanh(self.inp(x))
         h = torch.tanh(self.l1(h)) + h
         h = torch.tanh(self.l2(h)) + h
-        return self.out(h)
+        out = self.out(h)
+        if E("R9_ACT") == "1":  # collectives of activations (no parameter): a gathered
+            # activation and an all-reduced statistic, used (unused ones would be removed)
+            from torch.distributed import _functional_collectives as funcol
+
+            group = STATE["mesh"].get_group()
+            gathered = funcol.all_gather_tensor(h.detach(), 0, group)
+            stat = funcol.all_reduce(h.detach().pow(2).mean(), "avg", group)
+            out = out + 0.0 * (gathered.mean() + stat)
+        return out
 
 
 # ---------------------------------------------------------------- which parameter a node is
@@ -352,7 +362,7 @@ def local(t):
 
 def main():
     dist.init_process_group("gloo")
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = STATE["mesh"] = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = Net()
     registration = [n for n, _ in model.named_parameters()]  # FSDP2's order here: module order
