@@ -32,7 +32,10 @@ Knobs (environment):
   R9_FROZEN   1: one layer's parameters frozen (requires_grad False)
   R9_REPLICATE 1: biases Replicate (gradients all-reduced; bucket_all_reduce)
   R9_ACT      1: an activation all-gathered and a statistic all-reduced in the forward
-  R9_STEPS    (2);  R9_TDM=1 (inductor): record through a TorchDispatchMode
+  R9_STEPS    (2)
+  R9_TDM      inductor: inner (a TorchDispatchMode entered inside inductor's compiled forward /
+              backward: the ground truth) | 1 (entered around the compiled model: dynamo then
+              skips the frame, the job runs eagerly; kept to show it)
 
     torchrun --standalone --nproc_per_node 2 tests/trainers/round9b.py
 """
