@@ -124,6 +124,13 @@ def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
             if hasattr(gm, "graph"):
                 _, output_fqns = graph_io_fqns(gm, comp.plain_fqns)
                 pre = rs_payload_map(gm, output_fqns)
+                # a gradient summed from several reduce-scatters before it is an output (a
+                # tied weight read twice: one reduce-scatter per read) is reached through
+                # its sum only: every path forward is searched (round 9b)
+                from parity.capture.sources.graph_makefx import reduce_scatter_targets
+
+                for name, fqn in reduce_scatter_targets(gm, output_fqns).items():
+                    pre.setdefault(name, fqn)
                 # the graph as the user's passes receive it (the bucketing comparison's input)
                 _emit(gm, graph_kind, comp, None, stage="before_passes")
         except Exception as e:  # never break compilation

@@ -229,16 +229,26 @@ def _payload_pieces(buffer: Any, warnings: list[str] | None = None
     foreach = _foreach_copied(buffer)
     if foreach is not None:
         return foreach[0], foreach[1], "foreach_copy"
-    cur = buffer
+    cur, cast_to = buffer, None
     for _ in range(64):
         if cur is None or cur.op != "call_function":
             break
         name = op_name(cur)
         if name in _COPY_OPS and len(cur.args) >= 2:
-            cur = cur.args[1]  # copy_(slice(buf), cat(...)): the data comes from src
+            # copy_(slice(buf), cat(...)): the data comes from src, in the destination's dtype
+            # (the copy casts: torch 2.13's default-mode all-gather bucket takes the fp32
+            # shards and copies their cat into a bf16 buffer, the cast before the collective
+            # folded into the bucket)
+            dst = _val(cur.args[0]) if cur.op == "call_function" else None
+            cast_to = getattr(dst, "dtype", None) if cast_to is None else cast_to
+            cur = cur.args[1]
             continue
         if name in _CAT_OPS and isinstance(cur.args[0], (list, tuple)):
-            return list(cur.args[0]), None, "cat"
+            pieces = list(cur.args[0])
+            cat_val = _val(cur)
+            if cast_to is not None and cat_val is not None and cat_val.dtype != cast_to:
+                return pieces, [cast_to] * len(pieces), "cat"
+            return pieces, None, "cat"
         if name in _PRE_AG_OPS and isinstance(cur.args[0], (list, tuple)):
             dtypes = None
             try:
