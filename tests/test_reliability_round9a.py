@@ -14,6 +14,8 @@ Found and fixed (docs/reliability.md, "Round 9a"):
   while step 3 all-reduced three, so ``bucket_cap_mb`` 0.0002 against 25 HELD "bucket layouts
   identical" under ``--fail-on any`` (a longer job stamped the rebuild a step early). The plan
   is now read from the Reducer's buckets until the rebuild shows;
+- DDP syncing several micro-batches a step: the step's one plan was repeated per pass, but
+  DDP rebuilds its buckets between the first step's passes (each pass's own buckets now);
 - an eager DTensor all-gather of an unevenly sharded parameter: the rank with the short shard
   recorded its local bytes (12) where DTensor pads and sends 16.
 """
@@ -45,6 +47,8 @@ JOBS = {  # name: trainer knobs (nproc: ranks, default 2; exec=0: without parity
     "hsdp": {"R9_MESH": "hsdp", "nproc": 4},
     "ddp_static": {"R9_CASE": "ddp", "R9_STATIC": 1, "R9_CAP": 0.0002},
     "ddp_static_big": {"R9_CASE": "ddp", "R9_STATIC": 1},
+    # two micro-batches a step, each syncing: DDP rebuilds between the first step's passes
+    "ddp_accum": {"R9_CASE": "ddp", "R9_CAP": 0.0002, "R9_ACCUM": 2},
     "dtensor": {"R9_CASE": "dtensor"},
 }
 
@@ -120,6 +124,14 @@ def test_static_graph_rebuild_is_written_at_its_step(runs):
     assert values_equal(values(a), values(b))
     rc, line, _ = diff_cli(a, b, "--fail-on", "any", timeout=TIMEOUT)
     assert rc == EXIT_MISMATCH and "bucket partition differs" in line, line
+
+
+def test_each_syncing_pass_has_its_own_buckets(runs):
+    """DDP syncing two micro-batches a step rebuilds its buckets at the second forward: step 1
+    all-reduced its first single bucket, then the three rebuilt ones. The plan was read once a
+    step and repeated per pass (the rebuilt buckets twice); each pass's buckets are now read as
+    it begins."""
+    _judge(_ok(runs, "ddp_accum"))
 
 
 def test_uneven_dtensor_all_gather_records_the_padded_bytes(runs):

@@ -130,7 +130,7 @@ class Judge:
         over every other replica's group (the gradient FSDP2 ends with is reduced over both)."""
         pos, groups = ranks.index(rank), []
         for q in range(self.world):
-            calls = [c for c in self.wire(q, step, ops)]
+            calls = self.wire(q, step, ops)
             mine = [c for c in calls if c["ranks"] == calls[i]["ranks"]] if len(calls) > i else []
             if not mine:
                 continue
@@ -153,7 +153,7 @@ class Judge:
         return bool(torch.allclose(s * c, g, rtol=self.rtol,
                                    atol=self.rtol * max(float(g.abs().max()), 1e-30)))
 
-    def check_line(self, rank, step, call, line, kind, summed=None):
+    def check_line(self, rank, step, call, line, kind, summed=None, grads=None):
         import torch
 
         where = f"rank {rank} step {step} {kind} {line['source']}#{line['index']}"
@@ -186,7 +186,7 @@ class Judge:
         pairs = []
         for e in entries:
             self.checked += 1
-            grad = truth["grads"].get(e["fqn"])
+            grad = (grads if grads is not None else truth["grads"]).get(e["fqn"])
             if grad is None and kind == "all_reduce" and e["numel"]:
                 # DDP all-reduces an unused parameter's slot (find_unused_parameters): zeros
                 z = summed[e["offset"] // x.element_size():][:e["numel"]]
@@ -232,18 +232,28 @@ class Judge:
                 self.problems.append(f"rank {rank} step {step}: {len(calls)} {kind}(s) on the "
                                      f"wire, {len(lines)} FSDP2 manifest line(s) in force")
             seen: dict = {}
+            micro = self.truths[rank]["steps"][step - 1].get("micro")
+            total: dict = {}
+            for line in lines:
+                for e in line["entries"]:
+                    total[e["fqn"]] = total.get(e["fqn"], 0) + 1
+            done: dict = {}
             for call, line in zip(calls, lines):
                 key = tuple(call["ranks"] or ())
                 i = seen[key] = seen.get(key, -1) + 1
-                summed = None
+                summed, grads = None, None
                 if kind == "reduce_scatter":
                     summed = self._replicas_row(rank, step, ops, i, list(call["ranks"]))
-                self.check_line(rank, step, call, line, kind, summed)
-
-    def check_c10d(self, rank, step, group_pred, label):
-        lines = _in_force(self.lines(rank, "c10d", "all_reduce", group_pred), step, False)
-        calls = [c for c in self.wire(rank, step, AR)]
-        return lines, calls
+                    if micro:  # FSDP2 reduces each pass's new gradient: pass j of P is the
+                        grads = {}  # growth of the sharded gradient at micro-batch M - P + j
+                        for e in line["entries"]:
+                            j = done[e["fqn"]] = done.get(e["fqn"], -1) + 1
+                            k = len(micro) - total[e["fqn"]] + j
+                            now = micro[k].get(e["fqn"])
+                            before = micro[k - 1].get(e["fqn"]) if k else None
+                            grads[e["fqn"]] = now if before is None or now is None else \
+                                now - before
+                self.check_line(rank, step, call, line, kind, summed, grads)
 
     def check_allreduce(self, rank, step):
         """Every wire all-reduce of the step against the c10d lines in force, in order (DDP's
@@ -263,6 +273,7 @@ class Judge:
         # the two sequences interleave on the wire; match by size in order within each
         queue = {"ddp": list(ddp), "other": list(other)}
         seen: dict = {}
+        passes: list = []
         for call in calls:
             nbytes = sum(t.numel() * t.element_size() for t in call["inputs"])
             line = None
@@ -277,7 +288,23 @@ class Judge:
                                      f"{nbytes} bytes described by no c10d line in order")
                 continue
             summed = self._sum_row(rank, step, AR, i, list(call["ranks"]), False)
-            self.check_line(rank, step, call, line, "all_reduce", summed)
+            passes.append((call, line, summed))
+        # with micro-batches a gradient is all-reduced once per syncing pass: its pass j of P
+        # sums to the gradient after micro-batch M - P + j (DDP all-reduces the accumulated one)
+        micro = self.truths[rank]["steps"][step - 1].get("micro")
+        total: dict = {}
+        for _, line, _ in passes:
+            for e in line["entries"]:
+                total[e["fqn"]] = total.get(e["fqn"], 0) + 1
+        done: dict = {}
+        for call, line, summed in passes:
+            grads = None
+            if micro:
+                grads = {}
+                for e in line["entries"]:
+                    j = done[e["fqn"]] = done.get(e["fqn"], -1) + 1
+                    grads[e["fqn"]] = micro[len(micro) - total[e["fqn"]] + j].get(e["fqn"])
+            self.check_line(rank, step, call, line, "all_reduce", summed, grads)
 
     def check_dtensor(self, rank, step):
         calls = [c for c in self.truths[rank]["wire"] if c["step"] == step

@@ -15,9 +15,10 @@ With R9_SAVE=PATH each rank saves ``PATH.<rank>`` (torch.save of a dict): ``wire
 in order: ``{"op", "step", "ranks", "inputs": [flat tensors]}``), ``steps`` (per iteration:
 ``shards``, each parameter's local shard taken before the forward - FSDP2/DTensor: its local
 tensor, DDP: the parameter -, ``grads``, each local (sharded) gradient after the backward,
-``loss``), ``final`` (the local parameters at the end) and ``names`` (parameter names in
-``named_parameters`` order). ``steps`` and ``final`` are also the values compared with
-``torch.equal`` between runs (with and without the dispatch mode, with and without parity).
+``loss``; ``micro``: with R9_ACCUM, the gradients after each micro-batch), ``final`` (the
+local parameters at the end) and ``names`` (parameter names in ``named_parameters`` order).
+``steps`` and ``final`` are also the values compared with ``torch.equal`` between runs (with
+and without the dispatch mode, with and without parity).
 
 Knobs (environment):
   R9_CASE    fsdp | ddp | dtensor (default fsdp);  R9_STEPS iterations (default 3)
@@ -29,15 +30,19 @@ Knobs (environment):
                (DDP: find_unused_parameters=True)
   R9_FROZEN=1  mid.l1.bias frozen (requires_grad False)
   R9_SWAP=1    mid.l2 registered before mid.l1 (same values; another layout)
-  R9_SHARD1=1  fsdp: shard_placement_fn Shard(1) for 2-D parameters whose dim 1 divides evenly
+  R9_SHARD1  fsdp: 1 shard_placement_fn Shard(1) for 2-D parameters whose dim 1 divides evenly,
+             2 for every 2-D parameter
   R9_GROUPS  fsdp: layers (l0, mid, l3 each a group, the root holds extra and scale; default) |
              root (one group)
   R9_CAP     ddp: bucket_cap_mb (default 25);  R9_GAV=1 gradient_as_bucket_view;
   R9_STATIC=1  ddp: static_graph
+  R9_ACCUM   micro-batches per step (default 1);  R9_NOSYNC=1  DDP no_sync() / FSDP2
+             set_requires_gradient_sync(False) on all but the last
   R9_HOOK=1  ddp: a communication hook that keeps bucket.buffer() and bucket.parameters()' names
              (``hook`` in the saved dict) and then all-reduces as DDP's default does
 """
 
+import contextlib
 import os
 
 import torch
@@ -174,10 +179,10 @@ def _fsdp(model):
             reduce_dtype=torch.bfloat16 if mp == "bf16r" else torch.float32)
     raf = E("R9_RAF", "1")
     kw["reshard_after_forward"] = {"1": True, "0": False}[raf] if raf in "01" else int(raf)
-    if E("R9_SHARD1") == "1":
-        n = mesh.size()
-        kw["shard_placement_fn"] = lambda p: (Shard(1) if p.ndim == 2 and p.shape[1] % n == 0
-                                              else Shard(0))
+    if E("R9_SHARD1") in ("1", "2"):  # 2: every 2-D parameter, uneven ones too
+        n, every = mesh.size(), E("R9_SHARD1") == "2"
+        kw["shard_placement_fn"] = lambda p: (
+            Shard(1) if p.ndim == 2 and (every or p.shape[1] % n == 0) else Shard(0))
     if E("R9_FROZEN") == "1":
         model.mid.l1.bias.requires_grad_(False)
     if E("R9_GROUPS", "layers") == "layers":
@@ -250,16 +255,26 @@ def main():
         Wire.step = k
         model.use_extra = not (E("R9_UNUSED") == "1" and k == 2)
         shards = {n: _local(p) for n, p in named}
-        x, y = _data(k, dp_rank)
         opt.zero_grad()
-        loss = ((wrapped(x) - y) ** 2).mean()
-        loss.backward()
+        micro = int(E("R9_ACCUM", "1"))
+        micro_grads = []  # the gradients after each micro-batch's backward
+        for j in range(micro):  # micro-batches; R9_NOSYNC=1: DDP no_sync() but on the last
+            x, y = _data(10 * k + j, dp_rank)
+            quiet = E("R9_NOSYNC") == "1" and j < micro - 1
+            if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+                wrapped.set_requires_gradient_sync(not quiet)
+            with wrapped.no_sync() if quiet and hasattr(wrapped, "no_sync") else \
+                    contextlib.nullcontext():
+                loss = ((wrapped(x) - y) ** 2).mean()
+                loss.backward()
+            micro_grads.append({n: None if p.grad is None else _local(p.grad) for n, p in named})
         if CASE == "dtensor":  # the plain tensors' gradients: averaged by hand, one by one
             for _, p in named:
                 if p.grad is not None and not hasattr(p.grad, "to_local"):
                     dist.all_reduce(p.grad)
                     p.grad.div_(dist.get_world_size())
         TRUTH["steps"].append({"shards": shards, "loss": loss.detach().clone(),
+                               "micro": micro_grads if micro > 1 else None,
                                "grads": {n: None if p.grad is None else _local(p.grad)
                                          for n, p in named}})
         opt.step()

@@ -107,6 +107,8 @@ class C10dAllReduces(ManifestSource):
         self._ddp_step: int | None = None
         self._ddp_rebuilt = False
         self._ddp_live = False  # a plan was read from the Reducer's buckets (_live_groups)
+        self._ddp_passes: dict[int, list] = {}  # id(DDP) -> per syncing pass, its buckets
+        self._ddp_settled: set[int] = set()  # DDPs whose buckets can no longer change
         self._ddp_counts: tuple | None = None  # the syncing passes per DDP last written
         self._ddp_syncs: dict[int, int] = {}  # id(DDP) -> backward passes that synced, this step
         self.busy = False
@@ -335,6 +337,11 @@ class C10dAllReduces(ManifestSource):
         for ddp in self._ddp_modules():
             if getattr(ddp, "require_forward_param_sync", False):
                 self._ddp_syncs[id(ddp)] = self._ddp_syncs.get(id(ddp), 0) + 1
+                if id(ddp) not in self._ddp_settled and not getattr(
+                        ddp, "_use_python_reducer", False) and not _tracing():
+                    # the buckets this pass will use (DDP rebuilds them in a forward): with
+                    # micro-batches, the first step's passes differ (round 9a)
+                    self._ddp_passes.setdefault(id(ddp), []).append(_reducer_buckets(ddp))
 
     def _ddp_records(self) -> list[BucketRecord]:
         """One all-reduce bucket line per DDP bucket, in the order DDP all-reduces them; the
@@ -350,6 +357,7 @@ class C10dAllReduces(ManifestSource):
                 # graph: graph.py records those), its C++ Reducer's buckets never run. Read,
                 # they stood for what ran: "bucket layouts identical" against C++ DDP's one
                 # bucket, under --fail-on any too (round 8b).
+                self._ddp_settled.add(id(ddp))
                 continue
             try:
                 info = ddp._get_ddp_logging_data()
@@ -363,6 +371,7 @@ class C10dAllReduces(ManifestSource):
                       and getattr(m, "sparse", False) for p in m.parameters(recurse=False)}
             groups = _live_groups(ddp, info, params)
             if groups is None:
+                self._ddp_settled.add(id(ddp))
                 groups = _ddp_groups(info, params)
             else:
                 self._ddp_live = True
@@ -370,7 +379,14 @@ class C10dAllReduces(ManifestSource):
                 continue
             size = ddp.process_group.size() if getattr(ddp, "process_group", None) else 1
             passes = max(1, self._ddp_syncs.get(id(ddp), 1))
-            for idx in groups * passes:
+            plans = [groups] * passes
+            snaps = self._ddp_passes.pop(id(ddp), None)
+            if snaps and len(snaps) == passes:  # each pass's own buckets, as it began
+                index = {id(p): i for i, (_, p) in enumerate(params)}
+                got = [[[index.get(i) for i in b] for b in snap] for snap in snaps if snap]
+                if len(got) == passes and all(i is not None for g in got for b in g for i in b):
+                    plans = got
+            for idx in (b for plan in plans for b in plan):
                 entries, off = [], 0
                 for i in idx:
                     fqn, p = params[i]
@@ -394,7 +410,7 @@ class C10dAllReduces(ManifestSource):
         step later, so they are stamped with the step after the first one recorded."""
         counts = tuple(sorted(self._ddp_syncs.values()))
         recs = self._ddp_records()
-        self._ddp_syncs = {}
+        self._ddp_syncs, self._ddp_passes = {}, {}
         sig = tuple(dict.fromkeys((r.world_size, tuple((e.fqn, e.numel) for e in r.entries))
                                   for r in recs))  # the plan (a pass repeated: once)
         if not recs or (sig == self._ddp_sig and counts == self._ddp_counts):
@@ -429,6 +445,19 @@ class C10dAllReduces(ManifestSource):
             self.emit(c)
 
 
+def _reducer_buckets(ddp: Any) -> list[list[int]] | None:
+    """The Reducer's buckets as they are, each the ``id()`` of its parameters in buffer order
+    (``reducer._get_zeros_like_grad_buckets()``, which allocates a zeroed copy of each bucket,
+    freed at once); None where this DDP cannot say."""
+    get = getattr(getattr(ddp, "reducer", None), "_get_zeros_like_grad_buckets", None)
+    if get is None:
+        return None
+    try:
+        return [[id(p) for p in b.parameters()] for b in get()]
+    except Exception:  # noqa: BLE001 - an older Reducer
+        return None
+
+
 def _live_groups(ddp: Any, info: dict, params: list) -> list[list[int]] | None:
     """Per DDP bucket, the indices of its parameters, from the Reducer's buckets as they are now
     (``reducer._get_zeros_like_grad_buckets()``: the buckets this step's backward all-reduced, in
@@ -446,21 +475,13 @@ def _live_groups(ddp: Any, info: dict, params: list) -> list[list[int]] | None:
         return None
     if getattr(ddp, "find_unused_parameters", False) and not getattr(ddp, "static_graph", False):
         return None
-    get = getattr(getattr(ddp, "reducer", None), "_get_zeros_like_grad_buckets", None)
-    if get is None:
-        return None
-    try:
-        buckets = get()
-    except Exception:  # noqa: BLE001 - an older Reducer: the logging data then
+    buckets = _reducer_buckets(ddp)
+    if buckets is None:
         return None
     index = {id(p): i for i, (_, p) in enumerate(params)}
-    groups = []
-    for b in buckets:
-        ids = [index.get(id(p)) for p in b.parameters()]
-        if any(i is None for i in ids):
-            return None
-        groups.append(ids)
-    del buckets
+    groups = [[index.get(i) for i in b] for b in buckets]
+    if any(i is None for g in groups for i in g):
+        return None
     return groups or None
 
 
