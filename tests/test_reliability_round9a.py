@@ -49,7 +49,9 @@ JOBS = {  # name: trainer knobs (nproc: ranks, default 2; exec=0: without parity
     "ddp_static_big": {"R9_CASE": "ddp", "R9_STATIC": 1},
     # two micro-batches a step, each syncing: DDP rebuilds between the first step's passes
     "ddp_accum": {"R9_CASE": "ddp", "R9_CAP": 0.0002, "R9_ACCUM": 2},
-    "dtensor": {"R9_CASE": "dtensor"},
+    # an uneven Shard(0) parameter all-gathered in the forward; l0 data parallel by DTensor
+    # (its Partial gradients all-reduced inside DTensor's dispatch: the funcol wrapper sees them)
+    "dtensor": {"R9_CASE": "dtensor", "R9_DP": 1},
 }
 
 

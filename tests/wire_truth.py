@@ -129,10 +129,16 @@ class Judge:
         """This rank's row of the i-th reduce-scatter, summed over its group and, under HSDP,
         over every other replica's group (the gradient FSDP2 ends with is reduced over both)."""
         pos, groups = ranks.index(rank), []
-        for q in range(self.world):
+        # replicas: the ranks of HSDP's replicate all-reduce (a c10d all-reduce of this step
+        # whose group meets this group in this rank only); TP's other groups hold other shards
+        partners = {rank}
+        for c in self.wire(rank, step, AR):
+            rs = c["ranks"] or []
+            if rank in rs and len(set(rs) & set(ranks)) == 1:
+                partners |= set(rs)
+        for q in sorted(partners):
             calls = self.wire(q, step, ops)
-            mine = [c for c in calls if c["ranks"] == calls[i]["ranks"]] if len(calls) > i else []
-            if not mine:
+            if len(calls) <= i:
                 continue
             g = list(calls[i]["ranks"])
             if len(g) == len(ranks) and g.index(q) == pos and g not in groups:
@@ -308,7 +314,8 @@ class Judge:
 
     def check_dtensor(self, rank, step):
         calls = [c for c in self.truths[rank]["wire"] if c["step"] == step
-                 and c.get("ns") == "_c10d_functional" and not c["op"].startswith("_")]
+                 and c.get("ns") in ("_c10d_functional", "funcol")
+                 and not c["op"].startswith("_")]
         lines = _in_force([ln for ln in self.manifests[rank] if ln["source"] == "dtensor"],
                           step, False)
         if len(calls) != len(lines):

@@ -28,6 +28,7 @@ Knobs (environment):
   R9_RAF     fsdp: reshard_after_forward 1 (default) | 0 | an int (a smaller world after forward)
   R9_UNUSED=1  ``extra`` (a Linear in the root's group / a DDP parameter) unused at step 2
                (DDP: find_unused_parameters=True)
+  R9_MIXED=1   ``extra`` in bfloat16 (DDP: a bucket per dtype)
   R9_FROZEN=1  mid.l1.bias frozen (requires_grad False)
   R9_SWAP=1    mid.l2 registered before mid.l1 (same values; another layout)
   R9_SHARD1  fsdp: 1 shard_placement_fn Shard(1) for 2-D parameters whose dim 1 divides evenly,
@@ -38,6 +39,8 @@ Knobs (environment):
   R9_STATIC=1  ddp: static_graph
   R9_ACCUM   micro-batches per step (default 1);  R9_NOSYNC=1  DDP no_sync() / FSDP2
              set_requires_gradient_sync(False) on all but the last
+  R9_DP=1    dtensor: l0 data parallel with Replicate DTensor parameters (gradients all-reduced
+             by DTensor)
   R9_HOOK=1  ddp: a communication hook that keeps bucket.buffer() and bucket.parameters()' names
              (``hook`` in the saved dict) and then all-reduces as DDP's default does
 """
@@ -71,10 +74,51 @@ class Wire(TorchDispatchMode):
     """Records each c10d op call's inputs before it runs (the bytes that go on the wire)."""
 
     step = 0
+    in_funcol = False
+    active = False
+
+    @staticmethod
+    def wrap_funcol():
+        """A mode does not see what runs inside an op it handles: DTensor's implicit
+        redistributions (a Partial gradient all-reduced inside an op's dispatch) issue their
+        functional collectives there. DTensor's placements call them as attributes of
+        ``torch.distributed._functional_collectives`` at call time, so wrapping those records
+        every one (``ns: "funcol"``); the mode skips the ops they issue (no double count)."""
+        import torch.distributed._functional_collectives as funcol
+
+        for name, arg in (("all_reduce", 0), ("all_gather_tensor", 0),
+                          ("reduce_scatter_tensor", 0), ("all_to_all_single", 0)):
+            fn = getattr(funcol, name, None)
+            if fn is None:
+                continue
+
+            def wrapper(*args, _fn=fn, _name=name, **kwargs):
+                if Wire.active and not Wire.in_funcol:
+                    group = args[2] if len(args) > 2 else kwargs.get("group")
+                    ranks = None
+                    try:
+                        ranks = sorted(int(r) for r in group.mesh.flatten().tolist())
+                    except Exception:  # noqa: BLE001 - a group, not a mesh
+                        try:
+                            ranks = dist.get_process_group_ranks(group)
+                        except Exception:  # noqa: BLE001
+                            pass
+                    TRUTH["wire"].append({"op": _name, "step": Wire.step, "ns": "funcol",
+                                          "ranks": ranks, "arg": "self",
+                                          "inputs": _flat(args[0])})
+                Wire.in_funcol, was = True, Wire.in_funcol
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    Wire.in_funcol = was
+
+            setattr(funcol, name, wrapper)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
+        if func.namespace == "_c10d_functional" and Wire.in_funcol:
+            pass  # recorded by the funcol wrapper (below)
+        elif func.namespace in ("c10d", "_c10d_functional") and "wait" not in func.__name__:
             schema = func._schema
             bound = {a.name: v for a, v in zip(schema.arguments, args)}
             bound.update(kwargs)
@@ -120,7 +164,7 @@ class Mid(nn.Module):
     def forward(self, h, extra=None):
         h = torch.tanh(self.l1(h))
         if extra is not None:  # the root's branch, called inside this group's forward
-            h = h + 0.5 * extra(h)
+            h = h + 0.5 * extra(h.to(extra.weight.dtype)).to(h.dtype)
         return self.l2(h)
 
 
@@ -139,6 +183,8 @@ class Net(nn.Module):
         self.extra = ls[4]
         self.scale = nn.Parameter(torch.ones(1) * 0.9)
         self.use_extra = True
+        if E("R9_MIXED") == "1":  # a bf16 branch: DDP buckets parameters per dtype
+            self.extra.to(torch.bfloat16)
 
     def forward(self, x):
         h = self.mid(torch.tanh(self.l0(x)), self.extra if self.use_extra else None)
@@ -237,6 +283,21 @@ def _dtensor(model):
         return h @ full + _m.bias
 
     model.l3.forward = l3_forward
+    if E("R9_DP") == "1":  # l0 data parallel the DTensor way: Replicate parameters, the batch
+        # Shard(0); their gradients come back Partial and are all-reduced by DTensor
+        for name in ("weight", "bias"):
+            p = getattr(model.l0, name)
+            delattr(model.l0, name)
+            model.l0.register_parameter(name, nn.Parameter(distribute_tensor(
+                p.detach(), mesh, [Replicate()])))
+
+        def l0_forward(x, _m=model.l0):
+            from torch.distributed.tensor import DTensor
+
+            xd = DTensor.from_local(x, mesh, [Shard(0)])
+            return torch.nn.functional.linear(xd, _m.weight, _m.bias).to_local()
+
+        model.l0.forward = l0_forward
     return model, dist.get_rank()
 
 
@@ -250,6 +311,8 @@ def main():
     opt = torch.optim.SGD([p for _, p in named if p.requires_grad], lr=0.05, momentum=0.9)
     mode = Wire() if E("R9_WIRE", "1") == "1" else None
     if mode is not None:
+        Wire.wrap_funcol()
+        Wire.active = True
         mode.__enter__()
     for k in range(1, STEPS + 1):
         Wire.step = k
@@ -280,6 +343,7 @@ def main():
         opt.step()
     if mode is not None:
         mode.__exit__(None, None, None)
+        Wire.active = False
     TRUTH["final"] = {n: _local(p) for n, p in named}
     if E("R9_SAVE"):
         torch.save(TRUTH, f"{E('R9_SAVE')}.{dist.get_rank()}")
