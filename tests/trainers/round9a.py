@@ -34,7 +34,7 @@ Knobs (environment):
   R9_SHARD1  fsdp: 1 shard_placement_fn Shard(1) for 2-D parameters whose dim 1 divides evenly,
              2 for every 2-D parameter
   R9_GROUPS  fsdp: layers (l0, mid, l3 each a group, the root holds extra and scale; default) |
-             root (one group)
+             root (one group) | extra (layers, and ``extra`` its own group)
   R9_CAP     ddp: bucket_cap_mb (default 25);  R9_GAV=1 gradient_as_bucket_view;
   R9_STATIC=1  ddp: static_graph
   R9_ACCUM   micro-batches per step (default 1);  R9_NOSYNC=1  DDP no_sync() / FSDP2
@@ -231,8 +231,11 @@ def _fsdp(model):
             Shard(1) if p.ndim == 2 and (every or p.shape[1] % n == 0) else Shard(0))
     if E("R9_FROZEN") == "1":
         model.mid.l1.bias.requires_grad_(False)
-    if E("R9_GROUPS", "layers") == "layers":
-        for m in (model.l0, model.mid, model.l3):
+    if E("R9_GROUPS", "layers") in ("layers", "extra"):
+        mods = (model.l0, model.mid, model.l3)
+        if E("R9_GROUPS") == "extra":  # the branch its own group: unused, its collectives go
+            mods = (model.l0, model.extra, model.mid, model.l3)
+        for m in mods:
             fully_shard(m, **kw)
     root_kw = dict(kw)
     if isinstance(root_kw["reshard_after_forward"], int) and \
