@@ -153,16 +153,19 @@ def test_hsdp_replicate_all_reduces_are_predicted_at_the_target(runs):
 
 def test_ddp_buckets_are_recorded_compared_and_predicted(runs):
     """DDP's C++ Reducer all-reduces its buckets where no Python hook sees them; capture reads
-    their layout from DDP's own report: the initial buckets at step 1, the buckets rebuilt in
-    gradient-ready order from step 2 on."""
+    their layout from DDP itself: the initial bucket at step 1 (in parameter order: DDP fills it
+    from the first parameter on; it was written reversed until round 9a, which checked it
+    against the bytes sent), the buckets rebuilt in gradient-ready order from step 2 on."""
     recs = [r for r in _buckets(runs["ddp"], "c10d") if r["group"] == "ddp"]
     by_step: dict[int, list] = {}
     for r in recs:
         by_step.setdefault(r["step"], []).append([e["fqn"] for e in r["entries"]])
     assert sorted(by_step) == [1, 2]
-    assert by_step[1] == [["head.bias", "head.weight", "b.bias", "b.weight", "a.bias",
-                           "a.weight"]]
-    assert [f for b in by_step[2] for f in b] == by_step[1][0] and len(by_step[2]) == 2
+    assert by_step[1] == [["a.weight", "a.bias", "b.weight", "b.bias", "head.weight",
+                           "head.bias"]]
+    assert [f for b in by_step[2] for f in b] == ["head.bias", "head.weight", "b.bias",
+                                                  "b.weight", "a.bias", "a.weight"]
+    assert len(by_step[2]) == 2
     r = diff_runs(runs["ddp"], runs["ddp_reorder"], at="2x2:algo=Ring")
     assert r.a.bucket_source == r.b.bucket_source == "c10d"  # the header: not "manifests: none"
     assert any(p.collective == "all_reduce" and p.verdict != "identical" for p in r.order.pairs)

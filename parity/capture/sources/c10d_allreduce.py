@@ -25,11 +25,14 @@ payloads (entries), found without running any collective:
   site, size and dtype; later calls of the same signature reuse the layout.
 
 DDP's buckets are all-reduced by its C++ Reducer, where no Python hook sees them; their layout is
-read after each optimizer step from what DDP itself reports (``_get_ddp_logging_data()``:
-``rebuilt_per_bucket_param_indices`` once DDP has rebuilt its buckets in gradient-ready order
-after the first iteration; before that, ``bucket_sizes`` over the parameters in reverse order, as
-``_ddp_init_helper`` assigns them), one bucket line each with ``group: "ddp"``, in the order the
-buckets are all-reduced. A bucket holding a sparse gradient (``nn.Embedding(sparse=True)``) says
+read after each optimizer step from DDP itself: until its logging data
+(``_get_ddp_logging_data()``) shows the buckets rebuilt in gradient-ready order, the Reducer's
+buckets as they are (``_get_zeros_like_grad_buckets()``: the ones this step used; a
+``static_graph`` DDP rebuilds at its third iteration, and the logging data lags one), then
+``rebuilt_per_bucket_param_indices``; a DDP that never rebuilds (``find_unused_parameters``) by
+``bucket_sizes``, filled from the first parameter on and reversed, as ``_ddp_init_helper``
+assigns them. One bucket line each with ``group: "ddp"``, in the order the buckets are
+all-reduced. A bucket holding a sparse gradient (``nn.Embedding(sparse=True)``) says
 so (``sparse``); reading these needs no collective.
 
 Extra fields (kept by the reader): ``op`` (``sum``/``avg``/...), ``ranks`` (the group's global
@@ -103,6 +106,9 @@ class C10dAllReduces(ManifestSource):
         self._ddp_sig: tuple | None = None  # the DDP buckets last written, and their step
         self._ddp_step: int | None = None
         self._ddp_rebuilt = False
+        self._ddp_live = False  # a plan was read from the Reducer's buckets (_live_groups)
+        self._ddp_passes: dict[int, list] = {}  # id(DDP) -> per syncing pass, its buckets
+        self._ddp_settled: set[int] = set()  # DDPs whose buckets can no longer change
         self._ddp_counts: tuple | None = None  # the syncing passes per DDP last written
         self._ddp_syncs: dict[int, int] = {}  # id(DDP) -> backward passes that synced, this step
         self.busy = False
@@ -331,6 +337,11 @@ class C10dAllReduces(ManifestSource):
         for ddp in self._ddp_modules():
             if getattr(ddp, "require_forward_param_sync", False):
                 self._ddp_syncs[id(ddp)] = self._ddp_syncs.get(id(ddp), 0) + 1
+                if id(ddp) not in self._ddp_settled and not getattr(
+                        ddp, "_use_python_reducer", False) and not _tracing():
+                    # the buckets this pass will use (DDP rebuilds them in a forward): with
+                    # micro-batches, the first step's passes differ (round 9a)
+                    self._ddp_passes.setdefault(id(ddp), []).append(_reducer_buckets(ddp))
 
     def _ddp_records(self) -> list[BucketRecord]:
         """One all-reduce bucket line per DDP bucket, in the order DDP all-reduces them; the
@@ -346,6 +357,7 @@ class C10dAllReduces(ManifestSource):
                 # graph: graph.py records those), its C++ Reducer's buckets never run. Read,
                 # they stood for what ran: "bucket layouts identical" against C++ DDP's one
                 # bucket, under --fail-on any too (round 8b).
+                self._ddp_settled.add(id(ddp))
                 continue
             try:
                 info = ddp._get_ddp_logging_data()
@@ -357,12 +369,24 @@ class C10dAllReduces(ManifestSource):
             sparse = {id(p) for m in ddp.module.modules()
                       if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
                       and getattr(m, "sparse", False) for p in m.parameters(recurse=False)}
-            groups = _ddp_groups(info, params)
+            groups = _live_groups(ddp, info, params)
+            if groups is None:
+                self._ddp_settled.add(id(ddp))
+                groups = _ddp_groups(info, params)
+            else:
+                self._ddp_live = True
             if groups is None:
                 continue
             size = ddp.process_group.size() if getattr(ddp, "process_group", None) else 1
             passes = max(1, self._ddp_syncs.get(id(ddp), 1))
-            for idx in groups * passes:
+            plans = [groups] * passes
+            snaps = self._ddp_passes.pop(id(ddp), None)
+            if snaps and len(snaps) == passes:  # each pass's own buckets, as it began
+                index = {id(p): i for i, (_, p) in enumerate(params)}
+                got = [[[index.get(i) for i in b] for b in snap] for snap in snaps if snap]
+                if len(got) == passes and all(i is not None for g in got for b in g for i in b):
+                    plans = got
+            for idx in (b for plan in plans for b in plan):
                 entries, off = [], 0
                 for i in idx:
                     fqn, p = params[i]
@@ -386,14 +410,14 @@ class C10dAllReduces(ManifestSource):
         step later, so they are stamped with the step after the first one recorded."""
         counts = tuple(sorted(self._ddp_syncs.values()))
         recs = self._ddp_records()
-        self._ddp_syncs = {}
+        self._ddp_syncs, self._ddp_passes = {}, {}
         sig = tuple(dict.fromkeys((r.world_size, tuple((e.fqn, e.numel) for e in r.entries))
                                   for r in recs))  # the plan (a pass repeated: once)
         if not recs or (sig == self._ddp_sig and counts == self._ddp_counts):
             return
         step = self.step()
         if (sig != self._ddp_sig and self._ddp_sig is not None and self._ddp_step is not None
-                and not self._ddp_rebuilt):
+                and not self._ddp_rebuilt and not self._ddp_live):
             step = self._ddp_step + 1  # the rebuilt buckets ran from DDP's second iteration on
             self._ddp_rebuilt = True
         self._ddp_sig, self._ddp_step, self._ddp_counts = sig, step, counts
@@ -421,6 +445,46 @@ class C10dAllReduces(ManifestSource):
             self.emit(c)
 
 
+def _reducer_buckets(ddp: Any) -> list[list[int]] | None:
+    """The Reducer's buckets as they are, each the ``id()`` of its parameters in buffer order
+    (``reducer._get_zeros_like_grad_buckets()``, which allocates a zeroed copy of each bucket,
+    freed at once); None where this DDP cannot say."""
+    get = getattr(getattr(ddp, "reducer", None), "_get_zeros_like_grad_buckets", None)
+    if get is None:
+        return None
+    try:
+        return [[id(p) for p in b.parameters()] for b in get()]
+    except Exception:  # noqa: BLE001 - an older Reducer
+        return None
+
+
+def _live_groups(ddp: Any, info: dict, params: list) -> list[list[int]] | None:
+    """Per DDP bucket, the indices of its parameters, from the Reducer's buckets as they are now
+    (``reducer._get_zeros_like_grad_buckets()``: the buckets this step's backward all-reduced, in
+    order, each parameter in buffer order), while DDP may still rebuild them; None once its
+    logging data shows the rebuilt ones (then read those: the same, without allocating), or
+    where DDP never rebuilds (``find_unused_parameters`` without ``static_graph``).
+
+    Why (round 9a, against the bytes each all-reduce sent): the logging data shows a rebuild
+    one iteration late and ``static_graph`` rebuilds at the third iteration, not the second, so
+    a 3-step ``static_graph`` job's manifest held its first single bucket for every step while
+    step 3 all-reduced three (a smaller ``bucket_cap_mb`` HELD as "bucket layouts identical"),
+    and a longer one stamped the rebuilt buckets a step early. The call allocates a zeroed
+    copy of each bucket, freed at once; it is made only until the rebuild shows."""
+    if info.get("has_rebuilt_buckets"):
+        return None
+    if getattr(ddp, "find_unused_parameters", False) and not getattr(ddp, "static_graph", False):
+        return None
+    buckets = _reducer_buckets(ddp)
+    if buckets is None:
+        return None
+    index = {id(p): i for i, (_, p) in enumerate(params)}
+    groups = [[index.get(i) for i in b] for b in buckets]
+    if any(i is None for g in groups for i in g):
+        return None
+    return groups or None
+
+
 def _ddp_groups(info: dict, params: list) -> list[list[int]] | None:
     """Per DDP bucket, the indices of its parameters (into ``params``), in bucket order, from
     DDP's logging data: the rebuilt buckets (``"5 4 3 2, 1 0"``), else the initial ones (the
@@ -436,16 +500,21 @@ def _ddp_groups(info: dict, params: list) -> list[list[int]] | None:
     if not isinstance(sizes, str) or not sizes.strip():
         return None
     want = [int(x) for x in sizes.replace(",", " ").split()]
-    order = list(range(len(params)))[::-1]
+    # DDP's initial assignment (``_compute_bucket_assignment_by_size``) fills buckets from the
+    # first parameter on, each in parameter order, and the Reducer takes the list reversed: the
+    # last bucket holds parameter 0 first. (Read reversed within the bucket, every offset of a
+    # first step's single bucket was wrong against the bytes sent: round 9a.)
     groups, cur, got = [], [], 0
-    for i in order:
+    cuts = want[::-1]
+    for i in range(len(params)):
         cur.append(i)
         got += params[i][1].numel() * params[i][1].element_size()
-        if len(groups) < len(want) and got >= want[len(groups)]:
+        if len(groups) < len(cuts) and got >= cuts[len(groups)]:
             groups.append(cur)
             cur, got = [], 0
     if cur:
         groups.append(cur)
+    groups.reverse()
     sizes_ok = [sum(params[i][1].numel() * params[i][1].element_size() for i in g)
                 for g in groups] == want
     return groups if sizes_ok else None

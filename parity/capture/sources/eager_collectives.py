@@ -57,6 +57,27 @@ def kind_of(current: Any, target: Any) -> str:
     return "+".join(kinds) or "none"
 
 
+def _padded_gather_numel(local: Any, current: Any, target: Any, numel: int) -> int:
+    """What one rank sends in an all-gather of an unevenly sharded dimension: DTensor pads every
+    shard to the largest (``ceil(dim / n)`` rows) before it all-gathers. The local numel was
+    written, so the rank holding the short shard recorded fewer bytes than it sent (round 9a:
+    a 7-row Shard(0) parameter on 2 ranks, 12 bytes recorded, 16 sent). Only the plain case
+    (one mesh dimension changes, Shard(d) -> Replicate, no other mesh dimension shards d);
+    otherwise the local numel, as before."""
+    meta = getattr(current, "tensor_meta", None)
+    changed = [(a, n) for a, b, n in zip(current.placements, target.placements, current.mesh.shape)
+               if a != b]
+    if meta is None or len(changed) != 1 or not changed[0][0].is_shard():
+        return numel
+    d = changed[0][0].dim
+    if sum(1 for p in current.placements if p.is_shard() and p.dim == d) != 1:
+        return numel
+    rows = local.shape[d] if local.dim() > d else 0
+    if rows == 0:
+        return numel
+    return numel // rows * -(-int(meta.shape[d]) // int(changed[0][1]))
+
+
 def _placements(spec: Any) -> str:
     return ", ".join(repr(p) for p in spec.placements)
 
@@ -236,6 +257,8 @@ class EagerCollectives(ManifestSource):
             # one byte unit with FSDP2 and graph records: a reduce-scatter's per-rank payload
             # is the shard it ends with, not the full tensor it starts from
             numel = -(-numel // world)
+        elif kind == "all_gather":
+            numel = _padded_gather_numel(local_tensor, current_spec, target_spec, numel)
         size = numel * local_tensor.element_size()
         rec = BucketRecord(SOURCE_DTENSOR, kind, len(self.current),
                            [BucketEntry(None, 0, size, numel, dtype, shape)], group="",

@@ -1,0 +1,155 @@
+"""Round 9a: eager bucket manifests against the bytes actually sent. ``parity exec`` of
+tests/trainers/round9a.py (imports nothing from parity), whose dispatch mode records every c10d
+op's input as it goes on the wire; tests/wire_truth.py checks every buckets.jsonl entry against
+those bytes (all-gather: the parameter's padded local shard, exact; reduce-scatter / all-reduce:
+the ranks' inputs summed are the parameter's gradient, at that offset and no other) and that
+every wire collective carrying parameter or gradient bytes is described by a line of its step.
+
+Found and fixed (docs/reliability.md, "Round 9a"):
+
+- DDP's first-iteration bucket (before the rebuild) was written with its parameters in reverse
+  order: every offset wrong (DDP fills buckets from the first parameter on);
+- ``static_graph`` DDP rebuilds its buckets at the third iteration and its logging data shows
+  it one iteration later: a 3-step job's manifest held the first single bucket for every step
+  while step 3 all-reduced three, so ``bucket_cap_mb`` 0.0002 against 25 HELD "bucket layouts
+  identical" under ``--fail-on any`` (a longer job stamped the rebuild a step early). The plan
+  is now read from the Reducer's buckets until the rebuild shows;
+- DDP syncing several micro-batches a step: the step's one plan was repeated per pass, but
+  DDP rebuilds its buckets between the first step's passes (each pass's own buckets now);
+- an eager DTensor all-gather of an unevenly sharded parameter: the rank with the short shard
+  recorded its local bytes (12) where DTensor pads and sends 16.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from parity.errors import EXIT_MISMATCH, EXIT_OK
+from tests.real_jobs import diff_cli, exe, knob_env, run_table, values_equal
+from tests.wire_truth import check, records, values
+
+HERE = Path(__file__).resolve().parent
+TRAINER = str(HERE / "trainers" / "round9a.py")
+TIMEOUT = 900
+
+JOBS = {  # name: trainer knobs (nproc: ranks, default 2; exec=0: without parity)
+    # padding everywhere (5-, 6-, 7-row weights, 1-row l3, a 1-element root parameter), an
+    # unused branch at step 2 (the root group's reduce-scatter shifts), a frozen bias
+    "fsdp": {"R9_UNUSED": 1, "R9_FROZEN": 1},
+    "fsdp_nowire": {"R9_UNUSED": 1, "R9_FROZEN": 1, "R9_WIRE": 0},
+    "fsdp_bare": {"R9_UNUSED": 1, "R9_FROZEN": 1, "exec": 0},
+    "fsdp_swap": {"R9_UNUSED": 1, "R9_FROZEN": 1, "R9_SWAP": 1},
+    "fsdp_bf16": {"R9_MP": "bf16r"},
+    "hsdp": {"R9_MESH": "hsdp", "nproc": 4},
+    "ddp_static": {"R9_CASE": "ddp", "R9_STATIC": 1, "R9_CAP": 0.0002},
+    "ddp_static_big": {"R9_CASE": "ddp", "R9_STATIC": 1},
+    # two micro-batches a step, each syncing: DDP rebuilds between the first step's passes
+    "ddp_accum": {"R9_CASE": "ddp", "R9_CAP": 0.0002, "R9_ACCUM": 2},
+    # an uneven Shard(0) parameter all-gathered in the forward; l0 data parallel by DTensor
+    # (its Partial gradients all-reduced inside DTensor's dispatch: the funcol wrapper sees them)
+    "dtensor": {"R9_CASE": "dtensor", "R9_DP": 1},
+}
+
+
+def _start(out: Path, nproc: int = 2, exec: int = 1, **knobs):
+    knobs["R9_SAVE"] = str(out) + ".truth"
+    cmd = [*exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node",
+           str(nproc), TRAINER]
+    if exec:
+        cmd = [sys.executable, "-m", "parity", "exec", "--out", str(out), "--", *cmd]
+    return subprocess.Popen(cmd, env=knob_env("R9_", **knobs), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("round9a")
+    return run_table(JOBS, lambda name, knobs: (root / name, _start(root / name, **knobs)),
+                     at_once=2, timeout=TIMEOUT)
+
+
+def _ok(runs, name) -> Path:
+    d, rc, err = runs[name]
+    assert rc == EXIT_OK, err[-2000:]
+    return d
+
+
+def _judge(run: Path, rtol: float = 1e-5) -> int:
+    problems, n = check(run, rtol)
+    assert not problems, "\n".join(problems[:20])
+    assert n > 0
+    return n
+
+
+def test_the_wire_recorder_changes_nothing(runs):
+    """The dispatch mode and parity leave the job alone: values bitwise equal with and without
+    either; parity's records (buckets.jsonl, step digests) equal with and without the mode."""
+    a, b, c = _ok(runs, "fsdp"), _ok(runs, "fsdp_nowire"), _ok(runs, "fsdp_bare")
+    assert values_equal(values(a), values(b)) and values_equal(values(a), values(c))
+    assert records(a) == records(b)
+
+
+def test_fsdp2_manifests_are_the_bytes_sent(runs):
+    """Padding, a frozen parameter, a parameter without gradient at step 2, root loose
+    parameters, bf16 params and reduce, HSDP's reduce-scatter and replicate all-reduce."""
+    _judge(_ok(runs, "fsdp"))
+    _judge(_ok(runs, "fsdp_bf16"), rtol=2e-2)
+    _judge(_ok(runs, "hsdp"))
+
+
+def test_a_layout_only_difference_fails_and_identical_holds(runs):
+    a, b = _ok(runs, "fsdp"), _ok(runs, "fsdp_swap")
+    assert values_equal(values(a), values(b))
+    _judge(b)
+    rc, line, _ = diff_cli(a, b, "--fail-on", "any", timeout=TIMEOUT)
+    assert rc == EXIT_MISMATCH and "bucket order differs" in line, line
+    rc, line, _ = diff_cli(a, _ok(runs, "fsdp_nowire"), "--fail-on", "any", timeout=TIMEOUT)
+    assert rc == EXIT_OK and "bucket layouts identical" in line, line
+
+
+def test_ddp_first_iteration_bucket_is_in_parameter_order(runs):
+    """DDP's bucket before its rebuild holds the parameters in parameter order (it was written
+    reversed: every offset wrong); the rebuilt buckets were right."""
+    _judge(_ok(runs, "ddp_static_big"))
+
+
+def test_static_graph_rebuild_is_written_at_its_step(runs):
+    """static_graph rebuilds at the third iteration: a 3-step job's manifest held the first
+    single bucket for every step, so a smaller bucket_cap_mb HELD "bucket layouts identical"
+    under --fail-on any; now every step's entries are the bytes sent and the pair FAILS."""
+    a, b = _ok(runs, "ddp_static_big"), _ok(runs, "ddp_static")
+    _judge(b)
+    assert values_equal(values(a), values(b))
+    rc, line, _ = diff_cli(a, b, "--fail-on", "any", timeout=TIMEOUT)
+    assert rc == EXIT_MISMATCH and "bucket partition differs" in line, line
+
+
+def test_each_syncing_pass_has_its_own_buckets(runs):
+    """DDP syncing two micro-batches a step rebuilds its buckets at the second forward: step 1
+    all-reduced its first single bucket, then the three rebuilt ones. The plan was read once a
+    step and repeated per pass (the rebuilt buckets twice); each pass's buckets are now read as
+    it begins."""
+    _judge(_ok(runs, "ddp_accum"))
+
+
+def test_uneven_dtensor_all_gather_records_the_padded_bytes(runs):
+    """A 7-row Shard(0) parameter redistributed to Replicate on 2 ranks: rank 1 sends 4 rows
+    (3 and a pad row), the manifest said 3."""
+    _judge(_ok(runs, "dtensor"))
+
+
+def test_ddp_initial_buckets_fill_from_the_first_parameter():
+    """DDP's initial assignment over parameters of 4, 8, 4 and 12 bytes cut at 8 bytes and
+    then the cap (reported ``bucket_sizes`` in the Reducer's order: "12, 12, 4" is not it):
+    buckets [0, 1], [2, 3] each in parameter order, the list reversed."""
+    import torch
+
+    from parity.capture.sources.c10d_allreduce import _ddp_groups
+
+    params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate((1, 2, 1, 3))]
+    assert _ddp_groups({"bucket_sizes": "16, 12"}, params) == [[2, 3], [0, 1]]
+    assert _ddp_groups({"bucket_sizes": "28"}, params) == [[0, 1, 2, 3]]
