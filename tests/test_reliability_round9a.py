@@ -153,3 +153,53 @@ def test_ddp_initial_buckets_fill_from_the_first_parameter():
     params = [(f"p{i}", torch.zeros(n)) for i, n in enumerate((1, 2, 1, 3))]
     assert _ddp_groups({"bucket_sizes": "16, 12"}, params) == [[2, 3], [0, 1]]
     assert _ddp_groups({"bucket_sizes": "28"}, params) == [[0, 1, 2, 3]]
+
+
+def test_the_reducer_is_read_once_in_the_step_ddp_rebuilds_and_never_at_a_backward():
+    """Which buckets each syncing pass used comes from ``_has_rebuilt_buckets`` (noted before
+    each ``backward()``: an attribute read); the Reducer's buckets, whose read allocates a
+    zeroed copy of the gradients, are read once per DDP, at the end of the step that rebuilt
+    them (the logging data shows them a step late), never at a backward (a fake DDP: pure
+    logic)."""
+    import types
+
+    import torch
+
+    from parity.capture.sources.c10d_allreduce import C10dAllReduces
+    from parity.capture.sources.manifest_source import SourceHooks
+
+    def nothing(*a, **k):
+        return None
+
+    src = C10dAllReduces(SourceHooks(nothing, nothing, nothing, lambda: 1, nothing, nothing,
+                                     nothing))
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(n))) for i, n in enumerate((1, 2, 1, 3))]
+    reads = []
+
+    def zeros_like_grad_buckets():
+        reads.append(1)  # the rebuilt buckets: [3, 2], [1, 0] (gradient-ready order)
+        return [types.SimpleNamespace(parameters=lambda ps=ps: ps)
+                for ps in ([params[3][1], params[2][1]], [params[1][1], params[0][1]])]
+
+    ddp = types.SimpleNamespace(_has_rebuilt_buckets=False, require_forward_param_sync=True,
+                                reducer=types.SimpleNamespace(
+                                    _get_zeros_like_grad_buckets=zeros_like_grad_buckets))
+    src._ddp_modules = lambda: [ddp]
+    info = {"bucket_sizes": "16, 12"}  # initial: [2, 3], [0, 1]
+    initial, rebuilt = [[2, 3], [0, 1]], [[3, 2], [1, 0]]
+    # step 1: two micro-batches, DDP rebuilds in the second one's forward
+    src._count_ddp_syncs()
+    ddp._has_rebuilt_buckets = True
+    src._count_ddp_syncs()
+    assert reads == []  # nothing read at a backward
+    assert src._ddp_plans(ddp, info, params, 2) == [initial, rebuilt]
+    assert reads == [1]
+    # step 2: the logging data still lags; the buckets read at step 1 serve
+    src._count_ddp_syncs()
+    assert src._ddp_plans(ddp, info, params, 1) == [rebuilt]
+    assert reads == [1]
+    # step 3: the logging data has them
+    src._count_ddp_syncs()
+    shown = dict(info, has_rebuilt_buckets=1, rebuilt_per_bucket_param_indices="3 2, 1 0")
+    assert src._ddp_plans(ddp, shown, params, 1) == [rebuilt]
+    assert reads == [1]

@@ -25,13 +25,13 @@ payloads (entries), found without running any collective:
   site, size and dtype; later calls of the same signature reuse the layout.
 
 DDP's buckets are all-reduced by its C++ Reducer, where no Python hook sees them; their layout is
-read after each optimizer step from DDP itself: until its logging data
-(``_get_ddp_logging_data()``) shows the buckets rebuilt in gradient-ready order, the Reducer's
-buckets as they are (``_get_zeros_like_grad_buckets()``: the ones this step used; a
-``static_graph`` DDP rebuilds at its third iteration, and the logging data lags one), then
-``rebuilt_per_bucket_param_indices``; a DDP that never rebuilds (``find_unused_parameters``) by
-``bucket_sizes``, filled from the first parameter on and reversed, as ``_ddp_init_helper``
-assigns them. One bucket line each with ``group: "ddp"``, in the order the buckets are
+read after each optimizer step from DDP itself, per backward pass that synced: the initial
+buckets (``bucket_sizes`` of ``_get_ddp_logging_data()``, filled from the first parameter on and
+reversed, as ``_ddp_init_helper`` assigns them) until DDP's ``_pre_forward`` rebuilds them in
+gradient-ready order (``_has_rebuilt_buckets``, read before each syncing backward), then the
+rebuilt ones (``rebuilt_per_bucket_param_indices``; in the step of the rebuild, which the
+logging data shows a step late, read once from the Reducer: ``_ddp_plans``). One bucket line
+each with ``group: "ddp"``, in the order the buckets are
 all-reduced. A bucket holding a sparse gradient (``nn.Embedding(sparse=True)``) says
 so (``sparse``); reading these needs no collective.
 
@@ -106,9 +106,9 @@ class C10dAllReduces(ManifestSource):
         self._ddp_sig: tuple | None = None  # the DDP buckets last written, and their step
         self._ddp_step: int | None = None
         self._ddp_rebuilt = False
-        self._ddp_live = False  # a plan was read from the Reducer's buckets (_live_groups)
-        self._ddp_passes: dict[int, list] = {}  # id(DDP) -> per syncing pass, its buckets
-        self._ddp_settled: set[int] = set()  # DDPs whose buckets can no longer change
+        self._ddp_live = False  # each pass's buckets known as it ran (no stamping a step late)
+        self._ddp_passes: dict[int, list] = {}  # id(DDP) -> per syncing pass: rebuilt yet?
+        self._ddp_read: dict[int, list] = {}  # id(DDP) -> its rebuilt buckets, read once
         self._ddp_counts: tuple | None = None  # the syncing passes per DDP last written
         self._ddp_syncs: dict[int, int] = {}  # id(DDP) -> backward passes that synced, this step
         self.busy = False
@@ -337,11 +337,11 @@ class C10dAllReduces(ManifestSource):
         for ddp in self._ddp_modules():
             if getattr(ddp, "require_forward_param_sync", False):
                 self._ddp_syncs[id(ddp)] = self._ddp_syncs.get(id(ddp), 0) + 1
-                if id(ddp) not in self._ddp_settled and not getattr(
-                        ddp, "_use_python_reducer", False) and not _tracing():
-                    # the buckets this pass will use (DDP rebuilds them in a forward): with
-                    # micro-batches, the first step's passes differ (round 9a)
-                    self._ddp_passes.setdefault(id(ddp), []).append(_reducer_buckets(ddp))
+                # which buckets this pass all-reduces: DDP rebuilds them once, in the forward
+                # whose ``_pre_forward`` sets ``_has_rebuilt_buckets`` (with micro-batches,
+                # between the passes of one step: round 9a); an attribute read, nothing more
+                self._ddp_passes.setdefault(id(ddp), []).append(
+                    getattr(ddp, "_has_rebuilt_buckets", None))
 
     def _ddp_records(self) -> list[BucketRecord]:
         """One all-reduce bucket line per DDP bucket, in the order DDP all-reduces them; the
@@ -357,7 +357,6 @@ class C10dAllReduces(ManifestSource):
                 # graph: graph.py records those), its C++ Reducer's buckets never run. Read,
                 # they stood for what ran: "bucket layouts identical" against C++ DDP's one
                 # bucket, under --fail-on any too (round 8b).
-                self._ddp_settled.add(id(ddp))
                 continue
             try:
                 info = ddp._get_ddp_logging_data()
@@ -369,23 +368,11 @@ class C10dAllReduces(ManifestSource):
             sparse = {id(p) for m in ddp.module.modules()
                       if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
                       and getattr(m, "sparse", False) for p in m.parameters(recurse=False)}
-            groups = _live_groups(ddp, info, params)
-            if groups is None:
-                self._ddp_settled.add(id(ddp))
-                groups = _ddp_groups(info, params)
-            else:
-                self._ddp_live = True
-            if groups is None:
+            passes = max(1, self._ddp_syncs.get(id(ddp), 1))
+            plans = self._ddp_plans(ddp, info, params, passes)
+            if plans is None:
                 continue
             size = ddp.process_group.size() if getattr(ddp, "process_group", None) else 1
-            passes = max(1, self._ddp_syncs.get(id(ddp), 1))
-            plans = [groups] * passes
-            snaps = self._ddp_passes.pop(id(ddp), None)
-            if snaps and len(snaps) == passes:  # each pass's own buckets, as it began
-                index = {id(p): i for i, (_, p) in enumerate(params)}
-                got = [[[index.get(i) for i in b] for b in snap] for snap in snaps if snap]
-                if len(got) == passes and all(i is not None for g in got for b in g for i in b):
-                    plans = got
             for idx in (b for plan in plans for b in plan):
                 entries, off = [], 0
                 for i in idx:
@@ -403,6 +390,43 @@ class C10dAllReduces(ManifestSource):
                     rec.extra["sparse"] = True
                 out.append(rec)
         return out
+
+    def _ddp_plans(self, ddp: Any, info: dict, params: list,
+                   passes: int) -> list[list[list[int]]] | None:
+        """Per syncing pass of this step, the buckets it all-reduced (parameter indices).
+
+        DDP all-reduces its initial buckets (``bucket_sizes``, ``_ddp_groups``) until it
+        rebuilds them in gradient-ready order, once, in a forward (the second iteration; the
+        third with ``static_graph``; never with ``find_unused_parameters``): its Python
+        ``_pre_forward`` then sets ``_has_rebuilt_buckets``, which ``_count_ddp_syncs`` notes
+        for each pass. The rebuilt buckets are in the logging data from the forward after
+        the rebuild on; in the step of the rebuild they are read once from the Reducer itself
+        (``_get_zeros_like_grad_buckets()``, at the end of the step, when activations are
+        freed: it allocates a zeroed copy of the buckets, freed at once).
+
+        Why (round 9a, against the bytes each all-reduce sent): the logging data alone showed
+        the rebuild one step late, ``static_graph``'s at its third iteration not its second (a
+        3-step job's manifest held one bucket for every step while step 3 all-reduced three:
+        another ``bucket_cap_mb`` HELD "bucket layouts identical"), and a step whose
+        micro-batches straddle the rebuild has passes of both plans."""
+        flags = self._ddp_passes.pop(id(ddp), None)
+        now = getattr(ddp, "_has_rebuilt_buckets", None)
+        if now is None:  # a DDP without the flag: the logging data, the rebuild a step late
+            groups = _ddp_groups(info, params)
+            return None if groups is None else [groups] * passes
+        self._ddp_live = True
+        if not flags or len(flags) != passes or any(f is None for f in flags):
+            flags = [now] * passes  # no backward seen (a compiled step): as DDP is now
+        initial = _ddp_groups({"bucket_sizes": info.get("bucket_sizes")}, params)
+        rebuilt = None
+        if any(flags):
+            rebuilt = _ddp_groups(info, params) if info.get("has_rebuilt_buckets") else None
+            if rebuilt is None:
+                if id(ddp) not in self._ddp_read:
+                    self._ddp_read[id(ddp)] = _reducer_groups(ddp, params)
+                rebuilt = self._ddp_read[id(ddp)]
+        plans = [rebuilt if f else initial for f in flags]
+        return None if any(p is None for p in plans) else plans
 
     def _new_ddp_step(self) -> None:
         """DDP's buckets, written when they change. DDP rebuilds them once, in gradient-ready
@@ -445,44 +469,24 @@ class C10dAllReduces(ManifestSource):
             self.emit(c)
 
 
-def _reducer_buckets(ddp: Any) -> list[list[int]] | None:
-    """The Reducer's buckets as they are, each the ``id()`` of its parameters in buffer order
+def _reducer_groups(ddp: Any, params: list) -> list[list[int]] | None:
+    """Per bucket of the Reducer as it is now, the indices (into ``params``) of its parameters
+    in buffer order, in the order the buckets are all-reduced
     (``reducer._get_zeros_like_grad_buckets()``, which allocates a zeroed copy of each bucket,
-    freed at once); None where this DDP cannot say."""
+    freed at once: called once per DDP, at the end of the step that rebuilt them); None where
+    this DDP cannot say."""
     get = getattr(getattr(ddp, "reducer", None), "_get_zeros_like_grad_buckets", None)
     if get is None:
         return None
     try:
-        return [[id(p) for p in b.parameters()] for b in get()]
+        buckets = [[id(p) for p in b.parameters()] for b in get()]
     except Exception:  # noqa: BLE001 - an older Reducer
-        return None
-
-
-def _live_groups(ddp: Any, info: dict, params: list) -> list[list[int]] | None:
-    """Per DDP bucket, the indices of its parameters, from the Reducer's buckets as they are now
-    (``reducer._get_zeros_like_grad_buckets()``: the buckets this step's backward all-reduced, in
-    order, each parameter in buffer order), while DDP may still rebuild them; None once its
-    logging data shows the rebuilt ones (then read those: the same, without allocating), or
-    where DDP never rebuilds (``find_unused_parameters`` without ``static_graph``).
-
-    Why (round 9a, against the bytes each all-reduce sent): the logging data shows a rebuild
-    one iteration late and ``static_graph`` rebuilds at the third iteration, not the second, so
-    a 3-step ``static_graph`` job's manifest held its first single bucket for every step while
-    step 3 all-reduced three (a smaller ``bucket_cap_mb`` HELD as "bucket layouts identical"),
-    and a longer one stamped the rebuilt buckets a step early. The call allocates a zeroed
-    copy of each bucket, freed at once; it is made only until the rebuild shows."""
-    if info.get("has_rebuilt_buckets"):
-        return None
-    if getattr(ddp, "find_unused_parameters", False) and not getattr(ddp, "static_graph", False):
-        return None
-    buckets = _reducer_buckets(ddp)
-    if buckets is None:
         return None
     index = {id(p): i for i, (_, p) in enumerate(params)}
     groups = [[index.get(i) for i in b] for b in buckets]
-    if any(i is None for g in groups for i in g):
+    if not groups or any(i is None for g in groups for i in g):
         return None
-    return groups or None
+    return groups
 
 
 def _ddp_groups(info: dict, params: list) -> list[list[int]] | None:
