@@ -63,6 +63,16 @@ def diff_cli(a: Path, b: Path, *extra: str, timeout: float = 900) -> tuple[int, 
     return p.returncode, line, json.loads(js.read_text())
 
 
+def run_ok(runs: dict, name: str) -> Path:
+    """The run directory of job ``name`` of a :func:`run_table`, which must have exited 0 (its
+    stderr's tail otherwise)."""
+    from parity.errors import EXIT_OK
+
+    d, rc, err = runs[name]
+    assert rc == EXIT_OK, err[-3000:]
+    return d
+
+
 def knob_env(prefix: str, **knobs) -> dict[str, str]:
     """This process's environment without the knobs of a test trainer (``prefix``: ``R4_``...)
     or parity's own capture switches, one thread, and ``knobs`` set."""

@@ -19,6 +19,7 @@ import pytest
 from parity.artifacts import read_run
 from parity.diff import diff_runs
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
+from tests.real_jobs import run_ok
 
 HERE = Path(__file__).resolve().parent
 ADVERSARY = str(HERE / "trainers" / "adversary.py")
@@ -69,11 +70,6 @@ def runs(tmp_path_factory):
     return out
 
 
-def _ok(runs, name):
-    d, rc, err = runs[name]
-    assert rc == EXIT_OK, err[-2000:]
-    return d
-
 
 def _closed(argv, **kw) -> subprocess.CompletedProcess:
     """Run ``argv`` with a stdout whose reader is gone (``| head -0``): every write fails."""
@@ -88,7 +84,7 @@ def _closed(argv, **kw) -> subprocess.CompletedProcess:
 
 # ---------------------------------------------------------------- 1. every buffer, every name
 def test_second_models_buffers_are_hashed_under_distinct_names(runs):
-    a, bn = _ok(runs, "a"), _ok(runs, "bn")
+    a, bn = run_ok(runs, "a"), run_ok(runs, "bn")
     params = {p["fqn"]: p for p in read_run(a).ranks[0].params}
     # D's optimizer steps first; G's model shares D's names and gets its class as a prefix
     assert {"l1.weight", "Generator.l1.weight", "bn.running_mean",
@@ -108,7 +104,7 @@ def test_second_models_buffers_are_hashed_under_distinct_names(runs):
 
 
 def test_buffer_registered_after_step_1_is_hashed(runs):
-    a, b = _ok(runs, "a"), _ok(runs, "buffer")
+    a, b = run_ok(runs, "a"), run_ok(runs, "buffer")
     params = {p["fqn"]: p for p in read_run(a).ranks[0].params}
     assert params["temperature"]["kind"] == "buffer" and params["temperature"]["since"] == 4
     r = diff_runs(a, b)
@@ -119,7 +115,7 @@ def test_buffer_registered_after_step_1_is_hashed(runs):
 
 # ---------------------------------------------------------------- 2. swapped in place
 def test_parameter_swapped_into_a_group_in_place_is_hashed(runs):
-    a, b = _ok(runs, "a"), _ok(runs, "swap")
+    a, b = run_ok(runs, "a"), run_ok(runs, "swap")
     r = diff_runs(a, b)
     assert r.verdict == "hash_mismatch" and r.first_divergent_step == 6
     assert {d.fqn for d in r.divergent if d.kind == "param"} == {"Generator.l1.weight"}
@@ -130,7 +126,7 @@ def test_parameter_swapped_into_a_group_in_place_is_hashed(runs):
 
 # ---------------------------------------------------------------- 5. gradients as consumed
 def test_gradients_are_hashed_after_the_optimizers_own_pre_hooks(runs):
-    a, b = _ok(runs, "a"), _ok(runs, "hook")
+    a, b = run_ok(runs, "a"), run_ok(runs, "hook")
     r = diff_runs(a, b)  # B: D's pre-hook scales its gradients by another factor
     assert r.verdict == "hash_mismatch" and r.first_divergent_step == 1
     grads = {d.fqn for d in r.divergent if d.kind == "grad"}
@@ -140,7 +136,7 @@ def test_gradients_are_hashed_after_the_optimizers_own_pre_hooks(runs):
 
 # ---------------------------------------------------------------- 6. the real reason
 def test_sparse_gradients_are_hashed(runs):
-    d = _ok(runs, "sparse")
+    d = run_ok(runs, "sparse")
     rd = read_run(d).ranks[0]
     assert not rd.meta["capture"]["disabled"]
     assert rd.steps[3]["grad_digest"]
@@ -177,7 +173,7 @@ def test_several_processes_claiming_one_rank_are_refused_and_said(runs, name):
 
 
 def test_exec_refuses_an_existing_run_and_a_concurrent_exec(runs, tmp_path):
-    a = _ok(runs, "a")
+    a = run_ok(runs, "a")
     p = subprocess.run([*PARITY, "exec", "--out", str(a), "--", sys.executable, "-c", "0"],
                        capture_output=True, text=True, timeout=TIMEOUT)
     assert p.returncode == EXIT_USAGE and "already holds a run; give --force" in p.stderr
@@ -200,7 +196,7 @@ def test_exec_refuses_an_existing_run_and_a_concurrent_exec(runs, tmp_path):
 
 # ---------------------------------------------------------------- 7. one side only, 9. A = A
 def test_one_sided_gradients_and_the_same_directory_are_not_compared(runs):
-    a, ng = _ok(runs, "a"), _ok(runs, "nograds")
+    a, ng = run_ok(runs, "a"), run_ok(runs, "nograds")
     p = subprocess.run([*PARITY, "diff", str(a), str(ng)], capture_output=True, text=True,
                        timeout=TIMEOUT)
     verdict = p.stdout.splitlines()[0]
@@ -220,7 +216,7 @@ def test_exec_summary_counts_steps(runs):
 
 # ---------------------------------------------------------------- 4. a closed stdout
 def test_closed_stdout_keeps_every_exit_code(runs, tmp_path):
-    a, bn = _ok(runs, "a"), _ok(runs, "bn")
+    a, bn = run_ok(runs, "a"), run_ok(runs, "bn")
     same = tmp_path / "a-copy"
     shutil.copytree(a, same)
     for m in same.glob("rank-*/meta.json"):  # as if another process wrote it (a plain copy is
@@ -242,7 +238,7 @@ def test_closed_stdout_keeps_every_exit_code(runs, tmp_path):
 
 
 def test_bisect_reruns_with_the_recorded_environment_under_a_closed_stdout(runs, tmp_path):
-    a, hook = _ok(runs, "a"), _ok(runs, "hook")
+    a, hook = run_ok(runs, "a"), run_ok(runs, "hook")
     # this shell has B's knob: A's rerun must not inherit it (run.json's env is restored)
     p = _closed([*PARITY, "bisect", str(a), str(hook), "--out", str(tmp_path / "bis")],
                 env=_env(AD_PERTURB="hook"))

@@ -28,7 +28,7 @@ import xxhash
 
 from parity import params_codec
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK, EXIT_USAGE
-from tests.real_jobs import diff_cli, knob_env, run_table
+from tests.real_jobs import diff_cli, knob_env, run_ok, run_table
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round4.py")
@@ -85,11 +85,6 @@ def runs(tmp_path_factory):
     return run_table(JOBS, start, timeout=TIMEOUT)
 
 
-def _ok(runs, name) -> Path:
-    d, rc, err = runs[name]
-    assert rc == EXIT_OK, err[-2000:]
-    return d
-
 
 def _diff(a, b, *extra):
     return diff_cli(a, b, *extra, timeout=TIMEOUT)
@@ -104,7 +99,7 @@ def _steps(run: Path, rank: int = 0) -> list[dict]:
 
 
 def test_an_edit_after_the_only_step_fails_naming_the_final_state(runs):
-    a, b = _ok(runs, "one_step"), _ok(runs, "one_step_clamped")
+    a, b = run_ok(runs, "one_step"), run_ok(runs, "one_step_clamped")
     rc, line, d = _diff(a, b)
     assert rc == EXIT_MISMATCH and line.startswith("PARITY FAILS"), line
     assert "hash mismatch in the final state (after step 1's optimizer step" in line, line
@@ -119,7 +114,7 @@ def test_an_edit_after_the_only_step_fails_naming_the_final_state(runs):
 
 
 def test_identical_runs_hold_with_their_final_states_compared(runs):
-    rc, line, d = _diff(_ok(runs, "one_step"), _ok(runs, "one_step_again"))
+    rc, line, d = _diff(run_ok(runs, "one_step"), run_ok(runs, "one_step_again"))
     assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
     assert "final state" in line and d["final_state"] == {
         "compared": True, "after_step": 1, "equal": True, "ranks": [], "params": [],
@@ -130,16 +125,16 @@ def test_edits_after_the_last_step_are_read_from_the_module_trees(runs):
     """A parameter set on a module, a checkpoint loaded by assignment, a buffer registered and
     an AveragedModel built after the last step are not objects any step saw: the final state
     reads the trees again, so each one alone fails the pair, named (it held, exit 0, before)."""
-    rc, line, d = _diff(_ok(runs, "after"), _ok(runs, "after_again"))
+    rc, line, d = _diff(run_ok(runs, "after"), run_ok(runs, "after_again"))
     assert rc == EXIT_OK and "final state" in line, line
     assert "hashed in the final state only" in line, line  # said, on both sides
-    rows = params_codec.decode((_ok(runs, "after") / "rank-00000" / "params.json").read_bytes())
+    rows = params_codec.decode((run_ok(runs, "after") / "rank-00000" / "params.json").read_bytes())
     late = [r["fqn"] for r in rows if r.get("since") == 4]  # 3 steps: joined after step 3
     assert "calib" in late and any(f.startswith("AveragedModel.") or "module." in f
                                    for f in late), late
     want = {"load": "l1.weight", "replace": "l2.weight", "buffer": "calib", "swa": ".n_averaged"}
     for edit in AFTER.split(","):
-        rc, line, d = _diff(_ok(runs, "after"), _ok(runs, f"after_b_{edit}"))
+        rc, line, d = _diff(run_ok(runs, "after"), run_ok(runs, f"after_b_{edit}"))
         assert rc == EXIT_MISMATCH and "hash mismatch in the final state" in line, (edit, line)
         assert d["final_state"]["equal"] is False and d["final_state"]["params"], edit
         if edit in ("load", "replace", "buffer"):
@@ -151,12 +146,12 @@ def test_steps_neither_side_recorded_are_said_and_an_unclosed_rank_is_incomplete
     """--every 2 over 5 steps on both sides: step 3 is recorded by neither, and step 5 is written
     at exit without gradients; the match says both. A run that ends in os._exit(0) never
     closes its records (step 5 and the final state are lost): incomplete, not a match."""
-    rc, line, d = _diff(_ok(runs, "every"), _ok(runs, "every_again"))
+    rc, line, d = _diff(run_ok(runs, "every"), run_ok(runs, "every_again"))
     assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
     assert "step(s) 3 (neither side recorded them: sampled every 2 step(s))" in line, line
     assert "gradients of step(s) 5 (neither side recorded them" in line, line
     assert d["not_recorded"] and d["steps_compared"] == [0, 1, 2, 4, 5]
-    rc, line, d = _diff(_ok(runs, "every"), _ok(runs, "every_osexit"))
+    rc, line, d = _diff(run_ok(runs, "every"), run_ok(runs, "every_osexit"))
     assert rc == EXIT_INCOMPLETE and line.startswith("PARITY INCOMPLETE"), line
     assert any(m.startswith("B rank(s) 0 never closed their records") for m in d["incomplete"])
     # parity exec's own summary: the last record is step 4 of 5, and more may have run
@@ -167,7 +162,7 @@ def test_steps_neither_side_recorded_are_said_and_an_unclosed_rank_is_incomplete
 
 
 def test_an_edit_between_steps_is_attributed_to_the_interval(runs):
-    a, b = _ok(runs, "three"), _ok(runs, "three_clamped")
+    a, b = run_ok(runs, "three"), run_ok(runs, "three_clamped")
     rc, line, d = _diff(a, b)
     assert rc == EXIT_MISMATCH, line
     fd = d["first_divergence"]
@@ -185,7 +180,7 @@ def test_an_edit_between_steps_is_attributed_to_the_interval(runs):
 
 
 def test_different_loss_scales_with_identical_models_hold(runs):
-    a, b = _ok(runs, "scale_big"), _ok(runs, "scale_small")
+    a, b = run_ok(runs, "scale_big"), run_ok(runs, "scale_small")
     rc, line, d = _diff(a, b)
     assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
     assert [s.get("loss_scale") for s in _steps(a)[1:4]] == [65536.0] * 3
@@ -193,12 +188,12 @@ def test_different_loss_scales_with_identical_models_hold(runs):
     assert any("loss scale differs (A 65536.0, B 1024.0 at step 1" in p["message"]
                for p in d["problems"])
     # the recorded loss is the unscaled one: the same on both sides, and the plain run's
-    plain = [s["loss"] for s in _steps(_ok(runs, "three"))[1:4]]
+    plain = [s["loss"] for s in _steps(run_ok(runs, "three"))[1:4]]
     assert [s["loss"] for s in _steps(a)[1:4]] == [s["loss"] for s in _steps(b)[1:4]] == plain
 
 
 def test_a_step_the_scaler_skipped_is_recorded_and_named(runs):
-    a, b = _ok(runs, "scale_small"), _ok(runs, "scale_inf")
+    a, b = run_ok(runs, "scale_small"), run_ok(runs, "scale_inf")
     assert [s.get("skipped") for s in _steps(b)][:4] == [None, None, "inf", None]
     rc, line, d = _diff(a, b)
     assert rc == EXIT_MISMATCH and d["first_divergent_step"] == 2, line
@@ -298,7 +293,7 @@ def _delete_meta(r: Path) -> None:
 def test_a_damaged_copy_of_a_run_is_never_a_clean_match(runs, tmp_path, damage, said):
     """A run against a copy of itself (a copy reads as intact: the recorded digests hold),
     damaged where the verdict does not need to look: incomplete, the damage named."""
-    a = _ok(runs, "three")
+    a = run_ok(runs, "three")
     rc, line, _ = _diff(a, _copy(a, tmp_path / "intact").parent)
     assert rc == EXIT_OK, line
     b = _copy(a, tmp_path / "damaged")
@@ -310,7 +305,7 @@ def test_a_damaged_copy_of_a_run_is_never_a_clean_match(runs, tmp_path, damage, 
 
 
 def test_meta_json_missing_on_one_side_is_named_with_what_it_leaves(runs, tmp_path):
-    a = _ok(runs, "three")
+    a = run_ok(runs, "three")
     b = _copy(a, tmp_path / "b")
     _delete_meta(b)
     _, line, _ = _diff(a, b.parent)
@@ -405,7 +400,7 @@ def test_the_shared_reference_owner_keeps_its_link_after_resume(tmp_path):
 def test_non_persistent_buffers_are_named_as_not_compared(runs):
     """They are not in state_dict and not hashed (docs/capture.md): a match cannot cover them,
     so the verdict line names them; the runs differ only there and hold."""
-    a, b = _ok(runs, "npbuf"), _ok(runs, "npbuf_other")
+    a, b = run_ok(runs, "npbuf"), run_ok(runs, "npbuf_other")
     meta = json.loads((a / "rank-00000" / "meta.json").read_text())
     assert meta["capture"]["non_persistent_buffers"] == ["mask"]
     rc, line, d = _diff(a, b)
@@ -413,5 +408,5 @@ def test_non_persistent_buffers_are_named_as_not_compared(runs):
     said = [m for m in d["not_recorded"] if "non-persistent buffer" in m]
     assert said and said[0].startswith("1 non-persistent buffer(s) (mask: "), d["not_recorded"]
     assert "not compared: " in line and "1 non-persistent buffer(s) (mask" in line
-    rc, line, d = _diff(_ok(runs, "one_step"), _ok(runs, "one_step_again"))
+    rc, line, d = _diff(run_ok(runs, "one_step"), run_ok(runs, "one_step_again"))
     assert not any("non-persistent" in m for m in d["not_recorded"]), d["not_recorded"]

@@ -47,7 +47,7 @@ from pathlib import Path
 import pytest
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, knob_env, run_table
+from tests.real_jobs import diff_cli, knob_env, run_ok, run_table
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round5.py")
@@ -96,11 +96,6 @@ def runs(tmp_path_factory):
                      timeout=TIMEOUT)
 
 
-def _ok(runs, name) -> Path:
-    d, rc, err = runs[name]
-    assert rc == EXIT_OK, err[-2000:]
-    return d
-
 
 def _diff(a, b, *extra):
     return diff_cli(a, b, *extra, timeout=TIMEOUT)
@@ -111,19 +106,19 @@ def _fqns(run: Path) -> list[str]:
 
 
 def test_unnamed_tensors_are_matched_by_dtype_and_shape_not_by_their_row(runs):
-    a, b = _ok(runs, "funcall"), _ok(runs, "funcall_reversed")
+    a, b = run_ok(runs, "funcall"), run_ok(runs, "funcall_reversed")
     assert "<unnamed float32[16,8]>" in _fqns(a) and "<unnamed float32[16,8]>" in _fqns(b)
     rc, line, d = _diff(a, b)
     assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
     assert not d["problems"], d["problems"]  # no "shape/dtype [16, 8] in A, [4] in B"
     # and a real difference in those tensors still fails, at the step that made it
-    rc, line, d = _diff(a, _ok(runs, "funcall_reversed_lr"))
+    rc, line, d = _diff(a, run_ok(runs, "funcall_reversed_lr"))
     assert rc == EXIT_MISMATCH and "from step 1" in line, line
 
 
 @pytest.mark.parametrize("at", ["", "_first", "_two"])
 def test_a_step_that_raised_is_no_step(runs, at):
-    a, b = _ok(runs, f"skip_continue{at}"), _ok(runs, f"skip_raise{at}")
+    a, b = run_ok(runs, f"skip_continue{at}"), run_ok(runs, f"skip_raise{at}")
     rc, line, d = _diff(a, b)
     assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
     assert d["steps_compared"] == [0, 1, 2, 3] and not d["incomplete"]
@@ -132,25 +127,25 @@ def test_a_step_that_raised_is_no_step(runs, at):
 
 
 def test_twin_models_are_labelled_by_their_contents_not_the_order_they_were_built(runs):
-    a, b = _ok(runs, "teachers"), _ok(runs, "teachers_reversed")
+    a, b = run_ok(runs, "teachers"), run_ok(runs, "teachers_reversed")
     assert "Sequential#2.0.weight" in _fqns(a)  # twins: the later-named one is labelled
     rc, line, d = _diff(a, b)
     assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
     # a teacher that differs still fails, before the first step
-    rc, line, d = _diff(a, _ok(runs, "teachers_reversed_other"))
+    rc, line, d = _diff(a, run_ok(runs, "teachers_reversed_other"))
     assert rc == EXIT_MISMATCH and "from step 0" in line, line
 
 
 def test_a_parameter_dropped_after_the_last_step_is_absent_from_the_final_state(runs):
-    kept, dropped = _ok(runs, "kept"), _ok(runs, "dropped")
+    kept, dropped = run_ok(runs, "kept"), run_ok(runs, "dropped")
     rc, line, d = _diff(kept, dropped)
     assert rc == EXIT_MISMATCH and "hash mismatch in the final state" in line, line
     assert d["final_state"]["params"] == ["2.bias"], d["final_state"]
     assert "B: 1 parameter(s) left the model after step 3 (2.bias)" in line, line
-    rc, line, d = _diff(dropped, _ok(runs, "dropped_again"))
+    rc, line, d = _diff(dropped, run_ok(runs, "dropped_again"))
     assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
     # moved into a parametrization, not dropped: the same tensor, still the model's
-    rc, line, d = _diff(kept, _ok(runs, "moved"))
+    rc, line, d = _diff(kept, run_ok(runs, "moved"))
     assert rc == EXIT_OK and "left the model" not in line, line
 
 
@@ -158,7 +153,7 @@ def test_a_gradient_none_on_one_side_is_said_not_called_missing_figures(runs):
     """set_to_none=True against False with a parameter unused at step 2: the gradients differ
     (None against zeros, the parameters do not), and the reports said the size was not shown
     because "the runs carry no per-tensor figures" (they do)."""
-    a, b = _ok(runs, "to_none"), _ok(runs, "zeroed")
+    a, b = run_ok(runs, "to_none"), run_ok(runs, "zeroed")
     p = subprocess.run([*PARITY, "diff", str(a), str(b)], capture_output=True, text=True,
                        timeout=TIMEOUT)
     assert p.returncode == EXIT_MISMATCH, p.stderr

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_table
+from tests.real_jobs import diff_cli, exe, knob_env, run_ok, run_table
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round6.py")
@@ -74,11 +74,6 @@ def runs(tmp_path_factory):
     return run_table(JOBS, start, at_once=2, timeout=TIMEOUT)
 
 
-def _ok(runs, name) -> Path:
-    d, rc, err = runs[name]
-    assert rc == EXIT_OK, err[-2000:]
-    return d
-
 
 def _equal(x, y) -> bool:
     import torch
@@ -110,17 +105,17 @@ def _diff(a, b, *extra):
 
 
 def test_a_rank_that_trains_fewer_steps_on_both_sides_is_no_gap(runs):
-    a, b = _ok(runs, "fewer"), _ok(runs, "fewer_again")
+    a, b = run_ok(runs, "fewer"), run_ok(runs, "fewer_again")
     assert truth(a, b)
     rc, line, d = _diff(a, b)
     assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
     assert not d["incomplete"], d["incomplete"]
     assert "step(s) 4 on rank(s) 1 (their training ended earlier on both sides" in line, line
     # a difference at rank 1's last step still fails
-    rc, line, _ = _diff(a, _ok(runs, "fewer_lr"))
+    rc, line, _ = _diff(a, run_ok(runs, "fewer_lr"))
     assert rc == EXIT_MISMATCH and "from step 1 on rank 0, 1" in line, line
     # one side's rank 1 trained a step more: the other lacks it, incomplete
-    full = _ok(runs, "ranks")
+    full = run_ok(runs, "ranks")
     assert not truth(full, a)
     rc, line, d = _diff(full, a)
     assert rc == EXIT_INCOMPLETE, line
@@ -131,7 +126,7 @@ def test_a_rank_that_trains_fewer_steps_on_both_sides_is_no_gap(runs):
 def test_unnamed_all_reduces_are_paired_in_order_not_merged_into_one_group(runs):
     """DDP ``Join``: rank 1 one batch fewer (the fix above too), two flag all-reduces per
     step; two identical runs hold under every policy, bucket layouts identical."""
-    a, b = _ok(runs, "join"), _ok(runs, "join_again")
+    a, b = run_ok(runs, "join"), run_ok(runs, "join_again")
     assert truth(a, b)
     for policy in ("hash", "any", "reduction"):
         rc, line, d = _diff(a, b, "--fail-on", policy)
@@ -145,7 +140,7 @@ def test_round6_shapes_agree_with_the_ground_truth(runs, a, b):
     """Optimizers stepped inside backward (one per parameter: one step, not four), pruning
     made permanent after the last step (a new Parameter ``weight``: the final state), an
     ``AveragedModel`` EMA with another decay (the update between steps)."""
-    a, b = _ok(runs, a), _ok(runs, b)
+    a, b = run_ok(runs, a), run_ok(runs, b)
     same = truth(a, b)
     rc, line, d = _diff(a, b)
     assert rc == (EXIT_OK if same else EXIT_MISMATCH), line

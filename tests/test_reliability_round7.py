@@ -41,7 +41,7 @@ import pytest
 import torch
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_table, values_equal
+from tests.real_jobs import diff_cli, exe, knob_env, run_ok, run_table, values_equal
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round7.py")
@@ -122,11 +122,6 @@ def old_runs(tmp_path_factory):
     return run_table(OLD_JOBS, start, at_once=2, timeout=TIMEOUT)
 
 
-def _ok(runs, name) -> Path:
-    d, rc, err = runs[name]
-    assert rc == EXIT_OK, err[-2000:]
-    return d
-
 
 _eq = values_equal
 
@@ -152,7 +147,7 @@ def test_an_optimizer_that_reuses_a_freed_ones_id_is_watched(runs, kept):
     a, b = ("reuse", "reuse_b75") if kept else ("reuse_freed", "reuse_freed_b75")
     # the exec summary counts three optimizers, though they share one id
     assert "; 3 optimizers: " in runs[a][2], runs[a][2][-2000:]
-    a, b = _ok(runs, a), _ok(runs, b)
+    a, b = run_ok(runs, a), run_ok(runs, b)
     assert _truth(a, b) == (True, False)
     rc, line, d = diff_cli(a, b)
     assert rc == EXIT_MISMATCH and "in the final state (in the optimizer state" in line, line
@@ -163,7 +158,7 @@ def test_an_optimizer_that_reuses_a_freed_ones_id_is_watched(runs, kept):
 def test_python_numbers_in_optimizer_state_are_compared(runs):
     """A custom optimizer whose state keeps a float that differs (tensors equal). Before:
     HELD, the verdict line saying the final state was compared with the optimizer state."""
-    a, same, other = _ok(runs, "floats"), _ok(runs, "floats_again"), _ok(runs, "floats_half")
+    a, same, other = run_ok(runs, "floats"), run_ok(runs, "floats_again"), run_ok(runs, "floats_half")
     assert _truth(a, other) == (True, False) and _truth(a, same) == (True, True)
     rc, line, d = diff_cli(a, other)
     assert rc == EXIT_MISMATCH, line
@@ -174,7 +169,7 @@ def test_python_numbers_in_optimizer_state_are_compared(runs):
 
 
 def test_lbfgs_history_is_hashed_and_identical_runs_hold(runs):
-    a, b = _ok(runs, "lbfgs"), _ok(runs, "lbfgs_again")
+    a, b = run_ok(runs, "lbfgs"), run_ok(runs, "lbfgs_again")
     assert _truth(a, b) == (True, True)
     rc, line, d = diff_cli(a, b)
     assert rc == EXIT_OK, line
@@ -184,7 +179,7 @@ def test_lbfgs_history_is_hashed_and_identical_runs_hold(runs):
 def test_a_parameter_in_two_live_optimizers_has_both_states_compared(runs):
     """2.weight in two Adams; the second one's beta1 differs (one step: equal parameters).
     Before: the second's state was dropped, HELD."""
-    a, b = _ok(runs, "shared"), _ok(runs, "shared_b75")
+    a, b = run_ok(runs, "shared"), run_ok(runs, "shared_b75")
     assert _truth(a, b) == (True, False)
     rc, line, d = diff_cli(a, b)
     assert rc == EXIT_MISMATCH, line
@@ -195,7 +190,7 @@ def test_a_parameter_in_two_live_optimizers_has_both_states_compared(runs):
 def test_adam_implementations_are_judged_by_their_state(runs, other):
     """foreach against for-loop or fused Adam: the verdict follows the state dicts, whichever
     way they compare (torch 2.13 on CPU: for-loop equal, fused not)."""
-    a, b = _ok(runs, "foreach"), _ok(runs, other)
+    a, b = run_ok(runs, "foreach"), run_ok(runs, other)
     model, state = _truth(a, b)
     rc, line, _ = diff_cli(a, b)
     assert rc == (EXIT_OK if state else EXIT_MISMATCH), line
@@ -207,7 +202,7 @@ def test_fsdp2_against_ddp_names_the_sharding_on_the_verdict_line(runs):
     """The same model, one step, FSDP2 against DDP: every value equal, the hashes of shards
     against whole tensors. Before: FAILS "parameters differ before the first optimizer step"
     with nothing on the verdict line saying the tables hold other shards."""
-    a, b = _ok(runs, "fsdp2"), _ok(runs, "ddp")
+    a, b = run_ok(runs, "fsdp2"), run_ok(runs, "ddp")
     assert _truth(a, b) == (True, True)
     rc, line, _ = diff_cli(a, b)
     assert rc == EXIT_MISMATCH, line
@@ -219,7 +214,7 @@ def test_rows_an_older_parity_does_not_make_are_said_not_failed(runs, old_runs):
     """The same job (a custom optimizer with float state), recorded by c189c85 and now: the
     new rows (``count``, ``scale``) are not compared and said, the tensors are, and it holds.
     Before: FAILS, "in the optimizer state", on equal state."""
-    a, b = _ok(old_runs, "floats_c189"), _ok(runs, "floats")
+    a, b = run_ok(old_runs, "floats_c189"), run_ok(runs, "floats")
     assert _truth(a, b) == (True, True)
     for x, y in ((a, b), (b, a)):
         rc, line, d = diff_cli(x, y)
@@ -233,7 +228,7 @@ def test_a_run_before_state_rows_names_the_state_not_compared(runs, old_runs):
     """8d4fe41 hashed no optimizer state: against a run of now, one Adam step with another
     beta1 (equal parameters, other moments) holds and names the optimizer state under ``not
     compared``, without failing on the rows it lacks."""
-    a, b = _ok(old_runs, "adam_8d4"), _ok(old_runs, "adam_new")
+    a, b = run_ok(old_runs, "adam_8d4"), run_ok(old_runs, "adam_new")
     assert _truth(a, b) == (True, False)
     rc, line, _ = diff_cli(a, b)
     assert rc == EXIT_OK, line
@@ -245,7 +240,7 @@ def test_an_optimizer_freed_inside_a_trace_leaves_the_traced_graph_alone(runs):
     """The trainer frees its optimizer (a custom one with Python numbers in its state) inside a
     ``make_fx`` trace of ``t * 2``: the graph must be that of the job without parity
     (placeholder, mul, output). Before: four more nodes (tensor constants and their detach)."""
-    d = _ok(runs, "fxfree")
+    d = run_ok(runs, "fxfree")
     graph = torch.load(f"{d}.truth", weights_only=False)["extra"]["graph"]
     assert graph == ["placeholder:t_1", "call_function:aten.mul.Tensor", "output:output"], graph
     plain = subprocess.run([sys.executable, TRAINER], env=knob_env("R7_", R7_CASE="fxfree",

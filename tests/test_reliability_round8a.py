@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_table, values_equal
+from tests.real_jobs import diff_cli, exe, knob_env, run_ok, run_table, values_equal
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round8a.py")
@@ -79,11 +79,6 @@ def runs(tmp_path_factory):
                      at_once=2, timeout=TIMEOUT)
 
 
-def _ok(runs, name) -> Path:
-    d, rc, err = runs[name]
-    assert rc == EXIT_OK, err[-2000:]
-    return d
-
 
 _equal = values_equal
 
@@ -109,7 +104,7 @@ def test_a_group_unsharded_before_the_roots_first_forward_is_named(runs):
     """HSDP (FSDP2 on a (2, 2) replicate x shard mesh) with explicit prefetching against the
     same job without: bitwise-equal values and layouts; the first layer's all-gather,
     reduce-scatter and replicate all-reduce carry its parameters' names on both sides."""
-    a, b = _ok(runs, "hsdp"), _ok(runs, "hsdp_prefetch")
+    a, b = run_ok(runs, "hsdp"), run_ok(runs, "hsdp_prefetch")
     assert truth(a, b)
     names = {f"{i}.{w}" for i in range(4) for w in ("weight", "bias")}
     for run in (a, b):
@@ -138,7 +133,7 @@ def test_the_last_stage_loss_of_split_backward_schedules_is_recorded(runs):
     if not V_SCHEDULES:
         pytest.skip(f"torch {torch.__version__}: its V-shaped pipeline schedules fail on gloo "
                     "without parity too (2.13+ run them)")
-    a, b = _ok(runs, "zbv"), _ok(runs, "dualpipev")
+    a, b = run_ok(runs, "zbv"), run_ok(runs, "dualpipev")
     assert truth(a, b)
     for run in (a, b):
         for rank, t in enumerate(_truth(run)):
@@ -154,7 +149,7 @@ def test_the_last_stage_loss_of_split_backward_schedules_is_recorded(runs):
 
 def test_ddp_fp16_compression_hook_fails(runs):
     """fp16_compress_hook against DDP's own all-reduce: gradients differ from step 1."""
-    a, b = _ok(runs, "ddp"), _ok(runs, "ddp_fp16")
+    a, b = run_ok(runs, "ddp"), run_ok(runs, "ddp_fp16")
     assert not truth(a, b)
     for policy in ("hash", "any"):
         rc, line, _ = _diff(a, b, "--fail-on", policy)
@@ -168,7 +163,7 @@ def test_ddp_no_sync_is_a_reduction_structure_difference(runs):
     how many backward passes synced: the pair read "bucket layouts identical" and HELD under
     ``--fail-on any`` (FSDP2's same pair fails). Now the plan is written once per syncing
     pass, and ``any`` fails on the reduction structure; ``hash`` still holds."""
-    a, b = _ok(runs, "accum_ddp"), _ok(runs, "accum_ddp_nosync")
+    a, b = run_ok(runs, "accum_ddp"), run_ok(runs, "accum_ddp_nosync")
     assert truth(a, b)
 
     def ddp_lines(run):

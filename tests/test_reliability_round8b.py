@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_table, values_equal
+from tests.real_jobs import diff_cli, exe, knob_env, run_ok, run_table, values_equal
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round8b.py")
@@ -91,11 +91,6 @@ def runs(tmp_path_factory):
     return run_table(table, start, at_once=2, timeout=TIMEOUT)
 
 
-def _ok(runs, name) -> Path:
-    d, rc, err = runs[name]
-    assert rc == EXIT_OK, err[-3000:]
-    return d
-
 
 def _load(d: Path) -> dict:
     return torch.load(f"{d}.truth", weights_only=False)
@@ -127,7 +122,7 @@ def test_a_compiled_step_compiles_as_without_parity(runs, name):
     died in capture's registration hook. regbuf: a compiled forward that registers a buffer
     (capture's registration hook must not break its graph, as hiding it from dynamo with
     ``torch._dynamo.disable`` did)."""
-    d, alone = _ok(runs, name), _ok(runs, name + ".plain")
+    d, alone = run_ok(runs, name), run_ok(runs, name + ".plain")
     assert _equal(d, alone)
     assert _compiled(d) == _compiled(alone)
     if name == "step_hook":
@@ -136,7 +131,7 @@ def test_a_compiled_step_compiles_as_without_parity(runs, name):
 
 @pytest.mark.parametrize("a,b", [("eager_hook", "step_hook"), ("eager", "ca_step")])
 def test_a_compiled_step_against_eager_holds_with_its_loss(runs, a, b):
-    a, b = _ok(runs, a), _ok(runs, b)
+    a, b = run_ok(runs, a), run_ok(runs, b)
     assert _equal(a, b)  # the counting backend runs aot graphs as they are: equal values
     rc, line, d = diff_cli(a, b)
     assert rc == EXIT_OK and "(param, grad, loss, final state with optimizer state)" in line, line
@@ -144,7 +139,7 @@ def test_a_compiled_step_against_eager_holds_with_its_loss(runs, a, b):
 
 
 def test_compiled_autograd_with_another_lr_fails(runs):
-    a, b = _ok(runs, "ca_step"), _ok(runs, "ca_step_lr")
+    a, b = run_ok(runs, "ca_step"), run_ok(runs, "ca_step_lr")
     assert not _equal(a, b)
     rc, line, _ = diff_cli(a, b)
     assert rc == EXIT_MISMATCH and "from step 1" in line, line
@@ -154,7 +149,7 @@ def test_compiled_autograd_with_another_lr_fails(runs):
 def test_compiled_modules_match_eager_by_name(runs, other):
     """``torch.compile(model)`` (``_orig_mod.`` names), ``model.compile()`` and each block
     replaced by its compiled wrapper: the same values as eager, parity pairs the names."""
-    a, b = _ok(runs, "eager"), _ok(runs, other)
+    a, b = run_ok(runs, "eager"), run_ok(runs, other)
     assert _equal(a, b)
     rc, line, d = diff_cli(a, b)
     assert rc == EXIT_OK and "x 8 parameters" in line, line
@@ -165,7 +160,7 @@ def test_a_trained_exported_program_is_named_as_the_model(runs):
     parameters, the same values. Before: exit 2, "parameter sets differ" (4 only in A:
     ``_export_root.0.weight`` ...): export's ``Wrapper``, garbage not yet collected, named
     them."""
-    a, b = _ok(runs, "exported"), _ok(runs, "exported_eager")
+    a, b = run_ok(runs, "exported"), run_ok(runs, "exported_eager")
     assert _equal(a, b)
     assert _load(a)["names"] == ["0.weight", "0.bias", "2.weight", "2.bias"]
     rc, line, _ = diff_cli(a, b)
@@ -177,7 +172,7 @@ def test_ddp_under_compiled_autograd_is_not_read_as_its_unused_buckets(runs):
     against C++ DDP, equal values. Before: ``--fail-on any`` HELD, "bucket layouts identical"
     (C++ DDP's one bucket against the plan of B's Reducer, which never ran). Now B's
     reductions are its graph's all-reduces, which name no parameter: incomplete, not a match."""
-    a, b = _ok(runs, "ddp"), _ok(runs, "ddp_ca_step")
+    a, b = run_ok(runs, "ddp"), run_ok(runs, "ddp_ca_step")
     assert _equal(a, b)
     rc, line, _ = diff_cli(a, b)
     assert rc == EXIT_OK and "x 2 ranks x 8 parameters" in line, line

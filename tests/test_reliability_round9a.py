@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_table, values_equal
+from tests.real_jobs import diff_cli, exe, knob_env, run_ok, run_table, values_equal
 from tests.wire_truth import check, records, values
 
 HERE = Path(__file__).resolve().parent
@@ -72,11 +72,6 @@ def runs(tmp_path_factory):
                      at_once=2, timeout=TIMEOUT)
 
 
-def _ok(runs, name) -> Path:
-    d, rc, err = runs[name]
-    assert rc == EXIT_OK, err[-2000:]
-    return d
-
 
 def _judge(run: Path, rtol: float = 1e-5) -> int:
     problems, n = check(run, rtol)
@@ -88,7 +83,7 @@ def _judge(run: Path, rtol: float = 1e-5) -> int:
 def test_the_wire_recorder_changes_nothing(runs):
     """The dispatch mode and parity leave the job alone: values bitwise equal with and without
     either; parity's records (buckets.jsonl, step digests) equal with and without the mode."""
-    a, b, c = _ok(runs, "fsdp"), _ok(runs, "fsdp_nowire"), _ok(runs, "fsdp_bare")
+    a, b, c = run_ok(runs, "fsdp"), run_ok(runs, "fsdp_nowire"), run_ok(runs, "fsdp_bare")
     assert values_equal(values(a), values(b)) and values_equal(values(a), values(c))
     assert records(a) == records(b)
 
@@ -96,32 +91,32 @@ def test_the_wire_recorder_changes_nothing(runs):
 def test_fsdp2_manifests_are_the_bytes_sent(runs):
     """Padding, a frozen parameter, a parameter without gradient at step 2, root loose
     parameters, bf16 params and reduce, HSDP's reduce-scatter and replicate all-reduce."""
-    _judge(_ok(runs, "fsdp"))
-    _judge(_ok(runs, "fsdp_bf16"), rtol=2e-2)
-    _judge(_ok(runs, "hsdp"))
+    _judge(run_ok(runs, "fsdp"))
+    _judge(run_ok(runs, "fsdp_bf16"), rtol=2e-2)
+    _judge(run_ok(runs, "hsdp"))
 
 
 def test_a_layout_only_difference_fails_and_identical_holds(runs):
-    a, b = _ok(runs, "fsdp"), _ok(runs, "fsdp_swap")
+    a, b = run_ok(runs, "fsdp"), run_ok(runs, "fsdp_swap")
     assert values_equal(values(a), values(b))
     _judge(b)
     rc, line, _ = diff_cli(a, b, "--fail-on", "any", timeout=TIMEOUT)
     assert rc == EXIT_MISMATCH and "bucket order differs" in line, line
-    rc, line, _ = diff_cli(a, _ok(runs, "fsdp_nowire"), "--fail-on", "any", timeout=TIMEOUT)
+    rc, line, _ = diff_cli(a, run_ok(runs, "fsdp_nowire"), "--fail-on", "any", timeout=TIMEOUT)
     assert rc == EXIT_OK and "bucket layouts identical" in line, line
 
 
 def test_ddp_first_iteration_bucket_is_in_parameter_order(runs):
     """DDP's bucket before its rebuild holds the parameters in parameter order (it was written
     reversed: every offset wrong); the rebuilt buckets were right."""
-    _judge(_ok(runs, "ddp_static_big"))
+    _judge(run_ok(runs, "ddp_static_big"))
 
 
 def test_static_graph_rebuild_is_written_at_its_step(runs):
     """static_graph rebuilds at the third iteration: a 3-step job's manifest held the first
     single bucket for every step, so a smaller bucket_cap_mb HELD "bucket layouts identical"
     under --fail-on any; now every step's entries are the bytes sent and the pair FAILS."""
-    a, b = _ok(runs, "ddp_static_big"), _ok(runs, "ddp_static")
+    a, b = run_ok(runs, "ddp_static_big"), run_ok(runs, "ddp_static")
     _judge(b)
     assert values_equal(values(a), values(b))
     rc, line, _ = diff_cli(a, b, "--fail-on", "any", timeout=TIMEOUT)
@@ -133,13 +128,13 @@ def test_each_syncing_pass_has_its_own_buckets(runs):
     all-reduced its first single bucket, then the three rebuilt ones. The plan was read once a
     step and repeated per pass (the rebuilt buckets twice); each pass's buckets are now read as
     it begins."""
-    _judge(_ok(runs, "ddp_accum"))
+    _judge(run_ok(runs, "ddp_accum"))
 
 
 def test_uneven_dtensor_all_gather_records_the_padded_bytes(runs):
     """A 7-row Shard(0) parameter redistributed to Replicate on 2 ranks: rank 1 sends 4 rows
     (3 and a pad row), the manifest said 3."""
-    _judge(_ok(runs, "dtensor"))
+    _judge(run_ok(runs, "dtensor"))
 
 
 def test_ddp_initial_buckets_fill_from_the_first_parameter():

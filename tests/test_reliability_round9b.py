@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_table, values_equal
+from tests.real_jobs import diff_cli, exe, knob_env, run_ok, run_table, values_equal
 from tests.round9b_truth import problems
 
 HERE = Path(__file__).resolve().parent
@@ -82,11 +82,6 @@ def runs(tmp_path_factory):
     return run_table(table, start, at_once=2, timeout=TIMEOUT)
 
 
-def _ok(runs, name) -> Path:
-    d, rc, err = runs[name]
-    assert rc == EXIT_OK, err[-3000:]
-    return d
-
 
 def _load(d: Path, rank: int = 0) -> dict:
     return torch.load(f"{d}.truth" + (f".{rank}" if rank else ""), weights_only=False)
@@ -101,7 +96,7 @@ def test_every_graph_manifest_entry_is_what_the_graph_sends(runs, name):
     frozen layer, ``sum``) before the naming fix: the tied weight's reduce-scatters marked
     ``activation``; workload (parity's own, ``--bucketing auto --param-dtype bfloat16``) before
     the dtype fix, as mixed."""
-    d = _ok(runs, name)
+    d = run_ok(runs, name)
     found = problems(d, f"{d}.truth")
     assert not found, "\n".join(found[:10])
     graph = [b for b in (d / "rank-00000" / "buckets.jsonl").read_text().splitlines()
@@ -116,7 +111,7 @@ def test_the_check_finds_a_wrong_manifest(runs, tmp_path):
     import json
     import shutil
 
-    d = _ok(runs, "graph")
+    d = run_ok(runs, "graph")
     for what in ("swap", "shift"):
         copy = tmp_path / what
         shutil.copytree(d, copy)
@@ -155,7 +150,7 @@ def _first_differing(a: Path, b: Path, kind: str) -> int | None:
 def test_payload_order_pair_fails_on_the_first_reordered_bucket(runs):
     """Graph order against FSDP2 registration order, equal values: ``--fail-on any`` fails and
     names the reduce-scatter bucket whose executed input first differs."""
-    a, b = _ok(runs, "graph"), _ok(runs, "registration")
+    a, b = run_ok(runs, "graph"), run_ok(runs, "registration")
     assert values_equal(_load(a)["grads"], _load(b)["grads"])
     index = _first_differing(a, b, "reduce_scatter")
     assert index is not None and _first_differing(a, b, "all_gather") is None
@@ -166,7 +161,7 @@ def test_payload_order_pair_fails_on_the_first_reordered_bucket(runs):
 
 
 def test_identical_pair_holds(runs):
-    a, b = _ok(runs, "graph"), _ok(runs, "graph_again")
+    a, b = run_ok(runs, "graph"), run_ok(runs, "graph_again")
     rc, line, _ = diff_cli(a, b, "--fail-on", "any")
     assert rc == EXIT_OK and "bucket layouts identical" in line, line
 
@@ -184,7 +179,7 @@ def _compiled(d: Path) -> dict:
 def test_capture_changes_nothing(runs, name):
     """Values (every step's shards, gradients, losses, the final model, every collective's
     input), dynamo's counters and the graphs compiled are those of the run without parity."""
-    d, alone = _ok(runs, name), _ok(runs, name + ".plain")
+    d, alone = run_ok(runs, name), run_ok(runs, name + ".plain")
     for rank in (0, 1):
         x, y = _load(d, rank), _load(alone, rank)
         for key in ("shards", "grads", "losses", "model"):
