@@ -16,6 +16,7 @@ only adapts the launcher's records to it:
   gradient coverage, and said.
 
     python tests/round9c_truth.py RUN_DIR TRUTH_PREFIX [--skip FQN ...]
+    python tests/round9c_truth.py --2d RUN_DIR TRUTH_PREFIX      (TP x FSDP: groups)
 """
 
 from __future__ import annotations
@@ -81,11 +82,63 @@ def problems(run: Path, prefix: str, skip: tuple[str, ...] = ()) -> list[str]:
     return out
 
 
+def problems_2d(run: Path, prefix: str) -> list[str]:
+    """A 2-D mesh (TP x FSDP; one graph, joint): each collective summed over its own group
+    (the launcher's ``ranks``), this rank's row at its position in the group. All-gather entries
+    exact against the local shard (round 9b's check); reduce-scatter entries against the sharded
+    gradient, coverage and ``payload`` entries as round 9b's; all-reduce entries (a TP partial
+    sum of a replicated norm's gradient, reduce-scattered over FSDP after) are counted, not
+    judged: the gradient is made by two collectives in a row."""
+    run = Path(run)
+    world = torch.load(prefix, weights_only=False)["world"]
+    truths = round9b_truth.load_truth(prefix, world)
+    out: list[str] = []
+    for rank, t in enumerate(truths):
+        lines = _lines(run, rank)
+        by_node = {b["node"]: b for b in lines}
+        executed = {r["node"] for r in t["records"]}
+        out += [f"rank {rank}: manifest line {n} never executed" for n in sorted(set(by_node) - executed)]
+        reduced: dict[int, list] = {}
+        for i, rec in enumerate(t["records"]):
+            where = f"rank {rank} step {rec['step']} {rec['node']}"
+            b = by_node.get(rec["node"])
+            if b is None:
+                out.append(f"{where}: executed collective not in the manifest")
+                continue
+            group = rec["ranks"]
+            if b["world_size"] != len(group):
+                out.append(f"{where}: world_size {b['world_size']}, the group has {len(group)}")
+            raw = round9b_truth._bytes(rec["input"])
+            if "all_gather" in rec["op"]:
+                out += round9b_truth._check_all_gather(where, b, raw, t["shards"][rec["step"]])
+            elif "reduce_scatter" in rec["op"]:
+                peers = [truths[g]["records"][i] for g in group]
+                if any(p["node"] != rec["node"] for p in peers):
+                    out.append(f"{where}: the group's records are not the same node")
+                    continue
+                rows = [round9b_truth._bytes(p["input"]) for p in peers]
+                if b["total_bytes"] * len(group) != raw.numel():
+                    out.append(f"{where}: total_bytes {b['total_bytes']} x {len(group)}, the "
+                               f"input has {raw.numel()}")
+                reduced.setdefault(rec["step"], []).extend(
+                    (where, e, round9b_truth._row_slice(rows, group.index(rank), len(group), e,
+                                                        rec["reduce_op"]))
+                    for e in b["entries"])
+        for step, slices in sorted(reduced.items()):
+            out += round9b_truth._check_gradients(f"rank {rank} step {step}", slices,
+                                                  t["grads"][step])
+    return out
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
     skip = tuple(args[args.index("--skip") + 1:]) if "--skip" in args else ()
     if "--skip" in args:
         args = args[:args.index("--skip")]
-    found = problems(Path(args[0]), args[1], skip)
+    if "--2d" in args:
+        args.remove("--2d")
+        found = problems_2d(Path(args[0]), args[1])
+    else:
+        found = problems(Path(args[0]), args[1], skip)
     print("\n".join(found) or "all manifest entries right")
     sys.exit(1 if found else 0)

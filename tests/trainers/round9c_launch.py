@@ -20,7 +20,8 @@ that calls them:
   (sharded) gradient and the loss after it (before torchtitan clips the gradients).
 
 R9C_SAVE=PREFIX: torch.save per rank (``.RANK`` appended for rank > 0) of {"world", "records":
-[{"step", "graph", "node", "op", "input", "reduce_op", "gid"}], "shards": {step: {fqn: tensor}},
+[{"step", "graph", "node", "op", "input", "reduce_op", "gid", "ranks": the group's
+global ranks}], "shards": {step: {fqn: tensor}},
 "grads": {step: {fqn: tensor}}, "losses": {step: tensor}, "nodes": {gid: [collective node names
 in order]}, "mismatch": [op names that did not agree]}. R9C_RECORD=0: no dispatch mode (shards,
 gradients and losses still saved): the values of a run without the recorder.
@@ -69,6 +70,21 @@ def collective_nodes(gm):
     return out
 
 
+_RANKS: dict = {}
+
+
+def group_ranks(name):
+    """The global ranks of a collective's group (its last argument, the group's name); a 2-D
+    mesh reduces over sub-groups."""
+    if not isinstance(name, str):
+        return None
+    if name not in _RANKS:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        _RANKS[name] = dist.get_process_group_ranks(_resolve_process_group(name))
+    return _RANKS[name]
+
+
 class Recorder(TorchDispatchMode):
     """Keeps the input of each ``_c10d_functional`` collective; everything runs unchanged.
     Higher-order ops (flex_attention in the traced graph) pass through as they are: a mode
@@ -93,7 +109,8 @@ class Recorder(TorchDispatchMode):
             self.i += 1
             TRUTH["records"].append({"step": STATE["step"], "graph": self.graph, "gid": self.gid,
                                      "node": node, "op": name, "input": _keep(args[0]),
-                                     "reduce_op": args[1] if "reduce" in name else None})
+                                     "reduce_op": args[1] if "reduce" in name else None,
+                                     "ranks": group_ranks(args[-1])})
         return func(*args, **(kwargs or {}))
 
 
