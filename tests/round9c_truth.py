@@ -98,7 +98,8 @@ def problems_2d(run: Path, prefix: str) -> list[str]:
         lines = _lines(run, rank)
         by_node = {b["node"]: b for b in lines}
         executed = {r["node"] for r in t["records"]}
-        out += [f"rank {rank}: manifest line {n} never executed" for n in sorted(set(by_node) - executed)]
+        out += [f"rank {rank}: manifest line {n} never executed"
+                for n in sorted(set(by_node) - executed)]
         reduced: dict[int, list] = {}
         for i, rec in enumerate(t["records"]):
             where = f"rank {rank} step {rec['step']} {rec['node']}"

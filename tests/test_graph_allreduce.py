@@ -141,9 +141,9 @@ def test_a_statistic_reduced_on_the_way_to_one_gradient_is_not_that_gradient(gro
     gm = make_fx(step, tracing_mode="fake")(torch.randn(32, 8), torch.randn(16, 8),
                                             torch.zeros(32, dtype=torch.int64))
     outputs = [None, "lm_head.weight"]
+    names = reduce_scatter_targets(gm, outputs)
     got = [b.to_dict() for b in extract_buckets(gm, [None, "lm_head.weight", None], outputs,
-                                                "joint",
-                                                rs_payload_fqns=reduce_scatter_targets(gm, outputs))]
+                                                "joint", rs_payload_fqns=names)]
     assert [(b["op"], b["total_bytes"], [(e["fqn"], e.get("payload")) for e in b["entries"]])
             for b in got] == [("max", 128, [(None, "activation")]),
                               ("sum", 128, [(None, "activation")]),
