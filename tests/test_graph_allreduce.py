@@ -117,6 +117,39 @@ def test_coalesced_sub_group_in_place_and_metric_all_reduces(group):
     assert loss["node"] == "all_reduce_" and [b["index"] for b in got] == [0, 1, 2]
 
 
+def test_a_statistic_reduced_on_the_way_to_one_gradient_is_not_that_gradient(group):
+    """Round 9c: loss parallel under tensor parallelism (torchtitan GraphTrainer, TP 2 x FSDP 2)
+    all-reduces each chunk's per-token logit max and sum of exponentials (32 floats); in the
+    joint graph they reach lm_head's gradient output only, and parity named those all-reduces
+    ``lm_head.weight`` (24 entries of 128 bytes said to carry a [1024, 256] gradient). A
+    payload smaller than the gradient it reaches is no gradient: ``activation``; the
+    gradient's own all-reduce keeps its name."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from parity.capture.sources.graph_makefx import reduce_scatter_targets
+
+    def step(x, w, target):
+        logits = x @ w.t()  # [tokens, vocab shard]
+        top = WAIT(AR(logits.detach().amax(-1), "max", group))  # loss parallel's statistics
+        ex = (logits - top[:, None]).exp()
+        total = WAIT(AR(ex.sum(-1), "sum", group))
+        loss = (total.log() + top - logits.gather(1, target[:, None])[:, 0]).sum()
+        dlogits = ex / total[:, None]  # d loss / d logits, less the one-hot
+        grad = WAIT(AR(dlogits.t() @ x, "sum", group))  # the gradient's own reduction
+        return [loss, grad]
+
+    gm = make_fx(step, tracing_mode="fake")(torch.randn(32, 8), torch.randn(16, 8),
+                                            torch.zeros(32, dtype=torch.int64))
+    outputs = [None, "lm_head.weight"]
+    names = reduce_scatter_targets(gm, outputs)
+    got = [b.to_dict() for b in extract_buckets(gm, [None, "lm_head.weight", None], outputs,
+                                                "joint", rs_payload_fqns=names)]
+    assert [(b["op"], b["total_bytes"], [(e["fqn"], e.get("payload")) for e in b["entries"]])
+            for b in got] == [("max", 128, [(None, "activation")]),
+                              ("sum", 128, [(None, "activation")]),
+                              ("sum", 512, [("lm_head.weight", None)])]
+
+
 # ------------------------------------------------------------------------------------ the diff
 SHAPES = {"fc1.weight": [16, 8], "fc1.bias": [16], "fc2.weight": [4, 16], "fc2.bias": [4]}
 
