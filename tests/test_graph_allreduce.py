@@ -126,7 +126,7 @@ def test_a_statistic_reduced_on_the_way_to_one_gradient_is_not_that_gradient(gro
     gradient's own all-reduce keeps its name."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from parity.capture.sources.graph_makefx import reduce_scatter_targets
+    from parity.capture.sources.graph_grads import reduce_scatter_targets
 
     def step(x, w, target):
         logits = x @ w.t()  # [tokens, vocab shard]

@@ -45,7 +45,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from parity.capture.sources import graph_bucketing, graph_passes, graph_walk
+from parity.capture.sources import graph_bucketing, graph_grads, graph_passes, graph_walk
 from parity.capture.sources.graph_fqns import dynamo_input_fqns, graph_io_fqns, source_to_fqn
 from parity.capture.sources.graph_walk import extract_buckets, rs_payload_map
 from parity.capture.sources.manifest_source import ON_COMPILE, GraphRecord, ManifestSource
@@ -127,9 +127,7 @@ def _wrap_compiler(compiler: Any, graph_kind: str, comp: _Compilation) -> Any:
                 # a gradient summed from several reduce-scatters before it is an output (a
                 # tied weight read twice: one reduce-scatter per read) is reached through
                 # its sum only: every path forward is searched (round 9b)
-                from parity.capture.sources.graph_makefx import reduce_scatter_targets
-
-                for name, fqn in reduce_scatter_targets(gm, output_fqns).items():
+                for name, fqn in graph_grads.reduce_scatter_targets(gm, output_fqns).items():
                     pre.setdefault(name, fqn)
                 # the graph as the user's passes receive it (the bucketing comparison's input)
                 _emit(gm, graph_kind, comp, None, stage="before_passes")
