@@ -239,8 +239,8 @@ def _payload_pieces(buffer: Any, warnings: list[str] | None = None
             # (the copy casts: torch 2.13's default-mode all-gather bucket takes the fp32
             # shards and copies their cat into a bf16 buffer, the cast before the collective
             # folded into the bucket)
-            dst = _val(cur.args[0]) if cur.op == "call_function" else None
-            cast_to = getattr(dst, "dtype", None) if cast_to is None else cast_to
+            if cast_to is None:
+                cast_to = getattr(_val(cur.args[0]), "dtype", None)
             cur = cur.args[1]
             continue
         if name in _CAT_OPS and isinstance(cur.args[0], (list, tuple)):
