@@ -62,9 +62,11 @@ def test_graph_order_leads_with_the_reduce_scatter_and_is_predicted_at_risk(runs
     # one node, Ring pinned: every channel replays one ring, so nothing is at risk
     one = diff_runs(runs["eager"], runs["graph"], at="1x4:channels=4,algo=Ring")
     assert one.reduction_order.verdict == "same"
-    # one node unpinned: the graph's op is not recorded, a SUM may run NVLS: unknown, exit 3
-    nvls = diff_runs(runs["eager"], runs["graph"], at="1x4:channels=4")
-    assert nvls.reduction_order.verdict == "unknown" and nvls.exit_code("reduction") == 3
+    # one node unpinned: both sides reduce-scatter with AVG (the graph's op is recorded:
+    # SimpleFSDP's Partial("avg")), which NCCL runs as PreMulSum, never NVLS or PAT: Ring, the
+    # same sums (before the op was recorded it counted as a SUM, which NVLS may run: unknown)
+    unpinned = diff_runs(runs["eager"], runs["graph"], at="1x4:channels=4")
+    assert unpinned.reduction_order.verdict == "same" and unpinned.exit_code("reduction") == 0
     # the policy: a reduction difference fails; predicted the same on one node, tolerated
     assert r.exit_code("reduction") == 1 and one.exit_code("reduction") == 0
     assert r.exit_code("hash") == 0 and diff_runs(runs["eager"], runs["graph"]).exit_code(
@@ -88,7 +90,7 @@ def test_the_headline_question_at_8x8_is_not_answered_same(runs):
     rows = diff_runs(runs["eager"], runs["graph"], at="1x8,2x8,8x8,32x8").reduction_order
     assert [x.topology.spec() for x in rows] == ["1x8", "2x8", "8x8", "32x8"]
     assert [x.verdict for x in rows][1:] == ["differs"] * 3
-    assert rows[0].verdict == "unknown"  # one node: NVLS may run a SUM
+    assert rows[0].verdict == "same"  # one node: AVG runs as Ring only (NVLS takes no AVG)
     for x in rows[1:]:
         d = x.to_dict()
         assert "channels" not in d["topology"] and d["topology"]["comm_channels_assumed"]

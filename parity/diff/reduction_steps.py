@@ -165,8 +165,9 @@ def annotate_buckets(layout: Layout, records: list[dict]) -> None:
     were one coalesced call, and their op: eager FSDP2 reduce-scatters fp32 and bf16 gradients
     with ReduceOp.AVG on a group of more than one rank (``_get_gradient_divide_factors`` in
     torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, torch 2.6-2.13), i.e. NCCL's
-    PreMulSum; a compiled graph's op is not recorded and counts as a sum (the answer that leaves
-    PAT and NVLS possible: unknown rather than a guess)."""
+    PreMulSum; a compiled graph's op is the one its node names (``op``, graph_walk.py); a graph
+    recorded before parity wrote it has none and counts as a sum (the answer that leaves PAT and
+    NVLS possible: unknown rather than a guess)."""
     by_key: dict = {}
     sources = (SOURCE_FSDP2, SOURCE_GRAPH)
     for r in reversed(records):  # the first record of a key is written last
@@ -176,6 +177,9 @@ def annotate_buckets(layout: Layout, records: list[dict]) -> None:
         r = by_key.get((b.graph_id, b.record_index))
         b.group_size = as_int(r.get("world_size")) if r is not None else None
         b.coalesced = bool(b.node) and "coalesced" in b.node
+        op = r.get("op") if r is not None and r.get("source") == SOURCE_GRAPH else None
+        if isinstance(op, str) and op:
+            b.op = op
     infer_ops(layout)
 
 

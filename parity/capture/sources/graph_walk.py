@@ -555,6 +555,8 @@ def _bucket(node: Any, kind: str, coalesced: bool, index: int, graph_kind: str, 
             extra["coalesced"] = True
     else:
         world_size = _group_size(node.args[1] if kind == "all_gather" else node.args[2])
+        if kind == "reduce_scatter":
+            _reduce_scatter_op(node, extra)
     pieces, dtypes, pattern = _payloads(node, coalesced, warnings)
     outs = _payload_outputs(node, kind, coalesced, pattern, len(pieces), label, warnings)
     own = node_module(node)  # the collective's own annotation, when it names a module
@@ -573,6 +575,21 @@ def _bucket(node: Any, kind: str, coalesced: bool, index: int, graph_kind: str, 
         world_size=world_size, total_bytes=total, position=places.position[node],
         compute_before=places.compute_before[node], extra=extra, module=_bucket_module(
             None if kind != "all_gather" and any(e.fqn for e in entries) else own, entries))
+
+
+def _reduce_scatter_op(node: Any, extra: dict) -> None:
+    """A reduce-scatter's op as the graph says it, into ``extra["op"]`` (``avg``, ``sum``...):
+    ``_c10d_functional::reduce_scatter_tensor(Tensor input, str reduce_op, int group_size, str
+    group_name)`` and its ``_coalesced`` form (torch 2.6-2.15). Why: the op decides which of
+    NCCL's algorithms may run (AVG on floats is PreMulSum, which PAT and NVLS do not take:
+    parity/nccl/api.py), so the reduction model reads it; unrecorded, it counts as a SUM."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    bound = dict(zip(names, node.args))
+    bound.update(node.kwargs or {})
+    op = bound.get("reduce_op", node.args[1] if len(node.args) > 1 else None)
+    if isinstance(op, str):
+        extra["op"] = op.lower()
 
 
 def _all_reduce_group(node: Any, extra: dict, label: str, warnings: list[str]) -> int | None:
