@@ -29,6 +29,7 @@ import xxhash
 
 from parity import params_codec
 from parity.errors import ArtifactError
+from parity.records import is_ends
 from parity.rundir import (BUCKETS_FILE, HASHES_FILE, HASHES_V1_FILE, META_FILE, PARAMS_FILE,
                            RUN_FILE, STEPS_FILE, rank_dir, rank_of, refused_records)
 
@@ -695,6 +696,9 @@ class RankData:
     # run closed, a record that cannot be read or fails its checksum, a missing meta.json.
     # The diff makes a pair with any of it incomplete, whether or not the verdict needed it.
     damage: list[str] = field(default_factory=list)
+    # the ``ends`` lines of buckets.jsonl (parity.records.ENDS: where a source's sequence of
+    # buckets got shorter), kept out of ``buckets``: only reduction_steps.records_at reads them
+    bucket_ends: list[dict] = field(default_factory=list)
 
     @property
     def fqns(self) -> list[str]:
@@ -1149,8 +1153,29 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
         problems.append(f"{path}: meta.json says rank {said}, the directory rank {rank} "
                         "(swapped or copied directories?); not compared")
         table, steps, final = None, {}, None
+    buckets, ends = _split_ends(buckets, _shared)
     return RankData(rank, path, meta, steps, buckets, problems, table, refused_records(path),
-                    final, damage)
+                    final, damage, ends)
+
+
+def _split_ends(buckets: list[dict], _shared: dict | None) -> tuple[list[dict], list[dict]]:
+    """(the bucket records, the ``ends`` lines) of one rank's buckets.jsonl. A list shared by
+    ranks with byte-identical files is split once and its parts shared alike; a list without
+    ``ends`` lines (the usual case) comes back as it is."""
+    memo = None if _shared is None else _shared.setdefault(_ENDS_MEMO, {})
+    got = None if memo is None else memo.get(id(buckets))
+    if got is not None and got[0] is buckets:
+        return got[1], got[2]
+    if any(map(is_ends, buckets)):
+        out = ([b for b in buckets if not is_ends(b)], [b for b in buckets if is_ends(b)])
+    else:
+        out = (buckets, [])
+    if memo is not None:
+        memo[id(buckets)] = (buckets, *out)
+    return out
+
+
+_ENDS_MEMO = b"\0ends"  # the key of _split_ends' memo in a read's ``_shared`` dict
 
 
 def read_run(path: str | os.PathLike, _shared: dict | None = None) -> Run:

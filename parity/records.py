@@ -42,6 +42,29 @@ _OPTIONAL = {"stage": str, "trace": str, "module": str, "placements": str, "posi
              "compute_before": int}
 
 
+# A buckets.jsonl line with ``"ends": true`` is no bucket: from its ``step`` on, its ``source``
+# issued only ``index`` buckets of its ``collective`` per step (eager FSDP2: positions ``index``
+# and after did not run, e.g. a ``fully_shard`` group unused at that step), or for the sources
+# written as whole sequences (dtensor, c10d) none at all. Why: those sources write a bucket when
+# it changes, so without it a position that vanished stays in force (diff/reduction_steps.py,
+# ``records_at``). The reader keeps these lines apart (``RankData.bucket_ends``): no reader of
+# layouts ever sees them as buckets.
+ENDS = "ends"
+
+
+def ends_record(source: str, collective: str, index: int, step: int,
+                world_size: int = 1) -> "BucketRecord":
+    """The ``ends`` line of ``source``'s ``collective`` sequence at ``step``: ``index`` buckets
+    (``world_size``: the group size of the buckets it ends, so that every line has one)."""
+    return BucketRecord(source, collective, index, [], step=step, dtype="",
+                        world_size=world_size, total_bytes=0, extra={ENDS: True})
+
+
+def is_ends(r: Any) -> bool:
+    """A buckets.jsonl line that marks where a sequence ends (``ENDS``), not a bucket."""
+    return type(r) is dict and r.get(ENDS) is True
+
+
 def dtype_name(dtype: Any) -> str:
     """``torch.float32`` -> ``"float32"`` (the artifact's dtype spelling)."""
     return str(dtype).removeprefix("torch.")

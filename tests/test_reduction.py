@@ -412,6 +412,36 @@ def test_the_layouts_in_force_at_each_step():
     assert [r["graph_id"] for r in at3 if r["source"] == "graph"] == [1]
 
 
+def test_an_ends_line_takes_vanished_positions_out_of_force():
+    """Step 1 reduce-scatters three FSDP2 buckets, step 2 two (a group unused: the writer
+    rewrites the positions that changed and says where step 2's sequence ends), step 3 three
+    again; a c10d sequence empty at step 2. Without the ``ends`` lines step 1's third bucket,
+    and the c10d all-reduce, stayed in force at step 2."""
+    from parity.diff.reduction_steps import records_at
+    from parity.records import ends_record
+
+    shapes = {"a": [8, 1], "b": [8, 1], "c": [8, 1]}
+    recs = [_rec("fsdp2", "reduce_scatter", 0, ["a"], shapes, 4, 1),
+            _rec("fsdp2", "reduce_scatter", 1, ["b"], shapes, 4, 1),
+            _rec("fsdp2", "reduce_scatter", 2, ["c"], shapes, 4, 1),
+            _rec("fsdp2", "reduce_scatter", 1, ["c"], shapes, 4, 2),
+            _rec("c10d", "all_reduce", 0, ["a"], shapes, 1, 1),
+            _rec("fsdp2", "reduce_scatter", 1, ["b"], shapes, 4, 3),
+            _rec("fsdp2", "reduce_scatter", 2, ["c"], shapes, 4, 3)]
+    ends = [ends_record("fsdp2", "reduce_scatter", 2, 2).to_dict(),
+            ends_record("c10d", "all_reduce", 0, 2).to_dict()]
+
+    def names(got, source="fsdp2"):
+        return [r["entries"][0]["fqn"] for r in got if r["source"] == source]
+
+    assert names(records_at(recs, 2)) == ["a", "c", "c"]  # the phantom, without the lines
+    assert names(records_at(recs, 1, ends)) == ["a", "b", "c"]
+    assert names(records_at(recs, 2, ends)) == ["a", "c"]
+    assert names(records_at(recs, 2, ends), "c10d") == []
+    assert names(records_at(recs, 3, ends)) == ["a", "b", "c"]
+    assert names(records_at(recs, 3, ends), "c10d") == []  # not written again: still empty
+
+
 def test_a_late_gradient_is_compared_and_predicted_at_the_step_it_joins(tmp_path):
     """Step 1: both sides reduce [p0, p1] (the adapter has no gradient yet); step 2: A packs
     [p0, p1, late], B [late, p0, p1]. Only the step-2 layouts differ: the order comparison and

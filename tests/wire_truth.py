@@ -17,6 +17,10 @@ collective that carries parameter or gradient bytes is described by a manifest l
 A manifest layout is written when it changes, so the layout in force at step s is the last line
 of its (source, collective, index) at or before s (FSDP2); for the c10d and dtensor sources,
 whose whole sequence of a step is rewritten on a change, the last step written at or before s.
+A line with ``"ends": true`` at step t and index n (docs/artifacts.md) says that from t on the
+source's sequence of that collective has n lines (FSDP2: positions n and after did not run; the
+c10d and dtensor sources: n is 0, none ran): lines written before it at those positions are no
+longer in force.
 """
 
 from __future__ import annotations
@@ -48,15 +52,19 @@ def _in_force(lines: list[dict], step: int, by_index: bool) -> list[dict]:
     the whole sequence of the last step written at or before it."""
     if by_index:
         out: dict = {}
-        for ln in lines:
+        for ln in lines:  # in the order written
             if ln["step"] <= step:
-                out[ln["index"]] = ln
+                if ln.get("ends") is True:
+                    for i in [i for i in out if i >= ln["index"]]:
+                        del out[i]
+                else:
+                    out[ln["index"]] = ln
         return [out[i] for i in sorted(out)]
     steps = [ln["step"] for ln in lines if ln["step"] <= step]
     if not steps:
         return []
     last = max(steps)
-    return [ln for ln in lines if ln["step"] == last]
+    return [ln for ln in lines if ln["step"] == last and ln.get("ends") is not True]
 
 
 def _bytes(t):

@@ -1360,9 +1360,12 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
     ra, rb = layouts["a"].rank, layouts["b"].rank
     recs_a = run_a.ranks[ra].buckets if ra in run_a.ranks else []
     recs_b = run_b.ranks[rb].buckets if rb in run_b.ranks else []
-    # steps at which both sides have begun recording (a side's first records set its start)
+    # steps at which both sides have begun recording (a side's first records set its start);
+    # a sequence that got shorter (``ends`` lines) is a change of layout too
     steps_a, steps_b = set(map(step_of, recs_a)), set(map(step_of, recs_b))
     start = max([min(st) for st in (steps_a, steps_b) if st] or [0])
+    for run, r, st in ((run_a, ra, steps_a), (run_b, rb, steps_b)):
+        st.update(map(step_of, getattr(run.ranks.get(r), "bucket_ends", ())))
     steps = [s for s in sorted(steps_a | steps_b) if s >= start]
     has_ar, ar_only, of_grads = one_sided_all_reduces(recs_a, recs_b)
     blind = _blind(recs_a, recs_b)

@@ -35,29 +35,51 @@ def step_of(r: dict) -> int:
     return s if s is not None else 0
 
 
-def records_at(records: list[dict], step: int) -> list[dict]:
+def _sequence(r: dict) -> str:
+    source = r.get("source") or "?"
+    if source == SOURCE_C10D and r.get("group") == "ddp":
+        return "c10d ddp"  # DDP's buckets: a sequence of their own
+    return source
+
+
+def records_at(records: list[dict], step: int, ends: list[dict] = ()) -> list[dict]:
     """The bucket records in force at ``step``: eager FSDP2 writes a bucket again only when it
-    changes (the latest at or before ``step`` per position), a compiled graph is replaced by a
-    recompile carrying the same parameters (the latest one compiled by ``step``), DTensor and
-    c10d sequences are written whole when they change (the latest one)."""
+    changes (the latest at or before ``step`` per position: ``collective`` and ``index``, as
+    capture/sources/fsdp2.py counts them), a compiled graph is replaced by a recompile carrying
+    the same parameters (the latest one compiled by ``step``), DTensor and c10d sequences are
+    written whole when they change (the latest one). ``ends`` (``RankData.bucket_ends``,
+    parity.records.ENDS): from its step on, an FSDP2 position at or past its ``index`` is not in
+    force until written again, and a DTensor or c10d sequence is empty until written again."""
     by_source: dict[str, list[dict]] = {}
     for r in records:
         if step_of(r) <= step:
-            source = r.get("source") or "?"
-            if source == SOURCE_C10D and r.get("group") == "ddp":
-                source = "c10d ddp"  # DDP's buckets: a sequence of their own
-            by_source.setdefault(source, []).append(r)
+            by_source.setdefault(_sequence(r), []).append(r)
+    cut: dict[tuple, list[tuple[int, int]]] = {}  # (sequence, collective) -> [(step, index)]
+    for e in ends:
+        if step_of(e) <= step and as_int(e.get("index")) is not None:
+            cut.setdefault((_sequence(e), e.get("collective")), []).append(
+                (step_of(e), e["index"]))
     keep: list[dict] = []
     for source, recs in by_source.items():
         if source in (SOURCE_DTENSOR, SOURCE_C10D, "c10d ddp"):
             last = max(step_of(r) for r in recs)
-            keep += [r for r in recs if step_of(r) == last]
+            emptied = max((s for (q, _), cs in cut.items() if q == source for s, _ in cs),
+                          default=-1)
+            if emptied < last:
+                keep += [r for r in recs if step_of(r) == last]
         elif source == SOURCE_GRAPH:
             keep += _latest_graphs(recs)
         else:
             last: dict = {}
             for r in recs:
-                last[(r.get("collective"), r.get("graph"), r.get("index"))] = r
+                last[(r.get("collective"), r.get("index"))] = r
+            for (q, coll), cs in cut.items():
+                if q != source:
+                    continue
+                for s, n in cs:  # positions n and after ended at step s
+                    for k in [k for k, r in last.items() if k[0] == coll
+                              and isinstance(k[1], int) and k[1] >= n and step_of(r) <= s]:
+                        del last[k]
             chosen = set(map(id, last.values()))
             keep += [r for r in recs if id(r) in chosen]
     ids = set(map(id, keep))
@@ -195,8 +217,9 @@ def infer_ops(layout: Layout) -> None:
 
 
 def layouts_at(run, rank: int, prefer: tuple, step: int) -> tuple[Layout, list[Bucket]]:
-    recs = run.ranks[rank].buckets if rank in run.ranks else []
-    now = records_at(recs, step)
+    rd = run.ranks.get(rank)
+    recs = rd.buckets if rd is not None else []
+    now = records_at(recs, step, getattr(rd, "bucket_ends", ()))
     lay = select_layout(now, prefer, rank)
     annotate_buckets(lay, now)
     return lay, all_reduce_buckets(now)

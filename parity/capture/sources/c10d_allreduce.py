@@ -54,7 +54,7 @@ from parity.capture.patches import _tracing
 from parity.capture.sources.fsdp2 import param_fqn
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
 from parity.capture.table import _module_roots, registered_ddp
-from parity.records import SOURCE_C10D, BucketEntry, BucketRecord, dtype_name
+from parity.records import SOURCE_C10D, BucketEntry, BucketRecord, dtype_name, ends_record
 
 __all__ = ["C10dAllReduces"]
 
@@ -464,6 +464,8 @@ class C10dAllReduces(ManifestSource):
             return
         self.last_signature = sig
         step = self.step()
+        if not calls:  # none this step: the last sequence written is no longer in force
+            self.emit(ends_record(SOURCE_C10D, "all_reduce", 0, step))
         for c in calls:
             c.step = step
             self.emit(c)

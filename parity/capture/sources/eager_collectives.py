@@ -29,7 +29,7 @@ from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
 from parity.capture.names import normalize_fqn
 from parity.capture.patches import _tracing
 from parity.capture.table import _module_roots
-from parity.records import SOURCE_DTENSOR, BucketEntry, BucketRecord, dtype_name
+from parity.records import SOURCE_DTENSOR, BucketEntry, BucketRecord, dtype_name, ends_record
 
 __all__ = ["EagerCollectives", "kind_of", "MODULES"]
 
@@ -283,6 +283,8 @@ class EagerCollectives(ManifestSource):
             return
         self.last_signature = sig
         step = self.step()
+        if not calls:  # none this step: the last sequence written is no longer in force
+            self.emit(ends_record(SOURCE_DTENSOR, "all_gather", 0, step))
         for c, _, _ in calls:
             c.step = step
             self.emit(c)

@@ -30,7 +30,8 @@ import torch
 from parity.capture import post_import
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
 from parity.capture.names import normalize_fqn
-from parity.records import SOURCE_FSDP2, BucketEntry, BucketRecord, common_module, dtype_name
+from parity.records import (SOURCE_FSDP2, BucketEntry, BucketRecord, common_module, dtype_name,
+                            ends_record)
 
 GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _AG_ARGS = ("fsdp_params", "group")
@@ -127,6 +128,7 @@ class FSDP2Recorder(ManifestSource):
         super().__init__(hooks)
         self._emit = hooks.emit
         self._step = lambda: hooks.done() + 1
+        self._done = hooks.done
         self._normalize = normalize_fqn
         self._fail = hooks.fail
         self._module = None
@@ -232,8 +234,27 @@ class FSDP2Recorder(ManifestSource):
 
     # ------------------------------------------------------------------------------ records
     def new_step(self) -> None:
-        """An optimizer step finished: the next collectives belong to the next step."""
-        self._index = {"all_gather": 0, "reduce_scatter": 0}
+        """An optimizer step finished: the next collectives belong to the next step.
+
+        A step that issued fewer buckets of a kind than are written (a ``fully_shard`` group
+        unused at this step; micro-batches without gradient sync) gets an ``ends`` line
+        (parity.records.ENDS): positions are written only when they change, so a vanished one
+        would otherwise stay in force for the reader. Only where FSDP2 ran eagerly this step
+        (some collective seen): a step it ran compiled, or not at all, says nothing."""
+        used, self._index = self._index, {"all_gather": 0, "reduce_scatter": 0}
+        if not self.enabled or not any(used.values()):
+            return
+        for collective, n in used.items():
+            gone = [k for k in self._raw if k[0] == collective and k[1] >= n]
+            if not gone:
+                continue
+            written = [self._last[k] for k in gone if k in self._last]
+            for k in gone:
+                self._raw.pop(k, None)
+                self._last.pop(k, None)
+            if written:  # (a layout's signature: group, dtype, world size, ...)
+                self._emit(ends_record(SOURCE_FSDP2, collective, n, self._done(),
+                                       world_size=written[0][2]))
 
     def _group_fqn(self, fsdp_params, group) -> str | None:
         if group is not None and group._module_fqn is not None:
