@@ -85,3 +85,62 @@ def test_a_graph_recorded_without_an_op_counts_as_a_sum_and_says_so():
     annotate_buckets(lay, recs)
     (b,) = lay.buckets["reduce_scatter"]
     assert op_of(b) == "sum" and b.op_guessed is True
+
+
+def test_twins_but_for_the_op_are_predicted_with_each_sides_op():
+    """Identical layouts, A eager FSDP2 (AVG, by rule), B a graph recording SUM (torchtitan's
+    SimpleFSDP: ``Partial(reduce_op="sum")``). They were skipped as the same bucket; on one
+    NVSwitch node B's SUM may run NVLS where A's PreMulSum cannot, so the answer is unknown,
+    and with Ring pinned the same sums, with the op difference said under assumptions."""
+    from test_reduction import SHAPES, _layouts
+
+    from parity.diff.reduction import predict
+
+    order = [["p0", "p1"], ["s0", "s1"]]
+    one = "1x4:channels=4"
+    same_op = predict(_layouts(order, order, SHAPES, b_op="avg"), SHAPES, one, capture_world=4)
+    assert same_op.verdict == "same" and not same_op.to_dict()["assumptions"]
+    got = predict(_layouts(order, order, SHAPES, b_op="sum"), SHAPES, one, capture_world=4)
+    assert got.verdict == "unknown" and "NVLS" in got.unknown[0]["reason"], got.to_dict()
+    ring = predict(_layouts(order, order, SHAPES, b_op="sum"), SHAPES, one + ",algo=Ring",
+                   capture_world=4)
+    assert ring.verdict == "same", ring.to_dict()
+    said = " ".join(ring.to_dict()["assumptions"])
+    assert "reduce op avg against sum" in said and "scaling is not modelled" in said
+
+
+class _Group:
+    def __init__(self, n: int):
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("dtype, factor, force, hsdp, want", [
+    (torch.float32, None, False, None, "avg"),  # FSDP2's default on 4 ranks
+    (torch.bfloat16, 1.0, False, None, "premul_sum"),  # torchtitan's divide factor 1.0
+    (torch.float32, 4.0, False, None, "avg"),  # a factor equal to the group size
+    (torch.float16, None, False, None, "sum"),  # overflow risk: pre/post divide, SUM
+    (torch.float32, None, True, None, "sum"),  # forced sum (symmetric memory)
+    (torch.float32, None, False, 2, "avg"),  # HSDP
+])
+def test_fsdp2_records_the_op_its_own_rule_gives(dtype, factor, force, hsdp, want):
+    """The eager FSDP2 source asks FSDP2's ``_get_gradient_divide_factors`` with the call's
+    arguments (no collective, no state): the op the job reduce-scatters with, not a guess."""
+    from parity.capture.sources.fsdp2 import FSDP2Recorder, _op_rule
+    from parity.capture.sources.manifest_source import SourceHooks
+
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401
+
+    def nothing(*a, **k):
+        return None
+
+    src = FSDP2Recorder(SourceHooks(nothing, nothing, nothing, lambda: 0, nothing, nothing,
+                                  nothing))
+    src._rule = _op_rule()
+    assert src._rule is not None
+    args = {"gradient_divide_factor": factor, "all_reduce_group": hsdp and _Group(hsdp),
+            "device": torch.device("cpu"), "force_sum_reduction_for_comms": force}
+    assert src._reduce_op(_Group(4), dtype, lambda: args) == want
+    assert src._reduce_op(_Group(4), dtype, None) is None  # arguments not readable: not known

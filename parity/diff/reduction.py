@@ -655,6 +655,32 @@ def _env_items(env) -> tuple:
     return tuple(sorted((str(k), str(v)) for k, v in (env or {}).items() if v is not None))
 
 
+def _known_op(b: Bucket) -> str | None:
+    """A bucket's reduce op where it is known (recorded, or eager FSDP2's by its rule), else
+    None (a compiled graph recorded before parity wrote the op)."""
+    return None if getattr(b, "op_guessed", False) else getattr(b, "op", None)
+
+
+def _alike_but_op(kind: str, ba: list[Bucket], bb: list[Bucket], same_bucket: dict[int, int]
+                  ) -> list[tuple[int, str]]:
+    """A's buckets of ``same_bucket`` whose twin on B has another reduce op, both known, with
+    what the prediction then assumes. Why: the op decides which of NCCL's algorithms may run
+    (AVG and PREMUL_SUM are PreMulSum, which neither PAT nor NVLS takes; a SUM may run NVLS on
+    one NVSwitch node), so such a pair is predicted with each side's op, not skipped as the
+    same; where each side applies its scaling (PreMulSum: by its factor before the sum) is not
+    modelled, and is said."""
+    by_a = {b.index: b for b in ba}
+    by_b = {b.index: b for b in bb}
+    out = []
+    for ia, ib in same_bucket.items():
+        oa, ob = _known_op(by_a[ia]), _known_op(by_b[ib])
+        if oa is not None and ob is not None and oa != ob:
+            out.append((ia, f"{kind} bucket A {ia} / B {ib}: reduce op {oa} against {ob}; each "
+                            "side's algorithms predicted with its own op; where each applies its "
+                            "scaling is not modelled"))
+    return out
+
+
 def _twin_key(b: Bucket) -> tuple:
     return len(b.entries), b.entries[0].fqn if b.entries else None, b.dtype, group_size_of(b)
 
@@ -684,9 +710,9 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
                                 "reason": ONE_SIDED_AR.format(side=ctx.ar_only,
                                                                    what=ctx.ar_what)})
         return
-    # A's bucket -> B's with the same payloads, dtype and group size (the op is left out: a
-    # compiled graph's is not recorded: reduction_order's assumptions); the last such B bucket,
-    # names compared only where the count, first payload, dtype and group size agree
+    # A's bucket -> B's with the same payloads, dtype and group size (the op is compared
+    # below, where both sides know theirs); the last such B bucket, names compared only where
+    # the count, first payload, dtype and group size agree
     maybe: dict[tuple, list] = {}
     for b in bb:
         maybe.setdefault(_twin_key(b), []).append(b)
@@ -698,6 +724,10 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
             for c in found:
                 if c.fqns == names:
                     same_bucket[b.index] = c.index
+    for ia, text in _alike_but_op(kind, ba, bb, same_bucket):  # each side's op, predicted
+        same_bucket.pop(ia)
+        if text not in assumptions:
+            assumptions.append(text)
     # buckets the same on both sides (same payloads, order, dtype, op) whose payloads are first
     # there on both sides cannot differ: their layouts are not derived
     skip: dict[str, set] = {"a": set(), "b": set()}

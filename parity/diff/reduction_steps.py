@@ -185,11 +185,13 @@ def paired_all_reduces(ara: list[Bucket], arb: list[Bucket]
 def annotate_buckets(layout: Layout, records: list[dict]) -> None:
     """Reduce-scatter buckets get their group size (the recorded ``world_size``), whether they
     were one coalesced call, and their op: eager FSDP2 reduce-scatters fp32 and bf16 gradients
-    with ReduceOp.AVG on a group of more than one rank (``_get_gradient_divide_factors`` in
-    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, torch 2.6-2.13), i.e. NCCL's
-    PreMulSum; a compiled graph's op is the one its node names (``op``, graph_walk.py); a graph
-    recorded before parity wrote it has none and counts as a sum (the answer that leaves PAT and
-    NVLS possible: unknown rather than a guess)."""
+    with the op FSDP2's rule gives for the call (``op``: ``_get_gradient_divide_factors`` in
+    torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, torch 2.6-2.13: AVG, i.e. NCCL's
+    PreMulSum, for fp32 and bf16 on more than one rank; PREMUL_SUM under a divide factor, as
+    torchtitan sets 1.0); a compiled graph's op is the one its node names (``op``,
+    graph_walk.py). Runs recorded before parity wrote the op: eager FSDP2's by the default
+    rule (``infer_ops``), a graph's counts as a sum (the answer that leaves PAT and NVLS
+    possible: unknown rather than a guess)."""
     by_key: dict = {}
     sources = (SOURCE_FSDP2, SOURCE_GRAPH)
     for r in reversed(records):  # the first record of a key is written last
@@ -199,7 +201,7 @@ def annotate_buckets(layout: Layout, records: list[dict]) -> None:
         r = by_key.get((b.graph_id, b.record_index))
         b.group_size = as_int(r.get("world_size")) if r is not None else None
         b.coalesced = bool(b.node) and "coalesced" in b.node
-        op = r.get("op") if r is not None and r.get("source") == SOURCE_GRAPH else None
+        op = r.get("op") if r is not None else None
         if isinstance(op, str) and op:
             b.op = op
     infer_ops(layout)

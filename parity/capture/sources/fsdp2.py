@@ -23,7 +23,7 @@ import inspect
 import math
 import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -36,6 +36,35 @@ from parity.records import (SOURCE_FSDP2, BucketEntry, BucketRecord, common_modu
 GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _AG_ARGS = ("fsdp_params", "group")
 _RS_ARGS = ("fsdp_params", "unsharded_grads", "reduce_scatter_group", "reduce_dtype")
+# what FSDP2's reduce op is derived from (``foreach_reduce``'s arguments, torch 2.6-2.13);
+# optional: where they are missing the op is not written and the diff derives it by rule
+_RS_OP_ARGS = ("gradient_divide_factor", "all_reduce_group", "device",
+               "force_sum_reduction_for_comms")
+COLLECTIVES_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
+
+
+def _op_rule() -> Callable | None:
+    """FSDP2's own ``_get_gradient_divide_factors`` (a pure function: no collective, no
+    state), or None where it is missing or its signature moved."""
+    mod = sys.modules.get(COLLECTIVES_MODULE)
+    fn = getattr(mod, "_get_gradient_divide_factors", None)
+    if fn is None:
+        return None
+    try:
+        params = set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    need = {"reduce_scatter_group", "all_reduce_group", "reduce_dtype", "device_type", "factor",
+            "force_sum_reduction_for_comms"}
+    return fn if need <= params else None
+
+
+def reduce_op_name(op: Any) -> str:
+    """``ReduceOp.AVG`` -> ``"avg"``, ``ReduceOp.PREMUL_SUM(f)`` -> ``"premul_sum"`` (the
+    record's ``op``, as the graph source spells it)."""
+    op = getattr(op, "op", op)  # a PREMUL_SUM object carries its RedOpType
+    text = str(op)
+    return text.rsplit(".", 1)[-1].lower() if "." in text and " " not in text else "other"
 
 
 def _arg_getter(fn: Callable, names: tuple[str, ...]) -> Callable | None:
@@ -132,6 +161,7 @@ class FSDP2Recorder(ManifestSource):
         self._normalize = normalize_fqn
         self._fail = hooks.fail
         self._module = None
+        self._rule: Callable | None = None  # FSDP2's op rule (_op_rule), found at install
         self._orig: dict[str, Callable] = {}
         self._index = {"all_gather": 0, "reduce_scatter": 0}
         self._last: dict[tuple[str, int], tuple] = {}  # layout last written per position
@@ -174,10 +204,12 @@ class FSDP2Recorder(ManifestSource):
                 return self._unavailable(f"{GROUP_MODULE}.{name} not found")
         ag_get = _arg_getter(ag, _AG_ARGS)
         rs_get = _arg_getter(rs, _RS_ARGS)
+        op_get = _arg_getter(rs, _RS_OP_ARGS)  # None: the op is not written (derived by rule)
         if ag_get is None or rs_get is None:
             bad = "foreach_all_gather" if ag_get is None else "foreach_reduce"
             return self._unavailable(f"{GROUP_MODULE}.{bad} has an unexpected signature")
         self._module = mod
+        self._rule = _op_rule()
         self._orig = {"foreach_all_gather": ag, "foreach_reduce": rs}
         recorder = self
 
@@ -204,7 +236,9 @@ class FSDP2Recorder(ManifestSource):
                                         rs_get(args, kwargs, "unsharded_grads"),
                                         rs_get(args, kwargs, "reduce_scatter_group"),
                                         rs_get(args, kwargs, "reduce_dtype"),
-                                        _calling_group())
+                                        _calling_group(),
+                                        op_get and (lambda: {n: op_get(args, kwargs, n)
+                                                             for n in _RS_OP_ARGS}))
                 except Exception as e:  # noqa: BLE001
                     recorder._fail(e)
                 recorder.seconds += time.perf_counter() - t0
@@ -277,7 +311,7 @@ class FSDP2Recorder(ManifestSource):
         return False
 
     def _record(self, collective: str, group: str | None, dtype: torch.dtype, world_size: int,
-                entries: list[BucketEntry]) -> None:
+                entries: list[BucketEntry], op: str | None = None) -> None:
         index = self._index[collective]
         self._index[collective] = index + 1
         key = (collective, index)
@@ -287,14 +321,15 @@ class FSDP2Recorder(ManifestSource):
         if collective == "all_gather":
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         sig = (group, dtype, world_size, phase,
-               tuple((e.fqn, e.offset, e.size, e.numel, e.dtype, tuple(e.shape)) for e in entries))
+               tuple((e.fqn, e.offset, e.size, e.numel, e.dtype, tuple(e.shape)) for e in entries),
+               op)
         if self._last.get(key) == sig:
             return
         self._last[key] = sig
         self._emit(BucketRecord(
             SOURCE_FSDP2, collective, index, entries, graph=phase, step=self._step(), group=group,
             dtype=dtype_name(dtype), world_size=world_size,
-            total_bytes=sum(e.size for e in entries)))
+            total_bytes=sum(e.size for e in entries), extra={"op": op} if op else {}))
 
     def _fqn(self, fsdp_param, i: int) -> str:
         fqn = param_fqn(fsdp_param)
@@ -331,13 +366,33 @@ class FSDP2Recorder(ManifestSource):
         self._record("all_gather", self._group_fqn(fsdp_params, param_group), payload_dtype,
                      world_size, entries)
 
-    def _on_reduce(self, fsdp_params, unsharded_grads, group, reduce_dtype, param_group) -> None:
+    def _reduce_op(self, group, dtype, op_args) -> str | None:
+        """The op FSDP2 reduce-scatters with, by its own rule (``_get_gradient_divide_factors``
+        on this call's group, HSDP group, dtype, divide factor and forced sum: torchtitan's
+        ``set_gradient_divide_factor(1.0)`` makes it PREMUL_SUM); None where not known."""
+        rule = self._rule if op_args is not None else None
+        if rule is None:
+            return None
+        a = op_args()
+        device = a.get("device")
+        try:
+            got = rule(reduce_scatter_group=group, all_reduce_group=a.get("all_reduce_group"),
+                       reduce_dtype=dtype, device_type=getattr(device, "type", "") or "",
+                       factor=a.get("gradient_divide_factor"),
+                       force_sum_reduction_for_comms=bool(a.get("force_sum_reduction_for_comms")))
+            return reduce_op_name(got[2])
+        except Exception:  # noqa: BLE001 - not known: the diff derives it by rule
+            return None
+
+    def _on_reduce(self, fsdp_params, unsharded_grads, group, reduce_dtype, param_group,
+                   op_args=None) -> None:
         if not fsdp_params or not unsharded_grads:
             return
         world_size = group.size() if group is not None else 1
         dtype = reduce_dtype or unsharded_grads[0].dtype
+        op = self._reduce_op(group, dtype, op_args)
         raw = (id(param_group), tuple(map(id, fsdp_params)), world_size, dtype,
-               tuple(g.shape for g in unsharded_grads))
+               tuple(g.shape for g in unsharded_grads), op)
         if self._unchanged("reduce_scatter", raw):
             return
         itemsize = dtype.itemsize
@@ -358,4 +413,4 @@ class FSDP2Recorder(ManifestSource):
                                        list(getattr(fp, "sharded_size", ()) or ())))
             offset += size
         self._record("reduce_scatter", self._group_fqn(fsdp_params, param_group), dtype,
-                     world_size, entries)
+                     world_size, entries, op)
