@@ -556,7 +556,7 @@ def _bucket(node: Any, kind: str, coalesced: bool, index: int, graph_kind: str, 
     else:
         world_size = _group_size(node.args[1] if kind == "all_gather" else node.args[2])
         if kind == "reduce_scatter":
-            _reduce_scatter_op(node, extra)
+            _reduce_op(node, _bound(node), extra)
     pieces, dtypes, pattern = _payloads(node, coalesced, warnings)
     outs = _payload_outputs(node, kind, coalesced, pattern, len(pieces), label, warnings)
     own = node_module(node)  # the collective's own annotation, when it names a module
@@ -577,16 +577,22 @@ def _bucket(node: Any, kind: str, coalesced: bool, index: int, graph_kind: str, 
             None if kind != "all_gather" and any(e.fqn for e in entries) else own, entries))
 
 
-def _reduce_scatter_op(node: Any, extra: dict) -> None:
-    """A reduce-scatter's op as the graph says it, into ``extra["op"]`` (``avg``, ``sum``...):
-    ``_c10d_functional::reduce_scatter_tensor(Tensor input, str reduce_op, int group_size, str
-    group_name)`` and its ``_coalesced`` form (torch 2.6-2.15). Why: the op decides which of
-    NCCL's algorithms may run (AVG on floats is PreMulSum, which PAT and NVLS do not take:
-    parity/nccl/api.py), so the reduction model reads it; unrecorded, it counts as a SUM."""
+def _bound(node: Any) -> dict:
+    """A collective node's arguments by name (its schema's), positional and keyword."""
     schema = getattr(node.target, "_schema", None)
     names = [a.name for a in schema.arguments] if schema is not None else []
     bound = dict(zip(names, node.args))
     bound.update(node.kwargs or {})
+    return bound
+
+
+def _reduce_op(node: Any, bound: dict, extra: dict) -> None:
+    """A reduction's op as the graph says it, into ``extra["op"]`` (``avg``, ``sum``...): the
+    second argument of ``_c10d_functional::reduce_scatter_tensor(Tensor input, str reduce_op,
+    int group_size, str group_name)``, ``all_reduce(Tensor input, str reduce_op, Any
+    group_name)`` and their coalesced forms (torch 2.6-2.15). Why: the op decides which of
+    NCCL's algorithms may run (AVG on floats is PreMulSum, which PAT and NVLS do not take:
+    parity/nccl/api.py), so the reduction model reads it; unrecorded, it counts as a SUM."""
     op = bound.get("reduce_op", node.args[1] if len(node.args) > 1 else None)
     if isinstance(op, str):
         extra["op"] = op.lower()
@@ -599,13 +605,8 @@ def _all_reduce_group(node: Any, extra: dict, label: str, warnings: list[str]) -
     (``_c10d_functional::all_reduce(Tensor input, str reduce_op, Any group_name)``, torch
     2.13), resolved as the collective itself resolves it
     (``distributed_c10d._resolve_process_group``)."""
-    schema = getattr(node.target, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    bound = dict(zip(names, node.args))
-    bound.update(node.kwargs or {})
-    op = bound.get("reduce_op", node.args[1] if len(node.args) > 1 else None)
-    if isinstance(op, str):
-        extra["op"] = op.lower()
+    bound = _bound(node)
+    _reduce_op(node, bound, extra)
     group = bound.get("group_name", node.args[2] if len(node.args) > 2 else None)
     if hasattr(group, "op") and hasattr(group, "users"):  # a graph input: its traced value
         group = _val(group)
