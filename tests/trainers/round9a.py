@@ -51,7 +51,7 @@ Knobs (environment):
              all-gathers the Shard gradient) | rsag (the trainer's reduce-scatter, then its
              all-gather back to Replicate: on 2 ranks bitwise ar's values, another reduction)
   R9_REV=1   the optimizer's parameters in reverse order (the implicit reductions run in it)
-  R9_MOM     SGD momentum (default 0.9)
+  R9_MOM     SGD momentum (default 0.9);  R9_OPT  sgd (default) | sgd_foreach | adam
   R9_STAT=1  dtensor + R9_DP: a batch statistic of l0's output (a Partial activation of
              l0.bias's shape) all-reduced in the forward under no_grad; it changes nothing
   R9_RSB=1   dtensor: l3.w_t's gathered weight leaves its gradient Partial
@@ -338,8 +338,12 @@ def main():
     named = list(model.named_parameters())
     TRUTH["names"] = [n for n, _ in named]
     trained = [p for _, p in named if p.requires_grad]
-    opt = torch.optim.SGD(trained[::-1] if E("R9_REV") == "1" else trained, lr=0.05,
-                          momentum=float(E("R9_MOM", "0.9")))
+    trained = trained[::-1] if E("R9_REV") == "1" else trained
+    if E("R9_OPT") == "adam":
+        opt = torch.optim.Adam(trained, lr=0.01, foreach=False)
+    else:
+        opt = torch.optim.SGD(trained, lr=0.05, momentum=float(E("R9_MOM", "0.9")),
+                              foreach=E("R9_OPT") == "sgd_foreach")
     mode = Wire() if E("R9_WIRE", "1") == "1" else None
     if mode is not None:
         Wire.wrap_funcol()
