@@ -1404,7 +1404,10 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
             cmp_a, cmp_b, note = paired_all_reduces(ara, arb)
             if note and note not in order.notes:
                 order.notes.append(note)
-            pairs, _ = align_buckets(AR, cmp_a, cmp_b)
+            pairs, ar_notes = align_buckets(AR, cmp_a, cmp_b)
+            for n in ar_notes:  # e.g. the all-reduces issued in another order: said, no failure
+                if n not in order.notes:
+                    order.notes.append(n)
             _add_pairs(order, pairs, la, lb, ara, arb, s if k else None, have, True)
     if ar_only:
         order.notes.append(ONE_SIDED_AR.format(side=ar_only, what=ar_what))
