@@ -192,6 +192,12 @@ def test_a_gradient_reduced_another_way_fails_naming_it(runs):
     assert rc == EXIT_MISMATCH, line
     assert "bucket partition differs (reduce_scatter bucket 1 of B position 0, l0.weight)" \
         in line and "reduction structure" in line and "hashes bitwise identical" in line, line
+    # each parameter counted as reduced, by its name: one all-reduce in A, one reduce-scatter
+    # in B (the old counts went by shape: l0.weight's momentum buffer row was "reduced" too)
+    assert sorted((s["fqn"], s.get("collective", "reduce_scatter"), s["a"], s["b"])
+                  for s in js["order"]["structure"]) == [
+        ("l0.bias", "all_reduce", 1, 0), ("l0.bias", "reduce_scatter", 0, 1),
+        ("l0.weight", "all_reduce", 1, 0), ("l0.weight", "reduce_scatter", 0, 1)]
 
 
 def test_the_identical_pair_holds(runs):

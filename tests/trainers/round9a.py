@@ -343,7 +343,7 @@ def main():
         opt = torch.optim.Adam(trained, lr=0.01, foreach=False)
     else:
         opt = torch.optim.SGD(trained, lr=0.05, momentum=float(E("R9_MOM", "0.9")),
-                              foreach=E("R9_OPT") == "sgd_foreach")
+                              foreach=True if E("R9_OPT") == "sgd_foreach" else None)
     mode = Wire() if E("R9_WIRE", "1") == "1" else None
     if mode is not None:
         Wire.wrap_funcol()

@@ -11,7 +11,8 @@ check could not count that parameter as reduced.
 
 How, chosen so that it never changes the job (no hook of any kind, no extra collective or
 synchronisation, no value read: only autograd's running node, ``.grad`` attributes and tensor
-metadata; nothing kept alive past the call but weak references):
+metadata; nothing kept alive past the call but weak references and the parameters, which the
+model holds anyway):
 
 - in a backward, the redistribution the autograd engine runs because of a ``redistribute``
   in the forward (the running node is ``Redistribute``'s backward: a Shard parameter gathered
@@ -35,6 +36,13 @@ A Partial tensor that is neither (an activation all-reduced by tensor parallelis
 statistic) stays unnamed, and the shape fallback that names a cast of a parameter (a bf16
 all-gather input) is not applied to Partial tensors: a Partial value is a sum still to be
 taken, never a copy of a parameter.
+
+Not chosen: a gradient hook (``register_post_accumulate_grad_hook``, a hook on
+``AccumulateGrad``) on each parameter: code of parity's in the job's backward, registered on
+the trainer's tensors (it must know them before the first backward, and it would see the
+gradient, not which collective carried it); comparing the Partial tensor's address with
+``.grad`` after the step: by then a replaced gradient is freed and its memory reused by the
+next one (a wrong name, where no name is honest).
 
 Left out: a reduction of a temporary derived from a gradient (a copy or a scaled gradient,
 not an alias) whose result does not become the ``.grad``: it stays unnamed.
