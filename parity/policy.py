@@ -169,6 +169,14 @@ def _ids(cells: list, show: int = 3) -> str:
     return ", ".join(ids[:show]) + (f" +{len(ids) - show} more" if len(ids) > show else "")
 
 
+def bucket_ref(fb: dict) -> str:
+    """'bucket 3' (A's index), or 'bucket 1 of B' where A has no such bucket (it was written
+    'bucket None')."""
+    if fb.get("index") is None and fb.get("b_index") is not None:
+        return f"bucket {fb['b_index']} of B"
+    return f"bucket {fb.get('index')}"
+
+
 def order_phrase(order_verdict: str | None, first_bucket: dict | None = None) -> str:
     """'bucket order differs (all_gather bucket 0)' and the like."""
     what = {"order_differs": "bucket order differs", "partition_differs":
@@ -176,9 +184,14 @@ def order_phrase(order_verdict: str | None, first_bucket: dict | None = None) ->
             }.get(order_verdict or "", f"bucket layouts {order_verdict or 'not recorded'}")
     fb = first_bucket if isinstance(first_bucket, dict) else {}
     if fb.get("collective"):
-        where = f"{fb['collective']} bucket {fb.get('index')}"
+        where = f"{fb['collective']} {bucket_ref(fb)}"
         if fb.get("position") is not None:
             where += f" position {fb['position']}"
+        if fb.get("index") is None or fb.get("b_index") is None:
+            # a bucket one side lacks (a gradient reduced another way there): say whose
+            e = fb.get("a") or fb.get("b")
+            if isinstance(e, dict) and isinstance(e.get("fqn"), str):
+                where += f", {e['fqn']}"
         own = fb.get("verdict")  # the named bucket's own class, when it is not the verdict's
         if own and own != order_verdict and own in ORDER_FAILURES:
             where += f": its {own.replace('_differs', '')} differs"

@@ -25,7 +25,9 @@ def test_chunked_redistributions_are_recorded_with_parameter_and_module(tmp_path
               "Shard(dim=0) -> Replicate()"),
              (1, "all_gather", "loss_fn(ChunkLoss) > 0", "0.weight", "float32", [4, 3],
               "Shard(dim=0) -> Replicate()"),
-             (1, "reduce_scatter", "loss_fn(ChunkLoss)", None, "float32", [4, 3],
+             # the Partial gradient reduce-scattered in Redistribute's backward: the weight's
+             # (round 10c: named by the AccumulateGrad it feeds; it was null)
+             (1, "reduce_scatter", "loss_fn(ChunkLoss)", "0.weight", "float32", [4, 3],
               "Partial(sum) -> Shard(dim=0)")]
     assert got == chunk * 2  # step 2 repeats step 1's sequence: not written again
     # module attribution (issue 14): the weight's all-gather was issued under the loss function
@@ -33,7 +35,10 @@ def test_chunked_redistributions_are_recorded_with_parameter_and_module(tmp_path
     from parity.diff.bucket_summary import summarize_run
 
     found = summarize_run(read_run(out))["attribution"]
+    # and (round 10c, now that it is named) its gradient's reduce-scatter, run by the backward
+    # that the loss function calls per chunk
     assert [(a["fqn"], a["module"], a["collective"]) for a in found] == [
-        ("0.weight", "loss_fn(ChunkLoss) > 0", "all_gather")]
+        ("0.weight", "loss_fn(ChunkLoss) > 0", "all_gather"),
+        ("0.weight", "loss_fn(ChunkLoss)", "reduce_scatter")]
     meta = json.loads((out / "rank-00000" / "meta.json").read_text())
     assert "dtensor" in meta["capture"]["manifests"]

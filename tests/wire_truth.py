@@ -12,7 +12,11 @@ collective that carries parameter or gradient bytes is described by a manifest l
 - all-reduce (DDP's buckets, HSDP's replicate all-reduce, a trainer's own): the same, over the
   group's ranks (DDP: the sum is the mean gradient itself);
 - DTensor's functional collectives (``_c10d_functional``): counted against the ``dtensor`` lines
-  of the step; an all-gather of a parameter's local shard checked as above.
+  of the step; an all-gather of a parameter's local shard checked as above; a reduction of a
+  Partial tensor (all-reduce, reduce-scatter) named after a parameter: the ranks' inputs summed
+  are that parameter's gradient (the ranks' Partial gradients summed, as the trainer saved
+  them after the backward: ``pgrads``), and no other parameter's; one left unnamed must be no
+  parameter's gradient (a gradient summed but not named is a problem too).
 
 A manifest layout is written when it changes, so the layout in force at step s is the last line
 of its (source, collective, index) at or before s (FSDP2); for the c10d and dtensor sources,
@@ -96,6 +100,8 @@ class Judge:
         self.problems: list[str] = []
         self.factors: dict[str, list[float]] = {}
         self.checked = 0  # entries checked
+        self.named_reductions: list = []  # (rank, step, fqn, collective) of right named ones
+        self.unnamed_reductions = 0
         self.shard_world = max([ln["world_size"] for m in self.manifests for ln in m
                                 if ln["source"] == "fsdp2"] or [1])
 
@@ -321,18 +327,74 @@ class Judge:
             self.check_line(rank, step, call, line, "all_reduce", summed, grads)
 
     def check_dtensor(self, rank, step):
-        calls = [c for c in self.truths[rank]["wire"] if c["step"] == step
-                 and c.get("ns") in ("_c10d_functional", "funcol")
-                 and not c["op"].startswith("_")]
+        calls = self._dtensor_calls(rank, step)
         lines = _in_force([ln for ln in self.manifests[rank] if ln["source"] == "dtensor"],
                           step, False)
         if len(calls) != len(lines):
             self.problems.append(f"rank {rank} step {step}: {len(calls)} DTensor functional "
                                  f"collective(s) on the wire, {len(lines)} dtensor line(s)")
             return
-        for call, line in zip(calls, lines):
+        for i, (call, line) in enumerate(zip(calls, lines)):
             if line["collective"] == "all_gather" and call["op"].startswith("all_gather"):
                 self.check_line(rank, step, call, line, "all_gather")
+            elif line["collective"] in ("all_reduce", "reduce_scatter"):
+                self.check_dtensor_reduction(rank, step, i, call, line)
+
+    def _dtensor_calls(self, rank, step):
+        return [c for c in self.truths[rank]["wire"] if c["step"] == step
+                and c.get("ns") in ("_c10d_functional", "funcol") and not c["op"].startswith("_")]
+
+    def check_dtensor_reduction(self, rank, step, i, call, line):
+        """The i-th DTensor collective of the step, a reduction: its inputs over the ranks
+        summed against the ranks' Partial gradients summed (``pgrads``)."""
+        import torch
+
+        where = f"rank {rank} step {step} dtensor#{line['index']} {line['collective']}"
+        want = "all_reduce" if line["collective"] == "all_reduce" else "reduce_scatter"
+        if not call["op"].startswith(want):
+            self.problems.append(f"{where}: the wire's collective is {call['op']}")
+            return
+        x = call["inputs"][0]
+        nbytes = x.numel() * x.element_size()
+        if want == "reduce_scatter":
+            nbytes = -(-x.numel() // line["world_size"]) * x.element_size()
+        if line.get("total_bytes") != nbytes:
+            self.problems.append(f"{where}: {nbytes} bytes on the wire, manifest says "
+                                 f"{line.get('total_bytes')}")
+        summed = None
+        for r in range(self.world):
+            rc = self._dtensor_calls(r, step)
+            y = rc[i]["inputs"][0].double() if len(rc) > i else None
+            if y is None or y.numel() != x.numel():
+                self.problems.append(f"{where}: rank {r} has no such call")
+                return
+            summed = y if summed is None else summed + y
+        sums = {}
+        for fqn in self.truths[rank]["steps"][step - 1].get("pgrads") or {}:
+            gs = [self.truths[r]["steps"][step - 1]["pgrads"].get(fqn) for r in range(self.world)]
+            if any(g is None for g in gs):
+                continue
+            if gs[0][1]:  # Partial: the ranks' gradients summed
+                sums[fqn] = sum(g.reshape(-1).double() for g, _ in gs)
+            else:  # Shard(0), reduce-scattered in the backward: the shards, padded as sent
+                full = torch.cat([g.reshape(-1).double() for g, _ in gs])
+                if full.numel() <= summed.numel():
+                    sums[fqn] = torch.cat([full, full.new_zeros(summed.numel() - full.numel())])
+        hits = [f for f, g in sums.items() if self._close(summed, g, 1.0)]
+        fqn = line["entries"][0]["fqn"]
+        self.checked += 1
+        if fqn is None:
+            if hits:
+                self.problems.append(f"{where}: unnamed, but it sums {hits[0]}'s gradient")
+            self.unnamed_reductions += 1
+            return
+        if fqn not in sums:
+            self.problems.append(f"{where}: named {fqn}, which has no Partial gradient")
+        elif hits != [fqn]:
+            self.problems.append(f"{where}: named {fqn}, the ranks' inputs summed are "
+                                 f"{hits or 'no'} parameter's gradient")
+        else:
+            self.named_reductions.append((rank, step, fqn, line["collective"]))
 
     def run(self, fsdp2=True, allreduce=True, dtensor=True) -> list[str]:
         steps = len(self.truths[0]["steps"])

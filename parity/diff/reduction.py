@@ -64,6 +64,7 @@ from parity.errors import ParityError
 from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, parse_topology
 from parity.nccl import predict as nccl_predict
 from parity.nccl.probe_file import describe_file
+from parity.records import SOURCE_DTENSOR
 
 if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
     import numpy as np
@@ -619,7 +620,8 @@ def _side(kind: str, buckets: list[Bucket], skip: set, topo: Topology,
 def _reduce_counts(kind: str, layout: Layout, ar: list[Bucket], eager: list[dict],
                    shapes: dict) -> dict[str, int]:
     """fqn -> how many collectives of ``kind`` reduce its gradient on this side (buckets, plus
-    eager DTensor collectives of it)."""
+    eager DTensor reduce-scatters of it where the layout is another source's; eager DTensor
+    all-reduces are among ``ar`` already: reduction_steps.all_reduce_buckets)."""
     out: dict[str, int] = {}
     if kind == RS:  # in payload order: the JSON order is deterministic
         out = dict.fromkeys((e.fqn for b in layout.buckets.get(RS, []) for e in b.entries), 1)
@@ -630,7 +632,9 @@ def _reduce_counts(kind: str, layout: Layout, ar: list[Bucket], eager: list[dict
         for b in ar:
             for f in dict.fromkeys(x for x in b.fqns if x):
                 out[f] = out.get(f, 0) + 1
-    runs = [r for r in eager or [] if r.get("collective") == kind]
+    # the layout read from the dtensor source holds those reduce-scatters already
+    runs = [r for r in eager or [] if r.get("collective") == kind and kind != AR
+            and layout.source != SOURCE_DTENSOR]
     if runs:
         for f, shape in shapes.items():
             got = eager_for(f, "x".join(str(s) for s in shape or []), runs)
@@ -1300,8 +1304,9 @@ def annotate(order, layouts: dict[str, Layout], shapes: dict[str, list[int]],
     fb = order.first_bucket
     if isinstance(fb, dict) and fb.get("collective"):
         lead = next((p for p in order.pairs if p.verdict != "identical"
-                     and p.collective == fb["collective"] and fb.get("index") in p.a
-                     and p.verdict == fb.get("verdict")), None)
+                     and p.collective == fb["collective"] and p.verdict == fb.get("verdict")
+                     and (fb.get("index") in p.a if fb.get("index") is not None
+                          else not p.a and fb.get("b_index") in p.b)), None)
         if lead is not None:
             fb["consequence"] = lead.consequence
 
@@ -1432,7 +1437,10 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
             cmp_a, cmp_b, note = paired_all_reduces(ara, arb)
             if note and note not in order.notes:
                 order.notes.append(note)
-            pairs, _ = align_buckets(AR, cmp_a, cmp_b)
+            pairs, ar_notes = align_buckets(AR, cmp_a, cmp_b)
+            for n in ar_notes:  # e.g. the all-reduces issued in another order: said, no failure
+                if n not in order.notes:
+                    order.notes.append(n)
             _add_pairs(order, pairs, la, lb, ara, arb, s if k else None, have, True)
     if ar_only:
         order.notes.append(ONE_SIDED_AR.format(side=ar_only, what=ar_what))

@@ -122,13 +122,16 @@ def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
     """A rank's all-reduce buckets of the records given, in record order, as Buckets (``op``,
     ``group_size``, ``module``, ``coalesced`` set): the c10d source's
     (capture/sources/c10d_allreduce.py) and compiled graphs' (capture/sources/graph_walk.py,
-    the layout that runs: not a graph recorded before its passes). Both record offsets in bytes
-    over the whole buffer and one entry per gradient, so one side's eager all-reduces and the
-    other's compiled ones are aligned as any two sides' are."""
+    the layout that runs: not a graph recorded before its passes), and eager DTensor's
+    (capture/sources/eager_collectives.py: a Partial gradient all-reduced by DTensor, named after
+    its parameter, round 10c). All record offsets in bytes over the whole buffer and one entry
+    per gradient, so one side's eager all-reduces and the other's compiled ones are aligned as
+    any two sides' are."""
     out = []
     for r in records:
         source = r.get("source")
-        if r.get("collective") != AR or source not in (SOURCE_C10D, SOURCE_GRAPH) or (
+        if r.get("collective") != AR or source not in (SOURCE_C10D, SOURCE_GRAPH,
+                                                       SOURCE_DTENSOR) or (
                 source == SOURCE_GRAPH and r.get("stage") == "before_passes"):
             continue
         rec = BucketRecord.from_dict(r)

@@ -150,7 +150,7 @@ def _verdict_lines(r: DiffResult, fail_on: str = "hash") -> list:
     line.append(text, style=style)
     fb = o.first_bucket
     if fb:
-        line.append(f" from {fb['collective']} bucket {fb['index']}")
+        line.append(f" from {fb['collective']} {policy.bucket_ref(fb)}")
         if fb.get("group"):
             line.append(" (")
             line.append(T(fb["group"]))

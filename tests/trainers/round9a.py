@@ -15,7 +15,10 @@ With R9_SAVE=PATH each rank saves ``PATH.<rank>`` (torch.save of a dict): ``wire
 in order: ``{"op", "step", "ranks", "inputs": [flat tensors]}``), ``steps`` (per iteration:
 ``shards``, each parameter's local shard taken before the forward - FSDP2/DTensor: its local
 tensor, DDP: the parameter -, ``grads``, each local (sharded) gradient after the backward,
-``loss``; ``micro``: with R9_ACCUM, the gradients after each micro-batch), ``final`` (the
+``loss``; ``micro``: with R9_ACCUM, the gradients after each micro-batch; ``pgrads``: the
+DTensor gradients right after the backward, ``(local tensor, is Partial)``: a Partial one before
+any sum, a Shard(0) one after its backward reduce-scatter),
+``final`` (the
 local parameters at the end) and ``names`` (parameter names in ``named_parameters`` order).
 ``steps`` and ``final`` are also the values compared with ``torch.equal`` between runs (with
 and without the dispatch mode, with and without parity).
@@ -41,6 +44,18 @@ Knobs (environment):
              set_requires_gradient_sync(False) on all but the last
   R9_DP=1    dtensor: l0 data parallel with Replicate DTensor parameters (gradients all-reduced
              by DTensor)
+  R9_RED     dtensor + R9_DP: how l0's Partial gradients are summed: opt (default: inside the
+             optimizer's step, DTensor's implicit all-reduce) | ar (the trainer's own
+             ``p.grad = p.grad.redistribute([Replicate()])`` after the backward) | rs (the
+             trainer's ``p.grad.redistribute([Shard(0)])``: a reduce-scatter; the optimizer then
+             all-gathers the Shard gradient) | rsag (the trainer's reduce-scatter, then its
+             all-gather back to Replicate: on 2 ranks bitwise ar's values, another reduction)
+  R9_REV=1   the optimizer's parameters in reverse order (the implicit reductions run in it)
+  R9_MOM     SGD momentum (default 0.9);  R9_OPT  sgd (default) | sgd_foreach | adam
+  R9_STAT=1  dtensor + R9_DP: a batch statistic of l0's output (a Partial activation of
+             l0.bias's shape) all-reduced in the forward under no_grad; it changes nothing
+  R9_RSB=1   dtensor: l3.w_t's gathered weight leaves its gradient Partial
+             (``to_local(grad_placements=[Partial()])``): its backward reduce-scatters it
   R9_HOOK=1  ddp: a communication hook that keeps bucket.buffer() and bucket.parameters()' names
              (``hook`` in the saved dict) and then all-reduces as DDP's default does
 """
@@ -83,11 +98,14 @@ class Wire(TorchDispatchMode):
         redistributions (a Partial gradient all-reduced inside an op's dispatch) issue their
         functional collectives there. DTensor's placements call them as attributes of
         ``torch.distributed._functional_collectives`` at call time, so wrapping those records
-        every one (``ns: "funcol"``); the mode skips the ops they issue (no double count)."""
+        every one (``ns: "funcol"``); the mode skips the ops they issue (no double count).
+        torch 2.13's Shard placement gathers and scatters through ``all_gather_single`` and
+        ``reduce_scatter_single`` (an optimizer's implicit all-gather of a Shard gradient)."""
         import torch.distributed._functional_collectives as funcol
 
         for name, arg in (("all_reduce", 0), ("all_gather_tensor", 0),
-                          ("reduce_scatter_tensor", 0), ("all_to_all_single", 0)):
+                          ("reduce_scatter_tensor", 0), ("all_to_all_single", 0),
+                          ("all_gather_single", 0), ("reduce_scatter_single", 0)):
             fn = getattr(funcol, name, None)
             if fn is None:
                 continue
@@ -282,7 +300,10 @@ def _dtensor(model):
     model.l3.w_t = w
 
     def l3_forward(h, _m=model.l3):
-        full = _m.w_t.redistribute(mesh, [Replicate()]).to_local()
+        from torch.distributed.tensor import Partial
+
+        gp = [Partial()] if E("R9_RSB") == "1" else None
+        full = _m.w_t.redistribute(mesh, [Replicate()]).to_local(grad_placements=gp)
         return h @ full + _m.bias
 
     model.l3.forward = l3_forward
@@ -298,7 +319,12 @@ def _dtensor(model):
             from torch.distributed.tensor import DTensor
 
             xd = DTensor.from_local(x, mesh, [Shard(0)])
-            return torch.nn.functional.linear(xd, _m.weight, _m.bias).to_local()
+            h = torch.nn.functional.linear(xd, _m.weight, _m.bias)
+            if E("R9_STAT") == "1":  # a Partial activation of l0.bias's shape, summed
+                with torch.no_grad():
+                    TRUTH.setdefault("stat", []).append(
+                        h.detach().sum(0).redistribute(mesh, [Replicate()]).to_local().clone())
+            return h.to_local()
 
         model.l0.forward = l0_forward
     return model, dist.get_rank()
@@ -311,7 +337,13 @@ def main():
     wrapped, dp_rank = {"fsdp": _fsdp, "ddp": _ddp, "dtensor": _dtensor}[CASE](model)
     named = list(model.named_parameters())
     TRUTH["names"] = [n for n, _ in named]
-    opt = torch.optim.SGD([p for _, p in named if p.requires_grad], lr=0.05, momentum=0.9)
+    trained = [p for _, p in named if p.requires_grad]
+    trained = trained[::-1] if E("R9_REV") == "1" else trained
+    if E("R9_OPT") == "adam":
+        opt = torch.optim.Adam(trained, lr=0.01, foreach=False)
+    else:
+        opt = torch.optim.SGD(trained, lr=0.05, momentum=float(E("R9_MOM", "0.9")),
+                              foreach=True if E("R9_OPT") == "sgd_foreach" else None)
     mode = Wire() if E("R9_WIRE", "1") == "1" else None
     if mode is not None:
         Wire.wrap_funcol()
@@ -334,12 +366,23 @@ def main():
                 loss = ((wrapped(x) - y) ** 2).mean()
                 loss.backward()
             micro_grads.append({n: None if p.grad is None else _local(p.grad) for n, p in named})
+        pgrads = {n: (_local(p.grad), p.grad.placements[0].is_partial()) for n, p in named
+                  if p.grad is not None and hasattr(p.grad, "to_local")}
+        if CASE == "dtensor" and E("R9_RED", "opt") != "opt":  # l0's Partial gradients
+            from torch.distributed.tensor import Replicate, Shard
+
+            for _, p in named:
+                if hasattr(p.grad, "placements") and p.grad.placements[0].is_partial():
+                    p.grad = p.grad.redistribute(placements=[
+                        Replicate() if E("R9_RED") == "ar" else Shard(0)])
+                    if E("R9_RED") == "rsag":
+                        p.grad = p.grad.redistribute(placements=[Replicate()])
         if CASE == "dtensor":  # the plain tensors' gradients: averaged by hand, one by one
             for _, p in named:
                 if p.grad is not None and not hasattr(p.grad, "to_local"):
                     dist.all_reduce(p.grad)
                     p.grad.div_(dist.get_world_size())
-        TRUTH["steps"].append({"shards": shards, "loss": loss.detach().clone(),
+        TRUTH["steps"].append({"shards": shards, "loss": loss.detach().clone(), "pgrads": pgrads,
                                "micro": micro_grads if micro > 1 else None,
                                "grads": {n: None if p.grad is None else _local(p.grad)
                                          for n, p in named}})

@@ -14,7 +14,8 @@ graph.py / graph_makefx.py read.
 
 Each call outside a trace becomes one record, written as a bucket line (docs/artifacts.md) with
 ``"source": "dtensor"``, one entry (the parameter FQN when the tensor is a parameter's local
-shard, else null with its shape) and ``module``: the chain of objects it was issued under
+shard or, for a Partial tensor, that parameter's gradient: eager_grads.py; else null with its
+shape) and ``module``: the chain of objects it was issued under
 (``loss_fn(ChunkedLossWrapper) > lm_head``), read from the Python stack. A step's sequence is
 written when first seen and again only when it changes (``new_step``).
 """
@@ -25,6 +26,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from parity.capture.sources import eager_grads
+from parity.capture.sources.eager_grads import key as _key
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
 from parity.capture.names import normalize_fqn
 from parity.capture.patches import _tracing
@@ -110,18 +113,6 @@ def _owners(depth: int = 40) -> list[tuple]:
     return out
 
 
-def _key(t: Any) -> tuple:
-    """What identifies a parameter's local shard: its memory (a trainer may hand DTensor a
-    detached alias of the parameter, a new object on the same storage), else the object."""
-    try:
-        ptr = t.data_ptr()
-    except Exception:  # noqa: BLE001 - no storage (a subclass, fake)
-        ptr = 0
-    if ptr:
-        return ("mem", ptr, tuple(t.shape), tuple(t.stride()), str(t.dtype))
-    return ("id", id(t))
-
-
 def _chain(owners: list[tuple], names: dict[int, str]) -> str:
     """Outermost first; a module outside the model (no name) is left out."""
     parts = []
@@ -153,10 +144,16 @@ class EagerCollectives(ManifestSource):
         self.tracing = _tracing
         self.normalize = normalize_fqn
         self.patches: list[tuple[Any, str, Any]] = []
-        # this step's calls: (record, tensor key, owner chain); names are resolved in new_step
-        self.current: list[tuple[BucketRecord, tuple, list]] = []
+        # this step's calls: (record, tensor key, owner chain, for a Partial tensor [the FQN
+        # of the parameter whose gradient it is, found at the call (eager_grads.py), weak
+        # output] else None); names are resolved in new_step
+        self.current: list[tuple[BucketRecord, tuple, list, list | None]] = []
+        self.grad_map = eager_grads.GradMap()
+        self._early = False  # this step has scanned for the parameters before new_step
         self.last_signature: tuple | None = None
-        self._params: dict[int, str] | None = None
+        self._params: dict[tuple, str] | None = None
+        self._param_list: list[tuple[str, Any]] = []
+        self._by_id: dict[int, str] = {}  # id(parameter) -> FQN (parameters outlive the job)
         self._modules: dict[int, str] = {}
         self._by_module: dict[int, list] = {}
         self.busy = False
@@ -185,15 +182,19 @@ class EagerCollectives(ManifestSource):
         rec = self
 
         def redistribute_local_tensor(local_tensor, current_spec, target_spec, *args, **kwargs):
+            partial = None
             if not rec.busy and not rec.tracing():
                 try:
                     rec.busy = True
-                    rec.record(local_tensor, current_spec, target_spec)
+                    partial = rec.record(local_tensor, current_spec, target_spec)
                 except Exception:  # noqa: BLE001 - never in the way of the job
                     pass
                 finally:
                     rec.busy = False
-            return original(local_tensor, current_spec, target_spec, *args, **kwargs)
+            out = original(local_tensor, current_spec, target_spec, *args, **kwargs)
+            if partial is not None:
+                partial[1] = eager_grads.weak(out)  # what the reduced tensor became
+            return out
 
         redistribute_local_tensor.__wrapped__ = original  # type: ignore[attr-defined]
         redistribute_local_tensor._parity_original = original  # type: ignore[attr-defined]
@@ -203,6 +204,7 @@ class EagerCollectives(ManifestSource):
     # ---------------------------------------------------------------------------- records
     def _names(self) -> None:
         params: dict[tuple, str] = {}
+        self._param_list = []
         mods: dict[int, str] = {}
         by_module: dict[int, list[tuple[str, tuple]]] = {}  # module -> (fqn, global shape)
         for root in self.modules():
@@ -215,17 +217,32 @@ class EagerCollectives(ManifestSource):
                     for pn, p in m.named_parameters()]
             for n, p in root.named_parameters():
                 params.setdefault(_key(getattr(p, "_local_tensor", p)), self.normalize(n))
+                self._param_list.append((self.normalize(n), p))
         self._params, self._modules, self._by_module = params, mods, by_module
+        self.grad_map.set_params(self._param_list)
+        self._by_id = {}
+        for n, p in self._param_list:
+            self._by_id.setdefault(id(p), n)
 
-    def _fqn(self, key: tuple, owners: list[tuple], shape: list, dtype: str) -> str | None:
+    def _fqn(self, key: tuple, owners: list[tuple], shape: list, dtype: str,
+             partial: list | None = None, grads: Callable | None = None) -> str | None:
         """The parameter this tensor is: by its memory, else (a cast or copy of it, such as a
         bf16 all-gather input) the one parameter of that global shape in the innermost module
         it was issued under. A tensor of bool or integer values is no cast of a parameter (a
         mask of one: on torch 2.15 torchtitan's chunked loss all-gathers a bool tensor of
-        lm_head.weight's shape): it is named by its memory only."""
+        lm_head.weight's shape): it is named by its memory only. A Partial tensor (a sum still
+        to be taken) is no copy of a parameter: it is named after the parameter whose gradient
+        it is (eager_grads.py: found at the call, by autograd or by the memory of its ``.grad``;
+        else the ``.grad`` its output is, by identity: ``grads`` builds that map once a step),
+        else left unnamed."""
         fqn = self._params.get(key) if self._params else None
         if fqn is not None:
             return fqn
+        if partial is not None:
+            if partial[0] is not None:
+                return partial[0]
+            out = partial[1]() if partial[1] is not None else None
+            return grads().get(id(out)) if out is not None and grads is not None else None
         if not dtype.startswith(("float", "bfloat", "complex")):
             return None
         for oid, is_module, _ in owners:  # innermost first
@@ -238,12 +255,13 @@ class EagerCollectives(ManifestSource):
                 return None  # ambiguous
         return None
 
-    def record(self, local_tensor: Any, current_spec: Any, target_spec: Any) -> None:
+    def record(self, local_tensor: Any, current_spec: Any, target_spec: Any) -> list | None:
         """One call; names are resolved at the end of the step (new_step), when the model is
-        surely built: the first redistribution may come before (weight init)."""
+        surely built: the first redistribution may come before (weight init). Returns, for a
+        Partial tensor, the list the wrapper completes with a weak reference to the output."""
         kind = kind_of(current_spec, target_spec)
         if kind in ("none", "local_chunk"):
-            return  # no communication
+            return None  # no communication
         meta = getattr(target_spec, "tensor_meta", None)
         shape = list(meta.shape) if meta is not None else list(local_tensor.shape)
         dtype = dtype_name(local_tensor.dtype)
@@ -265,26 +283,53 @@ class EagerCollectives(ManifestSource):
                            dtype=dtype, world_size=world, total_bytes=size,
                            placements=f"{_placements(current_spec)} -> "
                                       f"{_placements(target_spec)}")
-        self.current.append((rec, _key(local_tensor), _owners()))
+        partial = None
+        if any(p.is_partial() for p in current_spec.placements):
+            partial = [self._grad_of(local_tensor, shape), None]
+        self.current.append((rec, _key(local_tensor), _owners(), partial))
+        return partial
+
+    def _grad_of(self, local_tensor: Any, shape: list) -> str | None:
+        """The parameter whose gradient this Partial tensor is, found at the call
+        (eager_grads.py): in ``Redistribute``'s backward by autograd, else by the memory of
+        its current ``.grad``. Before the first step's end the parameters are not named yet:
+        they are scanned for once a step (a Partial gradient means the model exists)."""
+        leaf = eager_grads.autograd_leaf(shape)
+        if leaf is not None or not self._param_list:
+            if self._params is None and not self._early:
+                self._early = True
+                self._names()
+                self._params = None  # named again at the step's end (the authoritative scan)
+            if leaf is not None:
+                return self._by_id.get(id(leaf))
+        return self.grad_map.find(local_tensor, shape)
 
     def new_step(self) -> None:
         """End of an optimizer step: write this step's sequence if it is new."""
         calls, self.current = self.current, []
+        self._early = False
         if calls and self._params is None:
             self._names()  # once, at the end of the first step with eager collectives
-        for c, key, owners in calls:
+        memo: dict = {}
+
+        def grads() -> dict[int, str]:
+            if "map" not in memo:
+                memo["map"] = eager_grads.grad_owners(self._param_list)
+            return memo["map"]
+
+        for c, key, owners, partial in calls:
             e = c.entries[0]
-            e.fqn = self._fqn(key, owners, e.shape, e.dtype)
+            e.fqn = self._fqn(key, owners, e.shape, e.dtype, partial, grads)
             c.group = e.fqn.rsplit(".", 1)[0] if e.fqn else ""
             c.module = _chain(owners, self._modules)
         sig = tuple((c.collective, c.module, c.placements, c.dtype, c.total_bytes, c.entries[0].fqn)
-                    for c, _, _ in calls)
+                    for c, _, _, _ in calls)
         if sig == self.last_signature or (not calls and self.last_signature is None):
             return
         self.last_signature = sig
         step = self.step()
         if not calls:  # none this step: the last sequence written is no longer in force
             self.emit(ends_record(SOURCE_DTENSOR, "all_gather", 0, step))
-        for c, _, _ in calls:
+        for c, _, _, _ in calls:
             c.step = step
             self.emit(c)
