@@ -159,7 +159,7 @@ def test_the_judge_reads_complex_payloads():
     raw = vals.view(torch.float32).view(torch.uint8)
     got = round9b_truth._as(raw, round9b_truth.DTYPES["complex64"])
     assert torch.equal(got, torch.tensor([1.0, 2.0, 3.0, -4.0]))
-    rows = [raw.clone(), raw.clone()]  # two ranks, one row each of 2 complex values? world 1
+    rows = [raw.clone(), raw.clone()]  # two ranks' inputs, a world of one row each
     e = {"dtype": "complex64", "offset": 0, "size": 16}
     assert torch.equal(round9b_truth._row_slice(rows, 0, 1, e, "sum"),
                        2 * torch.tensor([1.0, 2.0, 3.0, -4.0], dtype=torch.float64))
