@@ -24,7 +24,8 @@ import torch
 
 from tests import round9b_truth as r9b
 
-UNNAMED = re.compile(r"^rank (\d+) step (\d+): the gradient of (\S+) is in no named reduce-scatter entry$")
+UNNAMED = re.compile(r"^rank (\d+) step (\d+): the gradient of (\S+) is in no named "
+                     r"reduce-scatter entry$")
 
 
 def _summed_rows(truths: list[dict], rank: int, step: int) -> list[torch.Tensor]:

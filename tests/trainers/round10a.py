@@ -138,7 +138,8 @@ def configure_bucketing():
     ic.bucket_reduce_scatters_fx = "all"
     order = E("R10_ORDER", "graph")
     if order in ("reversed", "rs_reversed"):
-        for name in ("merge_reduce_scatter", "merge_all_gather")[:1 if order == "rs_reversed" else 2]:
+        names = ("merge_reduce_scatter", "merge_all_gather")
+        for name in names[:1] if order == "rs_reversed" else names:
             real = getattr(bucketing, name)
 
             def merge(gm, buckets, *a, _real=real, **k):

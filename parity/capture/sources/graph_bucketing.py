@@ -5,8 +5,9 @@ AutoParallel bounds FSDP bucketing by a topological span (meta-pytorch/autoparal
 a54c252): before bucketing, ``ranks = {n.name: i for i, n in enumerate(g.nodes)}`` over the graph
 the pass receives; a bucket's span is ``ranks[last member] - ranks[first member]`` (its greedy
 buckets hold their members in graph order; parity takes the latest member's rank minus the
-earliest's, the same figure, and never negative for a bucket merged in another order), and ``greedy_bucket`` logs ``max_span``, the largest span of a bucket of two or more
-collectives, per call. Those ranks count every node of the graph at that moment, after
+earliest's, the same figure, and never negative for a bucket merged in another order), and
+``greedy_bucket`` logs ``max_span``, the largest span of a bucket of two or more collectives,
+per call. Those ranks count every node of the graph at that moment, after
 inductor's earlier post-grad passes (and, for all-gathers, after reduce-scatter bucketing); a
 span read from the graph the compiler received (parity's pre-pass positions) counts other nodes.
 
