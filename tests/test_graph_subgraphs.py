@@ -239,6 +239,34 @@ def test_span_at_bucketing_is_autoparallels(group):
                    if b.collective == "reduce_scatter")
 
 
+def test_span_of_a_bucket_merged_in_another_order_is_not_negative(group, monkeypatch):
+    """A pass that merges each bucket with its members in another order than the graph's (a
+    payload order, as round 10a's AutoParallel trainer sets through inductor's merge): the span
+    is the same positions' (latest minus earliest), AutoParallel's figure for those members;
+    it read ``last - first`` in bucket order before, negative (-7, -2 on AutoParallel's llama3)."""
+    from torch._inductor.fx_passes import bucketing, fsdp
+
+    reference = _step_graph(group)
+    ranks = {n.name: i for i, n in enumerate(reference.graph.nodes)}
+    cap = lambda _: 0.04  # noqa: E731 - two 16 kB all-gathers a bucket, two buckets
+    planned = bucketing.bucket_all_gather_by_mb(reference, cap,
+                                                filter_wait_node=fsdp.is_fsdp_all_gather_wait)
+    expected = [ranks[b[-1].name] - ranks[b[0].name] for b in planned if len(b) > 1]
+    assert expected and all(s > 0 for s in expected)
+    real = fsdp.merge_all_gather
+    monkeypatch.setattr(fsdp, "merge_all_gather", lambda gm, buckets, *a, **k: real(
+        gm, [list(reversed(b)) for b in buckets], *a, **k))
+    gm = _step_graph(group)
+    graph_bucketing.install()
+    try:
+        graph_bucketing.begin()
+        fsdp.bucket_fsdp_all_gather(gm, cap)
+        calls = graph_bucketing.end()
+    finally:
+        graph_bucketing.uninstall()
+    assert calls[0]["spans"] == expected
+
+
 def test_reduce_scatter_attribution_follows_the_parameters(group):
     """AutoParallel's backward nodes all carry the first module's ``fwd_nn_module_stack`` (seen
     on its llama3: every reduce-scatter "issued under tok_embeddings"): a reduce-scatter of a

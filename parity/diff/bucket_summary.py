@@ -10,8 +10,8 @@ bounded bucketing's ``max_consec_compute_between_rs``), per graph and collective
 * ``bytes``: min / median / max of the buckets' per-rank payload (``total_bytes``).
 * ``spans_at_bucketing`` / ``max_span_at_bucketing``: AutoParallel's bucket span, as its
   ``greedy_bucket`` logs it (meta-pytorch/autoparallel ``auto_bucketing.py``, a54c252): per bucket
-  a bucketing pass formed, the rank of its last member minus its first's in the graph the pass
-  received (capture/sources/graph_bucketing.py); null where no inductor bucketing pass ran.
+  a bucketing pass formed, the rank of its latest member minus its earliest's in the graph the
+  pass received (capture/sources/graph_bucketing.py); null where no inductor bucketing pass ran.
 * ``max_consec_compute_between_rs``: AutoParallel's ``_max_consec_compute_between_rs`` of the
   graph after the passes (recorded by capture, capture/sources/graph_walk.py): the longest run of
   matmul-like nodes with no reduce-scatter in between; null where not recorded.

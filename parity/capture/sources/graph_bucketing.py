@@ -3,9 +3,11 @@
 AutoParallel bounds FSDP bucketing by a topological span (meta-pytorch/autoparallel #481,
 ``autoparallel/graph_passes/auto_bucketing.py``, ``_patch_fsdp_bucketing._patched_greedy_bucket``,
 a54c252): before bucketing, ``ranks = {n.name: i for i, n in enumerate(g.nodes)}`` over the graph
-the pass receives; a bucket's span is ``ranks[last member] - ranks[first member]`` (members in
-bucket order), and ``greedy_bucket`` logs ``max_span``, the largest span of a bucket of two or more
-collectives, per call. Those ranks count every node of the graph at that moment, after
+the pass receives; a bucket's span is ``ranks[last member] - ranks[first member]`` (its greedy
+buckets hold their members in graph order; parity takes the latest member's rank minus the
+earliest's, the same figure, and never negative for a bucket merged in another order), and
+``greedy_bucket`` logs ``max_span``, the largest span of a bucket of two or more collectives,
+per call. Those ranks count every node of the graph at that moment, after
 inductor's earlier post-grad passes (and, for all-gathers, after reduce-scatter bucketing); a
 span read from the graph the compiler received (parity's pre-pass positions) counts other nodes.
 
@@ -64,9 +66,12 @@ def spans(gm: Any, ranks: dict[str, int], kind: str) -> list[int]:
             continue
         members = [getattr(s, "name", None) for s in node.meta.get("from_node") or ()
                    if getattr(s, "pass_name", "") == "bucketing_pass"]
-        members = [m for m in members if m in ranks]
+        members = [ranks[m] for m in members if m in ranks]
         if len(members) > 1:
-            out.append(ranks[members[-1]] - ranks[members[0]])
+            # AutoParallel's greedy buckets hold their members in graph order (last minus
+            # first); a bucket merged in another order (a pass that orders the payload, round
+            # 10a) spans the same positions: its latest member's rank minus its earliest's
+            out.append(max(members) - min(members))
     return out
 
 
