@@ -101,7 +101,11 @@ def test_manifests_exist_and_are_well_formed(rank, fsdp2_groups):
         # Every parameter exactly once per direction.
         assert sorted(f for b in buckets for f in fqns(b)) == all_params
         for bucket in record["buckets"]:
-            assert set(bucket) - GRAPH_FIGURES == BUCKET_KEYS
+            # a reduction's op as the node names it (2026-11-27: the reduction model reads it)
+            op = {"op"} if bucket["collective"] == "reduce_scatter" else set()
+            assert set(bucket) - GRAPH_FIGURES == BUCKET_KEYS | op
+            if op:
+                assert bucket["op"] == "avg"  # SimpleFSDP's Partial("avg")
             assert bucket["source"] == "graph" and bucket["graph"] == record["graph"]
             assert bucket["world_size"] == NPROC and bucket["dtype"] == "float32"
             offset = 0
