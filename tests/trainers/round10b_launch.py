@@ -27,6 +27,7 @@ wrapper): the run the recorded one must equal. Everything else (R9C_SAVE, R9C_OR
 9c's; ``R10B_ORDER=reversed`` hands the bucketing pass each transformer block's bucket as the
 list of its children in reverse module order (``fsdp_manual_buckets``; still one bucket per
 block), a layout-only change for the payload-order pair: GraphTrainer has no switch for it.
+``R10B_ORDER=children``: the same lists in module order.
 
     torchrun --nproc_per_node 2 tests/trainers/round10b_launch.py [torchtitan.train args]
 """
@@ -73,8 +74,9 @@ BLOCK_CHILDREN = ("ffn_norm", "feed_forward", "attention_norm", "attention")
 
 def wrap_backend_factory(original):
     def get_compile_backend_with_passes(compile_config, buckets, *a, **k):
-        if E("R10B_ORDER") == "reversed" and buckets:
-            buckets = [[f"{b}.{c}" for c in BLOCK_CHILDREN]
+        if E("R10B_ORDER") in ("reversed", "children") and buckets:
+            kids = BLOCK_CHILDREN if E("R10B_ORDER") == "reversed" else BLOCK_CHILDREN[::-1]
+            buckets = [[f"{b}.{c}" for c in kids]
                        if isinstance(b, str) and b.startswith("layers.") else b for b in buckets]
         backend = original(compile_config, buckets, *a, **k)
         if r9c.RECORD and compile_config.backend == "inductor":
