@@ -144,3 +144,23 @@ def test_fsdp2_records_the_op_its_own_rule_gives(dtype, factor, force, hsdp, wan
             "device": torch.device("cpu"), "force_sum_reduction_for_comms": force}
     assert src._reduce_op(_Group(4), dtype, lambda: args) == want
     assert src._reduce_op(_Group(4), dtype, None) is None  # arguments not readable: not known
+
+
+def test_every_source_spells_a_reduce_op_alike():
+    """One spelling for the record's ``op`` (records.reduce_op_name): the c10d all-reduce source
+    named a PREMUL_SUM object ``other`` (its str() is an object address) while FSDP2's source
+    named it ``premul_sum``; the reduction model knows ``premul_sum`` (PreMulSum: no PAT, no
+    NVLS) and not ``other``."""
+    import torch.distributed as dist
+
+    from parity.records import reduce_op_name
+
+    assert reduce_op_name(dist.ReduceOp.SUM) == "sum"
+    assert reduce_op_name(dist.ReduceOp.AVG) == "avg"
+    assert reduce_op_name(dist.ReduceOp.RedOpType.MAX) == "max"
+    assert reduce_op_name(dist._make_nccl_premul_sum(0.5)) == "premul_sum"
+    assert reduce_op_name(object()) == "other"
+    from parity.capture.sources import c10d_allreduce, fsdp2
+
+    assert c10d_allreduce.reduce_op_name is reduce_op_name  # both sources write this spelling
+    assert fsdp2.reduce_op_name is reduce_op_name

@@ -54,7 +54,8 @@ from parity.capture.patches import _tracing
 from parity.capture.sources.fsdp2 import param_fqn
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
 from parity.capture.table import _module_roots, registered_ddp
-from parity.records import SOURCE_C10D, BucketEntry, BucketRecord, dtype_name, ends_record
+from parity.records import (SOURCE_C10D, BucketEntry, BucketRecord, dtype_name, ends_record,
+                            reduce_op_name)
 
 __all__ = ["C10dAllReduces"]
 
@@ -62,12 +63,6 @@ MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
 _FNS = ("all_reduce", "all_reduce_coalesced")
 _FSDP_COLLECTIVES = "_fsdp_collectives.py"
 MAX_MATCH = 4096  # gradients compared against one flat buffer at most
-
-
-def _op_name(op: Any) -> str:
-    """``ReduceOp.SUM`` -> ``"sum"`` (``RedOpType.AVG`` -> ``"avg"``; an object -> its type)."""
-    text = str(op)
-    return text.rsplit(".", 1)[-1].lower() if "." in text and " " not in text else "other"
 
 
 def _caller(depth: int) -> tuple[Any, str]:
@@ -300,7 +295,7 @@ class C10dAllReduces(ManifestSource):
         # the caller goes in ``group`` (no ``module``: it is a call site, not an nn.Module)
         rec = BucketRecord(SOURCE_C10D, "all_reduce", len(self.current), entries,
                            group=module, dtype=dtype, world_size=size, total_bytes=total)
-        rec.extra["op"] = _op_name(op if op is not None else dist.ReduceOp.SUM)
+        rec.extra["op"] = reduce_op_name(op if op is not None else dist.ReduceOp.SUM)
         if ranks is not None:
             rec.extra["ranks"] = list(ranks)
         if coalesced:

@@ -31,7 +31,7 @@ from parity.capture import post_import
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
 from parity.capture.names import normalize_fqn
 from parity.records import (SOURCE_FSDP2, BucketEntry, BucketRecord, common_module, dtype_name,
-                            ends_record)
+                            ends_record, reduce_op_name)
 
 GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _AG_ARGS = ("fsdp_params", "group")
@@ -57,14 +57,6 @@ def _op_rule() -> Callable | None:
     need = {"reduce_scatter_group", "all_reduce_group", "reduce_dtype", "device_type", "factor",
             "force_sum_reduction_for_comms"}
     return fn if need <= params else None
-
-
-def reduce_op_name(op: Any) -> str:
-    """``ReduceOp.AVG`` -> ``"avg"``, ``ReduceOp.PREMUL_SUM(f)`` -> ``"premul_sum"`` (the
-    record's ``op``, as the graph source spells it)."""
-    op = getattr(op, "op", op)  # a PREMUL_SUM object carries its RedOpType
-    text = str(op)
-    return text.rsplit(".", 1)[-1].lower() if "." in text and " " not in text else "other"
 
 
 def _arg_getter(fn: Callable, names: tuple[str, ...]) -> Callable | None:
