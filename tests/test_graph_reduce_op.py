@@ -106,7 +106,8 @@ def test_twins_but_for_the_op_are_predicted_with_each_sides_op():
                    capture_world=4)
     assert ring.verdict == "same", ring.to_dict()
     said = " ".join(ring.to_dict()["assumptions"])
-    assert "reduce op avg against sum" in said and "powers of two" in said
+    assert "(avg in A, sum in B)" in said and "powers of two" in said
+    assert sum("alike but for the reduce op" in x for x in ring.to_dict()["assumptions"]) == 1
 
 
 def _scaled(order, op, scale=None):

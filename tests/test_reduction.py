@@ -655,3 +655,25 @@ def test_ranks_sharing_a_bucket_list_share_its_split():
     assert plain == first and plain[0] is not first[0]
     no_ends = [rec]
     assert _split_ends(no_ends, share)[0] is no_ends
+
+
+def test_all_reduces_with_ops_that_scale_differently():
+    """DDP's SUM (its gradients divided before) against a DTensor AVG all-reduce (NCCL: every
+    payload times 1/g), the same buffer and Ring: the same sums at 2x2 (1/4 exact), every
+    element at risk at 3x1 (1/3 rounds: why scaling)."""
+    from parity.diff.reduction import predict
+    from parity.diff.reduction_steps import all_reduce_buckets
+
+    shapes = {"w": [3000, 4], "b": [4000, 1], "p0": [4096, 1]}
+
+    def ar(op):
+        return all_reduce_buckets([_rec("c10d", "all_reduce", 0, ["w", "b"], shapes, 1, 1, 4,
+                                        op=op)])
+
+    lay = _layouts([["p0"]], [["p0"]], {"p0": [4096, 1]})
+    both = {"a": ar("sum"), "b": ar("avg")}
+    four = predict(lay, shapes, "2x2:channels=4,algo=Ring", capture_world=4, all_reduce=both)
+    assert four.verdict == "same", four.to_dict()
+    three = predict(lay, shapes, "3x1:algo=Ring", capture_world=4, all_reduce=both)
+    assert three.verdict == "differs" and three.fqns() == {"w", "b"}, three.to_dict()
+    assert {x.why for x in three.at_risk} == {"scaling"}

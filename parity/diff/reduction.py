@@ -679,10 +679,10 @@ def _alike_but_op(kind: str, ba: list[Bucket], bb: list[Bucket], same_bucket: di
     for ia, ib in same_bucket.items():
         oa, ob = _known_op(by_a[ia]), _known_op(by_b[ib])
         if oa is not None and ob is not None and oa != ob:
-            out.append((ia, f"{kind} bucket A {ia} / B {ib}: reduce op {oa} against {ob}; each "
-                            "side's algorithms predicted with its own op; its scaling by the "
-                            "factors each op applies at the group size (why: scaling where they "
-                            "round differently)"))
+            out.append((ia, f"{kind}: buckets alike but for the reduce op ({oa} in A, {ob} in "
+                            "B): each side's algorithms predicted with its own op, and the "
+                            "factors each op scales by at the group size compared (why: "
+                            "scaling where they round differently)"))
     return out
 
 
