@@ -142,6 +142,10 @@ def test_the_ops_scaling_at_the_group_size(op, scale, at, want):
     assert got.verdict == want, got.to_dict()
     whys = {x["why"] for x in got.to_dict()["at_risk"]}
     assert whys == ({"scaling"} if want == "differs" else set())
+    if want == "differs":  # the verdict line says why identical layouts are at risk
+        from parity.consequences import reduction_phrase
+
+        assert "by the reduce op's scaling" in reduction_phrase(got.to_dict())
     if want == "unknown":
         assert "premul_sum factor not recorded" in got.unpredicted[0]["reason"]
 
