@@ -150,6 +150,24 @@ def test_the_ops_scaling_at_the_group_size(op, scale, at, want):
         assert "premul_sum factor not recorded" in got.unpredicted[0]["reason"]
 
 
+@pytest.mark.parametrize("at, want", [("2x4", "same"), ("3x8", "unknown")])
+def test_a_graph_without_a_recorded_op_is_unknown_where_scaling_could_round(at, want):
+    """A graph recorded before parity wrote its op (counted as a SUM, a guess) against eager
+    FSDP2's AVG: at a power-of-two group either op's factor is exact; at 24 ranks whether the
+    graph scaled as AVG does is not known (it said "same")."""
+    from test_reduction import SHAPES
+
+    from parity.diff.reduction import predict
+
+    lays = _scaled([["p0", "p1"], ["s0", "s1"]], "sum")
+    for b in lays["b"].buckets["reduce_scatter"]:
+        b.op_guessed = True
+    got = predict(lays, SHAPES, at + ":algo=Ring", capture_world=4)
+    assert got.verdict == want, got.to_dict()
+    if want == "unknown":
+        assert "was not recorded" in got.unpredicted[0]["reason"]
+
+
 def test_a_premul_sum_records_its_factor(tmp_path):
     """FSDP2 under ``set_gradient_divide_factor(f)`` reduce-scatters with PREMUL_SUM(1/f): the
     record carries ``op_scale`` and the diff reads it."""

@@ -665,19 +665,26 @@ def _known_op(b: Bucket) -> str | None:
     return None if getattr(b, "op_guessed", False) else getattr(b, "op", None)
 
 
-def _alike_but_op(kind: str, ba: list[Bucket], bb: list[Bucket], same_bucket: dict[int, int]
-                  ) -> list[tuple[int, str]]:
+def _alike_but_op(kind: str, ba: list[Bucket], bb: list[Bucket], same_bucket: dict[int, int],
+                  topo: Topology) -> list[tuple[int, str]]:
     """A's buckets of ``same_bucket`` whose twin on B has another reduce op, both known, with
     what the prediction then assumes. Why: the op decides which of NCCL's algorithms may run
     (AVG and PREMUL_SUM are PreMulSum, which neither PAT nor NVLS takes; a SUM may run NVLS on
     one NVSwitch node), so such a pair is predicted with each side's op, not skipped as the
     same; where each side applies its scaling (PreMulSum: by its factor before the sum) is not
-    modelled, and is said."""
+    modelled, and is said. A twin whose op one side did not record (a graph recorded before
+    parity wrote it) is predicted too where a group at ``topo`` is not a power of two: there
+    the unknown op's scaling may round otherwise (``_scaling_differs``)."""
     by_a = {b.index: b for b in ba}
     by_b = {b.index: b for b in bb}
+    pow2 = all(g > 0 and g & (g - 1) == 0 for g in (topo.world, topo.gpus, topo.nodes))
     out = []
     for ia, ib in same_bucket.items():
         oa, ob = _known_op(by_a[ia]), _known_op(by_b[ib])
+        if (oa is None) != (ob is None) and not pow2:
+            out.append((ia, f"{kind}: buckets alike but one side's reduce op not recorded: "
+                            "predicted, its scaling at the group size not known"))
+            continue
         if oa is not None and ob is not None and oa != ob:
             out.append((ia, f"{kind}: buckets alike but for the reduce op ({oa} in A, {ob} in "
                             "B): each side's algorithms predicted with its own op, and the "
@@ -736,30 +743,37 @@ def _scaling_differs(kind: str, ba: list[Bucket], bb: list[Bucket], pos_a, pos_b
         x, y = ba[int(pos_a[i])], bb[int(pos_b[i])]
         ga, gb = int(groups[0][i]), int(groups[1][i])
         oa, ob = _known_op(x), _known_op(y)
-        if oa not in _SCALED_OPS or ob not in _SCALED_OPS:
-            continue  # not known, or not a sum (MAX, MIN): not this rule's
-        sa, sb = _pre_scale(x, ga), _pre_scale(y, gb)
         key = (x.index, y.index)
-        if sa is None or sb is None:
-            if key not in said:
-                said.add(key)
-                ans.unpredicted.append({
-                    "collective": kind, "a": x.index, "b": y.index, "step": step,
-                    "reason": f"reduce op {oa} against {ob}: a premul_sum factor not recorded "
-                              "(how each side scales the sum is not known)"})
-            unknown[i] = True
-            continue
-        if sa == sb:
-            continue
-        if _exact_scale(sa) and _exact_scale(sb):
-            at = f"{ga} ranks" if ga == gb else f"{ga} and {gb} ranks"
-            text = (f"{kind}: reduce op {oa} against {ob} at {at}: factors "
-                    f"{_fraction(sa)} and {_fraction(sb)} are powers of two (exact), assumed "
-                    "compensated where the hashes at capture match")
-            if text not in assumptions:
-                assumptions.append(text)
-            continue
-        out[i] = True
+        if oa is None or ob is None:  # a graph recorded before parity wrote its op
+            if all(g > 0 and g & (g - 1) == 0 for g in (ga, gb)):
+                continue  # SUM's and AVG's factors are powers of two here
+            why = (f"the reduce op of {'A' if oa is None else 'B'}'s bucket was not recorded: "
+                   f"whether it scales the sum as the other side's ({oa or ob}) does at "
+                   f"{max(ga, gb)} ranks (not a power of two) is not known")
+        elif oa not in _SCALED_OPS or ob not in _SCALED_OPS:
+            continue  # not a sum (MAX, MIN): not this rule's
+        else:
+            sa, sb = _pre_scale(x, ga), _pre_scale(y, gb)
+            if sa is not None and sb is not None:
+                if sa == sb:
+                    continue
+                if _exact_scale(sa) and _exact_scale(sb):
+                    at = f"{ga} ranks" if ga == gb else f"{ga} and {gb} ranks"
+                    text = (f"{kind}: reduce op {oa} against {ob} at {at}: factors "
+                            f"{_fraction(sa)} and {_fraction(sb)} are powers of two (exact), "
+                            "assumed compensated where the hashes at capture match")
+                    if text not in assumptions:
+                        assumptions.append(text)
+                    continue
+                out[i] = True
+                continue
+            why = (f"reduce op {oa} against {ob}: a premul_sum factor not recorded (how each "
+                   "side scales the sum is not known)")
+        if key not in said:
+            said.add(key)
+            ans.unpredicted.append({"collective": kind, "a": x.index, "b": y.index,
+                                    "step": step, "reason": why})
+        unknown[i] = True
     return out, unknown
 
 
@@ -814,7 +828,7 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
             for c in found:
                 if c.fqns == names:
                     same_bucket[b.index] = c.index
-    for ia, text in _alike_but_op(kind, ba, bb, same_bucket):  # each side's op, predicted
+    for ia, text in _alike_but_op(kind, ba, bb, same_bucket, topo):  # each side's op, predicted
         same_bucket.pop(ia)
         if text not in assumptions:
             assumptions.append(text)
