@@ -635,3 +635,23 @@ def test_a_side_without_manifests_is_unproven_never_a_reduction_failure(tmp_path
     for p in ("hash", "reduction", "any"):
         assert r.judge(p).line() == judge_pair(r.to_dict(), p).line()
     assert "bucket layouts unavailable (B recorded no bucket manifests)" in r.judge("hash").line()
+
+
+def test_ranks_sharing_a_bucket_list_share_its_split():
+    """Ranks with byte-identical buckets.jsonl share one list (artifacts._read_lines); the split
+    into records and ``ends`` lines is made once per list within a read (``ReadShare.ends``),
+    so the ranks share its parts too; a plain dict (no memo) gives equal parts."""
+    from parity.artifacts import ReadShare, _split_ends
+    from parity.records import ends_record
+
+    rec = {"source": "fsdp2", "collective": "reduce_scatter", "index": 0, "step": 1,
+           "entries": []}
+    lines = [rec, ends_record("fsdp2", "reduce_scatter", 0, 2).to_dict()]
+    share = ReadShare()
+    first, second = _split_ends(lines, share), _split_ends(lines, share)
+    assert first[0] == [rec] and len(first[1]) == 1
+    assert first[0] is second[0] and first[1] is second[1]
+    plain = _split_ends(lines, {})
+    assert plain == first and plain[0] is not first[0]
+    no_ends = [rec]
+    assert _split_ends(no_ends, share)[0] is no_ends

@@ -12,6 +12,11 @@ gloo) HELD "bucket layouts identical" under ``--fail-on any`` against the defaul
 offset. The FSDP2 source now writes the comm's class (``comm``) on such lines; the diff never
 calls their layouts identical (``unavailable``, said on the verdict line) and the reduction
 prediction says ``unknown`` for such reduce-scatters.
+
+Also fixed: forced SUM (``set_force_sum_reduction_for_comms``) against FSDP2's AVG, layouts
+identical, ``--at 3x8``: predicted at risk (the ops scale differently at 24 ranks) yet
+tolerated under ``--fail-on reduction`` (exit 0); policy ``reduction`` now fails a prediction
+at risk also where the layouts reduce alike.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ JOBS = {  # name: trainer knobs (nproc: ranks, default 2; exec=0: without parity
     "agperm": {**_U, "R11_AG": "perm", "R11_RS": "sum"},
     "seprs": {**_U, "R11_SEPRS": 1, "R11_MAXBUF": 3},
     "unusedrs": {**_U, "R11_UNUSEDRS": 1},
+    "forcesum": {**_U, "R11_FORCESUM": 1},  # SUM on the wire, divided after
     "bf16": {"R9_MP": "bf16"},  # param bf16, reduce fp32
     "bf16r": {"R9_MP": "bf16r"},  # param and reduce bf16
     # HSDP 2x2, two micro-batches: reduce-scatter every micro-batch, all-reduce on the last
@@ -156,6 +162,16 @@ def test_knob_pairs_against_ground_truth(runs):
     rc, line, _ = diff_cli(a, run_ok(runs, "unusedrs"), "--fail-on", "any", timeout=TIMEOUT)
     assert rc == EXIT_MISMATCH and "hash mismatch from step 2" in line, line
     assert "bucket partition differs" in line, line
+    # forced SUM against AVG: values equal on gloo, layouts identical; at 3x8 NCCL's AVG
+    # multiplies by 1/24 before the sum, SUM divides after: predicted at risk, which policy
+    # reduction must fail (it HELD, "tolerated: ... at risk", exit 0)
+    b = run_ok(runs, "forcesum")
+    assert values_equal(values(a), values(b))
+    assert all(m == w == ["sum"] for m, w in _ops(b))
+    rc, line, _ = diff_cli(a, b, "--fail-on", "reduction", "--at", "3x8", timeout=TIMEOUT)
+    assert rc == EXIT_MISMATCH and "at risk" in line and "tolerated" not in line, line
+    rc, line, _ = diff_cli(a, b, "--fail-on", "hash", "--at", "3x8", timeout=TIMEOUT)
+    assert rc == EXIT_OK and "tolerated: reduction order at 3x8" in line, line
     a, b = run_ok(runs, "bf16"), run_ok(runs, "bf16r")
     assert not values_equal(values(a), values(b))
     rc, line, _ = diff_cli(a, b, "--fail-on", "any", timeout=TIMEOUT)
@@ -222,3 +238,17 @@ def test_custom_comm_layouts_are_never_identical_unit():
     assert _comm_name(fc.DefaultReduceScatter()) is None
     assert _comm_name(fc.DefaultAllGather()) is None
     assert _comm_name(object()) == "builtins.object"
+
+
+def test_identical_layouts_predicted_at_risk_fail_policy_reduction_unit():
+    """Without jobs: reduction layouts alike (no reduction consequence) but the prediction
+    asked for says ``differs`` (ops that scale differently): ``fails``, not ``tolerated``;
+    ``same`` and no prediction stay tolerated."""
+    from parity import consequences
+
+    order = {"verdict": "identical", "a_source": "fsdp2", "b_source": "fsdp2",
+             "consequences": {}, "structure": []}
+    for ro, want in (({"verdict": "differs"}, "fails"), ({"verdict": "same"}, "tolerated"),
+                     (None, "tolerated"), ([{"verdict": "same"}, {"verdict": "differs"}],
+                                           "fails")):
+        assert consequences.reduction_state({"order": order, "reduction_order": ro}) == want
