@@ -187,7 +187,11 @@ def reduction_state(d: dict) -> str | None:
     if blind_side(order):  # a side's reductions were not recorded: unproven
         return "unknown"
     if not any(counts.get(c) for c in REDUCTIONS):
-        return "tolerated"
+        # the layouts reduce alike, but a prediction asked for can still put elements at risk
+        # (the two sides' reduce ops scale differently: AVG against SUM and a divide, round
+        # 11a's forced-SUM pair at 3x8 HELD "tolerated: 165 elements ... at risk")
+        return "fails" if prediction_verdict(d.get("reduction_order")) == "differs" \
+            else "tolerated"
     if _blind_structure(order):
         return "unknown"
     verdict = prediction_verdict(d.get("reduction_order"))

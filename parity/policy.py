@@ -215,6 +215,21 @@ def _one_sided(order: dict) -> str:
     return said
 
 
+def custom_comm(order: dict) -> str:
+    """Why layouts that compared equal were not called identical: a side's payloads were handed
+    to a user's comm object (parity.diff.buckets._custom_comms), '' otherwise."""
+    if not order.get("compared"):
+        return ""
+    sides = [n.split("'", 1)[0] for n in order.get("notes") or [] if isinstance(n, str)
+             and "handed to a custom comm" in n]
+    if not sides:
+        return ""
+    who = list(dict.fromkeys(sides))
+    verb = "hand" if len(who) > 1 else "hands"
+    return (f"{' and '.join(who)} {verb} the payloads to a custom comm: what it "
+            "sends is not known")
+
+
 def _left_out(order: dict) -> str:
     """'bucket layouts of ...' for the collectives an otherwise identical layout comparison left
     out (``order.notes`` ending "not compared": a kind only one side recorded, a loss all-reduce
@@ -291,7 +306,7 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         if left:  # compared ones are identical; what one side alone recorded is said
             v.not_compared.append(left)
     else:
-        one = _one_sided(order)
+        one = _one_sided(order) or custom_comm(order)
         v.not_compared.append(order_phrase(ov) + (f" ({one})" if one else ""))
     predicted = consequences.reduction_phrase(d.get("reduction_order"))
     if predicted:  # --at: the prediction's own finding, under the policy

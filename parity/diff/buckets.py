@@ -63,6 +63,7 @@ class Bucket:
     graph_id: int | None = None
     record_index: int | None = None  # "index" as recorded (per graph)
     node: str | None = None
+    comm: str | None = None  # a user's comm object the payload was handed to (fsdp2.py)
 
     @property
     def fqns(self) -> list[str]:
@@ -112,11 +113,13 @@ def _bucket(rec: dict, coll: str, memo: dict | None = None) -> Bucket:
         r = BucketRecord.from_dict(rec)
         entries = tuple(Entry(e.fqn, e.offset, e.size, e.numel, e.dtype) for e in r.entries
                         if e.fqn is not None)  # Entry is frozen: safe to share
-        fields = (r.group, r.dtype, r.total_bytes, entries, r.step, r.graph_id, r.index, r.node)
+        comm = r.extra.get("comm")
+        fields = (r.group, r.dtype, r.total_bytes, entries, r.step, r.graph_id, r.index, r.node,
+                  comm if isinstance(comm, str) else None)
         if memo is not None:
             memo[id(rec)] = (rec, fields)  # the line is kept alive: its id is not reused
-    group, dtype, total, entries, step, gid, index, node = fields
-    return Bucket(coll, -1, group, dtype, total, list(entries), step, gid, index, node)
+    group, dtype, total, entries, step, gid, index, node, comm = fields
+    return Bucket(coll, -1, group, dtype, total, list(entries), step, gid, index, node, comm)
 
 
 def _same_raw(x: dict, y: dict) -> bool:
@@ -191,7 +194,8 @@ def _copy_layout(layout: Layout, rank: int | None) -> Layout:
     renumber or annotate them), the frozen Entries shared."""
     return Layout(layout.source, rank,
                   {c: [Bucket(b.collective, b.index, b.group, b.dtype, b.total_bytes,
-                              list(b.entries), b.step, b.graph_id, b.record_index, b.node)
+                              list(b.entries), b.step, b.graph_id, b.record_index, b.node,
+                              b.comm)
                        for b in bs]
                    for c, bs in layout.buckets.items()},
                   list(layout.changes), dict(layout.repeats))
@@ -670,7 +674,7 @@ def _raw_signature(recs: list[dict]):
     """What a rank's manifests say, cheaply (C-level tuples); None if entries lack keys."""
     try:
         return tuple((r.get("source"), r.get("collective"), r.get("graph"), r.get("graph_id"),
-                      r.get("index"), r.get("dtype"), r.get("total_bytes"),
+                      r.get("index"), r.get("dtype"), r.get("total_bytes"), r.get("comm"),
                       tuple(map(_ENTRY_KEY, r["entries"]))) for r in recs)
     except (KeyError, TypeError):
         return None
@@ -795,4 +799,27 @@ def compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks:
             first_notes.append(f"eager collectives outside graphs in {side.upper()} (per step): "
                                + "; ".join(describe_eager(x) for x in order.eager[side]))
     order.notes[:0] = first_notes
+    _custom_comms(layouts, order)
     return layouts, order
+
+
+def _custom_comms(layouts: dict[str, Layout], order: OrderComparison) -> None:
+    """Buckets handed to a user's comm object (FSDP2's ``set_custom_reduce_scatter`` /
+    ``set_custom_all_gather``, recorded as ``comm``) are laid out as FSDP2 packed them; what the
+    comm sends may be permuted or transformed, so two such layouts being equal says nothing
+    about the wire: an ``identical`` verdict becomes ``unavailable`` (said first). A
+    difference stays reported (the payloads handed over differ)."""
+    said = []
+    for side in ("a", "b"):
+        for coll in order.compared:
+            comms = sorted({b.comm for b in layouts[side].buckets.get(coll, []) if b.comm})
+            if comms:
+                said.append(f"{side.upper()}'s {coll} buckets are handed to a custom comm "
+                            f"({', '.join(comms)}): the layouts are what FSDP2 packed, not "
+                            "known to be the bytes sent")
+    if not said:
+        return
+    if order.verdict == "identical":
+        order.verdict = UNAVAILABLE
+        said[-1] += "; not compared as identical"
+    order.notes[:0] = said

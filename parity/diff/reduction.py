@@ -809,6 +809,14 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
         ans.unknown.append({"collective": kind, "a": None, "b": None, "step": step,
                             "reason": cq_blind(ctx.blind)})
         return
+    custom = [(side, b.comm) for side, bs in (("A", ba), ("B", bb)) for b in bs
+              if getattr(b, "comm", None)]
+    if kind == RS and custom:  # a user's comm may send the packed buffer permuted (round 11a)
+        side, comm = custom[0]
+        ans.unknown.append({"collective": kind, "a": None, "b": None, "step": step,
+                            "reason": f"{side}'s reduce-scatters are handed to a custom comm "
+                                      f"({comm}): where it puts each element is not known"})
+        return
     if kind == AR and ctx.ar_only:
         ans.unpredicted.append({"collective": AR, "a": None, "b": None, "step": step,
                                 "reason": ONE_SIDED_AR.format(side=ctx.ar_only,

@@ -57,6 +57,12 @@ def _order_text(r) -> tuple[str, str]:
                              "none" for coll, side in only)
             ranks = "1 rank, " if getattr(r, "world_size", None) == 1 else ""
             return f"not compared ({ranks}{said}: no bucketed collective on one side)", "yellow"
+    if o.verdict == "unavailable" and o.compared:
+        from parity.policy import custom_comm
+
+        why = custom_comm({"compared": o.compared, "notes": o.notes})
+        if why:
+            return f"not compared ({why})", "yellow"
     return _ORDER_TEXT.get(o.verdict, (o.verdict, ""))
 
 

@@ -41,6 +41,23 @@ _RS_ARGS = ("fsdp_params", "unsharded_grads", "reduce_scatter_group", "reduce_dt
 _RS_OP_ARGS = ("gradient_divide_factor", "all_reduce_group", "device",
                "force_sum_reduction_for_comms")
 COLLECTIVES_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
+# the comm object FSDP2 hands the packed buffer to (torch 2.6+; optional: see _comm_name)
+_AG_COMM, _RS_COMM = ("all_gather_comm",), ("reduce_scatter_comm",)
+
+
+def _comm_name(comm: Any) -> str | None:
+    """None for FSDP2's own comm objects (``DefaultAllGather``, ``ProcessGroupAlloc...``,
+    ``SymmMem...``: they send the buffer as packed), else the class of a user's comm
+    (``set_custom_all_gather`` / ``set_custom_reduce_scatter``). Such a comm may send the
+    buffer permuted or transformed, so the layout recorded is what FSDP2 handed it, not
+    necessarily the bytes on the wire: the record says so (``comm``) and the diff never calls
+    it identical (round 11a: a comm that reversed each row HELD "bucket layouts identical")."""
+    if comm is None:
+        return None
+    cls = type(comm)
+    if cls.__module__ == COLLECTIVES_MODULE:
+        return None
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _op_rule() -> Callable | None:
@@ -205,6 +222,8 @@ class FSDP2Recorder(ManifestSource):
         ag_get = _arg_getter(ag, _AG_ARGS)
         rs_get = _arg_getter(rs, _RS_ARGS)
         op_get = _arg_getter(rs, _RS_OP_ARGS)  # None: the op is not written (derived by rule)
+        ag_comm = _arg_getter(ag, _AG_COMM) or (lambda *a: None)
+        rs_comm = _arg_getter(rs, _RS_COMM) or (lambda *a: None)
         if ag_get is None or rs_get is None:
             bad = "foreach_all_gather" if ag_get is None else "foreach_reduce"
             return self._unavailable(f"{GROUP_MODULE}.{bad} has an unexpected signature")
@@ -222,7 +241,8 @@ class FSDP2Recorder(ManifestSource):
                 try:
                     recorder._on_all_gather(ag_get(args, kwargs, "fsdp_params"),
                                             ag_get(args, kwargs, "group"), result,
-                                            _calling_group())
+                                            _calling_group(),
+                                            _comm_name(ag_comm(args, kwargs, _AG_COMM[0])))
                 except Exception as e:  # noqa: BLE001 - capture fails soft
                     recorder._fail(e)
                 recorder.seconds += time.perf_counter() - t0
@@ -238,7 +258,8 @@ class FSDP2Recorder(ManifestSource):
                                         rs_get(args, kwargs, "reduce_dtype"),
                                         _calling_group(),
                                         op_get and (lambda: {n: op_get(args, kwargs, n)
-                                                             for n in _RS_OP_ARGS}))
+                                                             for n in _RS_OP_ARGS}),
+                                        _comm_name(rs_comm(args, kwargs, _RS_COMM[0])))
                 except Exception as e:  # noqa: BLE001
                     recorder._fail(e)
                 recorder.seconds += time.perf_counter() - t0
@@ -311,7 +332,8 @@ class FSDP2Recorder(ManifestSource):
         return False
 
     def _record(self, collective: str, group: str | None, dtype: torch.dtype, world_size: int,
-                entries: list[BucketEntry], op: tuple[str, float | None] | None = None) -> None:
+                entries: list[BucketEntry], op: tuple[str, float | None] | None = None,
+                comm: str | None = None) -> None:
         index = self._index[collective]
         self._index[collective] = index + 1
         key = (collective, index)
@@ -322,20 +344,21 @@ class FSDP2Recorder(ManifestSource):
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         sig = (group, dtype, world_size, phase,
                tuple((e.fqn, e.offset, e.size, e.numel, e.dtype, tuple(e.shape)) for e in entries),
-               op)
+               op, comm)
         if self._last.get(key) == sig:
             return
         self._last[key] = sig
         self._emit(BucketRecord(
             SOURCE_FSDP2, collective, index, entries, graph=phase, step=self._step(), group=group,
             dtype=dtype_name(dtype), world_size=world_size,
-            total_bytes=sum(e.size for e in entries), extra=_op_fields(op)))
+            total_bytes=sum(e.size for e in entries),
+            extra={**_op_fields(op), **({"comm": comm} if comm else {})}))
 
     def _fqn(self, fsdp_param, i: int) -> str:
         fqn = param_fqn(fsdp_param)
         return self._normalize(fqn) if fqn else f"<fsdp param {i}>"
 
-    def _on_all_gather(self, fsdp_params, group, result, param_group) -> None:
+    def _on_all_gather(self, fsdp_params, group, result, param_group, comm=None) -> None:
         if result is None or fsdp_params is None:
             return
         world_size = group.size() if group is not None else 1
@@ -345,7 +368,7 @@ class FSDP2Recorder(ManifestSource):
         payload_dtype = out.dtype if isinstance(out, torch.Tensor) else None
         raw = (id(param_group), tuple(map(id, fsdp_params)), world_size, payload_dtype,
                tuple(getattr(result, "all_gather_input_split_sizes", None) or ()),
-               tuple(d for ds in dtypes for d in ds) if dtypes is not None else None)
+               tuple(d for ds in dtypes for d in ds) if dtypes is not None else None, comm)
         if self._unchanged("all_gather", raw):
             return
         entries = []
@@ -364,7 +387,7 @@ class FSDP2Recorder(ManifestSource):
         if payload_dtype is None:
             payload_dtype = torch.uint8 if len({e.dtype for e in entries}) > 1 else ds[0]
         self._record("all_gather", self._group_fqn(fsdp_params, param_group), payload_dtype,
-                     world_size, entries)
+                     world_size, entries, comm=comm)
 
     def _reduce_op(self, group, dtype, op_args) -> tuple[str, float | None] | None:
         """The op FSDP2 reduce-scatters with, by its own rule (``_get_gradient_divide_factors``
@@ -393,14 +416,14 @@ class FSDP2Recorder(ManifestSource):
         return name, scale
 
     def _on_reduce(self, fsdp_params, unsharded_grads, group, reduce_dtype, param_group,
-                   op_args=None) -> None:
+                   op_args=None, comm=None) -> None:
         if not fsdp_params or not unsharded_grads:
             return
         world_size = group.size() if group is not None else 1
         dtype = reduce_dtype or unsharded_grads[0].dtype
         op = self._reduce_op(group, dtype, op_args)
         raw = (id(param_group), tuple(map(id, fsdp_params)), world_size, dtype,
-               tuple(g.shape for g in unsharded_grads), op)
+               tuple(g.shape for g in unsharded_grads), op, comm)
         if self._unchanged("reduce_scatter", raw):
             return
         itemsize = dtype.itemsize
@@ -421,4 +444,4 @@ class FSDP2Recorder(ManifestSource):
                                        list(getattr(fp, "sharded_size", ()) or ())))
             offset += size
         self._record("reduce_scatter", self._group_fqn(fsdp_params, param_group), dtype,
-                     world_size, entries, op)
+                     world_size, entries, op, comm)
