@@ -183,8 +183,14 @@ def order_phrase(order_verdict: str | None, first_bucket: dict | None = None) ->
             "bucket partition differs", "layout_differs": "bucket layout (sizes) differs"
             }.get(order_verdict or "", f"bucket layouts {order_verdict or 'not recorded'}")
     fb = first_bucket if isinstance(first_bucket, dict) else {}
+    detail = fb.get("detail") if isinstance(fb.get("detail"), str) else ""
+    if order_verdict == "layout_differs" and detail.startswith(consequences.OPS_ONLY):
+        # the same bytes in the same places, reduced by ops that scale differently
+        what = "bucket reduce op differs"
     if fb.get("collective"):
         where = f"{fb['collective']} {bucket_ref(fb)}"
+        if detail.startswith(consequences.OPS_ONLY):
+            where += ": " + detail[len(consequences.OPS_ONLY):].split(" (each payload")[0]
         if fb.get("position") is not None:
             where += f" position {fb['position']}"
         if fb.get("index") is None or fb.get("b_index") is None:

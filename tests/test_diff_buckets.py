@@ -358,3 +358,26 @@ def test_bucket_records_of_the_wrong_types_are_skipped_and_named(tmp_path, bad):
         assert got.exit_code in (0, 3), (args, got.output)
         assert "internal error" not in got.output and got.exception is None or \
             isinstance(got.exception, SystemExit), got.output
+
+
+@pytest.mark.parametrize("a_op, b_op, want", [
+    (("avg", None), ("sum", None), "reduce op avg in A, sum in B"),  # 1/2 against 1
+    (("premul_sum", 1.0), ("sum", None), None),  # torchtitan's factor 1.0: a SUM's scaling
+    (("avg", None), ("premul_sum", 0.5), None),  # 1/2 either way
+    (("avg", None), (None, None), None),  # a side that did not record its op: not compared
+    (("premul_sum", None), ("sum", None), "reduce op premul_sum in A, sum in B"),
+])
+def test_buckets_alike_but_for_ops_that_scale_differently(a_op, b_op, want):
+    """The same bytes in the same places, reduced by an AVG (each payload times 1/g) and a SUM
+    (the job divides elsewhere): it read "bucket layouts identical", a HOLD under --fail-on any
+    (round 11a: FSDP2's forced SUM). Ops that scale alike stay identical."""
+    from parity.diff.buckets import op_difference
+
+    def rs(op, scale):
+        return Bucket("reduce_scatter", 0, "g", "float32", 16, [Entry("w", 0, 16, 4, "float32")],
+                      op=op, op_scale=scale, world_size=2)
+
+    a, b = rs(*a_op), rs(*b_op)
+    assert op_difference(a, b) == want or (want and op_difference(a, b).startswith(want))
+    (pair,), _ = align_buckets("reduce_scatter", [a], [b])
+    assert pair.verdict == ("layout_differs" if want else "identical"), pair.detail

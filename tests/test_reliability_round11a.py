@@ -21,6 +21,8 @@ at risk also where the layouts reduce alike.
 
 from __future__ import annotations
 
+import json
+
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +174,12 @@ def test_knob_pairs_against_ground_truth(runs):
     assert rc == EXIT_MISMATCH and "at risk" in line and "tolerated" not in line, line
     rc, line, _ = diff_cli(a, b, "--fail-on", "hash", "--at", "3x8", timeout=TIMEOUT)
     assert rc == EXIT_OK and "tolerated: reduction order at 3x8" in line, line
+    # the ops themselves: the same bytes in the same places, reduced by ops that scale
+    # differently (AVG: each payload times 1/2; SUM: none, FSDP2 divides after). It HELD
+    # "bucket layouts identical" under --fail-on any, nothing saying the ops differ.
+    rc, line, res = diff_cli(a, b, "--fail-on", "any", timeout=TIMEOUT)
+    assert rc == EXIT_MISMATCH and "bucket layouts identical" not in line, line
+    assert "reduce op avg in A, sum in B" in json.dumps(res["order"]["first_bucket"]), line
     a, b = run_ok(runs, "bf16"), run_ok(runs, "bf16r")
     assert not values_equal(values(a), values(b))
     rc, line, _ = diff_cli(a, b, "--fail-on", "any", timeout=TIMEOUT)
@@ -250,5 +258,8 @@ def test_identical_layouts_predicted_at_risk_fail_policy_reduction_unit():
              "consequences": {}, "structure": []}
     for ro, want in (({"verdict": "differs"}, "fails"), ({"verdict": "same"}, "tolerated"),
                      (None, "tolerated"), ([{"verdict": "same"}, {"verdict": "differs"}],
-                                           "fails")):
+                                           "fails"),
+                     # twins whose ops differ at 1x8 (a SUM may run NVLS): not proven alike
+                     ({"verdict": "unknown"}, "unknown"),
+                     ([{"verdict": "same"}, {"verdict": "unknown"}], "unknown")):
         assert consequences.reduction_state({"order": order, "reduction_order": ro}) == want

@@ -64,6 +64,9 @@ class Bucket:
     record_index: int | None = None  # "index" as recorded (per graph)
     node: str | None = None
     comm: str | None = None  # a user's comm object the payload was handed to (fsdp2.py)
+    op: str | None = None  # the reduce op as recorded (None: not recorded; annotate_buckets)
+    op_scale: float | None = None  # a PREMUL_SUM's recorded factor
+    world_size: int | None = None  # the group's size as recorded
 
     @property
     def fqns(self) -> list[str]:
@@ -113,13 +116,15 @@ def _bucket(rec: dict, coll: str, memo: dict | None = None) -> Bucket:
         r = BucketRecord.from_dict(rec)
         entries = tuple(Entry(e.fqn, e.offset, e.size, e.numel, e.dtype) for e in r.entries
                         if e.fqn is not None)  # Entry is frozen: safe to share
-        comm = r.extra.get("comm")
+        comm, op, scale = r.extra.get("comm"), r.extra.get("op"), r.extra.get("op_scale")
         fields = (r.group, r.dtype, r.total_bytes, entries, r.step, r.graph_id, r.index, r.node,
-                  comm if isinstance(comm, str) else None)
+                  comm if isinstance(comm, str) else None,
+                  op if isinstance(op, str) and op else None,
+                  float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                  else None, r.world_size)
         if memo is not None:
             memo[id(rec)] = (rec, fields)  # the line is kept alive: its id is not reused
-    group, dtype, total, entries, step, gid, index, node, comm = fields
-    return Bucket(coll, -1, group, dtype, total, list(entries), step, gid, index, node, comm)
+    return Bucket(coll, -1, fields[0], fields[1], fields[2], list(fields[3]), *fields[4:])
 
 
 def _same_raw(x: dict, y: dict) -> bool:
@@ -195,7 +200,7 @@ def _copy_layout(layout: Layout, rank: int | None) -> Layout:
     return Layout(layout.source, rank,
                   {c: [Bucket(b.collective, b.index, b.group, b.dtype, b.total_bytes,
                               list(b.entries), b.step, b.graph_id, b.record_index, b.node,
-                              b.comm)
+                              b.comm, b.op, b.op_scale, b.world_size)
                        for b in bs]
                    for c, bs in layout.buckets.items()},
                   list(layout.changes), dict(layout.repeats))
@@ -338,10 +343,37 @@ def _names(fqns: list[str], n: int = 3) -> str:
     return shown + (f" and {len(fqns) - n} more" if len(fqns) > n else "")
 
 
+def op_difference(a: Bucket, b: Bucket) -> str | None:
+    """How two buckets' recorded reduce ops scale the sum differently, or None (alike, or a side
+    did not record its op). An AVG multiplies each rank's payload by 1/g (NCCL's PreMulSum), a
+    PREMUL_SUM by its factor, a SUM by nothing: SUM against PREMUL_SUM(1.0) (torchtitan's eager
+    FSDP2 against SimpleFSDP) is alike here, AVG against SUM is not (the job divides elsewhere,
+    which rounds alike only where g is a power of two: parity.diff.reduction predicts that)."""
+    if a.op is None or b.op is None or (a.op, a.op_scale) == (b.op, b.op_scale):
+        return None
+
+    def factor(x: Bucket):
+        if x.op == "sum":
+            return 1.0
+        if x.op == "avg" and x.world_size:
+            return 1.0 / x.world_size
+        return x.op_scale if x.op == "premul_sum" else None
+
+    fa, fb = factor(a), factor(b)
+    if fa is not None and fa == fb:
+        return None
+    return f"reduce op {a.op} in A, {b.op} in B" + (
+        "" if fa is None or fb is None else f" (each payload times {fa:g} against {fb:g})")
+
+
 def _classify_pair(coll: str, a: Bucket, b: Bucket) -> BucketPair:
     pair = BucketPair(coll, "identical", [a.index], [b.index], [a.group], [b.group],
                       partner=(a.index, b.index))
+    ops = op_difference(a, b) if a.op != b.op or a.op_scale != b.op_scale else None
     if a.entries == b.entries and a.dtype == b.dtype and a.total_bytes == b.total_bytes:
+        if ops:  # the same bytes in the same places, reduced by ops that scale differently
+            pair.verdict = "layout_differs"
+            pair.detail = consequences.OPS_ONLY + ops
         return pair  # what every branch below concludes for equal entries (the usual case)
     fa, fb = a.fqns, b.fqns
     if len(fa) != len(fb) or set(fa) != set(fb):
@@ -381,6 +413,8 @@ def _classify_pair(coll: str, a: Bucket, b: Bucket) -> BucketPair:
                 diffs.append(f"bucket dtype {a.dtype} vs {b.dtype}")
             if a.total_bytes != b.total_bytes:
                 diffs.append(f"total bytes {a.total_bytes} vs {b.total_bytes}")
+            if ops:
+                diffs.append(ops)
             if diffs:
                 pair.verdict = "layout_differs"
                 pair.detail = "same order and entries; " + ", ".join(diffs)
