@@ -53,6 +53,8 @@ JOBS = {  # name: trainer knobs (nproc: ranks, default 2; exec=0: without parity
     "bf16r": {"R9_MP": "bf16r"},  # param and reduce bf16
     # HSDP 2x2, two micro-batches: reduce-scatter every micro-batch, all-reduce on the last
     "hsdp_noar": {"R9_MESH": "hsdp", "R9_ACCUM": 2, "R9_NOSYNC": 1, "R11_NOAR": 1, "nproc": 4},
+    # an all-reduce hook that all-reduces the reduce-scatter output over the world
+    "hookar": {**_U, "R11_HOOK": "ar"},
 }
 
 
@@ -215,6 +217,23 @@ def test_hsdp_reduce_scatter_without_all_reduce(runs):
             j.check_allreduce(rank, step)
     assert not j.problems, "\n".join(j.problems[:20])
     assert j.checked > 0
+
+
+def test_an_all_reduce_hooks_payload_is_named_after_its_parameters(runs):
+    """``set_all_reduce_hook`` with a hook that all-reduces the reduce-scatter output: its
+    c10d line had one unnamed entry (the call site is the hook, not ``foreach_reduce``); now
+    the reduce-scatter's parameters at their shard-row offsets, as FSDP2's HSDP all-reduce is
+    written, under ``group: "fsdp2 hook"``; a hook that all-reduces something else stays
+    unnamed (the payload must be ``reduce_output`` itself)."""
+    _, manifests = load(run_ok(runs, "hookar"))
+    for lines in manifests:
+        hooked = [ln for ln in lines if ln["source"] == "c10d"]
+        rs = {(ln["step"], tuple(e["fqn"] for e in ln["entries"])) for ln in lines
+              if ln["source"] == "fsdp2" and ln["collective"] == "reduce_scatter"}
+        assert hooked and all(ln["group"] == "fsdp2 hook" for ln in hooked)
+        assert all(e["fqn"] for ln in hooked for e in ln["entries"])
+        for ln in hooked:  # each names what one reduce-scatter of the run carried, in order
+            assert any(names == tuple(e["fqn"] for e in ln["entries"]) for _, names in rs)
 
 
 def test_custom_comm_layouts_are_never_identical_unit():

@@ -77,6 +77,26 @@ def _caller(depth: int) -> tuple[Any, str]:
     return frame, f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
 
 
+def _is_foreach_reduce(frame: Any) -> bool:
+    return frame.f_code.co_name == "foreach_reduce" and \
+        frame.f_code.co_filename.endswith(_FSDP_COLLECTIVES)
+
+
+def _hook_caller(frame: Any, tensor: Any, depth: int = 4) -> Any:
+    """FSDP2's ``foreach_reduce`` frame when ``tensor`` is its ``reduce_output`` handed to the
+    job's all-reduce hook (``set_all_reduce_hook``: the hook, or a function it calls, issues
+    this all-reduce), else None. Why: the payload is the reduce-scatter's output, laid out as
+    FSDP2's HSDP all-reduce is; without this its entry had no name (round 11a)."""
+    f = frame.f_back
+    for _ in range(depth):
+        if f is None:
+            return None
+        if _is_foreach_reduce(f):
+            return f if f.f_locals.get("reduce_output") is tensor else None
+        f = f.f_back
+    return None
+
+
 class C10dAllReduces(ManifestSource):
     """Wraps ``all_reduce`` / ``all_reduce_coalesced`` and hands records to ``hooks.emit``."""
 
@@ -268,9 +288,12 @@ class C10dAllReduces(ManifestSource):
         dtype, esize = dtype_name(t0.dtype), t0.element_size()
         entries: list[BucketEntry] | None = None
         module = label
-        if frame is not None and frame.f_code.co_name == "foreach_reduce" and \
-                frame.f_code.co_filename.endswith(_FSDP_COLLECTIVES) and not coalesced:
+        if frame is not None and _is_foreach_reduce(frame) and not coalesced:
             entries, module = self._fsdp2_entries(frame, dtype, esize), "fsdp2 replicate"
+        elif frame is not None and not coalesced:
+            hooked = _hook_caller(frame, t0)
+            if hooked is not None:  # FSDP2's all-reduce hook reducing the reduce-scatter output
+                entries, module = self._fsdp2_entries(hooked, dtype, esize), "fsdp2 hook"
         if entries is None:
             entries, off = [], 0
             for t in tensors:
