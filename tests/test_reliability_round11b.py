@@ -130,3 +130,32 @@ def test_whole_world_reduce_scatter_beside_an_expert_group_is_predicted_on_the_w
     r = diff_runs(_ok(runs, "moe"), _ok(runs, "moe_sep_drev"), at="2x8")
     got = {(b["collective"], b["group"]) for b in r.to_dict()["reduction_order"]["buckets"]}
     assert got == {("reduce_scatter", "2x8")}, got
+
+
+def test_the_judge_finds_a_wrong_manifest(runs, tmp_path):
+    """Not vacuous on these manifests: in a copy of a right run, the experts' reduce-scatter
+    entries w1 and w3 swapped, and the dense all-gather written at the experts' group size,
+    are each reported."""
+    import json
+    import shutil
+
+    src = _ok(runs, "moe_s1")  # Shard(1) experts: offsets of dim-1 shards
+    for case in ("swap", "world"):
+        run = tmp_path / case
+        shutil.copytree(src, run)
+        for f in src.parent.glob(src.name + ".truth.*"):
+            shutil.copy(f, tmp_path / f.name.replace(src.name, case))
+        p = run / "rank-00000" / "buckets.jsonl"
+        lines = [json.loads(x) for x in p.read_text().splitlines()]
+        for ln in lines:
+            if case == "swap" and ln["collective"] == "reduce_scatter" and \
+                    ln["world_size"] == 2:
+                es = ln["entries"]
+                es[0]["fqn"], es[2]["fqn"] = es[2]["fqn"], es[0]["fqn"]
+            if case == "world" and ln["collective"] == "all_gather" and ln["index"] == 1:
+                ln["world_size"] = 2
+        p.write_text("".join(json.dumps(ln) + "\n" for ln in lines))
+        problems, _, _ = check(run)
+        assert problems, case
+        want = "is not its gradient" if case == "swap" else "world_size 2"
+        assert any(want in x for x in problems), problems[:5]
