@@ -1160,9 +1160,9 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
 
 def _split_ends(buckets: list[dict], _shared: dict | None) -> tuple[list[dict], list[dict]]:
     """(the bucket records, the ``ends`` lines) of one rank's buckets.jsonl. A list shared by
-    ranks with byte-identical files is split once and its parts shared alike; a list without
-    ``ends`` lines (the usual case) comes back as it is."""
-    memo = None if _shared is None else _shared.setdefault(_ENDS_MEMO, {})
+    ranks with byte-identical files is split once and its parts shared alike (``ReadShare``);
+    a list without ``ends`` lines (the usual case) comes back as it is."""
+    memo = getattr(_shared, "ends", None)
     got = None if memo is None else memo.get(id(buckets))
     if got is not None and got[0] is buckets:
         return got[1], got[2]
@@ -1171,16 +1171,24 @@ def _split_ends(buckets: list[dict], _shared: dict | None) -> tuple[list[dict], 
     else:
         out = (buckets, [])
     if memo is not None:
-        memo[id(buckets)] = (buckets, *out)
+        memo[id(buckets)] = (buckets, *out)  # the list itself is kept: its id stays its own
     return out
 
 
-_ENDS_MEMO = b"\0ends"  # the key of _split_ends' memo in a read's ``_shared`` dict
+class ReadShare(dict):
+    """What the reads of one diff share: the records of byte-identical files by their key
+    (``_read_lines``: ranks usually write identical bucket manifests, and ranks that trained
+    alike identical steps), and in ``ends`` each shared bucket list's split into records and
+    ``ends`` lines, so that ranks sharing a list share its parts too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends: dict[int, tuple[list[dict], list[dict], list[dict]]] = {}
 
 
 def read_run(path: str | os.PathLike, _shared: dict | None = None) -> Run:
     """Read a run directory. Raises ArtifactError only when it is not a parity run at all.
-    ``_shared``: pass one dict to the reads of two runs to share the records of their
+    ``_shared``: pass one ``ReadShare`` to the reads of two runs to share the records of their
     byte-identical files too (the diff: bucket records, and the step records of ranks that
     trained alike)."""
     path = Path(path)
@@ -1197,7 +1205,7 @@ def read_run(path: str | os.PathLike, _shared: dict | None = None) -> Run:
         children = sorted(path.iterdir())
     except OSError as e:
         raise ArtifactError(f"{path}: unreadable ({e.strerror or e})") from None
-    shared: dict[bytes, list[dict]] = {} if _shared is None else _shared
+    shared: dict[bytes, list[dict]] = ReadShare() if _shared is None else _shared
     with gc_paused():
         for child in children:
             r = rank_of(child.name)

@@ -90,6 +90,11 @@ def prediction_verdict(ro) -> str | None:
     return "same" if all(v == "same" for v in vs) else "unknown"
 
 
+# an AtRisk's ``why`` other than "order", as the verdict line says it (a count before it)
+_WHY = {"scaling": "by the reduce op's scaling", "dtype": "in another dtype",
+        "structure": "by another number of collectives"}
+
+
 def _one_prediction(ro: dict) -> str:
     risk = [x for x in ro.get("at_risk") or [] if isinstance(x, dict)]
     if ro.get("verdict") == "same":
@@ -97,6 +102,12 @@ def _one_prediction(ro: dict) -> str:
     if ro.get("verdict") == "differs":
         n = sum(int(x.get("elements") or 0) for x in risk)
         what = f"{n:,} elements of {len(risk)} parameter{'s' if len(risk) != 1 else ''} at risk"
+        whys: dict = {}
+        for x in risk:
+            whys[x.get("why")] = whys.get(x.get("why"), 0) + 1
+        other = [f"{k} {_WHY[w]}" for w, k in whys.items() if w in _WHY]
+        if other:  # not by the summation order alone: said, so that identical layouts read
+            what += f" ({', '.join(other)})"  # as what they are
     else:
         unknown = [u for u in ro.get("unknown") or [] if isinstance(u, dict)]
         what = "unknown" + (f" ({unknown[0].get('reason')})" if unknown else "")

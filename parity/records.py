@@ -70,6 +70,16 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def reduce_op_name(op: Any) -> str:
+    """``ReduceOp.SUM`` -> ``"sum"``, ``RedOpType.AVG`` -> ``"avg"``, a ``PREMUL_SUM(f)`` object
+    -> ``"premul_sum"`` (it carries its RedOpType in ``.op``; its str() is an object address),
+    anything else -> ``"other"``: the record's ``op`` as every source spells it (the graph
+    source writes the node's own string, which is the same spelling)."""
+    op = getattr(op, "op", op)
+    text = str(op)
+    return text.rsplit(".", 1)[-1].lower() if "." in text and " " not in text else "other"
+
+
 def common_prefix(names) -> str | None:
     """The longest dotted prefix of every name (``a.b``, ``a.b.c`` -> ``a.b``; ``""`` is the
     root); None when no name is given (None entries are skipped)."""

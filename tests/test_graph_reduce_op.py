@@ -106,7 +106,59 @@ def test_twins_but_for_the_op_are_predicted_with_each_sides_op():
                    capture_world=4)
     assert ring.verdict == "same", ring.to_dict()
     said = " ".join(ring.to_dict()["assumptions"])
-    assert "reduce op avg against sum" in said and "scaling is not modelled" in said
+    assert "(avg in A, sum in B)" in said and "powers of two" in said
+    assert sum("alike but for the reduce op" in x for x in ring.to_dict()["assumptions"]) == 1
+
+
+def _scaled(order, op, scale=None):
+    from test_reduction import SHAPES, _layouts
+
+    lays = _layouts(order, order, SHAPES, b_op=op)
+    for b in lays["b"].buckets["reduce_scatter"]:
+        b.op_scale = scale
+    return lays
+
+
+@pytest.mark.parametrize("op, scale, at, want", [
+    ("sum", None, "1x4", "same"),  # 1/4 and 1: powers of two, exact on both sides
+    ("sum", None, "3x8", "differs"),  # 1/24 rounds, a SUM divided elsewhere rounds elsewhere
+    ("sum", None, "1x3", "differs"),
+    ("avg", None, "3x8", "same"),  # the same op: the same factor
+    ("premul_sum", 1.0, "3x8", "differs"),  # torchtitan's factor 1.0 against FSDP2's AVG
+    ("premul_sum", 1 / 24, "3x8", "same"),  # a PREMUL_SUM of 1/24 is what AVG applies
+    ("premul_sum", None, "3x8", "unknown"),  # its factor not recorded
+])
+def test_the_ops_scaling_at_the_group_size(op, scale, at, want):
+    """A's eager FSDP2 AVG (NCCL: every payload times 1/g before the sum, hostToDevRedOp)
+    against B's op, the same layout and Ring: the summation order is the same, but at a group
+    size that is not a power of two the factors round differently (why: scaling), which the
+    prediction said was the same sums."""
+    from test_reduction import SHAPES
+
+    from parity.diff.reduction import predict
+
+    order = [["p0", "p1"], ["s0", "s1"]]
+    got = predict(_scaled(order, op, scale), SHAPES, at + ":algo=Ring", capture_world=4)
+    assert got.verdict == want, got.to_dict()
+    whys = {x["why"] for x in got.to_dict()["at_risk"]}
+    assert whys == ({"scaling"} if want == "differs" else set())
+    if want == "differs":  # the verdict line says why identical layouts are at risk
+        from parity.consequences import reduction_phrase
+
+        assert "by the reduce op's scaling" in reduction_phrase(got.to_dict())
+    if want == "unknown":
+        assert "premul_sum factor not recorded" in got.unpredicted[0]["reason"]
+
+
+def test_a_premul_sum_records_its_factor(tmp_path):
+    """FSDP2 under ``set_gradient_divide_factor(f)`` reduce-scatters with PREMUL_SUM(1/f): the
+    record carries ``op_scale`` and the diff reads it."""
+    recs = _records("premul_sum")
+    recs[0]["op_scale"] = 0.5
+    lay = select_layout(recs, (SOURCE_GRAPH,), 0)
+    annotate_buckets(lay, recs)
+    (b,) = lay.buckets["reduce_scatter"]
+    assert b.op_scale == 0.5
 
 
 class _Group:
@@ -142,5 +194,26 @@ def test_fsdp2_records_the_op_its_own_rule_gives(dtype, factor, force, hsdp, wan
     assert src._rule is not None
     args = {"gradient_divide_factor": factor, "all_reduce_group": hsdp and _Group(hsdp),
             "device": torch.device("cpu"), "force_sum_reduction_for_comms": force}
-    assert src._reduce_op(_Group(4), dtype, lambda: args) == want
+    got = src._reduce_op(_Group(4), dtype, lambda: args)
+    assert got == (want, 1.0 / factor if want == "premul_sum" else None)
     assert src._reduce_op(_Group(4), dtype, None) is None  # arguments not readable: not known
+
+
+def test_every_source_spells_a_reduce_op_alike():
+    """One spelling for the record's ``op`` (records.reduce_op_name): the c10d all-reduce source
+    named a PREMUL_SUM object ``other`` (its str() is an object address) while FSDP2's source
+    named it ``premul_sum``; the reduction model knows ``premul_sum`` (PreMulSum: no PAT, no
+    NVLS) and not ``other``."""
+    import torch.distributed as dist
+
+    from parity.records import reduce_op_name
+
+    assert reduce_op_name(dist.ReduceOp.SUM) == "sum"
+    assert reduce_op_name(dist.ReduceOp.AVG) == "avg"
+    assert reduce_op_name(dist.ReduceOp.RedOpType.MAX) == "max"
+    assert reduce_op_name(dist._make_nccl_premul_sum(0.5)) == "premul_sum"
+    assert reduce_op_name(object()) == "other"
+    from parity.capture.sources import c10d_allreduce, fsdp2
+
+    assert c10d_allreduce.reduce_op_name is reduce_op_name  # both sources write this spelling
+    assert fsdp2.reduce_op_name is reduce_op_name

@@ -8,7 +8,9 @@ Jobs (module-scoped, 1 step each, all at 2x2:channels=4 - forced: these tiny mod
 otherwise get one channel): tests/trainers/reorder_fsdp2.py (eager FSDP2) twice as is, and once
 with block 1 (a bucket spanning channels) and block 3 (a bucket inside one channel's first cell)
 registered in another order; the built-in workload (eager, compiled graph order, compiled
-registration order)."""
+registration order). And the op's scaling: reorder_fsdp2.py reduce-scattering with SUM and
+dividing after (``RO_FORCE_SUM``) against FSDP2's AVG (NCCL: every payload times 1/g first), at 3
+ranks (1x3) and 4 (2x2)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,13 @@ JOBS = {  # name: (topology, entry argv, env)
                     "--bucket-order", "graph"], {}),
     "registration": (CH4, ["-m", "parity.workloads.train", "--steps", "1", "--mode", "compiled",
                            "--bucket-order", "registration"], {}),
+}
+
+
+SCALED = {  # name: (ranks, topology, env)
+    "avg3": (3, "1x3:channels=4", {}),
+    "sum3": (3, "1x3:channels=4", {"RO_FORCE_SUM": "1"}),
+    "sum4": (4, CH4, {"RO_FORCE_SUM": "1"}),
 }
 
 
@@ -82,6 +91,24 @@ def test_registration_order_holds_bitwise_and_graph_order_diverges(runs):
     predicted = predict_runs(runs["eager"], runs["graph"], CH4).fqns()
     assert emulated and emulated <= predicted
     assert not predict_runs(runs["eager"], runs["registration"], CH4).fqns()
+
+
+def test_the_ops_scaling_diverges_where_predicted_and_only_there(runs, tmp_path_factory):
+    """AVG against SUM divided after, the same layout and summation order: at 4 ranks (1/4
+    exact) the runs match bitwise and the prediction says the same sums; at 3 (1/3 rounds) the
+    emulation diverges and every divergent gradient is predicted (``why: scaling``). The
+    prediction said "same" at 3 before the op's scaling was modelled."""
+    root = tmp_path_factory.mktemp("scaled")
+    got = {name: capture(root / name, [REORDER], nproc=n, exec_args=["--emulate-nccl", topo],
+                         env=env) for name, (n, topo, env) in SCALED.items()}
+    assert diff_runs(runs["base"], got["sum4"]).verdict == "match"
+    four = predict_runs(runs["base"], got["sum4"], CH4)
+    assert four.verdict == "same" and not four.fqns()
+    assert any("powers of two" in x for x in four.to_dict()["assumptions"])
+    emulated = _grads_differing_at_step_1(got["avg3"], got["sum3"])
+    three = predict_runs(got["avg3"], got["sum3"], "1x3:channels=4")
+    assert emulated and emulated <= three.fqns() and three.verdict == "differs"
+    assert {x["why"] for x in three.to_dict()["at_risk"]} == {"scaling"}
 
 
 def test_runs_emulated_under_other_topologies_are_refused(runs, tmp_path):

@@ -635,3 +635,45 @@ def test_a_side_without_manifests_is_unproven_never_a_reduction_failure(tmp_path
     for p in ("hash", "reduction", "any"):
         assert r.judge(p).line() == judge_pair(r.to_dict(), p).line()
     assert "bucket layouts unavailable (B recorded no bucket manifests)" in r.judge("hash").line()
+
+
+def test_ranks_sharing_a_bucket_list_share_its_split():
+    """Ranks with byte-identical buckets.jsonl share one list (artifacts._read_lines); the split
+    into records and ``ends`` lines is made once per list within a read (``ReadShare.ends``),
+    so the ranks share its parts too; a plain dict (no memo) gives equal parts."""
+    from parity.artifacts import ReadShare, _split_ends
+    from parity.records import ends_record
+
+    rec = {"source": "fsdp2", "collective": "reduce_scatter", "index": 0, "step": 1,
+           "entries": []}
+    lines = [rec, ends_record("fsdp2", "reduce_scatter", 0, 2).to_dict()]
+    share = ReadShare()
+    first, second = _split_ends(lines, share), _split_ends(lines, share)
+    assert first[0] == [rec] and len(first[1]) == 1
+    assert first[0] is second[0] and first[1] is second[1]
+    plain = _split_ends(lines, {})
+    assert plain == first and plain[0] is not first[0]
+    no_ends = [rec]
+    assert _split_ends(no_ends, share)[0] is no_ends
+
+
+def test_all_reduces_with_ops_that_scale_differently():
+    """DDP's SUM (its gradients divided before) against a DTensor AVG all-reduce (NCCL: every
+    payload times 1/g), the same buffer and Ring: the same sums at 2x2 (1/4 exact), every
+    element at risk at 3x1 (1/3 rounds: why scaling)."""
+    from parity.diff.reduction import predict
+    from parity.diff.reduction_steps import all_reduce_buckets
+
+    shapes = {"w": [3000, 4], "b": [4000, 1], "p0": [4096, 1]}
+
+    def ar(op):
+        return all_reduce_buckets([_rec("c10d", "all_reduce", 0, ["w", "b"], shapes, 1, 1, 4,
+                                        op=op)])
+
+    lay = _layouts([["p0"]], [["p0"]], {"p0": [4096, 1]})
+    both = {"a": ar("sum"), "b": ar("avg")}
+    four = predict(lay, shapes, "2x2:channels=4,algo=Ring", capture_world=4, all_reduce=both)
+    assert four.verdict == "same", four.to_dict()
+    three = predict(lay, shapes, "3x1:algo=Ring", capture_world=4, all_reduce=both)
+    assert three.verdict == "differs" and three.fqns() == {"w", "b"}, three.to_dict()
+    assert {x.why for x in three.at_risk} == {"scaling"}

@@ -51,6 +51,8 @@ JOBS = {  # name: trainer knobs (nproc: ranks, default 2; exec=0: without parity
     "ddp_static_big": {"R9_CASE": "ddp", "R9_STATIC": 1},
     # two micro-batches a step, each syncing: DDP rebuilds between the first step's passes
     "ddp_accum": {"R9_CASE": "ddp", "R9_CAP": 0.0002, "R9_ACCUM": 2},
+    # step 2 entirely under no_sync(): DDP all-reduces nothing there
+    "ddp_quiet": {"R9_CASE": "ddp", "R9_CAP": 0.0002, "R9_QUIET": 2},
     # an uneven Shard(0) parameter all-gathered in the forward; l0 data parallel by DTensor
     # (its Partial gradients all-reduced inside DTensor's dispatch: the funcol wrapper sees them)
     "dtensor": {"R9_CASE": "dtensor", "R9_DP": 1},
@@ -156,6 +158,23 @@ def test_each_syncing_pass_has_its_own_buckets(runs):
     step and repeated per pass (the rebuilt buckets twice); each pass's buckets are now read as
     it begins."""
     _judge(run_ok(runs, "ddp_accum"))
+
+
+def test_a_step_entirely_under_no_sync_all_reduces_no_ddp_bucket(runs):
+    """Every backward of step 2 under ``no_sync()``: DDP all-reduced nothing, but its buckets
+    were written only when they changed, so step 1's stayed in force for the reader at step 2
+    (three all-reduces the wire never carried). An ``ends`` line (group ``ddp``) now says so, and
+    step 3's buckets are written again; parity's reader agrees with the judge."""
+    from parity.artifacts import read_run
+    from parity.diff.reduction_steps import records_at
+
+    run = run_ok(runs, "ddp_quiet")
+    _judge(run)
+    rd = read_run(run).ranks[0]
+    ddp = {s: [r for r in records_at(rd.buckets, s, rd.bucket_ends) if r.get("group") == "ddp"]
+           for s in (1, 2, 3)}
+    assert ddp[1] and not ddp[2] and ddp[3], {s: len(v) for s, v in ddp.items()}
+    assert [e["step"] for e in rd.bucket_ends if e.get("group") == "ddp"] == [2]
 
 
 def test_uneven_dtensor_all_gather_records_the_padded_bytes(runs):

@@ -14,7 +14,7 @@ import struct
 import time
 from pathlib import Path
 
-from parity.artifacts import RankData, Run, gc_paused, read_run
+from parity.artifacts import RankData, ReadShare, Run, gc_paused, read_run
 from parity.records import KIND_OPTIMIZER_STATE, SOURCE_C10D
 from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
@@ -195,7 +195,7 @@ def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: boo
     """
     t0 = time.perf_counter()
     with gc_paused():
-        shared: dict = {}  # ranks of both sides with identical bucket records share them
+        shared = ReadShare()  # ranks of both sides with identical bucket records share them
         run_a = read_run(a_dir, shared)
         run_b = read_run(b_dir, shared)
         t_read = time.perf_counter()

@@ -178,7 +178,7 @@ class AtRisk:
     elements: int  # elements of the full gradient summed in another rank order (worst scenario)
     numel: int  # elements of the full gradient
     bucket: dict  # {"collective", "a": A's bucket index | None, "b": B's}
-    why: str  # "order" (channel -> ring differs) | "structure" | "dtype"
+    why: str  # "order" (channel -> ring differs) | "structure" | "dtype" | "scaling"
     step: int | None = None  # the first step at which it is at risk
 
     @property
@@ -693,10 +693,96 @@ def _alike_but_op(kind: str, ba: list[Bucket], bb: list[Bucket], same_bucket: di
     for ia, ib in same_bucket.items():
         oa, ob = _known_op(by_a[ia]), _known_op(by_b[ib])
         if oa is not None and ob is not None and oa != ob:
-            out.append((ia, f"{kind} bucket A {ia} / B {ib}: reduce op {oa} against {ob}; each "
-                            "side's algorithms predicted with its own op; where each applies its "
-                            "scaling is not modelled"))
+            out.append((ia, f"{kind}: buckets alike but for the reduce op ({oa} in A, {ob} in "
+                            "B): each side's algorithms predicted with its own op, and the "
+                            "factors each op scales by at the group size compared (why: "
+                            "scaling where they round differently)"))
     return out
+
+
+def _pre_scale(b: Bucket, g: int) -> float | None:
+    """The factor NCCL multiplies each rank's payload by before the sum, in a group of ``g``
+    ranks: a SUM none (1), an AVG on a floating type ``1/g`` (ncclAvg is ncclDevPreMulSum with
+    ``1.0/comm->nRanks`` in the payload's type: src/enqueue.cc ``hostToDevRedOp``, v2.21.5-1 to
+    v2.30.7-1), a PREMUL_SUM its recorded factor (``op_scale``); None where not known."""
+    op = _known_op(b)
+    if op == "sum":
+        return 1.0
+    if op == "avg":
+        return 1.0 / g if g > 0 else None
+    if op == "premul_sum":
+        s = getattr(b, "op_scale", None)
+        return float(s) if s else None
+    return None
+
+
+def _exact_scale(s: float) -> bool:
+    """A power of two: multiplying by it rounds nothing (inside the exponent's range)."""
+    return s > 0 and math.frexp(s)[0] == 0.5
+
+
+def _scaling_differs(kind: str, ba: list[Bucket], bb: list[Bucket], pos_a, pos_b, groups,
+                     rest, step: int | None, ans: _StepAnswer, assumptions: list[str]):
+    """(at risk, unpredicted), per parameter of ``rest`` (numpy arrays; ``pos_a``/``pos_b``:
+    its bucket's place in ``ba``/``bb``; ``groups``: per side the ranks summing it at the
+    topology):
+    at risk where the two sides' ops scale the sum by factors that round differently. Why: an AVG multiplies every rank's payload by
+    ``1/g`` before the sum; a SUM with the division elsewhere (after the sum, or the loss
+    pre-scaled) rounds elsewhere. Where both factors are powers of two the scaling is exact on
+    both sides, and the hashes at capture show whether the job compensates; at a group size
+    that is not a power of two (3 nodes of 8: 24 ranks) it is not, and two layouts with the
+    same summation order still give other bits. The factor of a PREMUL_SUM that did not
+    record one is not known: such a parameter is unpredicted (said per bucket pair in
+    ``ans.unpredicted``), never "same"."""
+    import numpy as np
+
+    out = np.zeros(len(rest), dtype=bool)
+    unknown = np.zeros(len(rest), dtype=bool)
+    if not ba or not bb:
+        return out, unknown
+    keys: dict = {}
+    ka = np.array([keys.setdefault((_known_op(b), getattr(b, "op_scale", None)), len(keys))
+                   for b in ba] + [-1], dtype=np.int64)[pos_a]
+    kb = np.array([keys.setdefault((_known_op(b), getattr(b, "op_scale", None)), len(keys))
+                   for b in bb] + [-1], dtype=np.int64)[pos_b]
+    said: set = set()
+    for i in np.flatnonzero(rest & (ka != kb)).tolist():
+        x, y = ba[int(pos_a[i])], bb[int(pos_b[i])]
+        ga, gb = int(groups[0][i]), int(groups[1][i])
+        oa, ob = _known_op(x), _known_op(y)
+        if oa not in _SCALED_OPS or ob not in _SCALED_OPS:
+            continue  # not known, or not a sum (MAX, MIN): not this rule's
+        sa, sb = _pre_scale(x, ga), _pre_scale(y, gb)
+        key = (x.index, y.index)
+        if sa is None or sb is None:
+            if key not in said:
+                said.add(key)
+                ans.unpredicted.append({
+                    "collective": kind, "a": x.index, "b": y.index, "step": step,
+                    "reason": f"reduce op {oa} against {ob}: a premul_sum factor not recorded "
+                              "(how each side scales the sum is not known)"})
+            unknown[i] = True
+            continue
+        if sa == sb:
+            continue
+        if _exact_scale(sa) and _exact_scale(sb):
+            at = f"{ga} ranks" if ga == gb else f"{ga} and {gb} ranks"
+            text = (f"{kind}: reduce op {oa} against {ob} at {at}: factors "
+                    f"{_fraction(sa)} and {_fraction(sb)} are powers of two (exact), assumed "
+                    "compensated where the hashes at capture match")
+            if text not in assumptions:
+                assumptions.append(text)
+            continue
+        out[i] = True
+    return out, unknown
+
+
+_SCALED_OPS = ("sum", "avg", "premul_sum")
+
+
+def _fraction(s: float) -> str:
+    inv = 1.0 / s
+    return f"1/{int(inv)}" if inv == int(inv) and inv > 1 else f"{s:g}"
 
 
 def _twin_key(b: Bucket) -> tuple:
@@ -804,8 +890,14 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
     shape = rest & ((rows != B.rows[rb]) | (row != B.row[rb]) | (own_a != own_b))
     structure |= shape
     rest &= ~shape
+    # the ranks summing each parameter at the target on each side: its collective's group
+    ranks_a = np.array([c.topo.world for c in A.colls] + [0], dtype=np.int64)[ca]
+    ranks_b = np.array([c.topo.world for c in B.colls] + [0], dtype=np.int64)[cb]
+    scaling, unscaled = _scaling_differs(kind, ba, bb, A.bucket[ra], B.bucket[rb],
+                                         (ranks_a, ranks_b), rest, step, ans, assumptions)
+    rest &= ~(scaling | unscaled)
     said: set = set()
-    for i in np.flatnonzero(structure | dtype | not_derived).tolist():
+    for i in np.flatnonzero(structure | dtype | not_derived | scaling).tolist():
         f = params[i]
         ia = int(index_a[i]) if index_a[i] >= 0 else None
         ib = int(index_b[i]) if index_b[i] >= 0 else None
@@ -819,8 +911,8 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
             continue
         dims = ctx.dims_of[f] if f in ctx.dims_of else _dims(ctx.shapes.get(f))
         numel = dims[0] * dims[1] if dims else 0
-        _keep_worst(ans, kind, AtRisk(f, numel, numel, where,
-                                      "dtype" if dtype[i] else "structure", step))
+        why = "dtype" if dtype[i] else "scaling" if scaling[i] else "structure"
+        _keep_worst(ans, kind, AtRisk(f, numel, numel, where, why, step))
     todo = np.flatnonzero(rest)
     if not todo.size:
         return

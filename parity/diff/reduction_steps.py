@@ -144,6 +144,9 @@ def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
             b.module = rec.module if isinstance(rec.module, str) else None
         b.coalesced = bool(rec.extra.get("coalesced"))
         b.op = str(rec.extra.get("op") or "sum")
+        scale = rec.extra.get("op_scale")
+        b.op_scale = scale if isinstance(scale, (int, float)) and not isinstance(scale, bool) \
+            else None
         b.group_size = rec.world_size
         b.sparse = bool(rec.extra.get("sparse"))
         out.append(b)
@@ -207,6 +210,9 @@ def annotate_buckets(layout: Layout, records: list[dict]) -> None:
         op = r.get("op") if r is not None else None
         if isinstance(op, str) and op:
             b.op = op
+            scale = r.get("op_scale")
+            b.op_scale = scale if isinstance(scale, (int, float)) and \
+                not isinstance(scale, bool) else None
     infer_ops(layout)
 
 

@@ -9,6 +9,8 @@ Knobs (environment):
   RO_REORDER=I,J  blocks I, J register their parameters in another order (same initial values,
                  same forward). Blocks 0-2 are big (their buckets span several NCCL channels);
                  block 3 is two small LayerNorms (its bucket fits in one channel's first cell).
+  RO_FORCE_SUM=1  every fully_shard group reduce-scatters with SUM and divides after
+                 (``set_force_sum_reduction_for_comms``) instead of FSDP2's AVG
 """
 
 import os
@@ -63,6 +65,10 @@ def main():
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if os.environ.get("RO_FORCE_SUM") == "1":
+        for m in model.modules():
+            if hasattr(m, "set_force_sum_reduction_for_comms"):
+                m.set_force_sum_reduction_for_comms(True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + rank)
     for _ in range(int(os.environ.get("RO_STEPS", "1"))):

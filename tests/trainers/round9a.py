@@ -42,6 +42,7 @@ Knobs (environment):
   R9_STATIC=1  ddp: static_graph
   R9_ACCUM   micro-batches per step (default 1);  R9_NOSYNC=1  DDP no_sync() / FSDP2
              set_requires_gradient_sync(False) on all but the last
+  R9_QUIET=k ddp: every micro-batch of step k under no_sync() (that step all-reduces nothing)
   R9_DP=1    dtensor: l0 data parallel with Replicate DTensor parameters (gradients all-reduced
              by DTensor)
   R9_RED     dtensor + R9_DP: how l0's Partial gradients are summed: opt (default: inside the
@@ -358,7 +359,8 @@ def main():
         micro_grads = []  # the gradients after each micro-batch's backward
         for j in range(micro):  # micro-batches; R9_NOSYNC=1: DDP no_sync() but on the last
             x, y = _data(10 * k + j, dp_rank)
-            quiet = E("R9_NOSYNC") == "1" and j < micro - 1
+            quiet = (E("R9_NOSYNC") == "1" and j < micro - 1) or \
+                (CASE == "ddp" and E("R9_QUIET") == str(k))
             if hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
                 wrapped.set_requires_gradient_sync(not quiet)
             with wrapped.no_sync() if quiet and hasattr(wrapped, "no_sync") else \

@@ -54,7 +54,8 @@ from parity.capture.patches import _tracing
 from parity.capture.sources.fsdp2 import param_fqn
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
 from parity.capture.table import _module_roots, registered_ddp
-from parity.records import SOURCE_C10D, BucketEntry, BucketRecord, dtype_name, ends_record
+from parity.records import (SOURCE_C10D, BucketEntry, BucketRecord, dtype_name, ends_record,
+                            reduce_op_name)
 
 __all__ = ["C10dAllReduces"]
 
@@ -62,12 +63,6 @@ MODULES = ("torch.distributed", "torch.distributed.distributed_c10d")
 _FNS = ("all_reduce", "all_reduce_coalesced")
 _FSDP_COLLECTIVES = "_fsdp_collectives.py"
 MAX_MATCH = 4096  # gradients compared against one flat buffer at most
-
-
-def _op_name(op: Any) -> str:
-    """``ReduceOp.SUM`` -> ``"sum"`` (``RedOpType.AVG`` -> ``"avg"``; an object -> its type)."""
-    text = str(op)
-    return text.rsplit(".", 1)[-1].lower() if "." in text and " " not in text else "other"
 
 
 def _caller(depth: int) -> tuple[Any, str]:
@@ -111,6 +106,7 @@ class C10dAllReduces(ManifestSource):
         self._ddp_read: dict[int, list] = {}  # id(DDP) -> its rebuilt buckets, read once
         self._ddp_counts: tuple | None = None  # the syncing passes per DDP last written
         self._ddp_syncs: dict[int, int] = {}  # id(DDP) -> backward passes that synced, this step
+        self._ddp_backward: set[int] = set()  # id(DDP) of those that saw a backward this step
         self.busy = False
 
     def ready(self) -> bool:
@@ -300,7 +296,7 @@ class C10dAllReduces(ManifestSource):
         # the caller goes in ``group`` (no ``module``: it is a call site, not an nn.Module)
         rec = BucketRecord(SOURCE_C10D, "all_reduce", len(self.current), entries,
                            group=module, dtype=dtype, world_size=size, total_bytes=total)
-        rec.extra["op"] = _op_name(op if op is not None else dist.ReduceOp.SUM)
+        rec.extra["op"] = reduce_op_name(op if op is not None else dist.ReduceOp.SUM)
         if ranks is not None:
             rec.extra["ranks"] = list(ranks)
         if coalesced:
@@ -333,8 +329,10 @@ class C10dAllReduces(ManifestSource):
         ``no_sync()`` for all micro-batches but the last against syncing at each one (equal
         values at one rank) read "bucket layouts identical", a HOLD under ``--fail-on any``,
         where FSDP2's same pair fails "a gradient reduced by a different number of
-        collectives" (round 8a). The buckets are now written once per syncing pass."""
+        collectives" (round 8a). The buckets are now written once per syncing pass; a DDP that
+        saw backward passes this step and synced at none all-reduced nothing (``_ddp_records``)."""
         for ddp in self._ddp_modules():
+            self._ddp_backward.add(id(ddp))
             if getattr(ddp, "require_forward_param_sync", False):
                 self._ddp_syncs[id(ddp)] = self._ddp_syncs.get(id(ddp), 0) + 1
                 # which buckets this pass all-reduces: DDP rebuilds them once, in the forward
@@ -358,6 +356,8 @@ class C10dAllReduces(ManifestSource):
                 # they stood for what ran: "bucket layouts identical" against C++ DDP's one
                 # bucket, under --fail-on any too (round 8b).
                 continue
+            if id(ddp) in self._ddp_backward and id(ddp) not in self._ddp_syncs:
+                continue  # every backward of the step under no_sync(): nothing all-reduced
             try:
                 info = ddp._get_ddp_logging_data()
             except Exception:  # noqa: BLE001 - an older DDP: nothing to read
@@ -431,10 +431,20 @@ class C10dAllReduces(ManifestSource):
     def _new_ddp_step(self) -> None:
         """DDP's buckets, written when they change. DDP rebuilds them once, in gradient-ready
         order, at the start of its second iteration; its logging data shows the rebuilt ones a
-        step later, so they are stamped with the step after the first one recorded."""
+        step later, so they are stamped with the step after the first one recorded. A step whose
+        backward passes all ran under ``no_sync()`` all-reduced no DDP bucket: an ``ends`` line
+        (group ``ddp``) says the buckets last written are not in force there (they were, for the
+        reader, until written again), and the next syncing step writes them again."""
         counts = tuple(sorted(self._ddp_syncs.values()))
         recs = self._ddp_records()
-        self._ddp_syncs, self._ddp_passes = {}, {}
+        quiet = bool(self._ddp_backward) and not recs and not self._ddp_syncs
+        self._ddp_syncs, self._ddp_passes, self._ddp_backward = {}, {}, set()
+        if quiet and self._ddp_sig is not None:
+            end = ends_record(SOURCE_C10D, "all_reduce", 0, self.step())
+            end.group = "ddp"
+            self.emit(end)
+            self._ddp_sig = self._ddp_counts = None  # written again at the next syncing step
+            return
         sig = tuple(dict.fromkeys((r.world_size, tuple((e.fqn, e.numel) for e in r.entries))
                                   for r in recs))  # the plan (a pass repeated: once)
         if not recs or (sig == self._ddp_sig and counts == self._ddp_counts):

@@ -31,7 +31,7 @@ from parity.capture import post_import
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
 from parity.capture.names import normalize_fqn
 from parity.records import (SOURCE_FSDP2, BucketEntry, BucketRecord, common_module, dtype_name,
-                            ends_record)
+                            ends_record, reduce_op_name)
 
 GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _AG_ARGS = ("fsdp_params", "group")
@@ -59,12 +59,12 @@ def _op_rule() -> Callable | None:
     return fn if need <= params else None
 
 
-def reduce_op_name(op: Any) -> str:
-    """``ReduceOp.AVG`` -> ``"avg"``, ``ReduceOp.PREMUL_SUM(f)`` -> ``"premul_sum"`` (the
-    record's ``op``, as the graph source spells it)."""
-    op = getattr(op, "op", op)  # a PREMUL_SUM object carries its RedOpType
-    text = str(op)
-    return text.rsplit(".", 1)[-1].lower() if "." in text and " " not in text else "other"
+def _op_fields(op: tuple[str, float | None] | None) -> dict:
+    """A reduce-scatter record's ``op`` and, for a PREMUL_SUM, ``op_scale`` (docs/artifacts.md)."""
+    if not op:
+        return {}
+    name, scale = op
+    return {"op": name} if scale is None else {"op": name, "op_scale": scale}
 
 
 def _arg_getter(fn: Callable, names: tuple[str, ...]) -> Callable | None:
@@ -311,7 +311,7 @@ class FSDP2Recorder(ManifestSource):
         return False
 
     def _record(self, collective: str, group: str | None, dtype: torch.dtype, world_size: int,
-                entries: list[BucketEntry], op: str | None = None) -> None:
+                entries: list[BucketEntry], op: tuple[str, float | None] | None = None) -> None:
         index = self._index[collective]
         self._index[collective] = index + 1
         key = (collective, index)
@@ -329,7 +329,7 @@ class FSDP2Recorder(ManifestSource):
         self._emit(BucketRecord(
             SOURCE_FSDP2, collective, index, entries, graph=phase, step=self._step(), group=group,
             dtype=dtype_name(dtype), world_size=world_size,
-            total_bytes=sum(e.size for e in entries), extra={"op": op} if op else {}))
+            total_bytes=sum(e.size for e in entries), extra=_op_fields(op)))
 
     def _fqn(self, fsdp_param, i: int) -> str:
         fqn = param_fqn(fsdp_param)
@@ -366,23 +366,31 @@ class FSDP2Recorder(ManifestSource):
         self._record("all_gather", self._group_fqn(fsdp_params, param_group), payload_dtype,
                      world_size, entries)
 
-    def _reduce_op(self, group, dtype, op_args) -> str | None:
+    def _reduce_op(self, group, dtype, op_args) -> tuple[str, float | None] | None:
         """The op FSDP2 reduce-scatters with, by its own rule (``_get_gradient_divide_factors``
         on this call's group, HSDP group, dtype, divide factor and forced sum: torchtitan's
-        ``set_gradient_divide_factor(1.0)`` makes it PREMUL_SUM); None where not known."""
+        ``set_gradient_divide_factor(1.0)`` makes it PREMUL_SUM), and a PREMUL_SUM's factor
+        (``1 / factor``, as FSDP2 passes it to ``_make_nccl_premul_sum``: the factor NCCL
+        multiplies each rank's payload by; the ReduceOp object does not show it); None where
+        not known."""
         rule = self._rule if op_args is not None else None
         if rule is None:
             return None
         a = op_args()
         device = a.get("device")
+        factor = a.get("gradient_divide_factor")
         try:
             got = rule(reduce_scatter_group=group, all_reduce_group=a.get("all_reduce_group"),
                        reduce_dtype=dtype, device_type=getattr(device, "type", "") or "",
-                       factor=a.get("gradient_divide_factor"),
+                       factor=factor,
                        force_sum_reduction_for_comms=bool(a.get("force_sum_reduction_for_comms")))
-            return reduce_op_name(got[2])
+            name = reduce_op_name(got[2])
         except Exception:  # noqa: BLE001 - not known: the diff derives it by rule
             return None
+        scale = None
+        if name == "premul_sum" and isinstance(factor, (int, float)) and factor:
+            scale = 1.0 / float(factor)
+        return name, scale
 
     def _on_reduce(self, fsdp_params, unsharded_grads, group, reduce_dtype, param_group,
                    op_args=None) -> None:
