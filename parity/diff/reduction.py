@@ -505,10 +505,11 @@ class _Side(NamedTuple):
 
 
 def _side(kind: str, buckets: list[Bucket], skip: set, topo: Topology,
-          ctx: _Context, sub: bool) -> _Side:
+          ctx: _Context, sub: str | bool) -> _Side:
     """A side's collectives of ``kind`` at ``topo`` (buckets in ``skip`` are equal on both
     sides and not derived), per bucket index the reason one could not be derived, and where
-    each payload is. ``sub``: the side's reduce-scatters ran on shard groups (HSDP). A
+    each payload is. ``sub``: the side's reduce-scatters ran on sub-groups, "hsdp" (HSDP's shard
+    groups: one node at the target) or "group" (no replicate all-reduce: not predicted). A
     coalesced bucket is one collective per payload, in one NCCL group (``group``: the others'
     counts)."""
     import numpy as np
@@ -524,13 +525,26 @@ def _side(kind: str, buckets: list[Bucket], skip: set, topo: Topology,
                                  "covers dense buffers")
     pos_of = [p for p, b in enumerate(buckets) if b.index not in skip and b.index not in bad]
     todo = [buckets[p] for p in pos_of]
-    if kind == RS:  # every bucket alike: the group's topology, owners and check
-        if sub:  # HSDP: shard groups of one node at the target (said)
-            gt, owners, n, checks = shard_topo, topo.gpus, topo.gpus, [
-                group_size_of(b) for b in todo]
-        else:
-            gt, owners, n, checks = topo, topo.world, topo.world, [cw] * len(todo)
-        worlds, tops, owners_of = [n] * len(todo), [gt] * len(todo), [owners] * len(todo)
+    if kind == RS:  # per bucket: the group's topology, owners and check
+        keep, worlds, checks, tops, owners_of = [], [], [], [], []
+        for p, b in zip(pos_of, todo):
+            gw = group_size_of(b)
+            if not sub or not cw or gw in (None, cw):  # over every rank (beside sub-groups
+                gt, n, check = topo, topo.world, cw  # too: MoE's dense part), as recorded
+            elif sub == "hsdp":  # HSDP: shard groups of one node at the target (said)
+                gt, n, check = shard_topo, topo.gpus, gw
+            else:  # no replicate all-reduce: expert parallel's efsdp groups, 2-D meshes
+                bad[b.index] = (f"a reduce-scatter over {gw} of {cw} ranks without HSDP's "
+                                "replicate all-reduce (an expert or 2-D mesh group): which "
+                                "ranks it spans at the target is not known")
+                continue
+            keep.append(p)
+            worlds.append(n)
+            checks.append(check)
+            tops.append(gt)
+            owners_of.append(n)
+        pos_of = keep
+        todo = [buckets[p] for p in pos_of]
     else:
         keep, worlds, checks, tops, owners_of = [], [], [], [], []
         for p, b in zip(pos_of, todo):
@@ -853,10 +867,13 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
                                      for f in b.fqns):
                 skip["a"].add(b.index)
                 skip["b"].add(j)
-    sub = {"a": kind == RS and _hsdp(ba, ctx.capture_world),
-           "b": kind == RS and _hsdp(bb, ctx.capture_world)}
-    if sub["a"] or sub["b"] or any(getattr(b, "module", None) == HSDP_REPLICATE
-                                   for b in (*ara, *arb)):
+    # a side with reduce-scatters on a sub-group: HSDP's shard groups where it also has HSDP's
+    # replicate all-reduces, else groups whose place at the target is not known ("group")
+    sub = {k: (kind == RS and _hsdp(bs, ctx.capture_world)) and (
+        "hsdp" if any(getattr(b, "module", None) == HSDP_REPLICATE for b in ar) else "group")
+        for k, bs, ar in (("a", ba, ara), ("b", bb, arb))}
+    if "hsdp" in sub.values() or any(getattr(b, "module", None) == HSDP_REPLICATE
+                                     for b in (*ara, *arb)):
         text = (f"HSDP at {topo.spec()}: shard groups of one node ({topo.gpus} ranks, "
                 f"reduce-scatter at 1x{topo.gpus}), replicate groups of one rank per node "
                 f"(all-reduce at {topo.nodes}x1)")
