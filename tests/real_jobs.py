@@ -1,6 +1,7 @@
 """Real torchrun jobs captured with ``parity exec``, for the tests that need recorded runs
-(test_reduction_real.py, test_nccl_emulation_real.py): one place that finds the executables and
-says why a job failed, so a module-scoped fixture is a table of jobs and one loop."""
+(test_reduction_real.py, test_nccl_emulation_real.py, the reliability rounds): one place that
+finds the executables, starts a round's trainer with its knobs and says why a job failed, so a
+module-scoped fixture is a table of jobs and one call."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def exe(name: str, module: str) -> list[str]:
@@ -48,6 +51,56 @@ def run_table(jobs: dict, start, at_once: int = 3, timeout: float = 900) -> dict
         _, err = p.communicate(timeout=timeout)
         out[name] = (run, p.returncode, err)
     return out
+
+
+def with_plain(jobs: dict) -> dict:
+    """A round's table of jobs ``{name: knobs}`` with ``name.plain`` (the same knobs, run
+    without ``parity exec``) before each job whose knobs say ``"plain": True``."""
+    table = {}
+    for name, knobs in jobs.items():
+        knobs = dict(knobs)
+        if knobs.pop("plain", False):
+            table[name + ".plain"] = knobs
+        table[name] = knobs
+    return table
+
+
+def start_trainer(out: Path, prefix: str, knobs: dict, entry: list[str], *, nproc: int = 2,
+                  exec: bool = True) -> subprocess.Popen:
+    """A reliability round's trainer ``entry`` (``torchrun --standalone --nproc_per_node
+    nproc``; nproc 0: ``python`` alone, one process) under ``parity exec --out out`` (``exec``
+    false: without parity), from the repository root, with the knobs (``prefix``: ``R9_``...)
+    and ``{prefix}SAVE=out.truth`` (where the trainer saves its ground truth) in a clean
+    environment (:func:`knob_env`); stdout and stderr piped, text."""
+    knobs = {**knobs, prefix + "SAVE": str(out) + ".truth"}
+    cmd = ([*exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node",
+            str(nproc), *entry] if nproc else [sys.executable, *entry])
+    if exec:
+        cmd = [sys.executable, "-m", "parity", "exec", "--out", str(out), "--", *cmd]
+    return subprocess.Popen(cmd, env=knob_env(prefix, **knobs), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def trainer_runs(root: Path, jobs: dict, trainer: str, prefix: str, *, nproc: int = 2,
+                 timeout: float = 900) -> dict:
+    """:func:`run_table` of a round's jobs ``{name: knobs}``, two at a time, each the trainer
+    started by :func:`start_trainer` into ``root / name``. Knobs that are not the trainer's:
+    ``plain`` (:func:`with_plain`), ``exec`` (0: this job without parity), ``nproc`` (ranks;
+    default ``nproc``), ``entry`` (another script and its arguments instead of ``trainer``)."""
+    def start(name, knobs):
+        out = root / name
+        entry, ranks = knobs.pop("entry", [trainer]), knobs.pop("nproc", nproc)
+        on = bool(knobs.pop("exec", 1)) and not name.endswith(".plain")
+        return out, start_trainer(out, prefix, knobs, entry, nproc=ranks, exec=on)
+
+    return run_table(with_plain(jobs), start, at_once=2, timeout=timeout)
+
+
+def saved(prefix: str, rank: int = 0) -> dict:
+    """What a trainer saved for ``rank`` (``prefix``, ``prefix.1``, ...)."""
+    import torch
+
+    return torch.load(prefix + (f".{rank}" if rank else ""), weights_only=False)
 
 
 def diff_cli(a: Path, b: Path, *extra: str, timeout: float = 900) -> tuple[int, str, dict]:
@@ -98,3 +151,4 @@ def values_equal(a, b) -> bool:
         return (isinstance(b, (list, tuple)) and len(a) == len(b)
                 and all(values_equal(x, y) for x, y in zip(a, b)))
     return a == b
+
