@@ -152,3 +152,76 @@ def values_equal(a, b) -> bool:
                 and all(values_equal(x, y) for x, y in zip(a, b)))
     return a == b
 
+
+# ------------------------------------------- graph rounds (trainers/round9b.py, round10a.py)
+# Both trainers save, per rank, every step's ``shards``, ``grads`` and ``losses``, the final
+# ``model``, every executed collective's ``records`` (its ``input``) and dynamo's ``extra``.
+
+SAVED = ("shards", "grads", "losses", "model")
+
+
+def differing(x: dict, y: dict, keys=SAVED) -> list[str]:
+    """The keys of two ranks' saved values that are not bitwise equal."""
+    return [k for k in keys if not values_equal(x[k], y[k])]
+
+
+def compiled(run: Path) -> dict:
+    """Dynamo's counters and the graphs compiled (rank 0), less the compile caches' counters
+    (off under ``parity exec`` by design: a cache hit would give no manifest; docs/capture.md)."""
+    extra = saved(f"{run}.truth")["extra"]
+    counters = {k: {c: n for c, n in v.items() if "cache" not in c}
+                for k, v in extra["counters"].items()}
+    return {"counters": counters, "graphs": extra["graphs"]}
+
+
+def capture_differences(run: Path, alone: Path, ranks=(0, 1)) -> list[str]:
+    """What differs between a job under ``parity exec`` and the same job without it: each
+    rank's saved values, every collective's input, dynamo's counters and the graphs compiled
+    (:func:`compiled`). Empty: capture changed nothing."""
+    out = []
+    for rank in ranks:
+        x, y = saved(f"{run}.truth", rank), saved(f"{alone}.truth", rank)
+        out += [f"rank {rank}: {k}" for k in differing(x, y)]
+        if not values_equal([r["input"] for r in x["records"]],
+                            [r["input"] for r in y["records"]]):
+            out.append(f"rank {rank}: collective inputs")
+    if compiled(run) != compiled(alone):
+        out.append(f"compiled: {compiled(run)} against {compiled(alone)}")
+    return out
+
+
+def first_differing(a: Path, b: Path, kind: str) -> int | None:
+    """Ground truth of "the first bucket whose payload order differs": the index, among the
+    executed collectives of ``kind`` in step 0 on rank 0, of the first whose input differs
+    between A and B (their values are equal: only the packing can differ)."""
+    ra = [r for r in saved(f"{a}.truth")["records"] if r["step"] == 0 and kind in r["op"]]
+    rb = [r for r in saved(f"{b}.truth")["records"] if r["step"] == 0 and kind in r["op"]]
+    for i, (x, y) in enumerate(zip(ra, rb)):
+        if not values_equal(x["input"], y["input"]):
+            return i
+    return None
+
+
+def graph_lines(run: Path) -> list[str]:
+    """Rank 0's ``"source": "graph"`` bucket lines after the passes, as written."""
+    return [b for b in (run / "rank-00000" / "buckets.jsonl").read_text().splitlines()
+            if '"source":"graph"' in b and "before_passes" not in b]
+
+
+def edited_copy(run: Path, dest: Path, edit) -> bool:
+    """A copy of ``run`` at ``dest`` in which ``edit(line)`` changed the first graph line
+    (after the passes) of rank 0's buckets.jsonl that it would change (``edit`` changes a line
+    in place and returns True, or leaves it and returns False); whether one was changed. For
+    showing that a judge of the manifests is not vacuous."""
+    import json
+
+    shutil.copytree(run, dest)
+    path = dest / "rank-00000" / "buckets.jsonl"
+    lines, done = [], False
+    for line in path.read_text().splitlines():
+        b = json.loads(line)
+        if not done and b.get("source") == "graph" and b.get("stage") != "before_passes":
+            done = bool(edit(b))
+        lines.append(json.dumps(b))
+    path.write_text("\n".join(lines) + "\n")
+    return done
