@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -94,6 +95,56 @@ def trainer_runs(root: Path, jobs: dict, trainer: str, prefix: str, *, nproc: in
         return out, start_trainer(out, prefix, knobs, entry, nproc=ranks, exec=on)
 
     return run_table(with_plain(jobs), start, at_once=2, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port free now on this host (torchrun's ``--master_port`` without ``--standalone``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def skip_without_torchtitan() -> None:
+    """Skip the calling test module (call it at import) where torchtitan 0.3.0 cannot run: not
+    importable (it imports triton at import time: both must be there) or torch too old."""
+    try:
+        import torchtitan  # noqa: F401
+        import triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"torchtitan is not importable ({type(e).__name__}: {e}); "
+                    "pip install -e '.[dev]' installs it", allow_module_level=True)
+    from tests.test_torchtitan import _torch_too_old_for_torchtitan
+
+    if _torch_too_old_for_torchtitan():
+        pytest.skip(f"torchtitan 0.3.0 needs torch >= 2.13 ({_torch_too_old_for_torchtitan()})",
+                    allow_module_level=True)
+
+
+def torchtitan_workdir(tmp: Path) -> Path:
+    """A working directory holding torchtitan's test assets (tests/torchtitan_cpu/assets.py)."""
+    sys.path.insert(0, str(REPO / "tests" / "torchtitan_cpu"))
+    try:
+        import assets
+    finally:
+        sys.path.remove(str(REPO / "tests" / "torchtitan_cpu"))
+    return Path(assets.make(str(tmp)))
+
+
+def torchtitan_job(workdir: Path, name: str, launch: Path, args: list[str], knobs: dict,
+                   clean: tuple[str, ...] = ("R9C_",)) -> tuple[Path, str]:
+    """``parity exec --out workdir/run-NAME`` of a torchtitan launcher on 2 ranks (a free
+    master port) in ``workdir``, with the launcher's ``knobs`` and ``R9C_SAVE`` (its ground
+    truth: ``workdir/truth-NAME.pt``) in an environment without the knobs starting with
+    ``clean``; a failed job fails the test with its stderr's end. Returns (run dir, truth)."""
+    run, truth = workdir / f"run-{name}", str(workdir / f"truth-{name}.pt")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(clean)}
+    env.update(knobs, R9C_SAVE=truth, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "parity", "exec", "--out", str(run), "--", sys.executable,
+           "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), str(launch), *args]
+    p = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=1500)
+    assert p.returncode == 0, f"{name} failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
+    return run, truth
 
 
 def saved(prefix: str, rank: int = 0) -> dict:
