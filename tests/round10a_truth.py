@@ -63,8 +63,7 @@ def carried_by_a_reduction(grad: torch.Tensor, rows: list[torch.Tensor]) -> bool
 
 
 def problems(run: Path, prefix: str) -> list[str]:
-    world = torch.load(prefix, weights_only=False)["world"]
-    truths = r9b.load_truth(prefix, world)
+    truths = r9b.all_truths(prefix)
     out = []
     for line in r9b.problems(Path(run), prefix):
         m = UNNAMED.match(line)
@@ -80,8 +79,7 @@ def problems(run: Path, prefix: str) -> list[str]:
 
 def local_gradients(prefix: str) -> list[str]:
     """The parameters whose gradient no reduction carries (rank 0, step 0): said, not judged."""
-    world = torch.load(prefix, weights_only=False)["world"]
-    truths = r9b.load_truth(prefix, world)
+    truths = r9b.all_truths(prefix)
     rows = _summed_rows(truths, 0, 0)
     return sorted(f for f, g in truths[0]["grads"][0].items()
                   if not carried_by_a_reduction(g, rows))

@@ -27,8 +27,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import round9b_truth  # noqa: E402
 
@@ -66,8 +64,8 @@ def _name_unnamed(force: list[dict], fqns: tuple[str, ...]) -> list[dict]:
 def combined(run: Path, prefix: str, out: list[str], tmp: Path,
              name: tuple[str, ...] = ()) -> tuple[Path, str]:
     """A run directory and truth prefix holding graph + dtensor lines and records as one graph."""
-    world = torch.load(prefix, weights_only=False)["world"]
-    truths = round9b_truth.load_truth(prefix, world)
+    truths = round9b_truth.all_truths(prefix)
+    world = len(truths)
     sub = tmp / "run"
     pre = str(tmp / "truth.pt")
     for rank, t in enumerate(truths):
@@ -94,11 +92,9 @@ def combined(run: Path, prefix: str, out: list[str], tmp: Path,
                 synth.append(dict(b, source="graph", graph="eager", graph_id=0, node=node,
                                   position=b["index"]))
                 recs.append(dict(r, node=node, op=f"_c10d_functional::{r['op']}"))
-        torch.save({"world": world, "records": recs, "shards": t["shards"], "grads": t["grads"]},
-                   pre + (f".{rank}" if rank else ""))
-        d = sub / f"rank-{rank:05d}"
-        d.mkdir(parents=True)
-        (d / "buckets.jsonl").write_text("".join(json.dumps(b) + "\n" for b in synth))
+        round9b_truth.write_rank(sub, pre, rank, {"world": world, "records": recs,
+                                                  "shards": t["shards"], "grads": t["grads"]},
+                                 synth)
     return sub, pre
 
 
@@ -122,8 +118,8 @@ def all_reduce_problems_2d(run: Path, prefix: str) -> tuple[list[str], int]:
     group of a rank: the ranks at its position in their own TP group. Returns (problems,
     entries checked)."""
     run = Path(run)
-    world = torch.load(prefix, weights_only=False)["world"]
-    truths = round9b_truth.load_truth(prefix, world)
+    truths = round9b_truth.all_truths(prefix)
+    world = len(truths)
     out: list[str] = []
     checked = 0
     for rank, t in enumerate(truths):

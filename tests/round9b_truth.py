@@ -35,6 +35,20 @@ def load_truth(prefix: str, world: int) -> list[dict]:
     return [torch.load(prefix + (f".{r}" if r else ""), weights_only=False) for r in range(world)]
 
 
+def all_truths(prefix: str) -> list[dict]:
+    """Every rank's saved records, as many as rank 0's ``world`` says."""
+    return load_truth(prefix, torch.load(prefix, weights_only=False)["world"])
+
+
+def write_rank(sub: Path, pre: str, rank: int, truth: dict, lines: list[dict]) -> None:
+    """One rank of a run directory ``sub`` and truth prefix ``pre`` made for this judge (its
+    saved records, its bucket lines): rounds 9c and 10b feed it one graph at a time."""
+    torch.save(truth, pre + (f".{rank}" if rank else ""))
+    d = Path(sub) / f"rank-{rank:05d}"
+    d.mkdir(parents=True)
+    (d / "buckets.jsonl").write_text("".join(json.dumps(b) + "\n" for b in lines))
+
+
 def graph_buckets(run: Path, rank: int) -> list[dict]:
     lines = (run / f"rank-{rank:05d}" / "buckets.jsonl").read_text().splitlines()
     recs = [json.loads(x) for x in lines if x.strip()]
@@ -54,8 +68,8 @@ def _as(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def problems(run: Path, prefix: str) -> list[str]:
     run = Path(run)
-    world = torch.load(prefix, weights_only=False)["world"]
-    truths = load_truth(prefix, world)
+    truths = all_truths(prefix)
+    world = len(truths)
     out: list[str] = []
     for rank in range(world):
         buckets = graph_buckets(run, rank)

@@ -21,12 +21,9 @@ only adapts the launcher's records to it:
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import round9b_truth  # noqa: E402
@@ -38,8 +35,8 @@ def _lines(run: Path, rank: int) -> list[dict]:
 
 def problems(run: Path, prefix: str, skip: tuple[str, ...] = ()) -> list[str]:
     run = Path(run)
-    world = torch.load(prefix, weights_only=False)["world"]
-    truths = round9b_truth.load_truth(prefix, world)
+    truths = round9b_truth.all_truths(prefix)
+    world = len(truths)
     out: list[str] = []
     for rank, t in enumerate(truths):
         if t["mismatch"]:
@@ -72,12 +69,9 @@ def problems(run: Path, prefix: str, skip: tuple[str, ...] = ()) -> list[str]:
                         if r["graph"] == "joint" else r for r in t["records"] if r["gid"] == gid]
                 grads = {s: {f: g for f, g in gs.items() if f not in skip}
                          for s, gs in t["grads"].items()}
-                torch.save({"world": world, "records": recs, "shards": t["shards"],
-                            "grads": grads}, pre + (f".{rank}" if rank else ""))
-                d = sub / f"rank-{rank:05d}"
-                d.mkdir(parents=True)
-                (d / "buckets.jsonl").write_text(
-                    "".join(json.dumps(b) + "\n" for b in lines))
+                round9b_truth.write_rank(sub, pre, rank, {"world": world, "records": recs,
+                                                          "shards": t["shards"],
+                                                          "grads": grads}, lines)
             out += [f"graph {gid}: {p}" for p in round9b_truth.problems(sub, pre)]
     return out
 
@@ -91,8 +85,8 @@ def problems_2d(run: Path, prefix: str) -> list[str]:
     by two collectives in a row) by size only: a named entry holds from one FSDP shard of its
     parameter up to the whole; its values are not compared."""
     run = Path(run)
-    world = torch.load(prefix, weights_only=False)["world"]
-    truths = round9b_truth.load_truth(prefix, world)
+    truths = round9b_truth.all_truths(prefix)
+    world = len(truths)
     out: list[str] = []
     for rank, t in enumerate(truths):
         lines = _lines(run, rank)

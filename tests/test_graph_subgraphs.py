@@ -206,18 +206,22 @@ def test_invoke_subgraph_inlined_and_cond_branch_found(group):
     assert names[:3] == ["x_1", "w_1", "w2_1"] and "mm" in names  # top-level names kept
 
 
-def test_span_at_bucketing_is_autoparallels(group):
-    """Spans measured by wrapping inductor's FSDP bucketing passes equal AutoParallel's
-    definition computed from torch's own greedy buckets on the same graph."""
+def _planned_spans(group: str, cap) -> list[int]:
+    """AutoParallel's spans of torch's own greedy all-gather buckets under ``cap`` on the step
+    graph: the last member's position in the graph minus the first's, buckets of two or more."""
     from torch._inductor.fx_passes import bucketing, fsdp
 
     reference = _step_graph(group)
     ranks = {n.name: i for i, n in enumerate(reference.graph.nodes)}
-    cap = lambda _: 0.04  # noqa: E731 - 40 kB: two 16 kB all-gathers a bucket, two buckets
     planned = bucketing.bucket_all_gather_by_mb(reference, cap,
                                                 filter_wait_node=fsdp.is_fsdp_all_gather_wait)
-    expected = [ranks[b[-1].name] - ranks[b[0].name] for b in planned if len(b) > 1]
-    assert expected
+    return [ranks[b[-1].name] - ranks[b[0].name] for b in planned if len(b) > 1]
+
+
+def _bucketed(group: str, cap):
+    """A fresh step graph after inductor's FSDP all-gather bucketing pass run under parity's
+    wrapper (installed, then removed): (the graph, the calls the wrapper saw)."""
+    from torch._inductor.fx_passes import fsdp
 
     gm = _step_graph(group)
     graph_bucketing.install()
@@ -227,6 +231,19 @@ def test_span_at_bucketing_is_autoparallels(group):
         calls = graph_bucketing.end()
     finally:
         graph_bucketing.uninstall()
+    return gm, calls
+
+
+def test_span_at_bucketing_is_autoparallels(group):
+    """Spans measured by wrapping inductor's FSDP bucketing passes equal AutoParallel's
+    definition computed from torch's own greedy buckets on the same graph."""
+    from torch._inductor.fx_passes import fsdp
+
+    cap = lambda _: 0.04  # noqa: E731 - 40 kB: two 16 kB all-gathers a bucket, two buckets
+    expected = _planned_spans(group, cap)
+    assert expected
+
+    gm, calls = _bucketed(group, cap)
     assert fsdp.bucket_fsdp_all_gather.__name__ == "bucket_fsdp_all_gather"
     assert not hasattr(fsdp.bucket_fsdp_all_gather, "_parity_original")  # restored
     assert calls == [{"pass": "bucket_fsdp_all_gather", "collective": "all_gather",
@@ -244,26 +261,15 @@ def test_span_of_a_bucket_merged_in_another_order_is_not_negative(group, monkeyp
     payload order, as round 10a's AutoParallel trainer sets through inductor's merge): the span
     is the same positions' (latest minus earliest), AutoParallel's figure for those members;
     it read ``last - first`` in bucket order before, negative (-7, -2 on AutoParallel's llama3)."""
-    from torch._inductor.fx_passes import bucketing, fsdp
+    from torch._inductor.fx_passes import fsdp
 
-    reference = _step_graph(group)
-    ranks = {n.name: i for i, n in enumerate(reference.graph.nodes)}
     cap = lambda _: 0.04  # noqa: E731 - two 16 kB all-gathers a bucket, two buckets
-    planned = bucketing.bucket_all_gather_by_mb(reference, cap,
-                                                filter_wait_node=fsdp.is_fsdp_all_gather_wait)
-    expected = [ranks[b[-1].name] - ranks[b[0].name] for b in planned if len(b) > 1]
+    expected = _planned_spans(group, cap)
     assert expected and all(s > 0 for s in expected)
     real = fsdp.merge_all_gather
     monkeypatch.setattr(fsdp, "merge_all_gather", lambda gm, buckets, *a, **k: real(
         gm, [list(reversed(b)) for b in buckets], *a, **k))
-    gm = _step_graph(group)
-    graph_bucketing.install()
-    try:
-        graph_bucketing.begin()
-        fsdp.bucket_fsdp_all_gather(gm, cap)
-        calls = graph_bucketing.end()
-    finally:
-        graph_bucketing.uninstall()
+    _, calls = _bucketed(group, cap)
     assert calls[0]["spans"] == expected
 
 

@@ -16,8 +16,6 @@ plans reduce-scatter and all-gather rotary activations in complex64) and in-plac
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,12 +23,13 @@ import torch
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
 from tests import round9b_truth
-from tests.real_jobs import diff_cli, exe, knob_env, run_ok, run_table, values_equal
+from tests.real_jobs import (capture_differences, diff_cli, differing, edited_copy,
+                             first_differing, graph_lines, run_ok, saved, trainer_runs,
+                             values_equal)
 from tests.round10a_truth import carried_by_a_reduction, problems
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round10a.py")
-PARITY = [sys.executable, "-m", "parity"]
 TIMEOUT = 1200
 HAVE_AP = all(importlib.util.find_spec(m) is not None for m in ("autoparallel", "pulp"))
 needs_ap = pytest.mark.skipif(not HAVE_AP, reason="autoparallel (meta-pytorch/autoparallel, "
@@ -49,29 +48,8 @@ JOBS = {  # name: trainer knobs; "plain": run without parity exec as well
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{name: (run dir, exit code, stderr)}; ``name.plain``: the same job without parity."""
-    root = tmp_path_factory.mktemp("round10a")
-    table = {}
-    for name, knobs in JOBS.items():
-        knobs = dict(knobs)
-        if knobs.pop("plain", False):
-            table[name + ".plain"] = knobs
-        table[name] = knobs
-
-    def start(name, knobs):
-        out = root / name
-        knobs["R10_SAVE"] = str(out) + ".truth"
-        cmd = [*exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node",
-               "2", TRAINER]
-        if not name.endswith(".plain"):
-            cmd = [*PARITY, "exec", "--out", str(out), "--", *cmd]
-        return out, subprocess.Popen(cmd, env=knob_env("R10_", **knobs), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
-
-    return run_table(table, start, at_once=2, timeout=TIMEOUT)
-
-
-def _load(d: Path, rank: int = 0) -> dict:
-    return torch.load(f"{d}.truth" + (f".{rank}" if rank else ""), weights_only=False)
+    return trainer_runs(tmp_path_factory.mktemp("round10a"), JOBS, TRAINER, "R10_",
+                        timeout=TIMEOUT)
 
 
 @needs_ap
@@ -80,9 +58,7 @@ def test_every_autoparallel_manifest_entry_is_what_the_graph_sends(runs, name):
     d = run_ok(runs, name)
     found = problems(d, f"{d}.truth")
     assert not found, "\n".join(found[:10])
-    graph = [b for b in (d / "rank-00000" / "buckets.jsonl").read_text().splitlines()
-             if '"source":"graph"' in b and "before_passes" not in b]
-    assert graph, "no graph manifest"
+    assert graph_lines(d), "no graph manifest"
 
 
 @needs_ap
@@ -91,19 +67,10 @@ def test_the_recorder_changes_nothing(runs):
     buckets.jsonl and steps.jsonl equal line by line."""
     a, b = run_ok(runs, "fsdp"), run_ok(runs, "fsdp_norec")
     for rank in (0, 1):
-        x, y = _load(a, rank), _load(b, rank)
-        for key in ("shards", "grads", "losses", "model"):
-            assert values_equal(x[key], y[key]), key
+        assert differing(saved(f"{a}.truth", rank), saved(f"{b}.truth", rank)) == [], rank
         for f in ("buckets.jsonl", "steps.jsonl"):
             sub = f"rank-{rank:05d}"
             assert (a / sub / f).read_text() == (b / sub / f).read_text(), (rank, f)
-
-
-def _compiled(d: Path) -> dict:
-    extra = _load(d)["extra"]
-    counters = {k: {c: n for c, n in v.items() if "cache" not in c}
-                for k, v in extra["counters"].items()}
-    return {"counters": counters, "graphs": extra["graphs"]}
 
 
 @needs_ap
@@ -111,21 +78,7 @@ def test_capture_changes_nothing(runs):
     """Values, every collective's input, dynamo's counters and the graphs compiled are those of
     the run without parity (compile caches' counters aside: off under parity exec)."""
     d, alone = run_ok(runs, "fsdp"), run_ok(runs, "fsdp.plain")
-    for rank in (0, 1):
-        x, y = _load(d, rank), _load(alone, rank)
-        for key in ("shards", "grads", "losses", "model"):
-            assert values_equal(x[key], y[key]), key
-        assert values_equal([r["input"] for r in x["records"]], [r["input"] for r in y["records"]])
-    assert _compiled(d) == _compiled(alone)
-
-
-def _first_differing(a: Path, b: Path, kind: str) -> int | None:
-    ra = [r for r in _load(a)["records"] if r["step"] == 0 and kind in r["op"]]
-    rb = [r for r in _load(b)["records"] if r["step"] == 0 and kind in r["op"]]
-    for i, (x, y) in enumerate(zip(ra, rb)):
-        if not values_equal(x["input"], y["input"]):
-            return i
-    return None
+    assert capture_differences(d, alone) == []
 
 
 @needs_ap
@@ -133,8 +86,8 @@ def test_payload_order_pair_fails_on_the_first_reordered_bucket(runs):
     """Inductor's FSDP buckets merged in reversed member order (equal values): ``--fail-on any``
     fails naming the all-gather bucket whose executed input first differs."""
     a, b = run_ok(runs, "fsdp"), run_ok(runs, "reversed")
-    assert values_equal(_load(a)["grads"], _load(b)["grads"])
-    index = _first_differing(a, b, "all_gather")
+    assert values_equal(saved(f"{a}.truth")["grads"], saved(f"{b}.truth")["grads"])
+    index = first_differing(a, b, "all_gather")
     assert index is not None
     rc, line, d = diff_cli(a, b, "--fail-on", "any")
     assert rc == EXIT_MISMATCH and "bucket order differs (all_gather bucket" in line, line
@@ -180,28 +133,21 @@ def test_the_check_finds_a_wrong_manifest(runs, tmp_path):
     """The judge is not vacuous on AutoParallel's manifests: an all-gather entry's offset moved,
     and a reduce-scatter entry given another parameter's name, in a copy of a right run, are
     each reported (rank 0 only)."""
-    import json
-    import shutil
-
     d = run_ok(runs, "fsdp")
     for what in ("shift", "rename"):
         copy = tmp_path / what
-        shutil.copytree(d, copy)
-        path = copy / "rank-00000" / "buckets.jsonl"
-        lines, done = [], False
-        for line in path.read_text().splitlines():
-            b = json.loads(line)
-            if not done and b.get("source") == "graph" and b.get("stage") != "before_passes":
-                named = [e for e in b["entries"] if e["fqn"]]
-                if what == "shift" and b["collective"] == "all_gather" and len(named) >= 2:
-                    named[1]["offset"] += 4
-                    done = True
-                elif what == "rename" and b["collective"] == "reduce_scatter" and named:
-                    named[0]["fqn"] = "output.weight" if named[0]["fqn"] != "output.weight" \
-                        else "norm.weight"
-                    done = True
-            lines.append(json.dumps(b))
-        path.write_text("\n".join(lines) + "\n")
-        assert done
+
+        def edit(b, what=what):
+            named = [e for e in b["entries"] if e["fqn"]]
+            if what == "shift" and b["collective"] == "all_gather" and len(named) >= 2:
+                named[1]["offset"] += 4
+                return True
+            if what == "rename" and b["collective"] == "reduce_scatter" and named:
+                named[0]["fqn"] = "output.weight" if named[0]["fqn"] != "output.weight" \
+                    else "norm.weight"
+                return True
+            return False
+
+        assert edited_copy(d, copy, edit)
         found = problems(copy, f"{d}.truth")
         assert found and all(x.startswith("rank 0 ") for x in found), found

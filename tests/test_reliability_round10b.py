@@ -23,31 +23,18 @@ temporary directory: nothing carries over between modules or sessions):
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.real_jobs import (diff_cli, saved, skip_without_torchtitan, torchtitan_job,
+                             torchtitan_workdir)
+
 HERE = Path(__file__).resolve().parent
 LAUNCH = HERE / "trainers" / "round10b_launch.py"
 
-try:  # torchtitan imports triton at import time: both must be there
-    import torchtitan  # noqa: F401
-    import triton  # noqa: F401
-except Exception as e:  # noqa: BLE001
-    pytest.skip(f"torchtitan is not importable ({type(e).__name__}: {e}); "
-                "pip install -e '.[dev]' installs it", allow_module_level=True)
+skip_without_torchtitan()
 
-from tests.test_torchtitan import _torch_too_old_for_torchtitan  # noqa: E402
-
-if _torch_too_old_for_torchtitan():
-    pytest.skip(f"torchtitan 0.3.0 needs torch >= 2.13 ({_torch_too_old_for_torchtitan()})",
-                allow_module_level=True)
-
-from tests.real_jobs import diff_cli  # noqa: E402
 from tests.round9c_same import record_differences, value_differences  # noqa: E402
 from tests.round10b_truth import problems  # noqa: E402
 
@@ -62,41 +49,15 @@ JOBS = {"jit": {"R10B_EAGER": "1"},
         "rev": {"R9C_RECORD": "0", "R10B_ORDER": "reversed"}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{name: (run dir, truth prefix)}, 2 ranks each."""
-    sys.path.insert(0, str(HERE / "torchtitan_cpu"))
-    try:
-        import assets
-    finally:
-        sys.path.remove(str(HERE / "torchtitan_cpu"))
-    workdir = Path(assets.make(str(tmp_path_factory.mktemp("round10b"))))
-    out = {}
-    for name, knobs in JOBS.items():
-        run, truth = workdir / f"run-{name}", str(workdir / f"truth-{name}.pt")
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("R9C_", "R10B_"))}
-        env.update(knobs, R9C_SAVE=truth, OMP_NUM_THREADS="1",
-                   TORCHINDUCTOR_CACHE_DIR=str(workdir / "inductor-cache"))
-        cmd = [sys.executable, "-m", "parity", "exec", "--out", str(run), "--", sys.executable,
-               "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(LAUNCH), *ARGS, "--dump_folder", str(workdir / f"d-{name}")]
-        p = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
-                           timeout=1500)
-        assert p.returncode == 0, f"{name} failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
-        out[name] = (run, truth)
-    return out
-
-
-def _truth(prefix: str, rank: int = 0) -> dict:
-    import torch
-
-    return torch.load(prefix + (f".{rank}" if rank else ""), weights_only=False)
+    workdir = torchtitan_workdir(tmp_path_factory.mktemp("round10b"))
+    cache = {"TORCHINDUCTOR_CACHE_DIR": str(workdir / "inductor-cache")}
+    return {name: torchtitan_job(workdir, name, LAUNCH,
+                                 [*ARGS, "--dump_folder", str(workdir / f"d-{name}")],
+                                 {**knobs, **cache}, clean=("R9C_", "R10B_"))
+            for name, knobs in JOBS.items()}
 
 
 def _graph_nodes(run: Path) -> set:
@@ -113,7 +74,7 @@ def test_the_recorder_changes_nothing(runs):
     assert value_differences(jit_truth, plain_truth) == []
     assert record_differences(jit, plain) == []
     for rank in (0, 1):
-        a, b = _truth(jit_truth, rank), _truth(plain_truth, rank)
+        a, b = saved(jit_truth, rank), saved(plain_truth, rank)
         assert a["counters"] == b["counters"] and a["counters"]["stats"]["unique_graphs"]
         assert b["records"] == [] and b["eager"] == []  # R9C_RECORD=0: nothing wrapped
 
@@ -128,7 +89,7 @@ def test_jit_inductor_manifests_are_what_was_sent(runs):
     ``Redistribute``'s backward is named after the parameter it accumulates into; round 10b
     found them written with ``fqn`` null)."""
     run, truth = runs["jit"]
-    t = _truth(truth)
+    t = saved(truth)
     assert t["mismatch"] == [] and len(t["records"]) == 2 * 8
     assert all(r["node"] for r in t["records"])
     assert {(r["graph"], r["node"]) for r in t["records"]} == _graph_nodes(run)

@@ -26,15 +26,13 @@ Found and fixed (docs/reliability.md, "Round 10c"):
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import types
 from pathlib import Path
 
 import pytest
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_ok, run_table, values_equal
+from tests.real_jobs import diff_cli, run_ok, trainer_runs, values_equal
 from tests.wire_truth import Judge, values
 
 HERE = Path(__file__).resolve().parent
@@ -136,21 +134,11 @@ def test_a_partial_activation_of_a_parameters_shape_stays_unnamed():
 
 
 # ------------------------------------------------------------------------ real jobs
-def _start(out: Path, exec: int = 1, **knobs):
-    knobs = {**BASE, **knobs, "R9_SAVE": str(out) + ".truth"}
-    cmd = [*exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node", "2",
-           TRAINER]
-    if exec:
-        cmd = [sys.executable, "-m", "parity", "exec", "--out", str(out), "--", *cmd]
-    return subprocess.Popen(cmd, env=knob_env("R9_", **knobs), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("round10c")
-    return run_table(JOBS, lambda name, knobs: (root / name, _start(root / name, **knobs)),
-                     at_once=2, timeout=TIMEOUT)
+    return trainer_runs(tmp_path_factory.mktemp("round10c"),
+                        {name: {**BASE, **knobs} for name, knobs in JOBS.items()}, TRAINER,
+                        "R9_", timeout=TIMEOUT)
 
 
 def _judged(run: Path) -> Judge:

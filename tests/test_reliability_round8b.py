@@ -31,19 +31,15 @@ the graphs a counting backend received must be those of the run without parity.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_ok, run_table, values_equal
+from tests.real_jobs import diff_cli, run_ok, saved, trainer_runs, values_equal
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round8b.py")
-PARITY = [sys.executable, "-m", "parity"]
 TIMEOUT = 900
 
 STEP = {"R8_COMPILE": "step", "R8_STEPS": 2}
@@ -69,31 +65,12 @@ JOBS = {  # name: trainer knobs; "plain": run without parity exec as well
 def runs(tmp_path_factory):
     """{name: (run dir, exit code, stderr)}; ``name.plain``: the same job without parity (its
     ground truth beside, no run directory)."""
-    root = tmp_path_factory.mktemp("round8b")
-    table = {}
-    for name, knobs in JOBS.items():
-        knobs = dict(knobs)
-        if knobs.pop("plain", False):
-            table[name + ".plain"] = knobs
-        table[name] = knobs
-
-    def start(name, knobs):
-        out = root / name
-        knobs["R8_SAVE"] = str(out) + ".truth"
-        nproc = knobs.pop("nproc", 0)
-        cmd = ([*exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node",
-                str(nproc), TRAINER] if nproc else [sys.executable, TRAINER])
-        if not name.endswith(".plain"):
-            cmd = [*PARITY, "exec", "--out", str(out), "--", *cmd]
-        return out, subprocess.Popen(cmd, env=knob_env("R8_", **knobs), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
-
-    return run_table(table, start, at_once=2, timeout=TIMEOUT)
-
+    return trainer_runs(tmp_path_factory.mktemp("round8b"), JOBS, TRAINER, "R8_", nproc=0,
+                        timeout=TIMEOUT)
 
 
 def _load(d: Path) -> dict:
-    return torch.load(f"{d}.truth", weights_only=False)
+    return saved(f"{d}.truth")
 
 
 _eq = values_equal

@@ -22,14 +22,12 @@ Found and fixed (docs/reliability.md, "Round 9a"):
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_ok, run_table, values_equal
+from tests.real_jobs import diff_cli, run_ok, trainer_runs, values_equal
 from tests.wire_truth import _in_force, check, load, records, values
 
 HERE = Path(__file__).resolve().parent
@@ -59,22 +57,10 @@ JOBS = {  # name: trainer knobs (nproc: ranks, default 2; exec=0: without parity
 }
 
 
-def _start(out: Path, nproc: int = 2, exec: int = 1, **knobs):
-    knobs["R9_SAVE"] = str(out) + ".truth"
-    cmd = [*exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node",
-           str(nproc), TRAINER]
-    if exec:
-        cmd = [sys.executable, "-m", "parity", "exec", "--out", str(out), "--", *cmd]
-    return subprocess.Popen(cmd, env=knob_env("R9_", **knobs), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("round9a")
-    return run_table(JOBS, lambda name, knobs: (root / name, _start(root / name, **knobs)),
-                     at_once=2, timeout=TIMEOUT)
-
+    return trainer_runs(tmp_path_factory.mktemp("round9a"), JOBS, TRAINER, "R9_",
+                        timeout=TIMEOUT)
 
 
 def _judge(run: Path, rtol: float = 1e-5) -> int:

@@ -22,20 +22,17 @@ Found and fixed:
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from parity.errors import EXIT_MISMATCH, EXIT_OK
-from tests.real_jobs import diff_cli, exe, knob_env, run_ok, run_table, values_equal
+from tests.real_jobs import (capture_differences, diff_cli, edited_copy, first_differing,
+                             graph_lines, run_ok, saved, trainer_runs, values_equal)
 from tests.round9b_truth import problems
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round9b.py")
-PARITY = [sys.executable, "-m", "parity"]
 TIMEOUT = 900
 
 CAP = {"R9_CAP": "0.0005"}  # 524 bytes: the model splits into several buckets per graph
@@ -61,30 +58,8 @@ JOBS = {  # name: trainer knobs; "plain": run without parity exec as well
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """{name: (run dir, exit code, stderr)}; ``name.plain``: the same job without parity."""
-    root = tmp_path_factory.mktemp("round9b")
-    table = {}
-    for name, knobs in JOBS.items():
-        knobs = dict(knobs)
-        if knobs.pop("plain", False):
-            table[name + ".plain"] = knobs
-        table[name] = knobs
-
-    def start(name, knobs):
-        out = root / name
-        knobs["R9_SAVE"] = str(out) + ".truth"
-        cmd = [*exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node",
-               str(knobs.pop("nproc", 2)), *knobs.pop("entry", [TRAINER])]
-        if not name.endswith(".plain"):
-            cmd = [*PARITY, "exec", "--out", str(out), "--", *cmd]
-        return out, subprocess.Popen(cmd, env=knob_env("R9_", **knobs), stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, cwd=HERE.parent)
-
-    return run_table(table, start, at_once=2, timeout=TIMEOUT)
-
-
-
-def _load(d: Path, rank: int = 0) -> dict:
-    return torch.load(f"{d}.truth" + (f".{rank}" if rank else ""), weights_only=False)
+    return trainer_runs(tmp_path_factory.mktemp("round9b"), JOBS, TRAINER, "R9_",
+                        timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("name", [n for n in JOBS])
@@ -99,61 +74,41 @@ def test_every_graph_manifest_entry_is_what_the_graph_sends(runs, name):
     d = run_ok(runs, name)
     found = problems(d, f"{d}.truth")
     assert not found, "\n".join(found[:10])
-    graph = [b for b in (d / "rank-00000" / "buckets.jsonl").read_text().splitlines()
-             if '"source":"graph"' in b and "before_passes" not in b]
-    assert graph, "no graph manifest"
+    assert graph_lines(d), "no graph manifest"
 
 
 def test_the_check_finds_a_wrong_manifest(runs, tmp_path):
     """The ground-truth check is not vacuous: two parameters' names exchanged in one
     reduce-scatter bucket line and an all-gather offset moved, in a copy of a right run, are
     each reported."""
-    import json
-    import shutil
-
     d = run_ok(runs, "graph")
     for what in ("swap", "shift"):
         copy = tmp_path / what
-        shutil.copytree(d, copy)
-        path = copy / "rank-00000" / "buckets.jsonl"
-        lines, done = [], False
-        for line in path.read_text().splitlines():
-            b = json.loads(line)
-            if (not done and b.get("source") == "graph" and b.get("stage") != "before_passes"
-                    and len(b["entries"]) >= 2):
-                e = b["entries"]
-                if what == "swap" and b["collective"] == "reduce_scatter":
-                    e[0]["fqn"], e[1]["fqn"] = e[1]["fqn"], e[0]["fqn"]
-                    done = True
-                elif what == "shift" and b["collective"] == "all_gather":
-                    e[1]["offset"] += 4
-                    done = True
-            lines.append(json.dumps(b))
-        path.write_text("\n".join(lines) + "\n")
-        assert done
+
+        def edit(b, what=what):
+            e = b["entries"]
+            if len(e) < 2:
+                return False
+            if what == "swap" and b["collective"] == "reduce_scatter":
+                e[0]["fqn"], e[1]["fqn"] = e[1]["fqn"], e[0]["fqn"]
+                return True
+            if what == "shift" and b["collective"] == "all_gather":
+                e[1]["offset"] += 4
+                return True
+            return False
+
+        assert edited_copy(d, copy, edit)
         found = problems(copy, f"{d}.truth")
         assert found and all(x.startswith("rank 0 ") for x in found), found
-
-
-def _first_differing(a: Path, b: Path, kind: str) -> int | None:
-    """Ground truth of "the first bucket whose payload order differs": the index, among the
-    executed collectives of ``kind`` in step 0 on rank 0, of the first whose input differs
-    between A and B (their values are equal: only the packing can differ)."""
-    ra = [r for r in _load(a)["records"] if r["step"] == 0 and kind in r["op"]]
-    rb = [r for r in _load(b)["records"] if r["step"] == 0 and kind in r["op"]]
-    for i, (x, y) in enumerate(zip(ra, rb)):
-        if not values_equal(x["input"], y["input"]):
-            return i
-    return None
 
 
 def test_payload_order_pair_fails_on_the_first_reordered_bucket(runs):
     """Graph order against FSDP2 registration order, equal values: ``--fail-on any`` fails and
     names the reduce-scatter bucket whose executed input first differs."""
     a, b = run_ok(runs, "graph"), run_ok(runs, "registration")
-    assert values_equal(_load(a)["grads"], _load(b)["grads"])
-    index = _first_differing(a, b, "reduce_scatter")
-    assert index is not None and _first_differing(a, b, "all_gather") is None
+    assert values_equal(saved(f"{a}.truth")["grads"], saved(f"{b}.truth")["grads"])
+    index = first_differing(a, b, "reduce_scatter")
+    assert index is not None and first_differing(a, b, "all_gather") is None
     rc, line, d = diff_cli(a, b, "--fail-on", "any")
     assert rc == EXIT_MISMATCH and "bucket order differs (reduce_scatter bucket" in line, line
     first = d["order"]["first_bucket"]
@@ -166,23 +121,10 @@ def test_identical_pair_holds(runs):
     assert rc == EXIT_OK and "bucket layouts identical" in line, line
 
 
-def _compiled(d: Path) -> dict:
-    """Dynamo's counters and the graphs compiled, less the compile caches' counters (off under
-    ``parity exec`` by design: a cache hit would give no manifest; docs/capture.md)."""
-    extra = _load(d)["extra"]
-    counters = {k: {c: n for c, n in v.items() if "cache" not in c}
-                for k, v in extra["counters"].items()}
-    return {"counters": counters, "graphs": extra["graphs"]}
-
-
 @pytest.mark.parametrize("name", ["graph", "inductor"])
 def test_capture_changes_nothing(runs, name):
     """Values (every step's shards, gradients, losses, the final model, every collective's
-    input), dynamo's counters and the graphs compiled are those of the run without parity."""
+    input), dynamo's counters and the graphs compiled (compile caches' counters aside: off
+    under parity exec) are those of the run without parity."""
     d, alone = run_ok(runs, name), run_ok(runs, name + ".plain")
-    for rank in (0, 1):
-        x, y = _load(d, rank), _load(alone, rank)
-        for key in ("shards", "grads", "losses", "model"):
-            assert values_equal(x[key], y[key]), key
-        assert values_equal([r["input"] for r in x["records"]], [r["input"] for r in y["records"]])
-    assert _compiled(d) == _compiled(alone)
+    assert capture_differences(d, alone) == []

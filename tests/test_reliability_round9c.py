@@ -24,31 +24,18 @@ Three jobs, each run once per module (module-scoped fixture) and shared by the t
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.real_jobs import (diff_cli, saved, skip_without_torchtitan, torchtitan_job,
+                             torchtitan_workdir)
+
 HERE = Path(__file__).resolve().parent
 LAUNCH = HERE / "trainers" / "round9c_launch.py"
 
-try:  # torchtitan imports triton at import time: both must be there
-    import torchtitan  # noqa: F401
-    import triton  # noqa: F401
-except Exception as e:  # noqa: BLE001
-    pytest.skip(f"torchtitan is not importable ({type(e).__name__}: {e}); "
-                "pip install -e '.[dev]' installs it", allow_module_level=True)
+skip_without_torchtitan()
 
-from tests.test_torchtitan import _torch_too_old_for_torchtitan  # noqa: E402
-
-if _torch_too_old_for_torchtitan():
-    pytest.skip(f"torchtitan 0.3.0 needs torch >= 2.13 ({_torch_too_old_for_torchtitan()})",
-                allow_module_level=True)
-
-from tests.real_jobs import diff_cli  # noqa: E402
 from tests.round9c_same import record_differences, value_differences  # noqa: E402
 from tests.round9c_truth import problems  # noqa: E402
 
@@ -67,45 +54,17 @@ JOBS = {  # name: (torchtitan args, launcher environment)
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    sys.path.insert(0, str(HERE / "torchtitan_cpu"))
-    try:
-        import assets
-    finally:
-        sys.path.remove(str(HERE / "torchtitan_cpu"))
-    return Path(assets.make(str(tmp_path_factory.mktemp("round9c"))))
+    return torchtitan_workdir(tmp_path_factory.mktemp("round9c"))
 
 
 @pytest.fixture(scope="module")
 def runs(workdir):
     """{name: (run dir, truth prefix)}, the jobs run one after the other (2 ranks each)."""
-    out = {}
-    for name, (args, knobs) in JOBS.items():
-        run, truth = workdir / f"run-{name}", str(workdir / f"truth-{name}.pt")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("R9C_")}
-        env.update(knobs, R9C_SAVE=truth, OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "parity", "exec", "--out", str(run), "--", sys.executable,
-               "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(_free_port()), str(LAUNCH), *args, *COMMON,
-               "--dump_folder", str(workdir / f"dump-{name}")]
-        p = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
-                           timeout=1500)
-        assert p.returncode == 0, f"{name} failed (rc {p.returncode}):\n{p.stderr[-4000:]}"
-        out[name] = (run, truth)
-    return out
-
-
-def _truth(prefix: str, rank: int = 0) -> dict:
-    import torch
-
-    return torch.load(prefix + (f".{rank}" if rank else ""), weights_only=False)
+    return {name: torchtitan_job(workdir, name, LAUNCH, [*args, *COMMON, "--dump_folder",
+                                                         str(workdir / f"dump-{name}")], knobs)
+            for name, (args, knobs) in JOBS.items()}
 
 
 def _graph_lines(run: Path, stage: str | None = "after_passes") -> list[dict]:
@@ -124,12 +83,12 @@ def test_the_recorder_changes_nothing(runs):
     assert value_differences(fx_truth, order_truth) == []
     assert record_differences(fx, order, names=("steps.jsonl",)) == []
     assert _graph_lines(fx, "before_passes") == _graph_lines(order, "before_passes")
-    assert _truth(order_truth)["records"] == []  # R9C_RECORD=0: no mode entered
+    assert saved(order_truth)["records"] == []  # R9C_RECORD=0: no mode entered
 
 
 def test_aot_fx_trace_manifest_is_what_the_graph_sends(runs):
     run, truth = runs["fx"]
-    t = _truth(truth)
+    t = saved(truth)
     # the judge has something to judge: 14 all-gathers and 16 reduce-scatters a step, each
     # named by its node (op names agreed with the graph's order), both steps
     assert t["mismatch"] == [] and len(t["records"]) == 2 * 30
@@ -142,7 +101,7 @@ def test_jit_manifest_is_what_the_graphs_send(runs):
     """jit: lm_head is used under the chunked loss, outside the compiled graphs (eager DTensor
     collectives, round 9a's ground): its gradient is left out of the graphs' coverage."""
     run, truth = runs["jit"]
-    t = _truth(truth)
+    t = saved(truth)
     assert t["mismatch"] == [] and {r["graph"] for r in t["records"]} == {"forward", "backward"}
     assert len(t["records"]) == 2 * 16 and all(r["node"] for r in t["records"])
     assert "lm_head.weight" not in {e["fqn"] for b in _graph_lines(run, None)

@@ -39,10 +39,7 @@ AR = ("allreduce_",)
 
 
 def load(run: Path):
-    import torch
-
-    files = sorted(glob.glob(str(run) + ".truth.[0-9]*"), key=lambda f: int(f.rsplit(".", 1)[1]))
-    truths = [torch.load(f, weights_only=False) for f in files]
+    truths = load_truths(run)
     manifests = []
     for r in range(len(truths)):
         p = Path(run) / f"rank-{r:05d}" / "buckets.jsonl"
