@@ -525,46 +525,39 @@ def _side(kind: str, buckets: list[Bucket], skip: set, topo: Topology,
                                  "covers dense buffers")
     pos_of = [p for p, b in enumerate(buckets) if b.index not in skip and b.index not in bad]
     todo = [buckets[p] for p in pos_of]
-    if kind == RS:  # per bucket: the group's topology, owners and check
-        keep, worlds, checks, tops, owners_of = [], [], [], [], []
-        for p, b in zip(pos_of, todo):
-            gw = group_size_of(b)
+    def place(b: Bucket):
+        """(the group's topology, owners, world, check) of ``b`` at the target, or why not."""
+        gw = group_size_of(b)
+        if kind == RS:
             if not sub or not cw or gw in (None, cw):  # over every rank (beside sub-groups
-                gt, n, check = topo, topo.world, cw  # too: MoE's dense part), as recorded
-            elif sub == "hsdp":  # HSDP: shard groups of one node at the target (said)
-                gt, n, check = shard_topo, topo.gpus, gw
-            else:  # no replicate all-reduce: expert parallel's efsdp groups, 2-D meshes
-                bad[b.index] = (f"a reduce-scatter over {gw} of {cw} ranks without HSDP's "
-                                "replicate all-reduce (an expert or 2-D mesh group): which "
-                                "ranks it spans at the target is not known")
-                continue
-            keep.append(p)
-            worlds.append(n)
-            checks.append(check)
-            tops.append(gt)
-            owners_of.append(n)
-        pos_of = keep
-        todo = [buckets[p] for p in pos_of]
-    else:
-        keep, worlds, checks, tops, owners_of = [], [], [], [], []
-        for p, b in zip(pos_of, todo):
-            gw = group_size_of(b)
-            if getattr(b, "module", None) == HSDP_REPLICATE:  # a shard row, one rank a node
-                gt, owners, n = replicate_topo, topo.gpus, topo.gpus
-                check = (cw // gw) if cw and gw else None
-            elif gw in (None, cw) or not cw:
-                gt, owners, n, check = topo, 1, 1, 1  # whole tensors, over every rank
-            else:
-                bad[b.index] = (f"an all-reduce over {gw} of {cw} ranks (not HSDP's replicate "
-                                "group): which ranks it spans at the target is not known")
-                continue
-            keep.append(p)
-            worlds.append(n)
-            checks.append(check)
-            tops.append(gt)
-            owners_of.append(owners)
-        pos_of = keep
-        todo = [buckets[p] for p in pos_of]
+                return topo, topo.world, topo.world, cw  # too: MoE's dense part), as recorded
+            if sub == "hsdp":  # HSDP: shard groups of one node at the target (said)
+                return shard_topo, topo.gpus, topo.gpus, gw
+            # no replicate all-reduce: expert parallel's efsdp groups, 2-D meshes
+            return (f"a reduce-scatter over {gw} of {cw} ranks without HSDP's replicate "
+                    "all-reduce (an expert or 2-D mesh group): which ranks it spans at the "
+                    "target is not known")
+        if getattr(b, "module", None) == HSDP_REPLICATE:  # a shard row, one rank a node
+            return replicate_topo, topo.gpus, topo.gpus, (cw // gw) if cw and gw else None
+        if gw in (None, cw) or not cw:
+            return topo, 1, 1, 1  # whole tensors, over every rank
+        return (f"an all-reduce over {gw} of {cw} ranks (not HSDP's replicate group): which "
+                "ranks it spans at the target is not known")
+
+    keep, worlds, checks, tops, owners_of = [], [], [], [], []
+    for p, b in zip(pos_of, todo):
+        got = place(b)
+        if isinstance(got, str):
+            bad[b.index] = got
+            continue
+        gt, owners, n, check = got
+        keep.append(p)
+        worlds.append(n)
+        checks.append(check)
+        tops.append(gt)
+        owners_of.append(owners)
+    pos_of = keep
+    todo = [buckets[p] for p in pos_of]
     got = _derive_many(todo, worlds, checks, ctx)
     lens, counts = got.lens.tolist(), got.count.tolist()
     for b, why in zip(todo, got.why):
