@@ -369,7 +369,7 @@ def op_difference(a: Bucket, b: Bucket) -> str | None:
 def _classify_pair(coll: str, a: Bucket, b: Bucket) -> BucketPair:
     pair = BucketPair(coll, "identical", [a.index], [b.index], [a.group], [b.group],
                       partner=(a.index, b.index))
-    ops = op_difference(a, b) if a.op != b.op or a.op_scale != b.op_scale else None
+    ops = op_difference(a, b)
     if a.entries == b.entries and a.dtype == b.dtype and a.total_bytes == b.total_bytes:
         if ops:  # the same bytes in the same places, reduced by ops that scale differently
             pair.verdict = "layout_differs"
