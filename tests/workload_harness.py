@@ -15,9 +15,11 @@ As a module, ``run_job(args)`` launches such a job once per pytest session
 (results are cached by argument list, so test files share jobs).
 """
 
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +76,8 @@ def run_job(train_args: list[str], *, manifests: bool = False, timeout: float = 
         return _cache[key]
     if _root is None:
         _root = Path(tempfile.mkdtemp(prefix="parity-workload-"))
+        # gone with the session (each CI run left one such folder in /tmp)
+        atexit.register(shutil.rmtree, _root, True)
     out_dir = _root / f"job{len(_cache)}"
     out_dir.mkdir()
     env = dict(os.environ)
