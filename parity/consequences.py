@@ -90,8 +90,9 @@ def prediction_verdict(ro) -> str | None:
     return "same" if all(v == "same" for v in vs) else "unknown"
 
 
-# how diff/buckets.py's detail of a bucket pair differing in its reduce ops alone begins (the
-# same bytes in the same places): the verdict line then says "bucket reduce op differs"
+# how diff/buckets.py's detail of a bucket pair differing in its reduce ops or its group's ranks
+# alone begins (the same bytes in the same places): the verdict line then says "bucket reduce
+# op differs" or "bucket group differs" (policy.order_phrase)
 OPS_ONLY = "same payloads and offsets; "
 
 # an AtRisk's ``why`` other than "order", as the verdict line says it (a count before it)

@@ -381,3 +381,38 @@ def test_buckets_alike_but_for_ops_that_scale_differently(a_op, b_op, want):
     assert op_difference(a, b) == want or (want and op_difference(a, b).startswith(want))
     (pair,), _ = align_buckets("reduce_scatter", [a], [b])
     assert pair.verdict == ("layout_differs" if want else "identical"), pair.detail
+
+
+@pytest.mark.parametrize("a_ranks, b_ranks, want", [
+    ((0, 1), (0, 2), "group ranks [0, 1] in A, [0, 2] in B"),  # a mesh and its transpose
+    ((0, 1), (0, 1), None),
+    ((0, 1), None, None),  # a side that did not record them (runs before 2026-11-28)
+    (None, None, None),  # the whole world on both sides
+    (tuple(range(0, 20, 2)), tuple(range(1, 20, 2)),
+     "group ranks [0, 2, 4, 6, 8, 10, 12, 14, ... 10 ranks] in A"),
+])
+def test_buckets_alike_but_for_the_ranks_of_their_group(a_ranks, b_ranks, want):
+    """The same bytes in the same places, reduced over groups of the same size made of other
+    ranks: "bucket layouts identical" before the lines carried ``ranks``; now the group
+    differs (a reduction-order difference: at scale the groups sit elsewhere), and the verdict
+    line and the console say so."""
+    from parity import policy
+    from parity.diff.buckets import group_difference
+
+    def ar(ranks, op="sum"):
+        return Bucket("all_reduce", 0, "g", "float32", 16, [Entry("w", 0, 16, 4, "float32")],
+                      op=op, world_size=2, ranks=ranks)
+
+    a, b = ar(a_ranks), ar(b_ranks)
+    got = group_difference(a, b)
+    assert got == want or (want and got.startswith(want)), got
+    (pair,), _ = align_buckets("all_reduce", [a], [b])
+    assert pair.verdict == ("layout_differs" if want else "identical"), pair.detail
+    if want:
+        fb = {"collective": "all_reduce", "index": 0, "b_index": 0, "detail": pair.detail}
+        assert policy.order_phrase("layout_differs", fb).startswith(
+            "bucket group differs (all_reduce bucket 0: group ranks")
+        both = align_buckets("all_reduce", [ar(a_ranks, "avg")], [b])[0][0]
+        assert both.detail.endswith("; " + got)  # the op and the group, both said
+        assert policy.order_phrase("layout_differs", {**fb, "detail": both.detail}).startswith(
+            "bucket reduce op differs")

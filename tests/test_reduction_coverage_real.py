@@ -6,7 +6,7 @@ consistent reorder, measured.
 
 Jobs (module-scoped): late_grad.py with the adapter registered last / first, plain and emulated at
 2x2:channels=4; side_allreduce.py (a flat buffer, packed in order / reversed) plain and emulated,
-and one all-reduce per gradient; hsdp_fsdp2.py emulated at 4x1 (shard groups across nodes) twice,
+and one all-reduce per gradient, and over groups of two ranks ({0, 1} / {0, 2}); hsdp_fsdp2.py emulated at 4x1 (shard groups across nodes) twice,
 plain with and without a reordered block; ddp_buckets.py with its layers registered in two
 orders, and with a sparse embedding under emulation."""
 
@@ -35,6 +35,8 @@ JOBS = {  # name: (trainer, env, exec args)
     "side_emu": ("side_allreduce.py", {}, ["--emulate-nccl", EMU]),
     "side_rev_emu": ("side_allreduce.py", {"SA_REVERSED": "1"}, ["--emulate-nccl", EMU]),
     "side_each": ("side_allreduce.py", {"SA_MODE": "each"}, []),
+    "side_pairs": ("side_allreduce.py", {"SA_GROUPS": "pairs"}, []),
+    "side_strided": ("side_allreduce.py", {"SA_GROUPS": "strided"}, []),
     "hsdp_emu": ("hsdp_fsdp2.py", {}, ["--emulate-nccl", "4x1"]),
     "hsdp_emu_again": ("hsdp_fsdp2.py", {}, ["--emulate-nccl", "4x1"]),
     "hsdp": ("hsdp_fsdp2.py", {}, []),
@@ -121,6 +123,29 @@ def test_hand_written_all_reduces_are_recorded_compared_and_predicted(runs):
     assert tree.verdict == "unknown" and any("Tree" in u["reason"] for u in tree.unknown)
 
 
+def test_the_same_all_reduce_over_other_ranks_is_a_group_difference(runs):
+    """Hand-written all-reduces over groups of two ranks, {0, 1} / {2, 3} against {0, 2} /
+    {1, 3} (a mesh and its transpose), the side module fed the same input on every rank: the
+    values are equal here, but at scale the two groupings sit elsewhere on the network. Each
+    line records its group's ranks; the comparison says the group differs (it read "bucket
+    layouts identical" and ``same sums`` at 2x8 before), the prediction does not place them."""
+    a, b = runs["side_pairs"], runs["side_strided"]
+    for run, r0, r3 in ((a, [0, 1], [2, 3]), (b, [0, 2], [1, 3])):
+        assert [x["ranks"] for x in _buckets(run, "c10d")] == [r0]
+        lines = (run / "rank-00003" / "buckets.jsonl").read_text().splitlines()
+        assert [x["ranks"] for x in map(json.loads, lines) if x["source"] == "c10d"] == [r3]
+    p = _cli("diff", str(a), str(b), "--fail-on", "any")
+    first = p.stdout.splitlines()[0]
+    assert p.returncode == 1 and "bucket group differs (all_reduce bucket 0: group ranks [0, 1] " \
+        "in A, [0, 2] in B)" in first and "hashes bitwise identical" in first, p.stdout[-2000:]
+    assert _cli("diff", str(a), str(b)).returncode == 0  # the values: equal
+    r = diff_runs(a, b, at="2x8")
+    ro = r.reduction_order
+    assert ro.verdict == "unknown" and any("groups of other ranks" in u["reason"]
+                                           for u in ro.unknown), ro.unknown
+    assert r.exit_code("reduction") == 3
+
+
 # ----------------------------------------------------------------------------------- HSDP
 
 
@@ -137,6 +162,10 @@ def test_hsdp_whose_shard_groups_span_two_nodes_is_emulated(runs):
 def test_hsdp_replicate_all_reduces_are_predicted_at_the_target(runs):
     ar = _buckets(runs["hsdp"], "c10d")
     assert ar and all(r["group"] == "fsdp2 replicate" and r["world_size"] == 2 for r in ar)
+    # each line's group: rank 0's shard group {0, 1} (FSDP2's lines), replicate group {0, 2}
+    assert all(r["ranks"] == [0, 2] for r in ar)
+    rs = _buckets(runs["hsdp"], "fsdp2")
+    assert rs and all(r["ranks"] == [0, 1] for r in rs)
     r = diff_runs(runs["hsdp"], runs["hsdp_reorder"], at="8x8")
     ro = r.reduction_order
     assert ro.verdict != "same"

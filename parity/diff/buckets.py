@@ -67,6 +67,7 @@ class Bucket:
     op: str | None = None  # the reduce op as recorded (None: not recorded; annotate_buckets)
     op_scale: float | None = None  # a PREMUL_SUM's recorded factor
     world_size: int | None = None  # the group's size as recorded
+    ranks: tuple[int, ...] | None = None  # a sub-group's global ranks as recorded (else None)
 
     @property
     def fqns(self) -> list[str]:
@@ -121,10 +122,19 @@ def _bucket(rec: dict, coll: str, memo: dict | None = None) -> Bucket:
                   comm if isinstance(comm, str) else None,
                   op if isinstance(op, str) and op else None,
                   float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                  else None, r.world_size)
+                  else None, r.world_size, ranks_of(r.extra.get("ranks")))
         if memo is not None:
             memo[id(rec)] = (rec, fields)  # the line is kept alive: its id is not reused
     return Bucket(coll, -1, fields[0], fields[1], fields[2], list(fields[3]), *fields[4:])
+
+
+def ranks_of(value) -> tuple[int, ...] | None:
+    """A bucket line's ``ranks`` (a sub-group's global ranks) as compared, or None where it is
+    absent or not a list of ints."""
+    if isinstance(value, list) and value and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return tuple(value)
+    return None
 
 
 def _same_raw(x: dict, y: dict) -> bool:
@@ -200,7 +210,7 @@ def _copy_layout(layout: Layout, rank: int | None) -> Layout:
     return Layout(layout.source, rank,
                   {c: [Bucket(b.collective, b.index, b.group, b.dtype, b.total_bytes,
                               list(b.entries), b.step, b.graph_id, b.record_index, b.node,
-                              b.comm, b.op, b.op_scale, b.world_size)
+                              b.comm, b.op, b.op_scale, b.world_size, b.ranks)
                        for b in bs]
                    for c, bs in layout.buckets.items()},
                   list(layout.changes), dict(layout.repeats))
@@ -366,14 +376,32 @@ def op_difference(a: Bucket, b: Bucket) -> str | None:
         "" if fa is None or fb is None else f" (each payload times {fa:g} against {fb:g})")
 
 
+def group_difference(a: Bucket, b: Bucket) -> str | None:
+    """How two buckets' groups differ in their ranks, or None (alike, the whole world on both
+    sides, or a side that did not record them: runs written before 2026-11-28 have ``ranks`` on
+    c10d and graph all-reduce lines only). Why: the same bytes reduced over other ranks of the
+    same size (a mesh transposed, experts placed elsewhere) sum alike on gloo at a few ranks,
+    but at scale those groups sit elsewhere on the network: other channels, other rings."""
+    if a.ranks is None or b.ranks is None or a.ranks == b.ranks:
+        return None
+    return f"group ranks {_rank_list(a.ranks)} in A, {_rank_list(b.ranks)} in B"
+
+
+def _rank_list(ranks: tuple[int, ...], n: int = 8) -> str:
+    shown = ", ".join(map(str, ranks[:n]))
+    return "[" + shown + (f", ... {len(ranks)} ranks" if len(ranks) > n else "") + "]"
+
+
 def _classify_pair(coll: str, a: Bucket, b: Bucket) -> BucketPair:
     pair = BucketPair(coll, "identical", [a.index], [b.index], [a.group], [b.group],
                       partner=(a.index, b.index))
-    ops = op_difference(a, b)
     if a.entries == b.entries and a.dtype == b.dtype and a.total_bytes == b.total_bytes:
-        if ops:  # the same bytes in the same places, reduced by ops that scale differently
+        # the same bytes in the same places, reduced by ops that scale differently or over
+        # other ranks
+        said = [x for x in (op_difference(a, b), group_difference(a, b)) if x]
+        if said:
             pair.verdict = "layout_differs"
-            pair.detail = consequences.OPS_ONLY + ops
+            pair.detail = consequences.OPS_ONLY + "; ".join(said)
         return pair  # what every branch below concludes for equal entries (the usual case)
     fa, fb = a.fqns, b.fqns
     if len(fa) != len(fb) or set(fa) != set(fb):
@@ -413,8 +441,7 @@ def _classify_pair(coll: str, a: Bucket, b: Bucket) -> BucketPair:
                 diffs.append(f"bucket dtype {a.dtype} vs {b.dtype}")
             if a.total_bytes != b.total_bytes:
                 diffs.append(f"total bytes {a.total_bytes} vs {b.total_bytes}")
-            if ops:
-                diffs.append(ops)
+            diffs.extend(x for x in (op_difference(a, b), group_difference(a, b)) if x)
             if diffs:
                 pair.verdict = "layout_differs"
                 pair.detail = "same order and entries; " + ", ".join(diffs)

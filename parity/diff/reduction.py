@@ -796,6 +796,22 @@ def _twin_key(b: Bucket) -> tuple:
     return len(b.entries), b.entries[0].fqn if b.entries else None, b.dtype, group_size_of(b)
 
 
+def _groups_differ(ba: list[Bucket], bb: list[Bucket]) -> str | None:
+    """Why the two sides' reductions of a kind are not predicted when they ran over groups of
+    other ranks (each bucket line's ``ranks``, recorded for sub-groups since 2026-11-28), else
+    None. The model places a sub-group at the target by its size alone (HSDP's shard groups:
+    one node); groups of the same size made of other ranks (a mesh transposed) cannot both be
+    where it puts them. Sides that did not record ranks are not compared here."""
+    ga = sorted({b.ranks for b in ba if getattr(b, "ranks", None)})
+    gb = sorted({b.ranks for b in bb if getattr(b, "ranks", None)})
+    if not ga or not gb or ga == gb:
+        return None
+    a = next(r for r in ga if r not in gb) if any(r not in gb for r in ga) else ga[0]
+    b = next(r for r in gb if r not in ga) if any(r not in ga for r in gb) else gb[0]
+    return (f"groups of other ranks (ranks {list(a)} in A, {list(b)} in B): where each sits "
+            "at the target is not known")
+
+
 def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: list[Bucket],
                   topo: Topology, ctx: _Context, counts: tuple[dict, dict], step: int | None,
                   ans: _StepAnswer, assumptions: list[str]) -> None:
@@ -823,6 +839,11 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
         ans.unknown.append({"collective": kind, "a": None, "b": None, "step": step,
                             "reason": f"{side}'s reduce-scatters are handed to a custom comm "
                                       f"({comm}): where it puts each element is not known"})
+        return
+    moved = _groups_differ(ba, bb)
+    if moved:  # the same sizes over other ranks: where each group sits at the target differs
+        ans.unknown.append({"collective": kind, "a": None, "b": None, "step": step,
+                            "reason": moved})
         return
     if kind == AR and ctx.ar_only:
         ans.unpredicted.append({"collective": AR, "a": None, "b": None, "step": step,

@@ -10,7 +10,7 @@ manifest changed, read through the functions here.
 
 from __future__ import annotations
 
-from parity.diff.buckets import Bucket, Entry, Layout, select_layout
+from parity.diff.buckets import Bucket, Entry, Layout, ranks_of, select_layout
 from parity.records import (SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord,
                             as_int)
 
@@ -148,6 +148,7 @@ def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
         b.op_scale = scale if isinstance(scale, (int, float)) and not isinstance(scale, bool) \
             else None
         b.group_size = rec.world_size
+        b.ranks = ranks_of(rec.extra.get("ranks"))
         b.sparse = bool(rec.extra.get("sparse"))
         out.append(b)
     return out

@@ -63,6 +63,13 @@ def _order_text(r) -> tuple[str, str]:
         why = custom_comm({"compared": o.compared, "notes": o.notes})
         if why:
             return f"not compared ({why})", "yellow"
+    fb = o.first_bucket if isinstance(o.first_bucket, dict) else {}
+    detail = fb.get("detail") if isinstance(fb.get("detail"), str) else ""
+    if o.verdict == "layout_differs" and detail.startswith(consequences.OPS_ONLY):
+        # the same bytes in the same places: the op or the group's ranks differ, not sizes
+        rest = detail[len(consequences.OPS_ONLY):]
+        return ("GROUP DIFFERS (other ranks)" if rest.startswith("group")
+                else "REDUCE OP DIFFERS"), "bold yellow"
     return _ORDER_TEXT.get(o.verdict, (o.verdict, ""))
 
 

@@ -52,7 +52,7 @@ from parity.capture.names import normalize_fqn
 from parity.capture import patches
 from parity.capture.patches import _tracing
 from parity.capture.sources.fsdp2 import param_fqn
-from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
+from parity.capture.sources.manifest_source import ManifestSource, SourceHooks, sub_group_ranks
 from parity.capture.table import _module_roots, registered_ddp
 from parity.records import (SOURCE_C10D, BucketEntry, BucketRecord, dtype_name, ends_record,
                             reduce_op_name)
@@ -281,8 +281,7 @@ class C10dAllReduces(ManifestSource):
         if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
             return
         size = group.size()
-        world = dist.get_world_size()
-        ranks = dist.get_process_group_ranks(group) if size != world else None
+        ranks = sub_group_ranks(group)
         frame, label = _caller(3)
         t0 = tensors[0]
         dtype, esize = dtype_name(t0.dtype), t0.element_size()
@@ -320,8 +319,8 @@ class C10dAllReduces(ManifestSource):
         rec = BucketRecord(SOURCE_C10D, "all_reduce", len(self.current), entries,
                            group=module, dtype=dtype, world_size=size, total_bytes=total)
         rec.extra["op"] = reduce_op_name(op if op is not None else dist.ReduceOp.SUM)
-        if ranks is not None:
-            rec.extra["ranks"] = list(ranks)
+        if ranks:
+            rec.extra["ranks"] = ranks
         if coalesced:
             rec.extra["coalesced"] = True
         self.current.append(rec)
@@ -395,7 +394,9 @@ class C10dAllReduces(ManifestSource):
             plans = self._ddp_plans(ddp, info, params, passes)
             if plans is None:
                 continue
-            size = ddp.process_group.size() if getattr(ddp, "process_group", None) else 1
+            pg = getattr(ddp, "process_group", None)
+            size = pg.size() if pg else 1
+            ranks = sub_group_ranks(pg)
             for idx in (b for plan in plans for b in plan):
                 entries, off = [], 0
                 for i in idx:
@@ -409,6 +410,8 @@ class C10dAllReduces(ManifestSource):
                                    dtype=dtypes.pop() if len(dtypes) == 1 else "",
                                    world_size=size, total_bytes=off)
                 rec.extra["op"] = "sum"
+                if ranks:
+                    rec.extra["ranks"] = ranks
                 if any(id(params[i][1]) in sparse for i in idx):
                     rec.extra["sparse"] = True
                 out.append(rec)

@@ -28,7 +28,7 @@ from typing import Any
 
 from parity.capture.sources import eager_grads
 from parity.capture.sources.eager_grads import key as _key
-from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
+from parity.capture.sources.manifest_source import ManifestSource, SourceHooks, sub_group_ranks
 from parity.capture.names import normalize_fqn
 from parity.capture.patches import _tracing
 from parity.capture.table import _module_roots
@@ -266,11 +266,12 @@ class EagerCollectives(ManifestSource):
         shape = list(meta.shape) if meta is not None else list(local_tensor.shape)
         dtype = dtype_name(local_tensor.dtype)
         numel = local_tensor.numel()
-        world = 1
-        for a, b, n in zip(current_spec.placements, target_spec.placements,
-                           current_spec.mesh.shape):
+        world, dims = 1, []
+        for dim, (a, b, n) in enumerate(zip(current_spec.placements, target_spec.placements,
+                                            current_spec.mesh.shape)):
             if a != b:
                 world *= int(n)
+                dims.append(dim)
         if kind == "reduce_scatter":
             # one byte unit with FSDP2 and graph records: a reduce-scatter's per-rank payload
             # is the shard it ends with, not the full tensor it starts from
@@ -283,6 +284,9 @@ class EagerCollectives(ManifestSource):
                            dtype=dtype, world_size=world, total_bytes=size,
                            placements=f"{_placements(current_spec)} -> "
                                       f"{_placements(target_spec)}")
+        ranks = _mesh_dim_ranks(current_spec.mesh, dims)
+        if ranks:
+            rec.extra["ranks"] = ranks
         partial = None
         if any(p.is_partial() for p in current_spec.placements):
             partial = [self._grad_of(local_tensor, shape), None]
@@ -322,8 +326,8 @@ class EagerCollectives(ManifestSource):
             e.fqn = self._fqn(key, owners, e.shape, e.dtype, partial, grads)
             c.group = e.fqn.rsplit(".", 1)[0] if e.fqn else ""
             c.module = _chain(owners, self._modules)
-        sig = tuple((c.collective, c.module, c.placements, c.dtype, c.total_bytes, c.entries[0].fqn)
-                    for c, _, _, _ in calls)
+        sig = tuple((c.collective, c.module, c.placements, c.dtype, c.total_bytes, c.entries[0].fqn,
+                     tuple(c.extra.get("ranks") or ())) for c, _, _, _ in calls)
         if sig == self.last_signature or (not calls and self.last_signature is None):
             return
         self.last_signature = sig
@@ -333,3 +337,15 @@ class EagerCollectives(ManifestSource):
         for c, _, _, _ in calls:
             c.step = step
             self.emit(c)
+
+
+def _mesh_dim_ranks(mesh: Any, dims: list[int]) -> list[int] | None:
+    """The ``ranks`` of a redistribution along one mesh dimension (that dimension's group of
+    this rank, manifest_source.sub_group_ranks); None along several or none, or where the mesh
+    does not say (a fake mesh in a trace)."""
+    if len(dims) != 1:
+        return None
+    try:
+        return sub_group_ranks(mesh.get_group(dims[0]))
+    except Exception:  # noqa: BLE001 - optional: the line is written without it
+        return None

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 
 from parity.capture import post_import
-from parity.capture.sources.manifest_source import ManifestSource, SourceHooks
+from parity.capture.sources.manifest_source import ManifestSource, SourceHooks, sub_group_ranks
 from parity.capture.names import normalize_fqn
 from parity.records import (SOURCE_FSDP2, BucketEntry, BucketRecord, common_module, dtype_name,
                             ends_record, reduce_op_name)
@@ -333,7 +333,7 @@ class FSDP2Recorder(ManifestSource):
 
     def _record(self, collective: str, group: str | None, dtype: torch.dtype, world_size: int,
                 entries: list[BucketEntry], op: tuple[str, float | None] | None = None,
-                comm: str | None = None) -> None:
+                comm: str | None = None, ranks: list[int] | None = None) -> None:
         index = self._index[collective]
         self._index[collective] = index + 1
         key = (collective, index)
@@ -344,7 +344,7 @@ class FSDP2Recorder(ManifestSource):
             phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         sig = (group, dtype, world_size, phase,
                tuple((e.fqn, e.offset, e.size, e.numel, e.dtype, tuple(e.shape)) for e in entries),
-               op, comm)
+               op, comm, tuple(ranks or ()))
         if self._last.get(key) == sig:
             return
         self._last[key] = sig
@@ -352,7 +352,8 @@ class FSDP2Recorder(ManifestSource):
             SOURCE_FSDP2, collective, index, entries, graph=phase, step=self._step(), group=group,
             dtype=dtype_name(dtype), world_size=world_size,
             total_bytes=sum(e.size for e in entries),
-            extra={**_op_fields(op), **({"comm": comm} if comm else {})}))
+            extra={**_op_fields(op), **({"comm": comm} if comm else {}),
+                   **({"ranks": ranks} if ranks else {})}))
 
     def _fqn(self, fsdp_param, i: int) -> str:
         fqn = param_fqn(fsdp_param)
@@ -366,7 +367,7 @@ class FSDP2Recorder(ManifestSource):
         dtypes = getattr(result, "param_all_gather_input_dtypes", None)
         out = getattr(result, "all_gather_output", None)
         payload_dtype = out.dtype if isinstance(out, torch.Tensor) else None
-        raw = (id(param_group), tuple(map(id, fsdp_params)), world_size, payload_dtype,
+        raw = (id(param_group), id(group), tuple(map(id, fsdp_params)), world_size, payload_dtype,
                tuple(getattr(result, "all_gather_input_split_sizes", None) or ()),
                tuple(d for ds in dtypes for d in ds) if dtypes is not None else None, comm)
         if self._unchanged("all_gather", raw):
@@ -387,7 +388,7 @@ class FSDP2Recorder(ManifestSource):
         if payload_dtype is None:
             payload_dtype = torch.uint8 if len({e.dtype for e in entries}) > 1 else ds[0]
         self._record("all_gather", self._group_fqn(fsdp_params, param_group), payload_dtype,
-                     world_size, entries, comm=comm)
+                     world_size, entries, comm=comm, ranks=sub_group_ranks(group))
 
     def _reduce_op(self, group, dtype, op_args) -> tuple[str, float | None] | None:
         """The op FSDP2 reduce-scatters with, by its own rule (``_get_gradient_divide_factors``
@@ -422,7 +423,7 @@ class FSDP2Recorder(ManifestSource):
         world_size = group.size() if group is not None else 1
         dtype = reduce_dtype or unsharded_grads[0].dtype
         op = self._reduce_op(group, dtype, op_args)
-        raw = (id(param_group), tuple(map(id, fsdp_params)), world_size, dtype,
+        raw = (id(param_group), id(group), tuple(map(id, fsdp_params)), world_size, dtype,
                tuple(g.shape for g in unsharded_grads), op, comm)
         if self._unchanged("reduce_scatter", raw):
             return
@@ -444,4 +445,4 @@ class FSDP2Recorder(ManifestSource):
                                        list(getattr(fp, "sharded_size", ()) or ())))
             offset += size
         self._record("reduce_scatter", self._group_fqn(fsdp_params, param_group), dtype,
-                     world_size, entries, op, comm)
+                     world_size, entries, op, comm, sub_group_ranks(group))

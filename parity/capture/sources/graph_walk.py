@@ -33,6 +33,7 @@ from typing import Any
 
 from parity.capture.names import PROPERTY_MODULE, node_module
 from parity.capture.sources.graph_flat import NESTED, flatten
+from parity.capture.sources.manifest_source import sub_group_ranks
 from parity.comm_ops import COMM_NAMESPACES
 from parity.records import (ABSENT, SOURCE_GRAPH, BucketEntry, BucketRecord, common_module,
                             common_prefix, dtype_name)
@@ -557,6 +558,9 @@ def _bucket(node: Any, kind: str, coalesced: bool, index: int, graph_kind: str, 
         world_size = _group_size(node.args[1] if kind == "all_gather" else node.args[2])
         if kind == "reduce_scatter":
             _reduce_op(node, _bound(node), extra)
+        ranks = _sub_group_ranks(node, kind)
+        if ranks:
+            extra["ranks"] = ranks
     pieces, dtypes, pattern = _payloads(node, coalesced, warnings)
     outs = _payload_outputs(node, kind, coalesced, pattern, len(pieces), label, warnings)
     own = node_module(node)  # the collective's own annotation, when it names a module
@@ -608,20 +612,46 @@ def _all_reduce_group(node: Any, extra: dict, label: str, warnings: list[str]) -
     bound = _bound(node)
     _reduce_op(node, bound, extra)
     group = bound.get("group_name", node.args[2] if len(node.args) > 2 else None)
-    if hasattr(group, "op") and hasattr(group, "users"):  # a graph input: its traced value
-        group = _val(group)
     try:
-        import torch.distributed as dist
-
-        pg = group if hasattr(group, "size") and callable(group.size) else \
-            dist.distributed_c10d._resolve_process_group(group)
+        pg = _process_group(group)
         size = int(pg.size())
-        if dist.is_initialized() and size != dist.get_world_size():
-            extra["ranks"] = list(dist.get_process_group_ranks(pg))
-        return size
     except Exception as e:  # noqa: BLE001 - the size is unknown, not guessed
-        warnings.append(f"{label}: the size of group {group!r} is not known in this process "
-                        f"({type(e).__name__}: {e})")
+        warnings.append(f"{label}: the size of group {_group_arg(group)!r} is not known in this "
+                        f"process ({type(e).__name__}: {e})")
+        return None
+    ranks = sub_group_ranks(pg)
+    if ranks:
+        extra["ranks"] = ranks
+    return size
+
+
+def _group_arg(group: Any) -> Any:
+    """A collective's group argument as traced: a graph input stands for its traced value."""
+    if hasattr(group, "op") and hasattr(group, "users"):
+        return _val(group)
+    return group
+
+
+def _process_group(group: Any) -> Any:
+    """The process group a collective's ``group_name`` argument names, resolved as the
+    collective itself resolves it (``distributed_c10d._resolve_process_group``); raises where
+    this process does not know it."""
+    group = _group_arg(group)
+    if hasattr(group, "size") and callable(group.size):
+        return group
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._resolve_process_group(group)
+
+
+def _sub_group_ranks(node: Any, kind: str) -> list[int] | None:
+    """A reduce-scatter's or all-gather's ``ranks`` (manifest_source.sub_group_ranks), or None
+    where its group is the whole world or not known here (a graph read outside its job)."""
+    arg = 2 if kind == "all_gather" else 3
+    group = _bound(node).get("group_name", node.args[arg] if len(node.args) > arg else None)
+    try:
+        return sub_group_ranks(_process_group(group))
+    except Exception:  # noqa: BLE001 - optional: the line is written without it
         return None
 
 

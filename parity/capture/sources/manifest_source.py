@@ -127,3 +127,22 @@ class ManifestSource(ABC):
 
     def new_step(self) -> None:
         """An optimizer step finished: what comes next belongs to the next step."""
+
+
+def sub_group_ranks(group: Any) -> list[int] | None:
+    """The global ranks of a collective's process group, for the ``ranks`` field of a bucket
+    line (docs/artifacts.md), or None for the whole world (implied by ``world_size``) and where
+    they cannot be read. Why: two runs can reduce the same bytes over groups of the same size
+    made of other ranks (a mesh transposed, experts placed on other ranks); at scale those
+    groups sit elsewhere on the network, so the diff compares them (diff/buckets.py). A local
+    lookup (c10d's own table), no collective."""
+    if group is None:
+        return None
+    try:
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or group.size() == dist.get_world_size():
+            return None
+        return [int(r) for r in dist.get_process_group_ranks(group)]
+    except Exception:  # noqa: BLE001 - not readable (a fake or foreign group): not written
+        return None
