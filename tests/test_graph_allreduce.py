@@ -107,6 +107,22 @@ def test_coalesced_sub_group_in_place_and_metric_all_reduces(group):
     got = [b.to_dict() for b in extract_buckets(gm, [None] * 3, ["p.a", "p.b", None, None],
                                                 "backward", warnings=warnings)]
     assert warnings == []
+    # a reduce-scatter and an all-gather on the sub-group carry its ranks too (2026-11-28:
+    # the diff compares them), those on the whole world none
+    n = len(ranks)
+
+    def g(x):
+        rs = WAIT(torch.ops._c10d_functional.reduce_scatter_tensor(x, "sum", n, sub.group_name))
+        ag = WAIT(torch.ops._c10d_functional.all_gather_into_tensor(rs, n, sub.group_name))
+        world = dist.get_world_size()
+        return ag, WAIT(torch.ops._c10d_functional.all_gather_into_tensor(rs, world, group))
+
+    gm2 = make_fx(g, tracing_mode="fake")(torch.randn(4 * n, 2))
+    rs, ag, ag_world = [b.to_dict() for b in extract_buckets(gm2, [], [None], "backward",
+                                                            warnings=warnings)]
+    assert (rs["collective"], rs["ranks"], ag["collective"], ag["ranks"]) == (
+        "reduce_scatter", ranks, "all_gather", ranks)
+    assert "ranks" not in ag_world
     co, tok, loss = got
     assert [(e["fqn"], e["offset"], e["size"]) for e in co["entries"]] == [
         ("p.a", 0, 24), ("p.b", 24, 20)]
