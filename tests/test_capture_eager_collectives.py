@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 TRAINER = Path(__file__).resolve().parent / "trainers" / "dtensor_chunked_loss.py"
@@ -42,3 +43,25 @@ def test_chunked_redistributions_are_recorded_with_parameter_and_module(tmp_path
         ("0.weight", "loss_fn(ChunkLoss)", "reduce_scatter")]
     meta = json.loads((out / "rank-00000" / "meta.json").read_text())
     assert "dtensor" in meta["capture"]["manifests"]
+
+
+def test_a_redistribution_along_one_mesh_dimension_records_that_groups_ranks():
+    """A DTensor line's ``ranks`` (2026-11-28): the group of the one mesh dimension it
+    redistributes along, for rank 0 of a (2, 2) mesh [[0, 1], [2, 3]]: dim 0 is {0, 2}, dim 1
+    {0, 1}; along both dimensions (the whole world) or none, no ranks. A fake process group of
+    four ranks, in a process of its own (a module of this session may hold a world of two)."""
+    code = textwrap.dedent("""
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        from parity.capture.sources.eager_collectives import _mesh_dim_ranks
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+        mesh = init_device_mesh("cpu", (2, 2))
+        print(_mesh_dim_ranks(mesh, [0]), _mesh_dim_ranks(mesh, [1]),
+              _mesh_dim_ranks(mesh, [0, 1]), _mesh_dim_ranks(mesh, []))
+        dist.destroy_process_group()
+    """)
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert got.stdout.split("\n")[0] == "[0, 2] [0, 1] None None"
