@@ -448,6 +448,17 @@ def _best_inproc(fn, reps: int) -> tuple[float, float]:
     return wall, cpu
 
 
+def _own_group_lines(world: int):
+    """A synth bucket hook: each rank's lines over a group of two, itself and the rank half a
+    world away, ``ranks`` written before the entries (as BucketRecord.to_dict orders them)."""
+    def hook(b: dict, rank: int) -> dict:
+        entries = b.pop("entries")
+        b.update(world_size=2, ranks=sorted([rank, (rank + world // 2) % world]),
+                 entries=entries)
+        return b
+    return hook
+
+
 def bench_diff(quick: bool, tmp: Path) -> dict:
     from tests.synth import make_run
 
@@ -465,6 +476,11 @@ def bench_diff(quick: bool, tmp: Path) -> dict:
     # identical runs in two directories (a directory diffed with itself is incomplete, issue 21)
     a_same = make_run(tmp / "a_same", **common)
     a1_same = make_run(tmp / "a1_same", **common, schema=1)
+    # every rank's lines naming its own group's ranks (expert or 2-D mesh groups of two, as
+    # capture writes them since 2026-11-28): no two ranks' manifests are byte-identical
+    own = _own_group_lines(ranks)
+    a_own = make_run(tmp / "a_own", **common, bucket_hook=own)
+    a_own_same = make_run(tmp / "a_own_same", **common, bucket_hook=own)
     gen = time.perf_counter() - t0
     base = [sys.executable, "-m", "parity", "diff"]
     out: dict = {"diff_ranks": ranks, "diff_steps": steps, "diff_params": params,
@@ -507,6 +523,9 @@ def bench_diff(quick: bool, tmp: Path) -> dict:
     for name, x, y, _ in pairs:
         wall, cpu = _best_inproc(lambda: diff_runs(x, y), 1 if quick or "v1" in name else 3)
         out[f"diff_inproc_{name}"], out[f"diff_inproc_cpu_{name}"] = wall, cpu
+    wall, cpu = _best_inproc(lambda: diff_runs(a_own, a_own_same), 1 if quick else 3)
+    out["diff_inproc_seconds_identical_own_groups"] = wall
+    out["diff_inproc_own_groups_vs_shared"] = wall / out["diff_inproc_seconds_identical"]
     out["diff_loadavg_end"] = os.getloadavg()[0]
     out["diff_inproc_identical_vs_v1"] = (out["diff_inproc_seconds_identical"]
                                           / out["diff_inproc_v1_seconds_identical"])

@@ -380,15 +380,17 @@ def _parse_line(line: str):
     return json.loads(line)  # leading/trailing blanks, or not JSON: json says which
 
 
-def _tail_sharing_parser(tail_key: str):
+def _tail_sharing_parser(tail_key: str, memo: dict | None = None):
     """A JSON-line parser for lines whose last key ``tail_key`` holds a long value that repeats
     from line to line (a bucket's entries, recorded again every step): each distinct value is
     parsed once and shared by the records that carry it (read-only, like the bucket lists
     ``_read_lines`` shares between ranks). A line ``{head...,"K":V}`` whose head (closed with
     ``}``) is an object and whose V is JSON is that object with K = V, so the two parses read
-    what one would; any other line is parsed whole."""
+    what one would; any other line is parsed whole. ``memo``: the values parsed so far, shared
+    by the files of one read (``ReadShare.tails``: ranks whose lines differ only in their
+    group's ``ranks`` carry the same entries)."""
     marker = f',"{tail_key}":'
-    memo: dict[str, object] = {}
+    memo = {} if memo is None else memo
 
     def parse(line: str):
         i = line.find(marker)
@@ -496,7 +498,8 @@ def _read_lines(path: str | Path, problems: list[str], required: tuple[str, ...]
     records = []
     try:
         lines = data.decode().split("\n")
-        parse = _parse_line if tail is None else _tail_sharing_parser(tail)
+        parse = _parse_line if tail is None else _tail_sharing_parser(
+            tail, shared.tails.setdefault(tail, {}) if isinstance(shared, ReadShare) else None)
     except UnicodeDecodeError:
         lines, parse = data.split(b"\n"), json.loads
     if lines and lines[-1]:
@@ -1179,11 +1182,15 @@ class ReadShare(dict):
     """What the reads of one diff share: the records of byte-identical files by their key
     (``_read_lines``: ranks usually write identical bucket manifests, and ranks that trained
     alike identical steps), and in ``ends`` each shared bucket list's split into records and
-    ``ends`` lines, so that ranks sharing a list share its parts too."""
+    ``ends`` lines, so that ranks sharing a list share its parts too; in ``tails`` the values
+    of each line's last key parsed so far (a bucket's entries: ``_tail_sharing_parser``), so
+    that files which are not byte-identical (each rank's lines name its own group's ``ranks``)
+    share their entries' parse and checks."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ends: dict[int, tuple[list[dict], list[dict], list[dict]]] = {}
+        self.tails: dict[str, dict[str, object]] = {}
 
 
 def read_run(path: str | os.PathLike, _shared: dict | None = None) -> Run:

@@ -731,12 +731,23 @@ _ENTRY_KEY = operator.itemgetter("fqn", "offset", "size", "numel", "dtype")
 MAX_LAYOUT_CHECKS = 16  # distinct per-rank manifests examined in detail, per side
 
 
-def _raw_signature(recs: list[dict]):
-    """What a rank's manifests say, cheaply (C-level tuples); None if entries lack keys."""
+def _raw_signature(recs: list[dict], memo: dict | None = None):
+    """What a rank's manifests say, cheaply (C-level tuples); None if entries lack keys.
+    ``memo`` (id of an entries list -> (list, its keys)): the reader shares one parsed entries
+    list between the lines and ranks that carry it (ranks whose lines differ only in their
+    group's ``ranks`` are not byte-identical), so each is turned into keys once."""
+    memo = {} if memo is None else memo
+
+    def keys(entries):
+        got = memo.get(id(entries))
+        if got is None or got[0] is not entries:
+            got = memo[id(entries)] = (entries, tuple(map(_ENTRY_KEY, entries)))
+        return got[1]
+
     try:
         return tuple((r.get("source"), r.get("collective"), r.get("graph"), r.get("graph_id"),
                       r.get("index"), r.get("dtype"), r.get("total_bytes"), r.get("comm"),
-                      tuple(map(_ENTRY_KEY, r["entries"]))) for r in recs)
+                      keys(r["entries"])) for r in recs)
     except (KeyError, TypeError):
         return None
 
@@ -793,6 +804,7 @@ def compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks:
     odd: dict[str, list[int]] = {}  # ranks whose layout differs from their side's reference
     not_examined: dict[str, int] = {}
     memo: dict = {}  # bucket lines parsed once for both sides (_bucket)
+    raw_memo: dict = {}  # entries lists turned into keys once (_raw_signature)
     for side, run, prefer in (("a", run_a, A_PREFERS), ("b", run_b, B_PREFERS)):
         present = [r for r in sorted(run.ranks) if r in usable[side]] or sorted(run.ranks)
         ref = ranks[0] if ranks else (present[0] if present else None)
@@ -807,7 +819,7 @@ def compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks:
             by_list.setdefault(id(run.ranks[r].buckets), []).append(r)
         if len(by_list) == 1:
             continue
-        ref_raw = _raw_signature(ref_recs)
+        ref_raw = _raw_signature(ref_recs, raw_memo)
         ref_sig = ref_layout.signature()
         bad: list[int] = []
         examined: dict[tuple | None, bool] = {}
@@ -817,7 +829,7 @@ def compare_buckets(run_a: Run, run_b: Run, usable: dict[str, list[int]], ranks:
             recs = run.ranks[rs[0]].buckets
             if recs is ref_recs:
                 continue
-            raw = _raw_signature(recs)
+            raw = _raw_signature(recs, raw_memo)
             if raw is not None and raw == ref_raw:
                 continue
             same = examined.get(raw) if raw is not None else None
