@@ -91,7 +91,8 @@ def prediction_verdict(ro) -> str | None:
 
 
 # how diff/buckets.py's detail of a bucket pair differing in its reduce ops alone begins (the
-# same bytes in the same places): the verdict line then says "bucket reduce op differs"
+# same bytes in the same places): the verdict line then says "bucket reduce op differs" (or,
+# reduced over another group, "bucket group differs")
 OPS_ONLY = "same payloads and offsets; "
 
 # an AtRisk's ``why`` other than "order", as the verdict line says it (a count before it)

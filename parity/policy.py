@@ -185,8 +185,11 @@ def order_phrase(order_verdict: str | None, first_bucket: dict | None = None) ->
     fb = first_bucket if isinstance(first_bucket, dict) else {}
     detail = fb.get("detail") if isinstance(fb.get("detail"), str) else ""
     if order_verdict == "layout_differs" and detail.startswith(consequences.OPS_ONLY):
-        # the same bytes in the same places, reduced by ops that scale differently
-        what = "bucket reduce op differs"
+        # the same bytes in the same places, reduced by ops that scale differently or over
+        # other groups (diff/buckets.py group_difference)
+        rest = detail[len(consequences.OPS_ONLY):]
+        what = ("bucket group differs" if rest.startswith(("a group of", "ranks "))
+                else "bucket reduce op differs")
     if fb.get("collective"):
         where = f"{fb['collective']} {bucket_ref(fb)}"
         if detail.startswith(consequences.OPS_ONLY):

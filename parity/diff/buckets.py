@@ -67,6 +67,7 @@ class Bucket:
     op: str | None = None  # the reduce op as recorded (None: not recorded; annotate_buckets)
     op_scale: float | None = None  # a PREMUL_SUM's recorded factor
     world_size: int | None = None  # the group's size as recorded
+    ranks: tuple | None = None  # the group's global ranks where recorded (c10d: a sub-group)
 
     @property
     def fqns(self) -> list[str]:
@@ -121,7 +122,7 @@ def _bucket(rec: dict, coll: str, memo: dict | None = None) -> Bucket:
                   comm if isinstance(comm, str) else None,
                   op if isinstance(op, str) and op else None,
                   float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                  else None, r.world_size)
+                  else None, r.world_size, _ranks(r.extra.get("ranks")))
         if memo is not None:
             memo[id(rec)] = (rec, fields)  # the line is kept alive: its id is not reused
     return Bucket(coll, -1, fields[0], fields[1], fields[2], list(fields[3]), *fields[4:])
@@ -200,7 +201,7 @@ def _copy_layout(layout: Layout, rank: int | None) -> Layout:
     return Layout(layout.source, rank,
                   {c: [Bucket(b.collective, b.index, b.group, b.dtype, b.total_bytes,
                               list(b.entries), b.step, b.graph_id, b.record_index, b.node,
-                              b.comm, b.op, b.op_scale, b.world_size)
+                              b.comm, b.op, b.op_scale, b.world_size, b.ranks)
                        for b in bs]
                    for c, bs in layout.buckets.items()},
                   list(layout.changes), dict(layout.repeats))
@@ -366,10 +367,30 @@ def op_difference(a: Bucket, b: Bucket) -> str | None:
         "" if fa is None or fb is None else f" (each payload times {fa:g} against {fb:g})")
 
 
+def _ranks(value) -> tuple | None:
+    """A line's ``ranks`` (c10d_allreduce.py: a sub-group's global ranks) as a tuple, or None."""
+    return tuple(value) if isinstance(value, list) and all(
+        isinstance(r, int) for r in value) else None
+
+
+def group_difference(a: Bucket, b: Bucket) -> str | None:
+    """How two buckets' recorded groups differ, or None (alike, or a side did not record it).
+    A payload with no parameter's name (a gradient norm, a token count: round 12a) has no
+    entries to compare, so the group is all that tells a sum over 2 ranks from one over 4, or
+    the shard group from the replicate group: their sums differ in order at any topology."""
+    if a.world_size and b.world_size and a.world_size != b.world_size:
+        return f"a group of {a.world_size} ranks in A, {b.world_size} in B"
+    if a.ranks and b.ranks and a.ranks != b.ranks:  # written by c10d for sub-groups only
+        return f"ranks {list(a.ranks)} in A, {list(b.ranks)} in B"
+    return None
+
+
 def _classify_pair(coll: str, a: Bucket, b: Bucket) -> BucketPair:
     pair = BucketPair(coll, "identical", [a.index], [b.index], [a.group], [b.group],
                       partner=(a.index, b.index))
     ops = op_difference(a, b)
+    groups = group_difference(a, b)
+    ops = "; ".join(x for x in (groups, ops) if x) or None
     if a.entries == b.entries and a.dtype == b.dtype and a.total_bytes == b.total_bytes:
         if ops:  # the same bytes in the same places, reduced by ops that scale differently
             pair.verdict = "layout_differs"

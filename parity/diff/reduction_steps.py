@@ -10,7 +10,7 @@ manifest changed, read through the functions here.
 
 from __future__ import annotations
 
-from parity.diff.buckets import Bucket, Entry, Layout, select_layout
+from parity.diff.buckets import Bucket, Entry, Layout, _ranks, select_layout
 from parity.records import (SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord,
                             as_int)
 
@@ -137,7 +137,8 @@ def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
         rec = BucketRecord.from_dict(r)
         b = Bucket(AR, len(out), rec.group, rec.dtype, rec.total_bytes,
                    [Entry(e.fqn, e.offset, e.size, e.numel, e.dtype) for e in rec.entries],
-                   rec.step if isinstance(rec.step, int) else None)
+                   rec.step if isinstance(rec.step, int) else None,
+                   world_size=rec.world_size, ranks=_ranks(rec.extra.get("ranks")))
         if source == SOURCE_C10D:
             b.module = rec.group if isinstance(rec.group, str) else None  # the call site
         else:  # the module it was issued under
