@@ -377,11 +377,15 @@ def op_difference(a: Bucket, b: Bucket) -> str | None:
 
 
 def group_difference(a: Bucket, b: Bucket) -> str | None:
-    """How two buckets' groups differ in their ranks, or None (alike, the whole world on both
-    sides, or a side that did not record them: runs written before 2026-11-28 have ``ranks`` on
-    c10d and graph all-reduce lines only). Why: the same bytes reduced over other ranks of the
-    same size (a mesh transposed, experts placed elsewhere) sum alike on gloo at a few ranks,
-    but at scale those groups sit elsewhere on the network: other channels, other rings."""
+    """How two buckets' groups differ, or None (alike, or a side that did not record it): in
+    size (the recorded ``world_size``), else in ranks (``ranks``, recorded for sub-groups; runs
+    written before 2026-11-28 have it on c10d and graph all-reduce lines only). Why: a payload
+    no parameter names (a gradient norm, a token count: round 12a) has no entries to compare,
+    so the group is all that tells a sum over 2 ranks from one over 4; and the same bytes
+    reduced over other ranks of the same size (a mesh transposed, experts placed elsewhere) sum
+    alike on gloo at a few ranks, but at scale those groups sit elsewhere on the network."""
+    if a.world_size and b.world_size and a.world_size != b.world_size:
+        return f"group of {a.world_size} ranks in A, {b.world_size} in B"
     if a.ranks is None or b.ranks is None or a.ranks == b.ranks:
         return None
     return f"group ranks {_rank_list(a.ranks)} in A, {_rank_list(b.ranks)} in B"

@@ -812,6 +812,37 @@ def _groups_differ(ba: list[Bucket], bb: list[Bucket]) -> str | None:
             "at the target is not known")
 
 
+def _unnamed_all_reduces(ba: list[Bucket], bb: list[Bucket], topo: Topology) -> str | None:
+    """Why the all-reduces that carry no parameter's gradient (a clip's total norm, a global
+    token count, a logged loss: round 12a) are not predicted, or None. They hold no parameter,
+    so the per-parameter count below never sees them, yet a clip's norm or a token count
+    scales every gradient after it: one ulp there changes every parameter. A scalar sits in
+    one place: the two sides' sequences of scalars (dtype, group, op) alike sum alike. A buffer
+    of several values (DTensor's stacked per-parameter norms) is recorded without names, so
+    where each value sits, and which ring sums it at the target, is not known."""
+    bare = {side: [b for b in bs if not any(b.fqns)] for side, bs in (("A", ba), ("B", bb))}
+    if not bare["A"] or not bare["B"]:  # one side's only: not compared, said by the layout's
+        return None  # notes (reduction_steps.paired_all_reduces)
+    for side, bs in bare.items():
+        for b in bs:
+            n = sum(e.numel or 0 for e in b.entries)
+            if n > 1 and _known_op(b) not in ("max", "min"):  # MAX / MIN: order-free
+                return (f"{side}'s all-reduce of {n} values no parameter names "
+                        f"({getattr(b, 'module', None) or 'no call site recorded'}): where each value sits "
+                        f"in it is not recorded, so the order its sum takes at {topo.spec()} "
+                        "is not known (a gradient norm's sum scales every gradient)")
+
+    def key(b: Bucket) -> tuple:
+        return (b.dtype, b.total_bytes, group_size_of(b), b.ranks, _known_op(b))
+
+    if [key(b) for b in bare["A"]] != [key(b) for b in bare["B"]]:
+        return (f"the all-reduces of scalars no parameter names (a gradient norm, a token "
+                f"count: {len(bare['A'])} in A, {len(bare['B'])} in B) differ in number, "
+                f"group or op: their sums at {topo.spec()} are not predicted, and each may "
+                "scale every gradient")
+    return None
+
+
 def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: list[Bucket],
                   topo: Topology, ctx: _Context, counts: tuple[dict, dict], step: int | None,
                   ans: _StepAnswer, assumptions: list[str]) -> None:
@@ -840,15 +871,19 @@ def _predict_kind(kind: str, la: Layout, lb: Layout, ara: list[Bucket], arb: lis
                             "reason": f"{side}'s reduce-scatters are handed to a custom comm "
                                       f"({comm}): where it puts each element is not known"})
         return
-    moved = _groups_differ(ba, bb)
-    if moved:  # the same sizes over other ranks: where each group sits at the target differs
-        ans.unknown.append({"collective": kind, "a": None, "b": None, "step": step,
-                            "reason": moved})
-        return
     if kind == AR and ctx.ar_only:
         ans.unpredicted.append({"collective": AR, "a": None, "b": None, "step": step,
                                 "reason": ONE_SIDED_AR.format(side=ctx.ar_only,
                                                                    what=ctx.ar_what)})
+        return
+    unnamed = _unnamed_all_reduces(ba, bb, topo) if kind == AR else None
+    if unnamed:  # a norm / token count: no parameter to count, but it may scale every one
+        ans.unknown.append({"collective": AR, "a": None, "b": None, "step": step,
+                            "reason": unnamed})
+    moved = _groups_differ(ba, bb)
+    if moved:  # the same sizes over other ranks: where each group sits at the target differs
+        ans.unknown.append({"collective": kind, "a": None, "b": None, "step": step,
+                            "reason": moved})
         return
     # A's bucket -> B's with the same payloads, dtype and group size (the op is compared
     # below, where both sides know theirs); the last such B bucket, names compared only where

@@ -137,7 +137,8 @@ def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
         rec = BucketRecord.from_dict(r)
         b = Bucket(AR, len(out), rec.group, rec.dtype, rec.total_bytes,
                    [Entry(e.fqn, e.offset, e.size, e.numel, e.dtype) for e in rec.entries],
-                   rec.step if isinstance(rec.step, int) else None)
+                   rec.step if isinstance(rec.step, int) else None,
+                   world_size=rec.world_size, ranks=ranks_of(rec.extra.get("ranks")))
         if source == SOURCE_C10D:
             b.module = rec.group if isinstance(rec.group, str) else None  # the call site
         else:  # the module it was issued under
@@ -148,7 +149,6 @@ def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
         b.op_scale = scale if isinstance(scale, (int, float)) and not isinstance(scale, bool) \
             else None
         b.group_size = rec.world_size
-        b.ranks = ranks_of(rec.extra.get("ranks"))
         b.sparse = bool(rec.extra.get("sparse"))
         out.append(b)
     return out
