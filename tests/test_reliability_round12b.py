@@ -27,6 +27,7 @@ from tests.real_jobs import diff_cli, run_ok, saved, trainer_runs, values_equal
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round12b.py")
 TIMEOUT = 900
+_SCHED = {"R12B_WRAP": "none", "R12B_SCHED": 1, "nproc": 0}
 
 
 def _jobs(root: Path) -> tuple[dict, dict]:
@@ -38,6 +39,12 @@ def _jobs(root: Path) -> tuple[dict, dict]:
                 "R12B_EDIT": "param", "exec": 0},
         "cke": {"R12B_STEPS": 1, "R12B_CKPT": ck["cke"], "R12B_CKPT_AT": 1,
                 "R12B_EDIT": "exp_avg", "exec": 0},
+        # one process with a StepLR (step 2, gamma 0.5): a checkpoint after step 1, and one
+        # whose scheduler's last_epoch is one more (its lr halves a step earlier)
+        "sk0": {**_SCHED, "R12B_STEPS": 1, "R12B_CKPT": root / "sk0.pt", "R12B_CKPT_AT": 1,
+                "exec": 0},
+        "sk1": {**_SCHED, "R12B_STEPS": 1, "R12B_CKPT": root / "sk1.pt", "R12B_CKPT_AT": 1,
+                "R12B_EDIT": "sched", "exec": 0},
         # one process: 4 steps, a checkpoint (torch.save) after step 2
         "full": {"R12B_WRAP": "none", "R12B_STEPS": 4, "R12B_CKPT": root / "full.pt",
                  "R12B_CKPT_AT": 2, "nproc": 0},
@@ -46,6 +53,9 @@ def _jobs(root: Path) -> tuple[dict, dict]:
         "load": {"R12B_LOAD": ck["ck0"], "plain": True},
         "loadp": {"R12B_LOAD": ck["ckp"]},
         "loade": {"R12B_LOAD": ck["cke"]},
+        # one step after each scheduler checkpoint: the same update, other lr after it
+        "sched0": {**_SCHED, "R12B_STEPS": 1, "R12B_START": 1, "R12B_LOAD": root / "sk0.pt"},
+        "sched1": {**_SCHED, "R12B_STEPS": 1, "R12B_START": 1, "R12B_LOAD": root / "sk1.pt"},
         # resumed from full's checkpoint: full's steps 3 and 4, numbered 1 and 2
         "resumed": {"R12B_WRAP": "none", "R12B_STEPS": 2, "R12B_START": 2,
                     "R12B_LOAD": root / "full.pt", "nproc": 0},
@@ -134,3 +144,15 @@ def test_resumed_run_against_the_uninterrupted_one(runs):
     rc, line, _ = diff_cli(res, full, timeout=TIMEOUT)
     assert rc == EXIT_MISMATCH and "A's step 0 has B's step 2 parameters" in line, line
 
+
+def test_a_schedule_that_differs_after_the_last_step_fails(runs):
+    """Checkpoints whose StepLR ``last_epoch`` differs by one, one step each: parameters,
+    gradients and loss equal, the lr the scheduler set after the step not (0.005 against 0.01:
+    the optimizers' state dicts differ, ground truth). Was: HOLDS "final state with optimizer
+    state" (the groups' numbers were no rows); now the ``param_group`` rows differ."""
+    a, b = run_ok(runs, "sched0"), run_ok(runs, "sched1")
+    assert _differs(a, b, ranks=(0,)) == {"opt"}
+    assert _truth(a)["opt"]["param_groups"][0]["lr"] != _truth(b)["opt"]["param_groups"][0]["lr"]
+    rc, line, js = diff_cli(a, b, timeout=TIMEOUT)
+    assert rc == EXIT_MISMATCH and "in the final state" in line, line
+    assert {x["fqn"].split(":")[1] for x in js["divergent"]} == {"param_group"}, js["divergent"]

@@ -1021,7 +1021,7 @@ def _other_rows(final, index: ParamIndex) -> list[str]:
     names = [index.names[g] for g in final.state_versions]
     return [f"{len(names)} optimizer-state row(s) ({_names(names, 2)}) that one side's parity "
             "hashes and the other's does not (another version: numbers, lists, a second "
-            "optimizer's state)"]
+            "optimizer's state, param groups)"]
 
 
 def _unaligned(ranks, aligns, glob_only: set, incomplete: list[str], ra, rb) -> None:
