@@ -71,7 +71,8 @@ def test_identical_runs_compare_the_optimizer_state_and_say_so(runs):
     assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
     assert "x 4 parameters (param, grad, loss, final state with optimizer state)" in line, line
     assert "optimizer state (" not in line, line  # compared: not under "not compared"
-    assert d["final_state"]["optimizer_state"] == 12  # exp_avg, exp_avg_sq, step of 4
+    # exp_avg, exp_avg_sq, step and the group's numbers (param_group, round 12b) of 4
+    assert d["final_state"]["optimizer_state"] == 16
     table = json.loads((runs["adam"] / "rank-00000" / "params.json").read_text())["columns"]
     assert table["fqn"][4:7] == ["0.weight:exp_avg", "0.weight:exp_avg_sq", "0.weight:step"]
     meta = json.loads((runs["adam"] / "rank-00000" / "meta.json").read_text())
@@ -88,8 +89,9 @@ def test_adam_moments_that_differ_after_one_step_fail_in_the_final_state(runs):
     assert rc == EXIT_MISMATCH, line
     assert "hash mismatch in the final state (in the optimizer state after step 1" in line, line
     assert {x["kind"] for x in d["divergent"]} == {"optimizer_state"}
-    assert sorted(x["fqn"] for x in d["divergent"]) == sorted(
-        f"{n}:exp_avg" for n in ("0.weight", "0.bias", "2.weight", "2.bias"))
+    assert sorted(x["fqn"] for x in d["divergent"]) == sorted(  # betas: the group's numbers
+        f"{n}:{k}" for n in ("0.weight", "0.bias", "2.weight", "2.bias")
+        for k in ("exp_avg", "param_group"))
     assert "optimizer state the runs ended with differs" in d["first_divergence"]["explanation"]
 
 
@@ -99,7 +101,8 @@ def test_state_one_optimizer_keeps_and_the_other_does_not_is_a_difference(runs):
     rc, line, d = diff_cli(a, b)
     assert rc == EXIT_MISMATCH, line  # not exit 2 "parameter sets differ"
     assert "in the optimizer state after step 1" in line, line
-    assert "B alone holds 4 (0.weight:momentum_buffer" in d["first_divergence"]["explanation"]
+    # (and each parameter's group numbers: SGD without momentum keeps no state, so none)
+    assert "B alone holds 8 (0.weight:momentum_buffer" in d["first_divergence"]["explanation"]
     assert d["params_only_in_b"] == []
 
 
@@ -129,7 +132,7 @@ def test_fsdp2_state_of_an_optimizer_freed_when_main_returned_is_compared(tmp_pa
         assert p.returncode == EXIT_OK, f"{name}: {err[-2000:]}"
     rc, line, d = diff_cli(tmp_path / "a", tmp_path / "b")
     assert rc == EXIT_OK and "final state with optimizer state" in line, line
-    assert d["final_state"]["optimizer_state"] == 12
+    assert d["final_state"]["optimizer_state"] == 16
     rc, line, d = diff_cli(tmp_path / "a", tmp_path / "b1")
     assert rc == EXIT_MISMATCH and "in the optimizer state after step 1" in line, line
     assert d["first_divergence"]["ranks"] == [0, 1]
@@ -175,4 +178,4 @@ def test_zero_against_plain_adam_compares_the_state_across_ranks(tmp_path):
     for a, b in (("zero", "plain"), ("plain", "zero")):
         rc, line, d = diff_cli(tmp_path / a, tmp_path / b)
         assert rc == EXIT_OK and "final state with optimizer state" in line, line
-        assert d["final_state"]["optimizer_state"] == 12, d["final_state"]
+        assert d["final_state"]["optimizer_state"] == 16, d["final_state"]

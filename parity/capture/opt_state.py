@@ -16,6 +16,10 @@ optimizer's float) is hashed as a 0-d tensor (float64, int64), and a list or tup
 and numbers (LBFGS's ``old_dirs`` history) as one row per element (``key.0``, ``key.1``...):
 left out, two runs whose optimizers ended in other such state held (round 7).
 
+Each parameter that has state also gets one ``<fqn>:param_group`` row: its group's numbers
+(lr, betas, ...; :func:`_group_numbers`). Left out, a schedule that differs only after the last
+step held (round 12b).
+
 What is left out, on purpose: any other entry (SGD's ``momentum_buffer`` before momentum is
 used is None; strings, dicts), a tensor capture cannot hash (fake,
 meta, a subclass: trees.unhashable), the state of a parameter that is not in the table (it was
@@ -36,13 +40,15 @@ from parity.records import KIND_OPTIMIZER_STATE
 
 __all__ = ["KIND", "ROWS_VERSION", "SEPARATOR", "state_rows"]
 
-# meta.json ``capture.optimizer_state_rows``: which entries become rows. 2: tensors, Python
-# numbers, lists, a second optimizer's ``#2`` rows (round 7); absent: tensors only. Two runs
+# meta.json ``capture.optimizer_state_rows``: which entries become rows. 3: also each
+# parameter's group numbers (``<fqn>:param_group``, round 12b); 2: tensors, Python numbers,
+# lists, a second optimizer's ``#2`` rows (round 7); absent: tensors only. Two runs
 # of one job recorded with other versions hold other state rows for equal state: the diff
 # leaves rows one side's version makes out (said), instead of failing on them.
-ROWS_VERSION = 2
+ROWS_VERSION = 3
 
 KIND = KIND_OPTIMIZER_STATE  # params.json ``kind`` of these rows
+GROUP = "param_group"  # the row of a parameter's group numbers (after its state keys)
 SEPARATOR = ":"  # between the parameter's name and the state key (no module attribute has one)
 
 
@@ -54,6 +60,7 @@ def state_rows(optimizers: list, row_of: dict[int, int], entries: list[dict],
     in the table (extended here)."""
     out: list[tuple[str, torch.Tensor]] = []
     mine: set[str] = set()  # the names given here: a second optimizer's get "#2"
+    numbers: dict[int, torch.Tensor | None] = {}  # id(group) -> _group_numbers (one tensor)
     for opt in optimizers:
         state = getattr(opt, "state", None)
         groups = getattr(opt, "param_groups", None)
@@ -66,8 +73,14 @@ def state_rows(optimizers: list, row_of: dict[int, int], entries: list[dict],
                 if not isinstance(per_param, dict):
                     continue
                 base = entries[row]["fqn"]
-                for key in sorted(k for k in per_param if isinstance(k, str)):
-                    for name, t in _entries(f"{base}{SEPARATOR}{key}", per_param[key]):
+                rows = [(f"{base}{SEPARATOR}{k}", per_param[k])
+                        for k in sorted(k for k in per_param if isinstance(k, str))]
+                if id(group) not in numbers:
+                    numbers[id(group)] = _group_numbers(group)
+                if numbers[id(group)] is not None:
+                    rows.append((f"{base}{SEPARATOR}{GROUP}", numbers[id(group)]))
+                for key_name, value in rows:
+                    for name, t in _entries(key_name, value):
                         n, first = 1, name
                         while name in mine:
                             n += 1
@@ -77,6 +90,26 @@ def state_rows(optimizers: list, row_of: dict[int, int], entries: list[dict],
                             mine.add(name)
                             out.append((name, t))
     return out
+
+
+def _group_numbers(group: dict) -> torch.Tensor | None:
+    """The numbers of a parameter group (lr, betas, eps, weight decay, momentum, a scheduler's
+    ``initial_lr``), keys sorted, as one float64 tensor: the ``param_group`` row of each of its
+    parameters that has state. Left out, the lr a scheduler set after the last step (a
+    checkpoint's StepLR ``last_epoch`` one off) HELD "final state with optimizer state" while
+    the optimizers' state dicts differed (round 12b). Booleans and None are left out: foreach,
+    fused, capturable and the like choose an implementation (their effect shows in the values,
+    and for-loop against foreach holds bitwise on CPU); so are strings."""
+    out: list[float] = []
+    for key in sorted(k for k in group if isinstance(k, str) and k != "params"):
+        v = group[key]
+        for x in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(x, torch.Tensor) and x.numel() == 1 and not x.is_complex() \
+                    and trees.unhashable(x) is None:
+                x = x.item()
+            if isinstance(x, (int, float)) and not isinstance(x, bool):
+                out.append(float(x))
+    return torch.tensor(out, dtype=torch.float64) if out else None
 
 
 def _entries(name: str, v) -> list[tuple[str, torch.Tensor]]:

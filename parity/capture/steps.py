@@ -59,6 +59,26 @@ def _running(outer) -> bool:
     return False
 
 
+def _initialising_step(opt) -> bool:
+    """Whether this ``step()`` is the one torch.distributed.checkpoint's ``get_state_dict`` /
+    ``set_state_dict`` (``_init_optim_state``) runs to give an optimizer without state its
+    state: zero gradients, lr 0, no forward or backward. It is no training step: counted, it
+    was step 1 of a job that loads a checkpoint this way (torchtitan's), every later step was
+    numbered one too high, step 0 was the parameters before the load, and the load itself read
+    as an edit between steps 1 and 2 (round 12b). Only an optimizer without state is asked."""
+    if getattr(opt, "state", True):
+        return False
+    f = sys._getframe(2)
+    for _ in range(8):
+        if f is None:
+            return False
+        if (f.f_code.co_name == "_init_optim_state" and str(
+                f.f_globals.get("__name__", "")).startswith("torch.distributed.checkpoint")):
+            return True
+        f = f.f_back
+    return False
+
+
 class StepClock:
     """Optimizer step hooks (state in ``Session.__init__``)."""
 
@@ -66,6 +86,9 @@ class StepClock:
     def _pre_hook(self, opt, args, kwargs):
         self._opt_pre_calls += 1  # a GradScaler.step that ran no optimizer step: loss.py
         if self.failed or self.stopped or os.getpid() != self.pid:
+            return None
+        if _initialising_step(opt):
+            self._initialising = id(opt)  # its post-hook (the state exists by then) skips too
             return None
         if _graph_capture():  # nothing of capture's may enter the trainer's graph
             self.warn(GRAPH_CAPTURE_WARNING)
@@ -241,6 +264,9 @@ class StepClock:
         self.capture_seconds += time.perf_counter() - t0
 
     def _post_hook(self, opt, args, kwargs):
+        if getattr(self, "_initialising", None) == id(opt):
+            self._initialising = None
+            return
         if self.failed or self.stopped or os.getpid() != self.pid or _graph_capture():
             return
         t0 = time.perf_counter()

@@ -590,6 +590,10 @@ def _first_divergence(run_a: Run, ra: list[RankData], rb: list[RankData], ranks:
         else:
             origin, label, why = _origin(first, prev, grad_div, param_div, loss_div,
                                          grads_here, only_buffers)
+            if origin == "init":
+                shifted = _resumed_at(ra, rb)
+                label, why = (f"{label}; {shifted}", f"{why}; {shifted}") if shifted else (
+                    label, why)
         loc_a, loc_b = layouts["a"].locate(), layouts["b"].locate()
         rank_set: set[int] = set()
         n_kind = {}
@@ -618,6 +622,29 @@ def _first_divergence(run_a: Run, ra: list[RankData], rb: list[RankData], ranks:
                              n_kind["grad"] if hc.grads_compared else None, sorted(rank_set),
                              loss_div, why, label, phase)
     return first, fd, divergent
+
+
+def _resumed_at(ra: list[RankData], rb: list[RankData]) -> str | None:
+    """A side whose step 0 has, on every rank, the parameter hashes of the other side's step j
+    > 0 (the same j everywhere): a run resumed from a checkpoint of the other's step j. Steps
+    are compared by their number (step 1 of the resumed run against step 1 of the other), so
+    the pair fails at step 0 whatever follows; said, with where the runs line up (round 12b)."""
+    for x, y, xs, ys in ((ra, rb, "A", "B"), (rb, ra, "B", "A")):
+        at: set[int] = set()
+        for rx, ry in zip(x, y):
+            zero = (ry.steps.get(0) or {}).get("param_digest")
+            js = [s for s, rec in rx.steps.items() if isinstance(s, int) and s > 0
+                  and zero is not None and rec.get("param_digest") == zero]
+            if len(js) != 1:
+                at = set()
+                break
+            at.add(js[0])
+        if len(at) == 1 and len(x) == len(y):
+            j = at.pop()
+            return (f"{ys}'s step 0 has {xs}'s step {j} parameters on every rank ({ys} resumed "
+                    f"from {xs}'s step {j}?): steps are compared by number, {ys}'s step k "
+                    f"against {xs}'s step k, not {xs}'s step {j}+k")
+    return None
 
 
 def _absent_note(absent: list[dict]) -> str:
@@ -994,7 +1021,7 @@ def _other_rows(final, index: ParamIndex) -> list[str]:
     names = [index.names[g] for g in final.state_versions]
     return [f"{len(names)} optimizer-state row(s) ({_names(names, 2)}) that one side's parity "
             "hashes and the other's does not (another version: numbers, lists, a second "
-            "optimizer's state)"]
+            "optimizer's state, param groups)"]
 
 
 def _unaligned(ranks, aligns, glob_only: set, incomplete: list[str], ra, rb) -> None:
