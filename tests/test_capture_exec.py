@@ -117,7 +117,8 @@ def test_fsdp2_artifacts_complete(base_run):
         kinds = [p.get("kind") for p in rd.params]
         n = sum(1 for k in kinds if k != "optimizer_state")
         assert n == 17  # emb, 2 x (norm.w, norm.b, fc1.w, fc1.b, fc2.w, fc2.b, gate), out.w, out.b
-        assert kinds.count("optimizer_state") == 3 * 17  # AdamW's exp_avg, exp_avg_sq, step
+        # AdamW's exp_avg, exp_avg_sq, step and each parameter's group numbers (param_group)
+        assert kinds.count("optimizer_state") == 4 * 17
         fqns = rd.fqns
         assert "layers.0.fc1.weight" in fqns and "out.bias" in fqns
         p = rd.params[fqns.index("emb.weight")]
