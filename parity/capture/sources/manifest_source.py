@@ -135,14 +135,24 @@ def sub_group_ranks(group: Any) -> list[int] | None:
     they cannot be read. Why: two runs can reduce the same bytes over groups of the same size
     made of other ranks (a mesh transposed, experts placed on other ranks); at scale those
     groups sit elsewhere on the network, so the diff compares them (diff/buckets.py). A local
-    lookup (c10d's own table), no collective."""
+    lookup (c10d's own table), no collective; read once per group (the c10d and dtensor sources
+    ask at every call, inside the training step)."""
     if group is None:
         return None
+    got = _RANKS.get(id(group))
+    if got is not None and got[0] is group:
+        return list(got[1]) if got[1] is not None else None
     try:
         import torch.distributed as dist
 
-        if not dist.is_initialized() or group.size() == dist.get_world_size():
+        if not dist.is_initialized():
             return None
-        return [int(r) for r in dist.get_process_group_ranks(group)]
+        ranks = None if group.size() == dist.get_world_size() else [
+            int(r) for r in dist.get_process_group_ranks(group)]
     except Exception:  # noqa: BLE001 - not readable (a fake or foreign group): not written
         return None
+    _RANKS[id(group)] = (group, ranks)  # the group kept: its id is not reused while cached
+    return list(ranks) if ranks is not None else None
+
+
+_RANKS: dict[int, tuple[Any, list[int] | None]] = {}  # id(group) -> (group, its ranks or None)
