@@ -32,6 +32,7 @@ JOBS = {
     "torch": dict(_CLIP),
     "torch_rev": {**_CLIP, "R12A_PORDER": "rev"},
     "titan": {**_CLIP, "R12A_CLIP": "titan"},
+    "hand": {**_CLIP, "R12A_CLIP": "hand"},  # the local norm ** 2 summed by dist.all_reduce
     "etorch": dict(_EMU),
     "etorch_rev": {**_EMU, "R12A_PORDER": "rev"},
 }
@@ -88,6 +89,17 @@ def test_torchtitans_clip_against_torchs_is_predicted_same(runs):
     assert values_equal(values(a, 4), values(b, 4))
     rc, line, _ = diff_cli(a, b, "--fail-on", "reduction", "--at", "8x8")
     assert rc == EXIT_OK and "same sums predicted" in line, line
+
+
+def test_a_named_clip_against_a_hand_clip_is_compared(runs):
+    """torch's clip (6 named norms) against a hand-written one (one unnamed scalar): the norms
+    are no gradients, so the pair is compared as two all-reduces of norms (partition differs),
+    not read as "only A recorded all-reduce buckets of gradients" (the first cut of the names
+    said so)."""
+    a, b = run_ok(runs, "torch"), run_ok(runs, "hand")
+    rc, line, _ = diff_cli(a, b, "--fail-on", "any")
+    assert rc == EXIT_MISMATCH and "of gradients" not in line, line
+    assert "bucket partition differs (all_reduce bucket 0" in line, line
 
 
 def test_stack_order_is_torchs():

@@ -11,7 +11,7 @@ manifest changed, read through the functions here.
 from __future__ import annotations
 
 from parity.diff.buckets import Bucket, Entry, Layout, ranks_of, select_layout
-from parity.records import (SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord,
+from parity.records import (NORM_SUFFIX, SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord,
                             as_int)
 
 RS, AR = "reduce_scatter", "all_reduce"
@@ -165,8 +165,8 @@ def one_sided_all_reduces(records_a: list[dict], records_b: list[dict]) -> tuple
     bka, bkb = all_reduce_buckets(records_a), all_reduce_buckets(records_b)
     if bool(bka) != bool(bkb):
         return True, "A" if bka else "B", False
-    named_a = any(f for b in bka for f in b.fqns)
-    named_b = any(f for b in bkb for f in b.fqns)
+    named_a = any(carries_gradients(b) for b in bka)
+    named_b = any(carries_gradients(b) for b in bkb)
     if named_a != named_b:
         return True, "A" if named_a else "B", True
     return bool(bka), None, False
@@ -179,14 +179,24 @@ def paired_all_reduces(ara: list[Bucket], arb: list[Bucket]
     ``token``; the c10d source leaves them unnamed) are aligned only when both sides recorded
     some: one side's loss all-reduce run inside its graph against the other's run where no
     source sees it would otherwise read as a bucket moved, a difference nobody made."""
-    bare_a = [b for b in ara if not any(b.fqns)]
-    bare_b = [b for b in arb if not any(b.fqns)]
+    bare_a = [b for b in ara if not carries_gradients(b)]
+    bare_b = [b for b in arb if not carries_gradients(b)]
     if bool(bare_a) == bool(bare_b):
         return ara, arb, None
     side, bare = ("A", bare_a) if bare_a else ("B", bare_b)
     note = (f"all_reduce: {len(bare)} all-reduce(s) of {side} carrying no parameter (a loss or "
             "metric) have no such all-reduce on the other side to compare with: not compared")
-    return ([b for b in ara if any(b.fqns)], [b for b in arb if any(b.fqns)], note)
+    return ([b for b in ara if carries_gradients(b)], [b for b in arb if carries_gradients(b)],
+            note)
+
+
+def carries_gradients(b: Bucket) -> bool:
+    """Whether an all-reduce bucket carries a parameter's gradient: a named entry that is not
+    a clip's gradient norm (``<fqn>:grad_norm``, a value computed from the gradient, no part of
+    it: round 13). A clip's norm vector is thus of the class of a loss or a token count, and a
+    clip named value by value against a hand-written one of one scalar is compared, not read as
+    gradients one side reduced where no source sees them."""
+    return any(f and not f.endswith(NORM_SUFFIX) for f in b.fqns)
 
 
 def annotate_buckets(layout: Layout, records: list[dict]) -> None:
