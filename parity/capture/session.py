@@ -127,6 +127,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self._loss_scale = None  # the scale of this step's loss (GradScaler), a tensor
         self._skipped: str | None = None  # why this step's optimizer step did not run
         self._opt_pre_calls = 0  # optimizer pre-hooks seen (a GradScaler.step that ran none)
+        self._initialising: int | None = None  # id of the optimizer in a DCP state-init step()
         self._consumed_handles: dict[int, object] = {}  # id(optimizer) -> our last pre-hook
         self._dynamo_hidden = False  # the optimizer hooks wrapped in torch._dynamo.disable
         self.written = -1  # last step written

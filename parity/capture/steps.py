@@ -264,7 +264,7 @@ class StepClock:
         self.capture_seconds += time.perf_counter() - t0
 
     def _post_hook(self, opt, args, kwargs):
-        if getattr(self, "_initialising", None) == id(opt):
+        if self._initialising == id(opt):
             self._initialising = None
             return
         if self.failed or self.stopped or os.getpid() != self.pid or _graph_capture():

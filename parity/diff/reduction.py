@@ -813,8 +813,8 @@ def _groups_differ(ba: list[Bucket], bb: list[Bucket]) -> str | None:
     gb = sorted({b.ranks for b in bb if getattr(b, "ranks", None)})
     if not ga or not gb or ga == gb:
         return None
-    a = next(r for r in ga if r not in gb) if any(r not in gb for r in ga) else ga[0]
-    b = next(r for r in gb if r not in ga) if any(r not in ga for r in gb) else gb[0]
+    a = next((r for r in ga if r not in gb), ga[0])  # a group only A has, else A's first
+    b = next((r for r in gb if r not in ga), gb[0])
     return (f"groups of other ranks (ranks {list(a)} in A, {list(b)} in B): where each sits "
             "at the target is not known")
 
