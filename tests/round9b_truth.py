@@ -102,6 +102,9 @@ def problems(run: Path, prefix: str) -> list[str]:
                 if b["total_bytes"] * world != rows[rank].numel():
                     out.append(f"{where}: total_bytes {b['total_bytes']} x {world} ranks, the "
                                f"input has {rows[rank].numel()}")
+                if any(str(e["fqn"]).endswith(NORM) for e in b["entries"]):
+                    out += _check_norms(where, b["entries"], rows, rank, world, rec, truths)
+                    continue
                 reduced.setdefault(rec["step"], []).extend(
                     (where, e, _row_slice(rows, rank, world, e, rec["reduce_op"]))
                     for e in b["entries"])
@@ -165,6 +168,32 @@ def _row_slice(rows, rank, world, e, op):
         vals = _as(row[e["offset"]:e["offset"] + e["size"]], dt).double()
         total = vals if total is None else total + vals
     return total / world if op == "avg" else total
+
+
+NORM = ":grad_norm"  # a clip's stacked gradient norms, one entry each (round 13, lead)
+
+
+def _check_norms(where: str, entries: list, rows, rank: int, world: int, rec: dict,
+                 truths: list) -> list[str]:
+    """A clip's norm all-reduce (``_NormPartial(2.0)``: each rank sends its local shards'
+    ``norm ** 2``): the summed value at each ``<fqn>:grad_norm`` entry is that parameter's
+    squared global gradient norm (its shards' over every rank), up to one factor common to all
+    (the truth's gradients are saved after the clip scaled them). Names in another order break
+    the proportion."""
+    out, ratios = [], []
+    for e in entries:
+        base = str(e["fqn"])[:-len(NORM)] if str(e["fqn"]).endswith(NORM) else None
+        if base is None or base not in truths[rank]["grads"][rec["step"]]:
+            out.append(f"{where}: norm entry {e['fqn']} names no parameter with a gradient")
+            continue
+        want = sum(float(t["grads"][rec["step"]][base].double().pow(2).sum()) for t in truths)
+        got = float(_row_slice(rows, rank, world, e, rec["reduce_op"])[0])
+        ratios.append((got / want if want else float("nan"), e["fqn"]))
+    vals = [r for r, _ in ratios]
+    if vals and not (max(vals) - min(vals) <= 1e-4 * max(abs(max(vals)), 1e-30)):
+        out.append(f"{where}: the norm entries are not their parameters' squared gradient "
+                   f"norms (ratios {[(round(r, 6), f) for r, f in ratios]})")
+    return out
 
 
 def _err(v: torch.Tensor, g: torch.Tensor) -> float:
