@@ -419,10 +419,25 @@ def _grad_verdict(a: dict, b: dict, a_recs: list[dict], b_recs: list[dict], fb_b
             "(communication is not compared op by op; `parity diff` shows the bucket layouts)"}
 
 
+# ops whose output comes from a random generator, not from their inputs alone (round 13b)
+RANDOM_OPS = frozenset({
+    "bernoulli", "rand", "randn", "randint", "rand_like", "randn_like", "randint_like",
+    "randperm", "normal", "uniform", "random", "exponential", "geometric", "cauchy",
+    "log_normal", "multinomial", "poisson", "binomial", "native_dropout", "dropout",
+    "_fused_dropout", "feature_dropout", "alpha_dropout", "rrelu_with_noise",
+    "inductor_seeds", "inductor_random", "inductor_randint", "philox_rand"})
+
+
 def _inputs_verdict(a: dict, b: dict, a_recs: list[dict]) -> dict:
     a_in, b_in = a.get("in"), b.get("in")
     if a_in is None or b_in is None:
         return {"differed": None, "detail": "inputs were not hashed"}
+    if a_in == b_in and base_op(a["op"]) in RANDOM_OPS:
+        return {"differed": False, "random": True, "detail": "no: identical inputs on both "
+                f"sides, and {base_op(a['op'])} is a random op: its output comes from the "
+                "random generator's state, which differed when it ran (another seed, or a draw "
+                "one side made and the other did not; `parity diff` says from which step the "
+                "states differ)"}
     if a_in == b_in:
         return {"differed": False, "detail": "no: identical inputs on both sides; this op "
                 "itself computed a different result"}

@@ -81,9 +81,10 @@ def rng_words(cmp: dict | None, step: int) -> tuple[str, str]:
     if s is None:
         return "", (f"; the random generators' states ({gens}) are equal after every step both "
                     f"recorded (steps {ranges(cmp['steps'])}) on every rank compared: the runs "
-                    "drew as many random numbers from the same state, so not another seed or an "
-                    "extra draw (which op drew them, and how a compiled kernel turned them into "
-                    "values, is not recorded)")
+                    "drew as many random numbers from the same state each step: not another seed "
+                    "nor a draw one side made and the other did not (the order of the draws "
+                    "within a step, which op drew them, and how a compiled kernel turned them "
+                    "into values are not recorded)")
     if s > step:
         return "", (f"; the random generators' states ({gens}) are equal through step "
                     f"{cmp['equal_before']} and differ from step {s}, after this divergence")

@@ -31,7 +31,8 @@ Knobs (environment):
   R13B_SEED     the training seed (default 1234)
   R13B_SEEDS    same (default: every rank the same seed) | rank (seed + rank)
   R13B_EXTRA    none (default) | log (``torch.rand(1)`` every step before the forward, for
-                logging) | sampler (every step, the seed a DataLoader's RandomSampler without a
+                logging) | logafter (the same ``torch.rand(1)`` after the backward: as many
+                draws per step as ``log``, in another order) | sampler (every step, the seed a DataLoader's RandomSampler without a
                 generator draws: ``torch.empty((), dtype=torch.int64).random_()``) | init (a
                 probe ``nn.Linear(16, 16)`` built after seeding, never used)
   R13B_EXTRA_RANK  all (default) | N: the extra draw on rank N only
@@ -138,6 +139,8 @@ def main():
         opt.zero_grad()
         loss = ((model(x) - y) ** 2).mean()
         loss.backward()
+        if _extra(rank) == "logafter":
+            torch.rand(1)
         truth["grads"].append({n: _local(p.grad) for n, p in named if p.grad is not None})
         truth["losses"].append(loss.detach().clone())
         opt.step()
