@@ -163,14 +163,21 @@ def test_reading_the_state_advances_no_generator():
 
 def test_bisect_says_a_random_op_drew_other_numbers():
     """parity bisect of a pair whose seeds differ on rank 1 named ``aten.bernoulli_.float in
-    blocks.0.drop (forward)`` with "identical inputs on both sides; this op itself computed a
-    different result" (read as a kernel that computes otherwise); it now says the op is random
-    and the generator's state differed."""
+    blocks.0.drop (forward)`` with "inputs already differed: yes: B's input(s) 0 are values A
+    never had before this op: the difference arose earlier" (the empty tensor the mask is drawn
+    into), and with equal inputs "this op itself computed a different result"; it now says the
+    op is random and the generator's state differed."""
     from parity.bisect import _inputs_verdict
 
-    a = {"i": 5, "op": "aten.bernoulli_.float", "in": ["x"]}
-    got = _inputs_verdict(a, dict(a), [])
+    # dropout's bernoulli_ fills an empty_like tensor: its input is whatever memory held (it
+    # read "B's input(s) 0 are values A never had ...: the difference arose earlier")
+    a = {"i": 5, "op": "aten.bernoulli_.float", "in": ["garbage-a"]}
+    got = _inputs_verdict(a, {**a, "in": ["garbage-b"]}, [])
     assert got["differed"] is False and got["random"] is True
     assert "random op" in got["detail"] and "generator's state" in got["detail"]
     mul = {"i": 5, "op": "aten.mul.Tensor", "in": ["x", "y"]}
     assert "itself computed" in _inputs_verdict(mul, dict(mul), [])["detail"]
+    # a random fill whose probability tensor differs: that input is named by its own index
+    p = {"i": 5, "op": "aten.bernoulli_.Tensor", "in": ["garbage", "p-a"]}
+    got = _inputs_verdict(p, {**p, "in": ["other", "p-b"]}, [])
+    assert got["differed"] is True and "input(s) 1 " in got["detail"], got
