@@ -20,6 +20,8 @@ Standard library only.
 
 from __future__ import annotations
 
+from parity.records import NORM_SUFFIX
+
 COPY_ONLY, REDUCTION_ORDER, REDUCTION_STRUCTURE = (
     "copy_only", "reduction_order", "reduction_structure")
 CLASSES = (COPY_ONLY, REDUCTION_ORDER, REDUCTION_STRUCTURE)  # least to most consequential
@@ -111,6 +113,10 @@ def _one_prediction(ro: dict) -> str:
         for x in risk:
             whys[x.get("why")] = whys.get(x.get("why"), 0) + 1
         other = [f"{k} {_WHY[w]}" for w, k in whys.items() if w in _WHY]
+        norms = sum(1 for x in risk if str(x.get("fqn") or "").endswith(NORM_SUFFIX))
+        if norms:  # a clip's total norm: its one ulp scales every gradient it clips
+            other.append(f"{norms} gradient norm{'s' if norms != 1 else ''}, whose total "
+                         "scales every clipped gradient")
         if other:  # not by the summation order alone: said, so that identical layouts read
             what += f" ({', '.join(other)})"  # as what they are
     else:

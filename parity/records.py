@@ -30,6 +30,9 @@ class _Absent:
 SOURCE_FSDP2 = "fsdp2"  # eager FSDP2's collectives (capture/sources/fsdp2.py)
 SOURCE_GRAPH = "graph"  # a compiled graph (capture/sources/graph.py, capture/sources/graph_makefx.py)
 SOURCE_DTENSOR = "dtensor"  # DTensor redistributions outside graphs (capture/sources/eager_collectives.py)
+# an entry holding the norm of that parameter's gradient (``<fqn>:grad_norm``): one value of a
+# gradient-norm clip's stacked per-parameter norms, all-reduced by DTensor (round 13, lead)
+NORM_SUFFIX = ":grad_norm"
 SOURCE_C10D = "c10d"  # plain c10d all-reduces outside graphs: HSDP, hand-written (capture/sources/c10d_allreduce.py)
 
 # params.json ``kind`` of a row that holds an optimizer's per-parameter state (Adam's

@@ -67,17 +67,18 @@ def with_plain(jobs: dict) -> dict:
 
 
 def start_trainer(out: Path, prefix: str, knobs: dict, entry: list[str], *, nproc: int = 2,
-                  exec: bool = True) -> subprocess.Popen:
+                  exec: bool = True, exec_args: tuple = ()) -> subprocess.Popen:
     """A reliability round's trainer ``entry`` (``torchrun --standalone --nproc_per_node
     nproc``; nproc 0: ``python`` alone, one process) under ``parity exec --out out`` (``exec``
     false: without parity), from the repository root, with the knobs (``prefix``: ``R9_``...)
     and ``{prefix}SAVE=out.truth`` (where the trainer saves its ground truth) in a clean
-    environment (:func:`knob_env`); stdout and stderr piped, text."""
+    environment (:func:`knob_env`); stdout and stderr piped, text. ``exec_args``: options of
+    ``parity exec`` (``--emulate-nccl 2x2``)."""
     knobs = {**knobs, prefix + "SAVE": str(out) + ".truth"}
     cmd = ([*exe("torchrun", "torch.distributed.run"), "--standalone", "--nproc_per_node",
             str(nproc), *entry] if nproc else [sys.executable, *entry])
     if exec:
-        cmd = [sys.executable, "-m", "parity", "exec", "--out", str(out), "--", *cmd]
+        cmd = [sys.executable, "-m", "parity", "exec", *exec_args, "--out", str(out), "--", *cmd]
     return subprocess.Popen(cmd, env=knob_env(prefix, **knobs), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
 
@@ -87,12 +88,15 @@ def trainer_runs(root: Path, jobs: dict, trainer: str, prefix: str, *, nproc: in
     """:func:`run_table` of a round's jobs ``{name: knobs}``, two at a time, each the trainer
     started by :func:`start_trainer` into ``root / name``. Knobs that are not the trainer's:
     ``plain`` (:func:`with_plain`), ``exec`` (0: this job without parity), ``nproc`` (ranks;
-    default ``nproc``), ``entry`` (another script and its arguments instead of ``trainer``)."""
+    default ``nproc``), ``entry`` (another script and its arguments instead of ``trainer``),
+    ``emu`` (a topology: ``parity exec --emulate-nccl``)."""
     def start(name, knobs):
         out = root / name
         entry, ranks = knobs.pop("entry", [trainer]), knobs.pop("nproc", nproc)
         on = bool(knobs.pop("exec", 1)) and not name.endswith(".plain")
-        return out, start_trainer(out, prefix, knobs, entry, nproc=ranks, exec=on)
+        emu = knobs.pop("emu", None)
+        return out, start_trainer(out, prefix, knobs, entry, nproc=ranks, exec=on,
+                                  exec_args=("--emulate-nccl", emu) if emu else ())
 
     return run_table(with_plain(jobs), start, at_once=2, timeout=timeout)
 

@@ -25,8 +25,8 @@ from itertools import zip_longest
 
 from parity import consequences
 from parity.artifacts import Run
-from parity.records import (SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord,
-                            as_int, as_str)
+from parity.records import (NORM_SUFFIX, SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH,
+                            BucketRecord, as_int, as_str)
 from parity.diff.bucket_summary import valid_buckets
 from parity.text import ranges
 
@@ -658,9 +658,13 @@ def eager_collectives(records: list[dict]) -> list[dict]:
     for r in recs:
         if r.get("step") != step:
             continue
-        e = (r.get("entries") or [{}])[0]
+        entries = r.get("entries") or [{}]
+        e = entries[0] if isinstance(entries[0], dict) else {}
         shape = e.get("shape") or []
-        item = {"collective": as_str(r.get("collective")), "fqn": as_str(e.get("fqn")),
+        fqn = as_str(e.get("fqn"))
+        if fqn and fqn.endswith(NORM_SUFFIX) and len(entries) > 1:  # a clip's stacked norms
+            fqn, shape = f"the gradient norms of {len(entries)} parameters", [len(entries)]
+        item = {"collective": as_str(r.get("collective")), "fqn": fqn,
                 "tensor": "x".join(str(s) for s in shape), "dtype": as_str(r.get("dtype")),
                 "module": as_str(r.get("module")) or "", "count": 1}
         key = tuple(item[k] for k in ("collective", "fqn", "tensor", "dtype", "module"))

@@ -64,7 +64,7 @@ from parity.errors import ParityError
 from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, parse_topology
 from parity.nccl import predict as nccl_predict
 from parity.nccl.probe_file import describe_file
-from parity.records import SOURCE_DTENSOR
+from parity.records import NORM_SUFFIX, SOURCE_DTENSOR
 
 if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
     import numpy as np
@@ -214,10 +214,17 @@ class ReductionPrediction:
     steps: list[int] = field(default_factory=list)  # steps whose layouts were predicted
     emulated: str | None = None  # the topology both runs were emulated at (exec --emulate-nccl)
     observed: dict | None = None  # predicted vs observed, when emulated at this topology
+    # the parameters whose gradient norms a clip's all-reduce carries (``<fqn>:grad_norm``)
+    clipped: set = field(default_factory=set)
 
     def fqns(self) -> set[str]:
-        """The parameters at risk (what an emulated run may show diverging)."""
-        return {x.fqn for x in self.at_risk}
+        """The parameters at risk (what an emulated run may show diverging). A gradient norm
+        at risk puts every gradient the clip scales at risk: the total norm's one ulp
+        multiplies each of them."""
+        out = {x.fqn for x in self.at_risk}
+        if any(f.endswith(NORM_SUFFIX) for f in out):
+            out |= self.clipped
+        return out
 
     def to_dict(self) -> dict:
         return {"topology": _topology_dict(self.topology, self.buckets), "model": self.model,
@@ -1637,6 +1644,12 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
         if refb in run_b.ranks and (digest is None or run_b.ranks[refb].table_digest != digest):
             for f, s in shapes_of(run_b.ranks[refb].params).items():
                 shapes.setdefault(f, s)
+    clipped: set = set()  # a clip's stacked norms (round 13): one value each
+    for _, _, _, ara, arb in per_step:
+        for f in (f for b in (*ara, *arb) for f in b.fqns):
+            if f and f.endswith(NORM_SUFFIX):
+                shapes.setdefault(f, [1])
+                clipped.add(f[:-len(NORM_SUFFIX)])
     counts = (_reduce_counts(RS, layouts["a"], [], order.eager.get("a") or [], shapes),
               _reduce_counts(RS, layouts["b"], [], order.eager.get("b") or [], shapes))
     last = per_step[-1]
@@ -1665,6 +1678,7 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
         pred = _finish(topo, answers, ra, source, [x[0] for x in per_step if x[0] is not None])
         pred.notes += notes
         pred.emulated = emulated
+        pred.clipped = clipped
         out.append(pred)
     return out[0] if len(out) == 1 and not isinstance(at, list) else Predictions(out)
 

@@ -18,10 +18,20 @@ shard or, for a Partial tensor, that parameter's gradient: eager_grads.py; else 
 shape) and ``module``: the chain of objects it was issued under
 (``loss_fn(ChunkedLossWrapper) > lm_head``), read from the Python stack. A step's sequence is
 written when first seen and again only when it changes (``new_step``).
+
+A gradient-norm clip's all-reduce (torch's ``clip_grad_norm_`` and torchtitan's over DTensor
+gradients) carries the per-parameter norms stacked into one vector: a ``_NormPartial`` tensor
+of one value per gradient, no parameter's memory. Which value is whose is known only where the
+vector is built, in ``get_total_norm``: that function is wrapped too (``NORM_FUNCTIONS``, where
+bound), and the next Partial redistribution of a vector of that many values inside it is
+written with one entry per value, ``<parameter FQN>:grad_norm``, in the stack's order (torch's
+``_group_tensors_by_device_and_dtype``). The reduction order of those values at another
+topology can then be predicted like any named payload's (round 13, lead).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -32,13 +42,17 @@ from parity.capture.sources.manifest_source import ManifestSource, SourceHooks, 
 from parity.capture.names import normalize_fqn
 from parity.capture.patches import _tracing
 from parity.capture.table import _module_roots
-from parity.records import SOURCE_DTENSOR, BucketEntry, BucketRecord, dtype_name, ends_record
+from parity.records import NORM_SUFFIX, SOURCE_DTENSOR, BucketEntry, BucketRecord, dtype_name, ends_record
 
-__all__ = ["EagerCollectives", "kind_of", "MODULES"]
+__all__ = ["EagerCollectives", "kind_of", "MODULES", "NORM_FUNCTIONS"]
 
 MODULES = ("torch.distributed.tensor._redistribute", "torch.distributed.tensor._dispatch",
            "torch.distributed.tensor._api")
 _FN = "redistribute_local_tensor"
+# where the total-norm function is bound (torch >= 2.6): torch's clip_grad_norm_ calls the first
+# by its module global, torchtitan's clip_grad_norm_ the second by attribute
+NORM_FUNCTIONS = (("torch.nn.utils.clip_grad", "_get_total_norm"),
+                  ("torch.nn.utils", "get_total_norm"))
 
 
 def kind_of(current: Any, target: Any) -> str:
@@ -157,6 +171,9 @@ class EagerCollectives(ManifestSource):
         self._modules: dict[int, str] = {}
         self._by_module: dict[int, list] = {}
         self.busy = False
+        # inside get_total_norm: weak references to the local tensors of the gradients whose
+        # norms its all-reduce will carry, in the stack's order (None: not inside, or not known)
+        self.norm_pending: list | None = None
 
     # ---------------------------------------------------------------------------- install
     def install(self) -> str | None:
@@ -171,6 +188,14 @@ class EagerCollectives(ManifestSource):
             setattr(mod, _FN, self._wrap(fn))
         if not self.patches:
             return f"{MODULES[0]}.{_FN} not found in this torch version"
+        wrapped: dict[int, Callable] = {}  # one wrapper per function, however many names
+        for name, attr in NORM_FUNCTIONS:
+            mod = sys.modules.get(name)
+            fn = getattr(mod, attr, None) if mod is not None else None
+            if fn is None or hasattr(fn, "_parity_original"):
+                continue  # absent: the norm's values stay unnamed, as before
+            self.patches.append((mod, attr, fn))
+            setattr(mod, attr, wrapped.setdefault(id(fn), self._wrap_norm(fn)))
         return None
 
     def uninstall(self) -> None:
@@ -200,6 +225,28 @@ class EagerCollectives(ManifestSource):
         redistribute_local_tensor._parity_original = original  # type: ignore[attr-defined]
         redistribute_local_tensor.__doc__ = original.__doc__
         return redistribute_local_tensor
+
+    def _wrap_norm(self, original: Callable) -> Callable:
+        """``get_total_norm`` as it was, after noting which gradient each stacked norm is."""
+        rec = self
+
+        def get_total_norm(tensors, *args, **kwargs):
+            pending = None
+            if not rec.tracing():
+                tensors = [tensors] if _is_tensor(tensors) else list(tensors)  # as it does
+                try:
+                    pending = _stack_order(tensors)
+                except Exception:  # noqa: BLE001 - never in the way of the job
+                    pending = None
+            saved, rec.norm_pending = rec.norm_pending, pending
+            try:
+                return original(tensors, *args, **kwargs)
+            finally:
+                rec.norm_pending = saved
+
+        functools.update_wrapper(get_total_norm, original)
+        get_total_norm._parity_original = original  # type: ignore[attr-defined]
+        return get_total_norm
 
     # ---------------------------------------------------------------------------- records
     def _names(self) -> None:
@@ -289,7 +336,13 @@ class EagerCollectives(ManifestSource):
             rec.extra["ranks"] = ranks
         partial = None
         if any(p.is_partial() for p in current_spec.placements):
-            partial = [self._grad_of(local_tensor, shape), None]
+            norms = self.norm_pending
+            if (norms is not None and kind == "all_reduce" and len(shape) == 1
+                    and shape[0] == len(norms) == numel):
+                self.norm_pending = None  # one vector per get_total_norm
+                rec.extra["norm_of"] = norms  # resolved to names in new_step, then dropped
+            else:
+                partial = [self._grad_of(local_tensor, shape), None]
         self.current.append((rec, _key(local_tensor), _owners(), partial))
         return partial
 
@@ -323,11 +376,17 @@ class EagerCollectives(ManifestSource):
 
         for c, key, owners, partial in calls:
             e = c.entries[0]
-            e.fqn = self._fqn(key, owners, e.shape, e.dtype, partial, grads)
-            c.group = e.fqn.rsplit(".", 1)[0] if e.fqn else ""
+            norms = c.extra.pop("norm_of", None)
+            named = _norm_entries(e, norms, grads()) if norms is not None else None
+            if named is not None:  # a clip's norms: grouped as the unnamed vector was
+                c.entries, c.group = named, ""
+            else:
+                e.fqn = self._fqn(key, owners, e.shape, e.dtype, partial, grads)
+                c.group = e.fqn.rsplit(".", 1)[0] if e.fqn else ""
             c.module = _chain(owners, self._modules)
-        sig = tuple((c.collective, c.module, c.placements, c.dtype, c.total_bytes, c.entries[0].fqn,
-                     tuple(c.extra.get("ranks") or ())) for c, _, _, _ in calls)
+        sig = tuple((c.collective, c.module, c.placements, c.dtype, c.total_bytes,
+                     tuple(e.fqn for e in c.entries), tuple(c.extra.get("ranks") or ()))
+                    for c, _, _, _ in calls)
         if sig == self.last_signature or (not calls and self.last_signature is None):
             return
         self.last_signature = sig
@@ -349,3 +408,37 @@ def _mesh_dim_ranks(mesh: Any, dims: list[int]) -> list[int] | None:
         return sub_group_ranks(mesh.get_group(dims[0]))
     except Exception:  # noqa: BLE001 - optional: the line is written without it
         return None
+
+
+def _is_tensor(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def _stack_order(tensors: list) -> list:
+    """Weak references to the local tensors of ``tensors`` in the order ``get_total_norm``
+    stacks their norms: grouped by device and dtype as torch groups them
+    (``torch.utils._foreach_utils._group_tensors_by_device_and_dtype``, the function it calls),
+    each group in the given order."""
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    if len(tensors) > 1:
+        grouped = _group_tensors_by_device_and_dtype([tensors])
+        tensors = [t for ([group], _) in grouped.values() for t in group]
+    return [eager_grads.weak(getattr(t, "_local_tensor", t)) for t in tensors]
+
+
+def _norm_entries(e: BucketEntry, norms: list, owners: dict[int, str]) -> list | None:
+    """One entry per value of a stacked norm vector, ``<FQN>:grad_norm``, where every value's
+    gradient is a parameter's ``.grad`` still alive at the step's end (by identity); else None
+    (the vector stays one unnamed entry: its reduction order is then not predicted)."""
+    names = []
+    for ref in norms:
+        t = ref() if ref is not None else None
+        fqn = owners.get(id(t)) if t is not None else None
+        if fqn is None:
+            return None
+        names.append(fqn + NORM_SUFFIX)
+    esize = e.size // max(e.numel or 1, 1)
+    return [BucketEntry(n, i * esize, esize, 1, e.dtype, [1]) for i, n in enumerate(names)]
