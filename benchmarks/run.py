@@ -376,7 +376,19 @@ def bench_capture(quick: bool, tmp: Path) -> dict:
         shutil.rmtree(out, ignore_errors=True)
     b, c = statistics.median(base), statistics.median(capt)
     return {"step_ms_no_capture": b, "step_ms_capture": c, "capture_overhead": c / b,
-            "capture_ms_per_step": statistics.median(own), "capture_steps": steps}
+            "capture_ms_per_step": statistics.median(own), "capture_steps": steps,
+            "capture_rng_us_per_step": _rng_us()}
+
+
+def _rng_us() -> float:
+    """Microseconds of the generators' state digests capture takes at each recorded step
+    (capture/rng_state.py; a part of capture_ms_per_step), best of 5 x 1000 in this process
+    (CPU generator only here unless this process initialised CUDA)."""
+    import timeit
+
+    from parity.capture.rng_state import rng_digests
+
+    return 1e6 * min(timeit.repeat(rng_digests, number=1000, repeat=5)) / 1000
 
 
 def _capture_ms_per_step(run: Path) -> float:

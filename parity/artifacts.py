@@ -299,7 +299,8 @@ class RankWriter:
                    loss: float | None = None, loss_hash: str | None = None, *,
                    param_figures: bytes | None = None, grad_figures: bytes | None = None,
                    entry_hashes: bytes | None = None, loss_scale: float | None = None,
-                   skipped: str | None = None) -> tuple[int, str]:
+                   skipped: str | None = None,
+                   rng: dict[str, str] | None = None) -> tuple[int, str]:
         """Record one step: ``*_hashes`` are the raw 16-byte hashes concatenated in table order.
         ``*_figures``: the 24-byte figures of the same rows (``FIGURE_FIELDS``), when capture
         computed them: a figures record follows each hash record, and the line gets their
@@ -308,8 +309,10 @@ class RankWriter:
         changed since the previous step's record (an edit between ``step()`` calls);
         ``loss_scale``: the scale of a scaled loss (``loss`` is then the unscaled value);
         ``skipped``: why the optimizer step did not run (``"inf"``: GradScaler found inf/NaN
-        gradients). The optional keys are written only when set, so a run without them writes
-        the bytes it always did. Returns (offset, roll-up) of the parameter record."""
+        gradients); ``rng``: the digests of the default generators' states after the step
+        (``{"cpu": hex[, "cuda": hex]}``, capture/rng_state.py). The optional keys are written
+        only when set, so a run without them writes the bytes it always did. Returns (offset,
+        roll-up) of the parameter record."""
         entry = None
         if entry_hashes is not None:
             entry = self._hash_record(step, "entry", entry_hashes)
@@ -333,6 +336,8 @@ class RankWriter:
             line["loss_scale"] = loss_scale
         if skipped is not None:
             line["skipped"] = skipped
+        if rng is not None:
+            line["rng"] = rng
         # no wall time: two runs that train alike write the same bytes (the reader shares them)
         self._steps.append(line)
         return p_off, p_digest

@@ -26,6 +26,7 @@ import torch
 
 from parity.capture import loss
 from parity.capture.patches import _graph_capture, _tracing
+from parity.capture.rng_state import rng_digests
 from parity.capture.table import _Buffer
 
 _GRAD = operator.attrgetter("grad")
@@ -285,6 +286,8 @@ class StepClock:
                     for source in self._sources.values():  # manifest sources (sources/registry.py)
                         if source is not None:
                             source.new_step()
+                    # the generators' state at this boundary (rng_state.py), where a line is written
+                    self._rng = rng_digests() if self.k == 1 or self._step_sampled else None
                     if self.k == 1:
                         self._write_first()
                     elif self._step_sampled:

@@ -22,6 +22,7 @@ from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_b
 from parity.diff.emulation import check_same_emulation, emulation_gaps
 from parity.diff import opt_state
 from parity.diff.final_state import compare_final
+from parity.diff.rng import compare_rng, rng_by_rank, rng_words
 from parity.diff.scaled_loss import scaled_loss_notes, skipped_note
 from parity.diff.env import numerics_env_differences
 from parity.diff.magnitude import size_of_difference
@@ -322,6 +323,12 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     problems += scaled_loss_notes(ra, rb, ranks, steps)
     if fd is not None:
         fd.explanation += skipped_note(ra, rb, fd.step)
+    if fd is not None and fd.origin != "final":  # another random stream (diff/rng.py)
+        fd.rng = compare_rng(rng_by_rank(ra), rng_by_rank(rb), ranks)
+        label, words = rng_words(fd.rng, fd.step)
+        if label:
+            fd.label = f"{fd.label}; {label}" if fd.label else f"{fd.origin}; {label}"
+        fd.explanation += words
 
     # the size of each difference, from the figures next to the hashes (summaries, no verdict)
     magnitude = size_of_difference(ra, rb, ranks, aligns, index, divergent,

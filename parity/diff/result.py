@@ -72,6 +72,8 @@ class FirstDivergence:
     # where in the step it happened, when that is not the step's own passes: between step()
     # calls ("after step 1's optimizer step, before or during step 2's forward"), or the final state
     phase: str | None = None
+    # the random generators' states compared step by step (diff/rng.py compare_rng), or None
+    rng: dict | None = None
 
 
 @dataclass
@@ -236,6 +238,7 @@ class DiffResult:
                 "explanation": self.first_divergence.explanation,
                 "label": self.first_divergence.label,
                 "phase": self.first_divergence.phase,
+                "rng": self.first_divergence.rng,
             },
             "divergent": [{"step": d.step, "fqn": d.fqn, "kind": d.kind, "ranks": list(d.ranks),
                            "buckets": d.buckets} for d in self.divergent],
@@ -347,7 +350,8 @@ def from_dict(d: dict) -> DiffResult:
         first_divergence=None if fd is None else FirstDivergence(
             fd.get("step"), fd.get("origin"), fd.get("grad_before_param"),
             fd.get("previous_step"), fd.get("params"), fd.get("grads"), fd.get("ranks") or [],
-            fd.get("loss_differs"), fd.get("explanation"), fd.get("label"), fd.get("phase")),
+            fd.get("loss_differs"), fd.get("explanation"), fd.get("label"), fd.get("phase"),
+            fd.get("rng") if isinstance(fd.get("rng"), dict) else None),
         divergent=[Divergence(x.get("step"), x.get("fqn"), x.get("kind"), x.get("ranks") or [],
                               {coll: sides for coll, sides in obj(x.get("buckets")).items()
                                if isinstance(sides, dict)})
