@@ -33,6 +33,9 @@ JOBS = {
     "torch_rev": {**_CLIP, "R12A_PORDER": "rev"},
     "titan": {**_CLIP, "R12A_CLIP": "titan"},
     "hand": {**_CLIP, "R12A_CLIP": "hand"},  # the local norm ** 2 summed by dist.all_reduce
+    # torch's clip compiled (dynamo traces the wrapped get_total_norm), with and without parity
+    "compiled": {**_CLIP, "R12A_COMPILE": 1, "nproc": 2},
+    "compiled_bare": {**_CLIP, "R12A_COMPILE": 1, "nproc": 2, "exec": 0},
     "etorch": dict(_EMU),
     "etorch_rev": {**_EMU, "R12A_PORDER": "rev"},
 }
@@ -100,6 +103,20 @@ def test_a_named_clip_against_a_hand_clip_is_compared(runs):
     rc, line, _ = diff_cli(a, b, "--fail-on", "any")
     assert rc == EXIT_MISMATCH and "of gradients" not in line, line
     assert "bucket partition differs (all_reduce bucket 0" in line, line
+
+
+def test_a_compiled_clip_compiles_as_without_parity(runs):
+    """torch's clip under ``torch.compile``: the wrapper around ``get_total_norm`` is called
+    from the compiled function, where it passes through (a guard: nothing of capture's may
+    enter the graph, break it or add a recompile). Every value and dynamo's counters (graphs,
+    graph breaks, frames) equal with and without ``parity exec``."""
+    a, b = run_ok(runs, "compiled"), run_ok(runs, "compiled_bare")
+    assert values_equal(values(a, 2), values(b, 2))
+    from tests.real_jobs import saved
+
+    for rank in (0, 1):
+        da, db = saved(f"{a}.truth.{rank}")["dynamo"], saved(f"{b}.truth.{rank}")["dynamo"]
+        assert da == db and da["stats"]["unique_graphs"] >= 1, (da, db)
 
 
 def test_stack_order_is_torchs():

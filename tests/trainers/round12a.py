@@ -29,6 +29,7 @@ Knobs (environment):
   R12A_NORM     2 (default) | inf
   R12A_MAXNORM  max_norm (default 0.05: clipping active; 100: inactive)
   R12A_FOREACH  none (default) | 1 | 0
+  R12A_COMPILE=1  torch's clip under torch.compile(backend="aot_eager"); dynamo's counters saved
   R12A_PORDER=rev  the parameters handed to the clip in reverse order (the optimizer's order
                 unchanged): the per-parameter norms the clip's all-reduce carries in reverse
   R12A_VEC=1    hand clip: one all-reduce of the vector of per-parameter norms ** p (as
@@ -162,13 +163,27 @@ def _hand_clip(params, max_norm, p, shard_g, rep_g):
     return norm
 
 
+_COMPILED = []
+
+
+def _torch_clip():
+    """torch's clip, or with R12A_COMPILE=1 the same under ``torch.compile(backend=
+    "aot_eager")`` (dynamo traces the clip: nothing of a wrapper around it may enter the
+    graph or cause a recompile; dynamo's counters are saved as ``dynamo``)."""
+    if E("R12A_COMPILE") != "1":
+        return torch.nn.utils.clip_grad_norm_
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(torch.nn.utils.clip_grad_norm_, backend="aot_eager"))
+    return _COMPILED[0]
+
+
 def _clip(params, shard_g, rep_g):
     kind = E("R12A_CLIP", "none")
     max_norm, p = float(E("R12A_MAXNORM", "0.05")), _norm_type()
     if kind == "none":
         return None
     if kind == "torch":
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=p, foreach=_foreach())
+        norm = _torch_clip()(params, max_norm, norm_type=p, foreach=_foreach())
     elif kind == "titan":
         from torchtitan.distributed.utils import clip_grad_norm_
 
@@ -245,6 +260,11 @@ def main():
     TRUTH["final"] = {n: _local(p) for n, p in named}
     TRUTH["opt"] = {i: {k: _local(v) if torch.is_tensor(v) else v for k, v in s.items()}
                     for i, s in opt.state_dict()["state"].items()}
+    if E("R12A_COMPILE") == "1":
+        from torch._dynamo.utils import counters
+
+        TRUTH["dynamo"] = {k: dict(v) for k, v in counters.items()
+                           if k in ("stats", "graph_break", "frames")}
     if E("R12A_SAVE"):
         torch.save(TRUTH, f"{E('R12A_SAVE')}.{rank}")
     dist.destroy_process_group()

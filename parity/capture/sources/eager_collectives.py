@@ -231,13 +231,13 @@ class EagerCollectives(ManifestSource):
         rec = self
 
         def get_total_norm(tensors, *args, **kwargs):
-            pending = None
-            if not rec.tracing():
-                tensors = [tensors] if _is_tensor(tensors) else list(tensors)  # as it does
-                try:
-                    pending = _stack_order(tensors)
-                except Exception:  # noqa: BLE001 - never in the way of the job
-                    pending = None
+            if rec.tracing():  # inside a trace: nothing of capture's, no state written
+                return original(tensors, *args, **kwargs)
+            tensors = [tensors] if _is_tensor(tensors) else list(tensors)  # as it does
+            try:
+                pending = _stack_order(tensors)
+            except Exception:  # noqa: BLE001 - never in the way of the job
+                pending = None
             saved, rec.norm_pending = rec.norm_pending, pending
             try:
                 return original(tensors, *args, **kwargs)
