@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity.errors import EXIT_MISMATCH, EXIT_OK
+from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH, EXIT_OK
 from tests.real_jobs import REPO, diff_cli, run_ok, trainer_runs, values_equal
 from tests.test_reliability_round12a import values
 
@@ -34,6 +34,7 @@ JOBS = {
     "titan": {**_CLIP, "R12A_CLIP": "titan"},
     "hand": {**_CLIP, "R12A_CLIP": "hand"},  # the local norm ** 2 summed by dist.all_reduce
     # torch's clip compiled (dynamo traces the wrapped get_total_norm), with and without parity
+    "torch2": {**_CLIP, "nproc": 2},
     "compiled": {**_CLIP, "R12A_COMPILE": 1, "nproc": 2},
     "compiled_bare": {**_CLIP, "R12A_COMPILE": 1, "nproc": 2, "exec": 0},
     "etorch": dict(_EMU),
@@ -96,13 +97,14 @@ def test_torchtitans_clip_against_torchs_is_predicted_same(runs):
 
 def test_a_named_clip_against_a_hand_clip_is_compared(runs):
     """torch's clip (6 named norms) against a hand-written one (one unnamed scalar): the norms
-    are no gradients, so the pair is compared as two all-reduces of norms (partition differs),
-    not read as "only A recorded all-reduce buckets of gradients" (the first cut of the names
-    said so)."""
+    are no gradients, so the pair is compared as two all-reduces of norms, A's without their
+    names as B has none (sizes differ), not read as "only A recorded all-reduce buckets of
+    gradients" (the first cut of the names said so)."""
     a, b = run_ok(runs, "torch"), run_ok(runs, "hand")
-    rc, line, _ = diff_cli(a, b, "--fail-on", "any")
+    rc, line, js = diff_cli(a, b, "--fail-on", "any")
     assert rc == EXIT_MISMATCH and "of gradients" not in line, line
-    assert "bucket partition differs (all_reduce bucket 0" in line, line
+    assert "bucket layout (sizes) differs (all_reduce bucket 0" in line, line
+    assert any("named value by value in A only" in n for n in js["order"]["notes"]), js["order"]
 
 
 def test_a_compiled_clip_compiles_as_without_parity(runs):
@@ -117,6 +119,25 @@ def test_a_compiled_clip_compiles_as_without_parity(runs):
     for rank in (0, 1):
         da, db = saved(f"{a}.truth.{rank}")["dynamo"], saved(f"{b}.truth.{rank}")["dynamo"]
         assert da == db and da["stats"]["unique_graphs"] >= 1, (da, db)
+
+
+def test_eager_clip_against_a_compiled_clip(runs):
+    """Eager FSDP2 with the clip eager (6 named norms) against the same with the clip compiled
+    (its all-reduce a graph's, unnamed; the graph holds no FSDP collective). Values equal. Was:
+    B's layout taken from that graph, so B's reduce-scatters were "only A recorded buckets" and
+    ``--at`` put every gradient at risk "by another number of collectives" (exit 1 under
+    ``--fail-on reduction``), and the norms read "partition differs". Now the reduce-scatters
+    are compared (FSDP2's on both sides), the norms compared unnamed (said), ``--at`` unknown
+    for the norms' order."""
+    a, b = run_ok(runs, "torch2"), run_ok(runs, "compiled")
+    assert values_equal(values(a, 2), values(b, 2))
+    rc, line, js = diff_cli(a, b, "--fail-on", "any")
+    assert rc == EXIT_OK and "bucket layouts identical" in line, line
+    assert "named value by value in A only" in line, line
+    assert not any("only A recorded buckets" in n for n in js["order"]["notes"]), js["order"]
+    rc, line, _ = diff_cli(a, b, "--fail-on", "reduction", "--at", "8x8")
+    assert rc == EXIT_INCOMPLETE and "another number of collectives" not in line, line
+    assert "all-reduce of 6 values no parameter names" in line, line
 
 
 def test_stack_order_is_torchs():

@@ -190,11 +190,7 @@ def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None
     # a record of the wrong types is skipped (the diff engine has already said so, and
     # dropped it; another caller, e.g. probe cases, gets the same layouts without a crash)
     records = valid_buckets(records, None if _memo is None else _memo.setdefault("valid", {}))[0]
-    sources = {r.get("source") for r in records}
-    source = next((s for s in prefer if s in sources), None)
-    if source is None:
-        source = next((s for s in sorted(x for x in sources if isinstance(x, str)
-                                         and x != SOURCE_C10D)), None)  # all-reduces: reduction.py
+    source = _layout_source(records, prefer)
     if _memo is None:
         return _select(records, source, rank, None)
     key = ("layout", id(records), source)
@@ -202,6 +198,29 @@ def select_layout(records: list[dict], prefer: tuple[str, ...], rank: int | None
     if got is None or got[0] is not records:
         got = _memo[key] = (records, _select(records, source, rank, _memo))
     return _copy_layout(got[1], rank)
+
+
+def _layout_source(records: list[dict], prefer: tuple[str, ...]) -> str | None:
+    """The source whose all-gathers and reduce-scatters are the side's layout: the first of
+    ``prefer`` that recorded any, else the first of ``prefer`` present, else any but c10d's
+    (all-reduces: reduction.py). Why "that recorded any": eager FSDP2 beside one small compiled
+    function (a clip or a loss under ``torch.compile``) has a graph source that holds one
+    all-reduce and no FSDP collective; chosen for its preference, it hid every reduce-scatter
+    of the side ("only A recorded buckets") and the prediction read each gradient as reduced
+    by another number of collectives, on runs bitwise identical (round 13, lead)."""
+    sources: set = set()
+    carriers: set = set()
+    for r in records:
+        src = r.get("source")
+        sources.add(src)
+        if r.get("collective") in COLLECTIVES and r.get("stage") != "before_passes":
+            carriers.add(src)
+    for pool in (carriers, sources):
+        source = next((x for x in prefer if x in pool), None)
+        if source is not None:
+            return source
+    return next((x for x in sorted(x for x in sources if isinstance(x, str)
+                                   and x != SOURCE_C10D)), None)
 
 
 def _copy_layout(layout: Layout, rank: int | None) -> Layout:

@@ -57,8 +57,8 @@ from parity.diff.buckets import (A_PREFERS, B_PREFERS, SEVERITY, Bucket, BucketP
                                  align_buckets, compare_layouts, eager_for, side_by_side)
 from parity.diff.reduction_count import ChunkOrders, Orders, RiskCount, channel_map
 from parity.diff.reduction_steps import (annotate_buckets, group_size_of, infer_ops, layouts_at,
-                                         one_sided_all_reduces, op_of, paired_all_reduces,
-                                         signature, step_of)
+                                         norms_named_on_one_side, one_sided_all_reduces, op_of,
+                                         paired_all_reduces, signature, step_of)
 from parity.consequences import blind_note as cq_blind
 from parity.errors import ParityError
 from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, parse_topology
@@ -1603,6 +1603,9 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
         for s in steps:
             la, ara = layouts_at(run_a, ra, A_PREFERS, s) if ra is not None else (layouts["a"], [])
             lb, arb = layouts_at(run_b, rb, B_PREFERS, s) if rb is not None else (layouts["b"], [])
+            ara, arb, note = norms_named_on_one_side(ara, arb)
+            if note and note not in order.notes:
+                order.notes.append(note)
             sig = (signature(la, ara), signature(lb, arb))
             if sig in seen:
                 continue

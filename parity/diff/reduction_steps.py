@@ -10,6 +10,8 @@ manifest changed, read through the functions here.
 
 from __future__ import annotations
 
+import copy
+
 from parity.diff.buckets import Bucket, Entry, Layout, ranks_of, select_layout
 from parity.records import (NORM_SUFFIX, SOURCE_C10D, SOURCE_DTENSOR, SOURCE_FSDP2, SOURCE_GRAPH, BucketRecord,
                             as_int)
@@ -188,6 +190,37 @@ def paired_all_reduces(ara: list[Bucket], arb: list[Bucket]
             "metric) have no such all-reduce on the other side to compare with: not compared")
     return ([b for b in ara if carries_gradients(b)], [b for b in arb if carries_gradients(b)],
             note)
+
+
+def norms_named_on_one_side(ara: list[Bucket], arb: list[Bucket]
+                            ) -> tuple[list[Bucket], list[Bucket], str | None]:
+    """A clip's norm vector named value by value (``<fqn>:grad_norm``) on one side only: the
+    other side ran its clip where the values' names are not recorded (inside a compiled graph,
+    a hand-written all-reduce) or was recorded before names were written. The named side's
+    vectors are compared unnamed, as the other side's are (the order of the values is then
+    not compared, and ``--at`` says so), instead of reading as a partition difference whose
+    names the other side merely did not record (round 13, lead). Returns both sides' buckets
+    and the note saying it (None when nothing changed)."""
+    def named(bs: list[Bucket]) -> bool:
+        return any(f and f.endswith(NORM_SUFFIX) for b in bs for f in b.fqns)
+
+    if named(ara) == named(arb):
+        return ara, arb, None
+    side = "A" if named(ara) else "B"
+
+    def bare(b: Bucket) -> Bucket:
+        if not any(f and f.endswith(NORM_SUFFIX) for f in b.fqns):
+            return b
+        n = sum(e.numel or 0 for e in b.entries)
+        out = copy.copy(b)
+        out.entries = [Entry(None, 0, b.total_bytes, n, b.dtype)]
+        return out
+
+    note = (f"all_reduce: the clip's gradient norms are named value by value in {side} only "
+            "(the other side's clip ran where their names are not recorded: a compiled clip, a "
+            "hand-written all-reduce, or an older parity); compared without names, the order "
+            "of the values not compared")
+    return ([bare(b) for b in ara], [bare(b) for b in arb], note)
 
 
 def carries_gradients(b: Bucket) -> bool:
