@@ -2,8 +2,10 @@
 
 Each side's layouts come from one rank's buckets.jsonl (the lowest rank both sides have; the other
 ranks are checked against it). Side A prefers eager FSDP2 manifests (``source: fsdp2``), side B
-compiled-graph manifests (``source: graph``); a side with only the other kind uses that. From a
-graph, all-gathers come from forward graphs and reduce-scatters from backward graphs.
+compiled-graph manifests (``source: graph``); a side with only the other kind uses that, and a
+preferred source that recorded no all-gather or reduce-scatter (a compiled clip or loss beside
+eager FSDP2) yields to one that did (``_layout_source``). From a graph, all-gathers come from
+forward graphs and reduce-scatters from backward graphs.
 
 Per collective kind, buckets are taken in issue order, the first record of each bucket being its
 layout (later records that differ are noted as layout changes). The two sides' buckets are aligned
