@@ -39,6 +39,8 @@ def _sequence(r: dict) -> str:
     source = r.get("source") or "?"
     if source == SOURCE_C10D and r.get("group") == "ddp":
         return "c10d ddp"  # DDP's buckets: a sequence of their own
+    if source == SOURCE_C10D and r.get("funcol") is True:
+        return "c10d funcol"  # functional all-reduces (capture/sources/eager_funcol.py): too
     return source
 
 
@@ -61,7 +63,7 @@ def records_at(records: list[dict], step: int, ends: list[dict] = ()) -> list[di
                 (step_of(e), e["index"]))
     keep: list[dict] = []
     for source, recs in by_source.items():
-        if source in (SOURCE_DTENSOR, SOURCE_C10D, "c10d ddp"):
+        if source in (SOURCE_DTENSOR, SOURCE_C10D, "c10d ddp", "c10d funcol"):
             last = max(step_of(r) for r in recs)
             emptied = max((s for (q, _), cs in cut.items() if q == source for s, _ in cs),
                           default=-1)
