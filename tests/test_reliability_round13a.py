@@ -57,13 +57,21 @@ if TITAN:
         # FSDP2, torch's clip (DTensor's own functional all-reduce), the token by dist_sum
         "clip": {"entry": [TRAINER_12A], "R12A_CLIP": "torch", "R12A_TOK": "titan",
                  "R12A_STEPS": 2},
+        # FSDP2, a hand clip (inf: a MAX dist.all_reduce after backward), the token weight
+        # summed before the forward's loss by dist.all_reduce or by dist_sum
+        "hand_world": {"entry": [TRAINER_12A], "R12A_CLIP": "hand", "R12A_NORM": "inf",
+                       "R12A_TOK": "world", "R12A_STEPS": 2},
+        "hand_titan": {"entry": [TRAINER_12A], "R12A_CLIP": "hand", "R12A_NORM": "inf",
+                       "R12A_TOK": "titan", "R12A_STEPS": 2},
     })
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("round13a")
-    return trainer_runs(root, JOBS, TRAINER, "R13A_", timeout=TIMEOUT)
+    jobs = {n: ({**k, "R12A_SAVE": f"{root / n}.truth"} if "entry" in k else k)
+            for n, k in JOBS.items()}  # round12a.py saves its ground truth at R12A_SAVE
+    return trainer_runs(root, jobs, TRAINER, "R13A_", timeout=TIMEOUT)
 
 
 def values(run: Path, nproc: int = 2) -> list:
@@ -179,3 +187,42 @@ def test_records_at_keeps_the_funcol_sequence_apart():
     assert records_at([c10d, f1, f2], 2) == [c10d, f2]
     end = {**f1, "step": 2, "ends": True}
     assert records_at([c10d, f1], 2, [end]) == [c10d]
+
+
+@needs_titan
+def test_functional_and_hand_written_all_reduces_are_read_in_issue_order(runs):
+    """The token weight summed (SUM) before the loss, the clip's norm all-reduced (MAX) after
+    backward: by two ``dist.all_reduce`` on A, by ``dist_sum`` then ``dist.all_reduce`` on B.
+    Values bitwise equal. The two sources write their sequences one after the other at the
+    step's end, so B's lines read [norm MAX, token SUM]: paired in that order with A's [token
+    SUM, norm MAX] the pair was ``layout_differs`` (a difference nobody made); the funcol
+    line's ``after`` puts it back in issue order: identical."""
+    a, b = run_ok(runs, "hand_world"), run_ok(runs, "hand_titan")
+    assert values_equal(values(a), values(b))
+    assert [r.get("after") for r in _lines(b) if r.get("funcol")] == [0]
+    rc, line, _ = diff_cli(a, b, "--fail-on", "any", timeout=TIMEOUT)
+    assert rc == EXIT_OK and "bucket layouts identical" in line, line
+
+
+def test_issue_order_unit():
+    """``all_reduce_buckets``: a functional all-reduce with ``after`` k goes after the k-th of
+    the c10d source's own all-reduces; DDP's and graph lines keep their places; lines without
+    ``after`` (older runs) stay in record order."""
+    from parity.diff.reduction_steps import all_reduce_buckets
+
+    def line(group, fqn=None, **kw):
+        return {"source": "c10d", "collective": "all_reduce", "step": 1, "index": 0,
+                "group": group, "dtype": "float32", "world_size": 2, "total_bytes": 4,
+                "entries": [{"fqn": fqn, "offset": 0, "size": 4, "numel": 1,
+                             "dtype": "float32"}], **kw}
+
+    ddp, g1, g2 = line("ddp", "w"), line("t.py:f", "a"), line("t.py:f", "b")
+    tok = line("utils.py:_dist_reduce_tensor", funcol=True, after=0)
+    late = {**tok, "after": 2, "group": "t.py:log"}
+    got = all_reduce_buckets([ddp, g1, g2, tok, late])
+    assert [b.module for b in got] == ["ddp", "utils.py:_dist_reduce_tensor", "t.py:f",
+                                       "t.py:f", "t.py:log"]
+    assert [b.index for b in got] == [0, 1, 2, 3, 4]
+    old = {k: v for k, v in tok.items() if k != "after"}
+    assert [b.module for b in all_reduce_buckets([g1, old])] == ["t.py:f",
+                                                                  "utils.py:_dist_reduce_tensor"]

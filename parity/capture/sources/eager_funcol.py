@@ -19,8 +19,9 @@ imported by value before capture started is not seen). Each is feature-detected 
 - inside a trace (dynamo, make_fx, fake tensors: patches._tracing): the graph sources read it;
 - issued by another functional collective (``all_gather_tensor`` calls ``all_gather_single``,
   ``all_reduce_inplace`` calls ``all_reduce``): the outermost call is the one recorded;
-- issued by DTensor (``torch/distributed/tensor/``) inside ``redistribute_local_tensor``: the
-  dtensor source (eager_collectives.py) writes that redistribution already. DTensor's other
+- issued inside ``redistribute_local_tensor`` (a frame of that name up the stack, so a wrapper
+  of the job's own between DTensor and this one changes nothing): the dtensor source
+  (eager_collectives.py) writes that redistribution already. DTensor's other
   functional calls (``_nonlinear_redux``, loss parallel, context parallel) are said once each
   as a capture warning, as are the non-all-reduce collectives below.
 
@@ -31,8 +32,11 @@ ones, which the diff already compares (reduction_steps.all_reduce_buckets): ``"s
 loss: no parameter's gradient; a tensor that is one, by storage, is named), ``group`` the call
 site (``utils.py:_dist_reduce_tensor``), ``world_size`` the group's size, ``ranks`` on a
 sub-group (manifest_source.sub_group_ranks), ``op`` (``sum``/``max``/``avg``...),
-``coalesced`` for the coalesced form, and ``"funcol": true``, which makes these lines a
-sequence of their own (written whole when it changes, like the c10d source's). Other
+``coalesced`` for the coalesced form, ``"funcol": true``, which makes these lines a
+sequence of their own (written whole when it changes, like the c10d source's), and ``after``:
+how many of the c10d source's hand-written all-reduces this step issued before it
+(manifest_source.EAGER_ALL_REDUCES), which the diff uses to put the two sequences back in issue
+order (reduction_steps.all_reduce_buckets). Other
 functional collectives (reduce-scatter, all-gather, all-to-all, broadcast) run eagerly are not
 written: no layout comparison reads a c10d reduce-scatter (diff/buckets.py); each call site is
 said once as a capture warning (``functional reduce_scatter_tensor run eagerly at
@@ -51,6 +55,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parity.capture.patches import _tracing
+from parity.capture.sources import manifest_source
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks, sub_group_ranks
 from parity.records import (SOURCE_C10D, BucketEntry, BucketRecord, dtype_name, ends_record,
                             reduce_op_name)
@@ -201,11 +206,14 @@ class EagerFuncol(ManifestSource):
 
         frame = _caller(3, self.file)
         label = _label(frame)
+        if _in_redistribute(frame):
+            # a redistribution: the dtensor source writes it (looked for up the stack, not in
+            # the caller only: a wrapper of the job's own may sit between DTensor and this one)
+            return
         if frame is not None and _DTENSOR_DIR in frame.f_code.co_filename:
-            if not _in_redistribute(frame):
-                self.warn(f"DTensor's functional {name} outside a redistribution at {label}: "
-                          "not recorded", echo=False)
-            return  # a redistribution: the dtensor source writes it
+            self.warn(f"DTensor's functional {name} outside a redistribution at {label}: "
+                      "not recorded", echo=False)
+            return
         if name not in _ALL_REDUCE + _ALL_REDUCE_COALESCED:
             self.warn(f"functional {name} run eagerly at {label}: not recorded")
             return
@@ -243,6 +251,8 @@ class EagerFuncol(ManifestSource):
         if coalesced:
             rec.extra["coalesced"] = True
         rec.extra[FUNCOL] = True
+        # where it was issued among the hand-written all-reduces (manifest_source.EAGER_ALL_REDUCES)
+        rec.extra["after"] = manifest_source.EAGER_ALL_REDUCES[0]
         self.current.append(rec)
 
     def _grad_of(self, t: Any) -> str | None:
@@ -266,6 +276,7 @@ class EagerFuncol(ManifestSource):
         calls, self.current = self.current, []
         sig = tuple((c.group, c.dtype, c.world_size, c.extra.get("op"),
                      tuple(c.extra.get("ranks") or ()), bool(c.extra.get("coalesced")),
+                     c.extra.get("after"),
                      tuple((e.fqn, e.offset, e.numel, e.dtype) for e in c.entries))
                     for c in calls)
         if sig == self.last_signature or (not calls and self.last_signature is None):
