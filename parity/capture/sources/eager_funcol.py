@@ -78,9 +78,13 @@ _REDISTRIBUTE = "redistribute_local_tensor"
 
 
 def _caller(depth: int, funcol_file: str | None) -> Any:
-    """The first frame outside the functional-collectives module and this one."""
+    """The first frame outside the functional-collectives module and this one, and outside a
+    function named ``wrapper`` (a wrapper of the job's own around the functional collectives,
+    as the wire recorders of tests/trainers/round9a.py and round10b_launch.py are: the call
+    site stays the one calling it, as c10d_allreduce.py's ``_caller`` does)."""
     frame = sys._getframe(depth)
-    while frame is not None and (frame.f_code.co_filename in (__file__, funcol_file)):
+    while frame is not None and (frame.f_code.co_filename in (__file__, funcol_file)
+                                 or frame.f_code.co_name == "wrapper"):
         frame = frame.f_back
     return frame
 
