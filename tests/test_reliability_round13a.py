@@ -226,3 +226,33 @@ def test_issue_order_unit():
     old = {k: v for k, v in tok.items() if k != "after"}
     assert [b.module for b in all_reduce_buckets([g1, old])] == ["t.py:f",
                                                                   "utils.py:_dist_reduce_tensor"]
+
+
+def test_a_gradient_all_reduced_in_a_backward_is_named():
+    """An ``autograd.Function`` whose backward all-reduces the gradient (a DDP-style identity,
+    tests/trainers/compiled_allreduce.py run eagerly): the gradient is no ``.grad`` yet, so the
+    entry had no name and such a run read as gradients moved out of every bucket against its
+    compiled twin, which names them; now the parameter whose ``AccumulateGrad`` the running
+    node feeds alone (``--mode eager`` against ``--mode compiled``: HOLDS identical)."""
+    import torch
+
+    from parity.capture.sources.eager_funcol import EagerFuncol
+
+    src = EagerFuncol.__new__(EagerFuncol)
+    seen = []
+
+    class Sync(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, p):
+            return p.view_as(p)
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(src._backward_leaf(g))
+            return g
+
+    net = torch.nn.Linear(3, 2)
+    (torch.nn.functional.linear(torch.ones(1, 3), Sync.apply(net.weight), net.bias)).sum() \
+        .backward()
+    assert seen == ["weight"]
+    assert src._backward_leaf(torch.ones(2, 3)) is None  # outside a backward

@@ -242,7 +242,7 @@ class EagerFuncol(ManifestSource):
             n, nbytes = t.numel(), t.numel() * t.element_size()
             # a plain tensor only: an AsyncCollectiveTensor input has no storage to compare
             plain = type(t) is torch.Tensor and t.layout == torch.strided
-            fqn = self._grad_of(t) if plain and n > 1 else None
+            fqn = (self._grad_of(t) or self._backward_leaf(t)) if plain and n > 1 else None
             entries.append(BucketEntry(fqn, off, nbytes, n, dtype_name(t.dtype), list(t.shape)))
             off += nbytes
         rec = BucketRecord(SOURCE_C10D, "all_reduce", len(self.current), entries, group=label,
@@ -258,6 +258,36 @@ class EagerFuncol(ManifestSource):
         # where it was issued among the hand-written all-reduces (manifest_source.EAGER_ALL_REDUCES)
         rec.extra["after"] = manifest_source.EAGER_ALL_REDUCES[0]
         self.current.append(rec)
+
+    def _backward_leaf(self, t: Any) -> str | None:
+        """In a backward: the parameter whose ``AccumulateGrad`` the running autograd node
+        feeds alone, through single links, of ``t``'s shape (an ``autograd.Function`` whose
+        backward all-reduces the gradient, as a DDP-style identity does); else None. The
+        gradient is no ``.grad`` yet there: without this such all-reduces had no name and read
+        as moved out of every bucket against a compiled run that names them (round 13a)."""
+        import torch
+
+        from parity.capture.names import normalize_fqn
+        from parity.capture.table import _module_roots
+
+        node = torch._C._current_autograd_node()
+        for _ in range(4):
+            if node is None:
+                return None
+            nxt = [f for f, _ in node.next_functions if f is not None]
+            if len(nxt) != 1:
+                return None
+            node = nxt[0]
+            var = getattr(node, "variable", None)  # AccumulateGrad's leaf
+            if var is not None:
+                if tuple(var.shape) != tuple(t.shape):
+                    return None
+                for root in _module_roots():
+                    for n, p in root.named_parameters():
+                        if p is var:
+                            return normalize_fqn(n)
+                return None
+        return None
 
     def _grad_of(self, t: Any) -> str | None:
         """The parameter whose ``.grad`` this tensor is (same storage), else None: a trainer
