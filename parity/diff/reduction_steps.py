@@ -41,6 +41,8 @@ def _sequence(r: dict) -> str:
     source = r.get("source") or "?"
     if source == SOURCE_C10D and r.get("group") == "ddp":
         return "c10d ddp"  # DDP's buckets: a sequence of their own
+    if source == SOURCE_C10D and r.get("funcol") is True:
+        return "c10d funcol"  # functional all-reduces (capture/sources/eager_funcol.py): too
     return source
 
 
@@ -63,7 +65,7 @@ def records_at(records: list[dict], step: int, ends: list[dict] = ()) -> list[di
                 (step_of(e), e["index"]))
     keep: list[dict] = []
     for source, recs in by_source.items():
-        if source in (SOURCE_DTENSOR, SOURCE_C10D, "c10d ddp"):
+        if source in (SOURCE_DTENSOR, SOURCE_C10D, "c10d ddp", "c10d funcol"):
             last = max(step_of(r) for r in recs)
             emptied = max((s for (q, _), cs in cut.items() if q == source for s, _ in cs),
                           default=-1)
@@ -152,8 +154,38 @@ def all_reduce_buckets(records: list[dict]) -> list[Bucket]:
             else None
         b.group_size = rec.world_size
         b.sparse = bool(rec.extra.get("sparse"))
+        b.after = as_int(rec.extra.get("after")) if rec.extra.get("funcol") is True else None
+        b.plain_c10d = source == SOURCE_C10D and rec.group != "ddp" and b.after is None \
+            and rec.extra.get("funcol") is not True
         out.append(b)
-    return out
+    return _issue_order(out)
+
+
+def _issue_order(out: list[Bucket]) -> list[Bucket]:
+    """The functional all-reduces (capture/sources/eager_funcol.py, a sequence written after
+    the c10d source's) put back among the hand-written ones where they were issued: each
+    carries ``after``, the number of the c10d source's all-reduces issued before it in its
+    step. The merged run takes the place of the first of them; indices renumbered. Lines
+    without ``after`` (runs recorded before) stay in record order."""
+    funcol = [b for b in out if getattr(b, "after", None) is not None]
+    if not funcol:
+        return out
+    plain = [b for b in out if getattr(b, "plain_c10d", False)]
+    merged, i = [], 0
+    for b in funcol:  # in issue order among themselves
+        while i < len(plain) and i < b.after:
+            merged.append(plain[i])
+            i += 1
+        merged.append(b)
+    merged += plain[i:]
+    moved = {id(b) for b in merged}
+    first = next(k for k, b in enumerate(out) if id(b) in moved)
+    rest = [b for b in out if id(b) not in moved]
+    ordered = rest[:sum(1 for b in out[:first] if id(b) not in moved)] + merged + \
+        rest[sum(1 for b in out[:first] if id(b) not in moved):]
+    for k, b in enumerate(ordered):
+        b.index = k
+    return ordered
 
 
 def one_sided_all_reduces(records_a: list[dict], records_b: list[dict]) -> tuple[bool, str | None,

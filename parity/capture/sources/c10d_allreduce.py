@@ -52,6 +52,7 @@ from parity.capture.names import normalize_fqn
 from parity.capture import patches
 from parity.capture.patches import _tracing
 from parity.capture.sources.fsdp2 import param_fqn
+from parity.capture.sources import manifest_source
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks, sub_group_ranks
 from parity.capture.table import _module_roots, registered_ddp
 from parity.records import (SOURCE_C10D, BucketEntry, BucketRecord, dtype_name, ends_record,
@@ -324,6 +325,7 @@ class C10dAllReduces(ManifestSource):
         if coalesced:
             rec.extra["coalesced"] = True
         self.current.append(rec)
+        manifest_source.EAGER_ALL_REDUCES[0] = len(self.current)  # eager_funcol.py's ``after``
 
     def _ddp_modules(self) -> list:
         """The job's DistributedDataParallel modules: those the registration hooks saw register
@@ -489,6 +491,7 @@ class C10dAllReduces(ManifestSource):
         """End of an optimizer step: write this step's sequence if it is new."""
         self._new_ddp_step()
         calls, self.current = self.current, []
+        manifest_source.EAGER_ALL_REDUCES[0] = 0
         if self.rebuilds and any(e.fqn is None for c in calls for e in c.entries):
             self.rebuilds -= 1  # a model built after the first all-reduce: look again
             self._by_shape = None

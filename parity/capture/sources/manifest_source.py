@@ -156,3 +156,11 @@ def sub_group_ranks(group: Any) -> list[int] | None:
 
 
 _RANKS: dict[int, tuple[Any, list[int] | None]] = {}  # id(group) -> (group, its ranks or None)
+
+EAGER_ALL_REDUCES = [0]
+"""The plain ``dist.all_reduce`` calls the c10d source has recorded so far in this step
+(c10d_allreduce.py sets it, 0 at each step's end). The functional source (eager_funcol.py)
+writes it on each of its lines (``after``): the two sources write their sequences one after
+the other at the step's end, so without it the diff read a token weight summed before the
+gradients' all-reduces as issued after them, and paired unnamed scalars of the two sources
+out of issue order (round 13a)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from parity.capture.sources.c10d_allreduce import C10dAllReduces
 from parity.capture.sources.eager_collectives import EagerCollectives
+from parity.capture.sources.eager_funcol import EagerFuncol
 from parity.capture.sources.fsdp2 import FSDP2Recorder
 from parity.capture.sources.graph import CompiledGraphs
 from parity.capture.sources.graph_makefx import MakeFxGraphs
@@ -22,6 +23,7 @@ SOURCES: tuple[type[ManifestSource], ...] = (
     EagerCollectives,  # DTensor redistributions outside graphs
     CompiledGraphs,  # aot_autograd's compilers (torch.compile, SimpleFSDP, GraphTrainer jit)
     C10dAllReduces,  # plain all-reduces outside graphs (HSDP's replicate group, hand-written)
+    EagerFuncol,  # functional all-reduces run eagerly (torchtitan's dist_sum, hand-written)
 )
 BY_NAME: dict[str, type[ManifestSource]] = {s.name: s for s in SOURCES}
 assert len(BY_NAME) == len(SOURCES), "two manifest sources share a name"
