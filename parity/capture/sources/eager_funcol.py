@@ -55,7 +55,7 @@ from collections.abc import Callable
 from typing import Any
 
 from parity.capture.patches import _tracing
-from parity.capture.sources import manifest_source
+from parity.capture.sources import eager_grads, manifest_source
 from parity.capture.sources.manifest_source import ManifestSource, SourceHooks, sub_group_ranks
 from parity.records import (SOURCE_C10D, BucketEntry, BucketRecord, dtype_name, ends_record,
                             reduce_op_name)
@@ -270,23 +270,13 @@ class EagerFuncol(ManifestSource):
         from parity.capture.names import normalize_fqn
         from parity.capture.table import _module_roots
 
-        node = torch._C._current_autograd_node()
-        for _ in range(4):
-            if node is None:
-                return None
-            nxt = [f for f, _ in node.next_functions if f is not None]
-            if len(nxt) != 1:
-                return None
-            node = nxt[0]
-            var = getattr(node, "variable", None)  # AccumulateGrad's leaf
-            if var is not None:
-                if tuple(var.shape) != tuple(t.shape):
-                    return None
-                for root in _module_roots():
-                    for n, p in root.named_parameters():
-                        if p is var:
-                            return normalize_fqn(n)
-                return None
+        var = eager_grads.leaf_fed_by(torch._C._current_autograd_node(), list(t.shape), 4)
+        if var is None:
+            return None
+        for root in _module_roots():
+            for n, p in root.named_parameters():
+                if p is var:
+                    return normalize_fqn(n)
         return None
 
     def _grad_of(self, t: Any) -> str | None:

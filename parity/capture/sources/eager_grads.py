@@ -66,7 +66,15 @@ def autograd_leaf(shape: list) -> Any | None:
     node = torch._C._current_autograd_node()
     if node is None or "Redistribute" not in type(node).__name__:
         return None
-    for _ in range(_CHAIN):
+    return leaf_fed_by(node, shape, _CHAIN)
+
+
+def leaf_fed_by(node: Any, shape: list, depth: int) -> Any | None:
+    """The leaf tensor whose ``AccumulateGrad`` ``node`` feeds alone, through single links (at
+    most ``depth``), when it has global ``shape``; else None."""
+    for _ in range(depth):
+        if node is None:
+            return None
         nxt = [f for f, _ in node.next_functions if f is not None]
         if len(nxt) != 1:
             return None
