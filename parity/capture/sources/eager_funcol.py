@@ -138,6 +138,11 @@ def group_of(group: Any) -> tuple[int, list[int] | None] | None:
 class EagerFuncol(ManifestSource):
     """Wraps the functional collectives and hands all-reduce records to ``hooks.emit``."""
 
+    # the model's parameters, scanned once a step at the first call that needs a name (by
+    # identity), and their ``.grad`` by memory (eager_grads.GradMap); None: not scanned yet
+    _by_id: dict[int, str] | None = None
+    grad_map: eager_grads.GradMap | None = None
+
     name = "funcol"
     source = SOURCE_C10D
     trigger = MODULE
@@ -153,7 +158,6 @@ class EagerFuncol(ManifestSource):
         self.last_signature: tuple | None = None
         self.busy = False
         self.file: str | None = None
-        self._by_ptr: dict[tuple, str] | None = None
 
     def ready(self) -> bool:
         mod = sys.modules.get(MODULE)
@@ -267,37 +271,38 @@ class EagerFuncol(ManifestSource):
         as moved out of every bucket against a compiled run that names them (round 13a)."""
         import torch
 
-        from parity.capture.names import normalize_fqn
-        from parity.capture.table import _module_roots
-
         var = eager_grads.leaf_fed_by(torch._C._current_autograd_node(), list(t.shape), 4)
-        if var is None:
-            return None
-        for root in _module_roots():
-            for n, p in root.named_parameters():
-                if p is var:
-                    return normalize_fqn(n)
-        return None
+        return None if var is None else self._params().get(id(var))
 
     def _grad_of(self, t: Any) -> str | None:
-        """The parameter whose ``.grad`` this tensor is (same storage), else None: a trainer
-        all-reducing a gradient with ``funcol.all_reduce`` (a token count or loss has none)."""
-        from parity.capture.names import normalize_fqn
-        from parity.capture.table import _module_roots
+        """The parameter whose ``.grad`` this tensor is (same memory), else None: a trainer
+        all-reducing a gradient with ``funcol.all_reduce`` (a token count or loss has none).
+        By a map kept for the step, not a walk over every parameter per call (a trainer that
+        all-reduces each gradient would otherwise pay parameters x calls)."""
+        if not self._params():
+            return None
+        return self.grad_map.find(t, list(t.shape))
 
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        for root in _module_roots():
-            for n, p in root.named_parameters():
-                g = p.grad
-                if g is not None and type(g) is type(t) and (g.data_ptr(), tuple(g.shape),
-                                                              g.dtype) == key:
-                    return normalize_fqn(n)
-        return None
+    def _params(self) -> dict[int, str]:
+        """id(parameter) -> FQN of the model's parameters, scanned once a step."""
+        if self._by_id is None:
+            from parity.capture.names import normalize_fqn
+            from parity.capture.table import _module_roots
+
+            params = [(normalize_fqn(n), p) for root in _module_roots()
+                      for n, p in root.named_parameters()]
+            self.grad_map = eager_grads.GradMap()
+            self.grad_map.set_params(params)
+            self._by_id = {}
+            for n, p in params:
+                self._by_id.setdefault(id(p), n)
+        return self._by_id
 
     def new_step(self) -> None:
         """End of an optimizer step: write this step's sequence if it is new (an ``ends`` line
         when a step has none after one that had)."""
         calls, self.current = self.current, []
+        self._by_id = None  # parameters scanned again next step (a model built or replaced)
         sig = tuple((c.group, c.dtype, c.world_size, c.extra.get("op"),
                      tuple(c.extra.get("ranks") or ()), bool(c.extra.get("coalesced")),
                      c.extra.get("after"),
