@@ -256,3 +256,23 @@ def test_a_gradient_all_reduced_in_a_backward_is_named():
         .backward()
     assert seen == ["weight"]
     assert src._backward_leaf(torch.ones(2, 3)) is None  # outside a backward
+
+
+def test_a_funcol_gradient_is_named_by_its_grads_memory(monkeypatch):
+    """A plain gradient all-reduced with ``funcol.all_reduce`` is named after the parameter
+    whose ``.grad`` has its memory (a copy is not); the parameters are scanned once a step into
+    a map (eager_grads.GradMap over plain tensors), not walked per call."""
+    import torch
+
+    import parity.capture.table as table
+    from parity.capture.sources.eager_funcol import EagerFuncol
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    for p in net.parameters():
+        p.grad = torch.zeros_like(p)
+    monkeypatch.setattr(table, "_module_roots", lambda: [net])
+    src = EagerFuncol.__new__(EagerFuncol)
+    assert [src._grad_of(p.grad) for p in net.parameters()] == [
+        "0.weight", "0.bias", "1.weight", "1.bias"]
+    assert src._grad_of(net[0].weight.grad.clone()) is None
+    assert src._grad_of(torch.zeros(3, 3)) is None

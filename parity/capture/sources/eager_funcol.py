@@ -291,7 +291,7 @@ class EagerFuncol(ManifestSource):
 
             params = [(normalize_fqn(n), p) for root in _module_roots()
                       for n, p in root.named_parameters()]
-            self.grad_map = eager_grads.GradMap()
+            self.grad_map = eager_grads.GradMap(eager_grads.plain_or_local)
             self.grad_map.set_params(params)
             self._by_id = {}
             for n, p in params:

@@ -51,6 +51,7 @@ not an alias) whose result does not become the ``.grad``: it stays unnamed.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["autograd_leaf", "weak", "key", "GradMap", "grad_owners"]
@@ -109,7 +110,10 @@ class GradMap:
     checked against the parameter's ``.grad`` at the call (the map may be stale: a hit is
     trusted only when the gradient has that memory now)."""
 
-    def __init__(self):
+    def __init__(self, local: Callable[[Any], Any] | None = None):
+        # a gradient's tensor whose memory is matched: a DTensor's local shard (the default),
+        # or for plain gradients the tensor itself (eager_funcol.py passes ``plain_or_local``)
+        self.local = local or _local
         self.params: list[tuple[str, Any]] = []
         self.shapes: set[tuple] = set()
         self.grads: dict[tuple, tuple[str, Any]] = {}
@@ -122,7 +126,7 @@ class GradMap:
     def _rebuild(self) -> None:
         self.grads = {}
         for fqn, p in self.params:
-            g = _local(getattr(p, "grad", None))
+            g = self.local(getattr(p, "grad", None))
             if g is not None:
                 self.grads.setdefault(key(g), (fqn, p))
 
@@ -130,7 +134,7 @@ class GradMap:
         got = self.grads.get(k)
         if got is None:
             return None
-        g = _local(getattr(got[1], "grad", None))
+        g = self.local(getattr(got[1], "grad", None))
         return got[0] if g is not None and key(g) == k else None
 
     def find(self, t: Any, shape: list) -> str | None:
@@ -147,6 +151,11 @@ class GradMap:
 
 def _local(t: Any) -> Any:
     return getattr(t, "_local_tensor", None)
+
+
+def plain_or_local(t: Any) -> Any:
+    """A DTensor's local shard, else the tensor itself (None stays None)."""
+    return getattr(t, "_local_tensor", t)
 
 
 def grad_owners(params: list[tuple[str, Any]]) -> dict[int, str]:
