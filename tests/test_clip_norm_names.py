@@ -23,7 +23,8 @@ from tests.test_reliability_round12a import values
 
 TRAINER = str(REPO / "tests" / "trainers" / "round12a.py")
 # seed 6: the reversed vector changes no value on gloo over 3 steps, and under the 2x2 emulation
-# every gradient at step 3 (the ring's order alone). Other seeds: the total norm, summed locally
+# every gradient at step 3 (the ring's order alone), on the CPU it was chosen on (not on every
+# CPU: see test_a_reordered_norm_vector_fails_and_is_predicted). Other seeds: the total norm, summed locally
 # over the stacked values in their order, already rounds differently on gloo (0, 3, 8), or the
 # emulation shows nothing in 3 steps (1, 2, 4, 5, 7, 9)
 _CLIP = {"R12A_CLIP": "torch", "R12A_STEPS": 3, "R12A_SEED": 6, "nproc": 4}
@@ -68,18 +69,25 @@ def test_the_norm_vector_is_named_in_the_stacks_order(runs):
 
 
 def test_a_reordered_norm_vector_fails_and_is_predicted(runs):
-    """Values bitwise equal on gloo; under the 2x2 emulation (Ring) every gradient differs at
-    step 3. Was HOLDS ``bucket layouts identical`` under ``--fail-on any`` and
-    ``unknown`` under ``--at 2x2``; now the order differs, and the prediction says the norms
-    at risk and every gradient the clip scales, as the emulation shows."""
+    """Was HOLDS ``bucket layouts identical`` under ``--fail-on any`` and ``unknown`` under
+    ``--at 2x2``; now the order differs, and the prediction says the norms at risk and every
+    gradient the clip scales, as the emulation shows.
+
+    Ground truth depends on the CPU: the clip sums the stacked values locally in the stack's
+    order, and where that rounds alike (seed 6 on the machine it was chosen on) the values are
+    bitwise equal on gloo and only the 2x2 ring's order changes them (every gradient at step 3);
+    on an AMD EPYC with AVX-512 (2026-11-28) the reversed local sum already rounds otherwise at
+    step 1, on gloo and emulated. Either way every gradient that diverges under the emulation
+    must be predicted, and the order must be said."""
     a, b = run_ok(runs, "torch"), run_ok(runs, "torch_rev")
-    assert values_equal(values(a, 4), values(b, 4))
-    rc, line, _ = diff_cli(a, b, "--fail-on", "any")
+    rc, line, js = diff_cli(a, b, "--fail-on", "any")
     assert rc == EXIT_MISMATCH and "bucket order differs (all_reduce bucket 0" in line, line
+    assert js["order"]["verdict"] == "order_differs", js["order"]
     ea, eb = run_ok(runs, "etorch"), run_ok(runs, "etorch_rev")
-    assert values_equal(values(ea, 4)[0]["steps"][1], values(eb, 4)[0]["steps"][1])
-    assert not values_equal(values(ea, 4)[0]["steps"][2]["grads"],
-                            values(eb, 4)[0]["steps"][2]["grads"])
+    if values_equal(values(a, 4), values(b, 4)):  # the local sum rounds alike on this CPU
+        assert values_equal(values(ea, 4)[0]["steps"][1], values(eb, 4)[0]["steps"][1])
+        assert not values_equal(values(ea, 4)[0]["steps"][2]["grads"],
+                                values(eb, 4)[0]["steps"][2]["grads"])
     rc, line, js = diff_cli(ea, eb, "--fail-on", "reduction", "--at", "2x2")
     assert rc == EXIT_MISMATCH and "gradient norms, whose total scales every clipped" in line, line
     obs = js["reduction_order"]["observed"]

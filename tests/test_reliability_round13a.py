@@ -276,3 +276,58 @@ def test_a_funcol_gradient_is_named_by_its_grads_memory(monkeypatch):
         "0.weight", "0.bias", "1.weight", "1.bias"]
     assert src._grad_of(net[0].weight.grad.clone()) is None
     assert src._grad_of(torch.zeros(3, 3)) is None
+
+
+def test_a_redistribution_is_read_off_the_dtensor_wrappers_counter():
+    """Inside a redistribution the dtensor source's wrapper has counted (REDISTRIBUTING), the
+    functional source skips a call without walking the stack; a call of the job's own outside
+    one is recorded without walking either; where the wrapper is not in place, or a DTensor
+    file calls outside the counted calls, the stack says it (a frame named
+    ``redistribute_local_tensor``)."""
+    import sys
+
+    from parity.capture.sources import eager_funcol, manifest_source
+
+    here = sys._getframe()
+
+    def redistribute_local_tensor():  # a frame of that name on the stack, as torch's
+        return sys._getframe()
+
+    inner = redistribute_local_tensor()
+    assert inner.f_code.co_name == "redistribute_local_tensor"
+    wrapped, depth = manifest_source.REDISTRIBUTE_WRAPPED, manifest_source.REDISTRIBUTING
+    before = wrapped[0], depth.depth
+    try:
+        wrapped[0], depth.depth = True, 0
+        assert eager_funcol._in_redistribute(here) is False
+        assert eager_funcol._in_redistribute(inner) is False  # the counter decides
+        depth.depth = 1
+        assert eager_funcol._in_redistribute(here) is True
+        wrapped[0], depth.depth = False, 0
+        assert eager_funcol._in_redistribute(inner) is True  # no wrapper: the stack says it
+        assert eager_funcol._in_redistribute(here) is False
+    finally:
+        wrapped[0], depth.depth = before
+
+
+def test_the_dtensor_wrapper_counts_its_calls_and_uncounts_on_error():
+    """The dtensor source's wrapper raises its thread's depth over the original call, and
+    lowers it again when the call raises."""
+    from parity.capture.sources import manifest_source
+    from parity.capture.sources.eager_collectives import EagerCollectives
+
+    seen = []
+
+    def original(local, current, target, *args, **kwargs):
+        seen.append(manifest_source.REDISTRIBUTING.depth)
+        if kwargs.get("fail"):
+            raise RuntimeError("boom")
+        return local
+
+    src = EagerCollectives.__new__(EagerCollectives)
+    src.busy, src.tracing = True, lambda: False  # busy: record nothing, call through
+    wrapped = src._wrap(original)
+    assert wrapped(1, None, None) == 1
+    with pytest.raises(RuntimeError):
+        wrapped(1, None, None, fail=True)
+    assert seen == [1, 1] and manifest_source.REDISTRIBUTING.depth == 0

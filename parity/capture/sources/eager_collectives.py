@@ -38,7 +38,9 @@ from typing import Any
 
 from parity.capture.sources import eager_grads
 from parity.capture.sources.eager_grads import key as _key
-from parity.capture.sources.manifest_source import ManifestSource, SourceHooks, sub_group_ranks
+from parity.capture.sources.manifest_source import (REDISTRIBUTE_WRAPPED, REDISTRIBUTING,
+                                                    ManifestSource, SourceHooks,
+                                                    sub_group_ranks)
 from parity.capture.names import normalize_fqn
 from parity.capture.patches import _tracing
 from parity.capture.table import _module_roots
@@ -188,6 +190,7 @@ class EagerCollectives(ManifestSource):
             setattr(mod, _FN, self._wrap(fn))
         if not self.patches:
             return f"{MODULES[0]}.{_FN} not found in this torch version"
+        REDISTRIBUTE_WRAPPED[0] = True
         wrapped: dict[int, Callable] = {}  # one wrapper per function, however many names
         for name, attr in NORM_FUNCTIONS:
             mod = sys.modules.get(name)
@@ -202,6 +205,7 @@ class EagerCollectives(ManifestSource):
         for mod, attr, fn in reversed(self.patches):
             setattr(mod, attr, fn)
         self.patches = []
+        REDISTRIBUTE_WRAPPED[0] = False
 
     def _wrap(self, original: Callable) -> Callable:
         rec = self
@@ -216,7 +220,12 @@ class EagerCollectives(ManifestSource):
                     pass
                 finally:
                     rec.busy = False
-            out = original(local_tensor, current_spec, target_spec, *args, **kwargs)
+            deep = REDISTRIBUTING  # the functional source skips what this issues
+            deep.depth += 1
+            try:
+                out = original(local_tensor, current_spec, target_spec, *args, **kwargs)
+            finally:
+                deep.depth -= 1
             if partial is not None:
                 partial[1] = eager_grads.weak(out)  # what the reduced tensor became
             return out

@@ -19,8 +19,9 @@ imported by value before capture started is not seen). Each is feature-detected 
 - inside a trace (dynamo, make_fx, fake tensors: patches._tracing): the graph sources read it;
 - issued by another functional collective (``all_gather_tensor`` calls ``all_gather_single``,
   ``all_reduce_inplace`` calls ``all_reduce``): the outermost call is the one recorded;
-- issued inside ``redistribute_local_tensor`` (a frame of that name up the stack, so a wrapper
-  of the job's own between DTensor and this one changes nothing): the dtensor source
+- issued inside ``redistribute_local_tensor`` (the dtensor source's wrapper counts how deep
+  the thread is in one; without that wrapper, a frame of that name up the stack; a wrapper of
+  the job's own between DTensor and this one changes neither): the dtensor source
   (eager_collectives.py) writes that redistribution already. DTensor's other
   functional calls (``_nonlinear_redux``, loss parallel, context parallel) are said once each
   as a capture warning, as are the non-all-reduce collectives below.
@@ -56,7 +57,9 @@ from typing import Any
 
 from parity.capture.patches import _tracing
 from parity.capture.sources import eager_grads, manifest_source
-from parity.capture.sources.manifest_source import ManifestSource, SourceHooks, sub_group_ranks
+from parity.capture.sources.manifest_source import (REDISTRIBUTE_WRAPPED, REDISTRIBUTING,
+                                                    ManifestSource, SourceHooks,
+                                                    sub_group_ranks)
 from parity.records import (SOURCE_C10D, BucketEntry, BucketRecord, dtype_name, ends_record,
                             reduce_op_name)
 
@@ -95,7 +98,17 @@ def _label(frame: Any) -> str:
 
 
 def _in_redistribute(frame: Any, depth: int = 30) -> bool:
-    """A DTensor redistribution (recorded by the dtensor source) is on the stack."""
+    """A DTensor redistribution (recorded by the dtensor source) is on the stack: the dtensor
+    source's wrapper counts how deep this thread is in one (manifest_source.REDISTRIBUTING,
+    nothing to walk), so a call of the job's own (its caller outside DTensor's files) is read
+    off that counter alone. A frame of that name up to ``depth`` frames up says it where that
+    wrapper is not installed (not found in this torch, the source disabled) or a call comes
+    from DTensor's files outside the counted calls (a caller that bound the original function
+    by name before capture, as ``experimental/_tp_transform.py`` does)."""
+    if REDISTRIBUTING.depth > 0:
+        return True
+    if REDISTRIBUTE_WRAPPED[0] and (frame is None or _DTENSOR_DIR not in frame.f_code.co_filename):
+        return False
     for _ in range(depth):
         if frame is None:
             return False

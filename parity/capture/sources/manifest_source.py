@@ -22,6 +22,7 @@ Standard library and records.py only: every capture path imports it.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -164,3 +165,21 @@ writes it on each of its lines (``after``): the two sources write their sequence
 the other at the step's end, so without it the diff read a token weight summed before the
 gradients' all-reduces as issued after them, and paired unnamed scalars of the two sources
 out of issue order (round 13a)."""
+
+
+class _Redistributing(threading.local):
+    """How deep this thread is inside DTensor's ``redistribute_local_tensor``, as the dtensor
+    source's wrapper counts it (eager_collectives.py). Why: the functional source
+    (eager_funcol.py) must not write the functional collectives a redistribution issues (the
+    dtensor source writes the redistribution), and reading a counter costs nothing where
+    walking the stack for a frame of that name cost up to 30 frame hops on every functional
+    call (DTensor issues one per collective). Per thread: autograd runs a device's backward on
+    its own thread."""
+
+    depth = 0
+
+
+REDISTRIBUTING = _Redistributing()
+REDISTRIBUTE_WRAPPED = [False]
+"""Whether the dtensor source's wrapper is in place (for every thread), so that
+``REDISTRIBUTING`` counts; where it is not, the functional source walks the stack instead."""
