@@ -101,8 +101,10 @@ def test_state_one_optimizer_keeps_and_the_other_does_not_is_a_difference(runs):
     rc, line, d = diff_cli(a, b)
     assert rc == EXIT_MISMATCH, line  # not exit 2 "parameter sets differ"
     assert "in the optimizer state after step 1" in line, line
-    # (and each parameter's group numbers: SGD without momentum keeps no state, so none)
-    assert "B alone holds 8 (0.weight:momentum_buffer" in d["first_divergence"]["explanation"]
+    # both hold each parameter's group numbers (param_group, which differ: momentum 0 against
+    # 0.9); B alone the 4 momentum buffers
+    assert "B alone holds 4 (0.weight:momentum_buffer" in d["first_divergence"]["explanation"]
+    assert {x["fqn"].split(":")[1] for x in d["divergent"]} >= {"param_group"}, d["divergent"]
     assert d["params_only_in_b"] == []
 
 
@@ -179,3 +181,28 @@ def test_zero_against_plain_adam_compares_the_state_across_ranks(tmp_path):
         rc, line, d = diff_cli(tmp_path / a, tmp_path / b)
         assert rc == EXIT_OK and "final state with optimizer state" in line, line
         assert d["final_state"]["optimizer_state"] == 16, d["final_state"]
+
+
+def test_a_stateless_optimizer_has_its_group_numbers_as_rows():
+    """SGD without momentum keeps no state; each of its parameters still gets a
+    ``param_group`` row (round 14): without it, a learning rate a scheduler set after the last
+    step (a resumed run's schedule one step off) HELD for SGD while the optimizers' state dicts
+    differed, as round 12b found for Adam."""
+    from parity.capture import opt_state
+
+    net = torch.nn.Linear(2, 2)
+    params = list(net.parameters())
+    rows_of = {id(p): i for i, p in enumerate(params)}
+    entries = [{"fqn": "weight"}, {"fqn": "bias"}]
+
+    def rows(lr):
+        opt = torch.optim.SGD(params, lr=lr)
+        net(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        assert not opt.state  # no state kept
+        return opt_state.state_rows([opt], rows_of, entries, {"weight", "bias"})
+
+    a, b = rows(0.1), rows(0.05)
+    assert [n for n, _ in a] == ["weight:param_group", "bias:param_group"]
+    assert not torch.equal(a[0][1], b[0][1])
+    assert opt_state.ROWS_VERSION == 4

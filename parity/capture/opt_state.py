@@ -16,9 +16,10 @@ optimizer's float) is hashed as a 0-d tensor (float64, int64), and a list or tup
 and numbers (LBFGS's ``old_dirs`` history) as one row per element (``key.0``, ``key.1``...):
 left out, two runs whose optimizers ended in other such state held (round 7).
 
-Each parameter that has state also gets one ``<fqn>:param_group`` row: its group's numbers
-(lr, betas, ...; :func:`_group_numbers`). Left out, a schedule that differs only after the last
-step held (round 12b).
+Each parameter in an optimizer's groups also gets one ``<fqn>:param_group`` row: its group's
+numbers (lr, betas, ...; :func:`_group_numbers`), whether or not it has state. Left out, a
+schedule that differs only after the last step held (round 12b); given to parameters with state
+only (version 3), the same schedule held for SGD without momentum, which keeps none (round 14).
 
 What is left out, on purpose: any other entry (SGD's ``momentum_buffer`` before momentum is
 used is None; strings, dicts), a tensor capture cannot hash (fake,
@@ -40,12 +41,13 @@ from parity.records import KIND_OPTIMIZER_STATE
 
 __all__ = ["KIND", "ROWS_VERSION", "SEPARATOR", "state_rows"]
 
-# meta.json ``capture.optimizer_state_rows``: which entries become rows. 3: also each
+# meta.json ``capture.optimizer_state_rows``: which entries become rows. 4: the group's numbers
+# for every parameter of a group, with state or not (round 14); 3: also each
 # parameter's group numbers (``<fqn>:param_group``, round 12b); 2: tensors, Python numbers,
 # lists, a second optimizer's ``#2`` rows (round 7); absent: tensors only. Two runs
 # of one job recorded with other versions hold other state rows for equal state: the diff
 # leaves rows one side's version makes out (said), instead of failing on them.
-ROWS_VERSION = 3
+ROWS_VERSION = 4
 
 KIND = KIND_OPTIMIZER_STATE  # params.json ``kind`` of these rows
 GROUP = "param_group"  # the row of a parameter's group numbers (after its state keys)
@@ -64,14 +66,16 @@ def state_rows(optimizers: list, row_of: dict[int, int], entries: list[dict],
     for opt in optimizers:
         state = getattr(opt, "state", None)
         groups = getattr(opt, "param_groups", None)
-        if not state or not isinstance(groups, list):
+        if not isinstance(groups, list):
             continue
         for group in groups:
             for p in group.get("params", ()) if isinstance(group, dict) else ():
                 row = row_of.get(id(p), -1)
-                per_param = state.get(p) if row >= 0 else None
-                if not isinstance(per_param, dict):
+                if row < 0:
                     continue
+                per_param = state.get(p) if state else None
+                if not isinstance(per_param, dict):
+                    per_param = {}  # no state (SGD without momentum): the group's numbers only
                 base = entries[row]["fqn"]
                 rows = [(f"{base}{SEPARATOR}{k}", per_param[k])
                         for k in sorted(k for k in per_param if isinstance(k, str))]
@@ -95,7 +99,7 @@ def state_rows(optimizers: list, row_of: dict[int, int], entries: list[dict],
 def _group_numbers(group: dict) -> torch.Tensor | None:
     """The numbers of a parameter group (lr, betas, eps, weight decay, momentum, a scheduler's
     ``initial_lr``), keys sorted, as one float64 tensor: the ``param_group`` row of each of its
-    parameters that has state. Left out, the lr a scheduler set after the last step (a
+    parameters. Left out, the lr a scheduler set after the last step (a
     checkpoint's StepLR ``last_epoch`` one off) HELD "final state with optimizer state" while
     the optimizers' state dicts differed (round 12b). Booleans and None are left out: foreach,
     fused, capturable and the like choose an implementation (their effect shows in the values,
