@@ -60,8 +60,8 @@ class Alignment:
         if self.asked == NONE:
             return ""
         if not self.side:
-            return (f"steps aligned by number (--align-steps {self.asked}: step 0 equal on every "
-                    "rank)")
+            return (f"steps aligned by number (--align-steps {self.asked}"
+                    + (": step 0 equal on every rank)" if self.asked == AUTO else ")"))
         me, other = self.side.upper(), _other(self.side).upper()
         how = f"{self.asked}: proven by the digests" if self.asked == AUTO else self.asked
         return (f"steps aligned (--align-steps {how}): {me}'s step i against {other}'s step "

@@ -340,8 +340,12 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     problems += scaled_loss_notes(ra, rb, ranks, steps)
     if fd is not None:
         fd.explanation += skipped_note(ra, rb, fd.step)
+        if fd.origin in ("optimizer", "param"):
+            fd.explanation += _optimizer_rows_note(final, index)
     if fd is not None and fd.origin != "final":  # another random stream (diff/rng.py)
         fd.rng = compare_rng(rng_by_rank(ra), rng_by_rank(rb), ranks)
+        if start and fd.rng is not None and fd.rng["recorded"] != "both":
+            fd.rng = None  # aligned, one side has no step after the anchor: nothing to say
         label, words = rng_words(fd.rng, fd.step)
         if label:
             fd.label = f"{fd.label}; {label}" if fd.label else f"{fd.origin}; {label}"
@@ -665,6 +669,29 @@ def _resumed_at(ra: list[RankData], rb: list[RankData]) -> str | None:
             f"from {xs}'s step {j}?): steps are compared by number, {ys}'s step k "
             f"against {xs}'s step k, not {xs}'s step {j}+k; --align-steps {ys}+{j} (or auto) "
             "compares them so")
+
+
+def _optimizer_rows_note(final, index: ParamIndex) -> str:
+    """The first divergence's explanation, continued when the optimizer step is where it began:
+    which kinds of the final state's optimizer rows differ too (``exp_avg``, ``step``,
+    ``param_group``: lr, betas, eps, weight decay). A hint at what was not the same (round 14b:
+    a resumed run that did not restore the optimizer state, or its scheduler), never a proof of
+    when it began to differ."""
+    if not final.compared or not final.differs:
+        return ""
+    kinds: dict[str, None] = {}
+    for g, _ in final.differs:
+        name = index.names[g]
+        if ":" in name:
+            kinds.setdefault(name.rsplit(":", 1)[1])
+    if not kinds:
+        return ""
+    groups = "param_group" in kinds
+    return (f"; in the final state the optimizer's {', '.join(kinds)} rows differ too"
+            + (" (param_group: lr, betas, eps, weight decay as the last step left them: a "
+               "learning-rate schedule, or a scheduler not restored)" if groups else "")
+            + ": the optimizer state or its hyperparameters were not the same (a resumed run: "
+            "what its checkpoint restored)")
 
 
 def _absent_note(absent: list[dict]) -> str:
