@@ -146,8 +146,8 @@ def test_alignment_that_cannot_be_made_exits_2(runs):
                        ("2", "expected none | auto | B+K | A+K")):
         rc, err = _diff_exit(full, res, "--align-steps", how)
         assert rc == EXIT_USAGE and words in err and len(err.splitlines()) == 1, (how, err)
-    # auto where nothing is proven: the resumed runs' step 3 is no step of the short run...
-    # (the runs here all start from a proven state, so the unproven case is a unit test below)
+    # every pair of these runs starts from a proven state: ``auto`` with nothing proven is
+    # test_auto_needs_a_proof_on_every_rank below
 
 
 # ------------------------------------------------------------------ the alignment alone
