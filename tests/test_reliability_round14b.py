@@ -120,6 +120,8 @@ def test_a_wrong_resume_fails_at_the_aligned_step(runs, name, step, label):
     assert rc == EXIT_MISMATCH and f"hash mismatch from step {step} on rank 0, 1" in line, line
     assert label in line and "steps aligned (--align-steps B+2)" in line, line
     assert js["first_divergent_step"] == step
+    said = "param_group numbers (lr, betas, eps, weight decay) of l0.weight"
+    assert (said in js["first_divergence"]["explanation"]) == (name == "res_sched"), js
     # the loaded state itself is right: auto proves the offset
     rc, line, _ = diff_cli(full, res, "--align-steps", "auto", timeout=TIMEOUT)
     assert rc == EXIT_MISMATCH and f"from step {step} " in line, line

@@ -672,26 +672,22 @@ def _resumed_at(ra: list[RankData], rb: list[RankData]) -> str | None:
 
 
 def _optimizer_rows_note(final, index: ParamIndex) -> str:
-    """The first divergence's explanation, continued when the optimizer step is where it began:
-    which kinds of the final state's optimizer rows differ too (``exp_avg``, ``step``,
-    ``param_group``: lr, betas, eps, weight decay). A hint at what was not the same (round 14b:
-    a resumed run that did not restore the optimizer state, or its scheduler), never a proof of
-    when it began to differ."""
+    """The first divergence's explanation, continued when it began at the optimizer step and
+    the final state's ``param_group`` rows (lr, betas, eps, weight decay: capture/opt_state.py)
+    differ: unlike the moments (``exp_avg``), which follow any divergence, these numbers do not
+    depend on the parameters' values, so a difference in them is a hyperparameter or a schedule
+    that differs (round 14b: a resumed run whose scheduler was not restored). A hint, named as
+    such: the rows are of the state the runs ended with, not of the divergent step."""
     if not final.compared or not final.differs:
         return ""
-    kinds: dict[str, None] = {}
-    for g, _ in final.differs:
-        name = index.names[g]
-        if ":" in name:
-            kinds.setdefault(name.rsplit(":", 1)[1])
-    if not kinds:
+    rows = [index.names[g] for g, _ in final.differs]
+    groups = [n.rsplit(":", 1)[0] for n in rows if n.endswith(":param_group")]
+    if not groups:
         return ""
-    groups = "param_group" in kinds
-    return (f"; in the final state the optimizer's {', '.join(kinds)} rows differ too"
-            + (" (param_group: lr, betas, eps, weight decay as the last step left them: a "
-               "learning-rate schedule, or a scheduler not restored)" if groups else "")
-            + ": the optimizer state or its hyperparameters were not the same (a resumed run: "
-            "what its checkpoint restored)")
+    return (f"; the optimizer's param_group numbers (lr, betas, eps, weight decay) of "
+            f"{_names(groups, 3)} differ in the final state too: they do not follow from the "
+            "parameters' values, so a hyperparameter or a learning-rate schedule differs (a "
+            "resumed run: a scheduler not restored?)")
 
 
 def _absent_note(absent: list[dict]) -> str:
