@@ -210,7 +210,13 @@ def exec_cmd(out_dir, every, grads, manifests, hasher, step_on, emulate_nccl, fo
 @click.option("--nccl-log", "nccl_log", type=click.Path(),
               help="Predict with the rings and channel choices of a real NCCL_DEBUG=INFO "
                    "(+TUNING) log [default: none].")
-def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on, at, nccl_log):
+@click.option("--align-steps", "align_steps", metavar="none|auto|B+K|A+K", default="none",
+              help="Pair steps other than by number: B+K compares B's step i with A's step K+i "
+                   "(B resumed from a checkpoint of A's step K; A's earlier steps are said, not "
+                   "compared; the reports use A's numbers), A+K the other way, auto the offset "
+                   "the parameter digests prove on every rank (exit 2 where none is) "
+                   "[default: none, by number].")
+def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on, at, nccl_log, align_steps):
     """Compare run B_DIR against reference run A_DIR (usually eager), both written by
     `parity exec --out`: first divergent step, divergent parameters and ranks, first differing
     bucket layout."""
@@ -223,7 +229,10 @@ def diff_cmd(a_dir, b_dir, json_file, html_file, fail_on, at, nccl_log):
 
     check_outputs({"--json": json_file, "--html": html_file}, runs=(a_dir, b_dir))
     topo, notes = topology_of(list(at) or None, nccl_log)  # bad input: exit 2, before reading
-    result = diff_runs(a_dir, b_dir, at=topo)
+    from parity.diff.align import parse as parse_align
+
+    parse_align(align_steps)  # a malformed value: exit 2 before reading
+    result = diff_runs(a_dir, b_dir, at=topo, align_steps=align_steps)
     ro = result.reduction_order
     for pred in (ro if isinstance(ro, list) else [ro] if ro is not None else []):
         pred.source = nccl_log or "model"

@@ -130,6 +130,7 @@ class Verdict:
     tolerated: list[str] = field(default_factory=list)  # findings the policy does not fail on
     not_compared: list[str] = field(default_factory=list)  # missing, skipped, unproven
     warnings: list[str] = field(default_factory=list)  # capture warnings: said, never hidden
+    aligned: str = ""  # ``--align-steps``: how steps were paired (said first: it frames the rest)
 
     @property
     def word(self) -> str:
@@ -139,7 +140,7 @@ class Verdict:
         return f"{self.subject} {self.word} under --fail-on {self.policy} (exit {self.code})"
 
     def body(self) -> str:
-        parts = [*self.failed, *self.held]
+        parts = [*([self.aligned] if self.aligned else []), *self.failed, *self.held]
         if self.tolerated:
             parts.append("tolerated: " + ", ".join(self.tolerated))
         if self.not_compared:
@@ -341,6 +342,9 @@ def judge_pair(d: dict, policy: str) -> Verdict:
     for w in d.get("warnings") or []:
         if isinstance(w, dict):
             v.warnings.append(f"{str(w.get('side', '?')).upper()}: {w.get('message')}")
+    align = d.get("align")
+    if isinstance(align, dict) and align.get("words"):
+        v.aligned = str(align["words"])
     return v
 
 

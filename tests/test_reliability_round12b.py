@@ -129,7 +129,8 @@ def test_resumed_run_against_the_uninterrupted_one(runs):
     uninterrupted run's steps 3-4, bitwise (ground truth), but parity compares steps by their
     number: step 0 (the resumed run's loaded state) against the full run's initial state. The
     verdict FAILS at step 0 and says the full run's steps 3-4 are missing: never a match; it
-    now also says that B's step 0 is A's step 2 (no option aligns them: left, docs)."""
+    now also says that B's step 0 is A's step 2, and (round 14b) the option that aligns them:
+    with it, one process and torch.save, the pair HOLDS."""
     full, res = run_ok(runs, "full"), run_ok(runs, "resumed")
     x, y = _truth(full), _truth(res)
     assert values_equal(y["init"], x["params"][1])
@@ -143,6 +144,10 @@ def test_resumed_run_against_the_uninterrupted_one(runs):
     assert "B's step 0 has A's step 2 parameters on every rank" in line, line
     rc, line, _ = diff_cli(res, full, timeout=TIMEOUT)
     assert rc == EXIT_MISMATCH and "A's step 0 has B's step 2 parameters" in line, line
+    assert "--align-steps A+2 (or auto) compares them so" in line, line
+    rc, line, _ = diff_cli(full, res, "--align-steps", "auto", timeout=TIMEOUT)
+    assert rc == EXIT_OK and "steps aligned (--align-steps auto" in line, line
+    assert "final state with optimizer state" in line, line
 
 
 def test_a_schedule_that_differs_after_the_last_step_fails(runs):

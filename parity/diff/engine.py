@@ -19,6 +19,7 @@ from parity.records import KIND_OPTIMIZER_STATE, SOURCE_C10D
 from parity.diff.bucket_summary import summarize_pair
 from parity.diff.buckets import (COLLECTIVES, Layout, OrderComparison, compare_buckets,
                                  drop_invalid_buckets, explain_eager)
+from parity.diff import align as step_align
 from parity.diff.emulation import check_same_emulation, emulation_gaps
 from parity.diff import opt_state
 from parity.diff.final_state import compare_final
@@ -134,8 +135,9 @@ BISECT_HINT = "`parity bisect` compares op by op and names where it enters"
 
 def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
             loss_div: bool | None, grads_compared: bool,
-            buffers_only: list[str] | None = None) -> tuple[str, str, str]:
-    """(origin code, label, explanation) of the first divergent step (docs/diff.md)."""
+            buffers_only: list[str] | None = None, start: int = 0) -> tuple[str, str, str]:
+    """(origin code, label, explanation) of the first divergent step (docs/diff.md).
+    ``start``: the step both sides start from (0; an aligned pair's anchor, align.py)."""
     before = (f"the parameters of step {prev} match" if prev is not None
               else "no earlier step was captured")
     if prev is not None and prev != step - 1:
@@ -146,6 +148,11 @@ def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
             f"only buffers differ at step {step} ({_names(buffers_only, 3)}) while every "
             f"parameter matches and {before}: buffer updates in the forward pass (BatchNorm "
             "running statistics and the like) or a buffer set differently, not the optimizer")
+    if step == start and start and param_div and not grad_div:
+        return "init", "parameters differ where the aligned steps start", (
+            f"the parameters of step {step} (the state the resumed side started from, its step "
+            "0) differ from the other side's: what was loaded from the checkpoint, or the "
+            "checkpoint itself")
     if step == 0 and param_div and not grad_div:
         return "init", "parameters differ before the first optimizer step", (
             "the parameters differ before the first optimizer step: initialization, loading or "
@@ -184,7 +191,7 @@ def _origin(step: int, prev: int | None, grad_div: bool, param_div: bool,
 
 def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: bool = False,
               count_budget: int = DEFAULT_COUNT_BUDGET, tolerate_exit: bool = False,
-              at=None) -> DiffResult:
+              at=None, align_steps: str | None = None) -> DiffResult:
     """Compare run B against reference run A (see docs/diff.md).
 
     Raises ParityError (exit 2) when the runs cannot be compared: not parity run directories,
@@ -192,15 +199,24 @@ def diff_runs(a_dir: str | Path, b_dir: str | Path, *, allow_param_mismatch: boo
     when a side failed before recording a step. A side whose job exited non-zero is incomplete,
     unless ``tolerate_exit`` (the sweep's ``tolerate_teardown_exit``): then it is a problem only.
     ``at``: a topology (``parity.nccl.Topology`` or ``"8x8"``) to predict the reduction
-    order at (``result.reduction_order``, parity/diff/reduction.py).
+    order at (``result.reduction_order``, parity/diff/reduction.py). ``align_steps``: none |
+    auto | B+K | A+K (parity/diff/align.py: B's step i against A's step K+i, a run resumed from
+    a checkpoint against the run it came from); exit 2 for an offset not proven or out of range.
     """
     t0 = time.perf_counter()
     with gc_paused():
         shared = ReadShare()  # ranks of both sides with identical bucket records share them
         run_a = read_run(a_dir, shared)
         run_b = read_run(b_dir, shared)
+        al = step_align.resolve(align_steps, run_a, run_b)
+        run_a, run_b = step_align.apply(al, run_a, run_b)  # every reader below reads these
         t_read = time.perf_counter()
-        result = _diff(run_a, run_b, allow_param_mismatch, count_budget, tolerate_exit, at)
+        result = _diff(run_a, run_b, allow_param_mismatch, count_budget, tolerate_exit, at,
+                       al.start)
+    result.align = al.to_dict()
+    note = al.before_note()
+    if note:
+        result.not_recorded.insert(0, note)
     t_end = time.perf_counter()
     result.stats.update({"read_seconds": round(t_read - t0, 3),
                          "compare_seconds": round(t_end - t_read, 3)})
@@ -245,12 +261,13 @@ def _capture_warnings(run: Run, side: str) -> list[CaptureWarning]:
 
 
 def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
-          tolerate_exit: bool = False, at=None) -> DiffResult:
+          tolerate_exit: bool = False, at=None, start: int = 0) -> DiffResult:
     """The diff's phases, in order: what each side says of itself, whether the runs can be
     compared, which ranks, parameters and steps both sides have, the hashes, the buckets, the
     first divergence, the verdict. Each phase is a function below; ``problems`` (said, not
     failing) and ``incomplete`` (not compared: the verdict cannot be ``match``) collect in the
-    order the report prints them."""
+    order the report prints them. ``start``: the step both sides start from (their step 0; an
+    aligned pair's anchor, align.py), where no gradient or loss was recorded."""
     drop_invalid_buckets(run_a, run_b)  # before anything reads them; said as damage
     problems = _run_problems(run_a, run_b)
     incomplete = _failed_jobs(run_a, run_b, tolerate_exit, problems)
@@ -302,7 +319,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
 
     # -- first divergence
     first, fd, divergent = _first_divergence(run_a, ra, rb, ranks, steps_compared, index, hc,
-                                             loss, layouts, order)
+                                             loss, layouts, order, start)
     if reduction is not None:  # an emulated pair: predicted against observed
         observe(reduction, divergent, first)
     if fd is not None and reshaped:  # hashes of other slices: the verdict line says so
@@ -323,8 +340,12 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     problems += scaled_loss_notes(ra, rb, ranks, steps)
     if fd is not None:
         fd.explanation += skipped_note(ra, rb, fd.step)
+        if fd.origin in ("optimizer", "param"):
+            fd.explanation += _optimizer_rows_note(final, index)
     if fd is not None and fd.origin != "final":  # another random stream (diff/rng.py)
         fd.rng = compare_rng(rng_by_rank(ra), rng_by_rank(rb), ranks)
+        if start and fd.rng is not None and fd.rng["recorded"] != "both":
+            fd.rng = None  # aligned, one side has no step after the anchor: nothing to say
         label, words = rng_words(fd.rng, fd.step)
         if label:
             fd.label = f"{fd.label}; {label}" if fd.label else f"{fd.origin}; {label}"
@@ -350,7 +371,8 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
         reduction_order=reduction, magnitude=magnitude, final_state=final.to_dict(index),
         not_recorded=gaps_alike + _not_recorded(ra, rb, steps, state_hashed,
-                                                final.state_rows if final.compared else 0)
+                                                final.state_rows if final.compared else 0,
+                                                start)
         + _other_rows(final, index),
     )
 
@@ -560,7 +582,8 @@ def _ranks_to_check(hc: HashComparison, ranks: list[int]) -> set[int]:
 
 def _first_divergence(run_a: Run, ra: list[RankData], rb: list[RankData], ranks: list[int],
                       steps_compared: list[int], index: ParamIndex, hc: HashComparison,
-                      loss: LossComparison, layouts: dict[str, Layout], order: OrderComparison
+                      loss: LossComparison, layouts: dict[str, Layout], order: OrderComparison,
+                      start: int = 0
                       ) -> tuple[int | None, FirstDivergence | None, list[Divergence]]:
     """(first divergent step, what happened there, the divergent parameters): the earlier of
     the first step whose hashes differ and the first whose loss differs; where it began
@@ -596,8 +619,8 @@ def _first_divergence(run_a: Run, ra: list[RankData], rb: list[RankData], ranks:
             label = "parameters changed between step() calls"
         else:
             origin, label, why = _origin(first, prev, grad_div, param_div, loss_div,
-                                         grads_here, only_buffers)
-            if origin == "init":
+                                         grads_here, only_buffers, start)
+            if origin == "init" and not start:
                 shifted = _resumed_at(ra, rb)
                 label, why = (f"{label}; {shifted}", f"{why}; {shifted}") if shifted else (
                     label, why)
@@ -635,23 +658,36 @@ def _resumed_at(ra: list[RankData], rb: list[RankData]) -> str | None:
     """A side whose step 0 has, on every rank, the parameter hashes of the other side's step j
     > 0 (the same j everywhere): a run resumed from a checkpoint of the other's step j. Steps
     are compared by their number (step 1 of the resumed run against step 1 of the other), so
-    the pair fails at step 0 whatever follows; said, with where the runs line up (round 12b)."""
-    for x, y, xs, ys in ((ra, rb, "A", "B"), (rb, ra, "B", "A")):
-        at: set[int] = set()
-        for rx, ry in zip(x, y):
-            zero = (ry.steps.get(0) or {}).get("param_digest")
-            js = [s for s, rec in rx.steps.items() if isinstance(s, int) and s > 0
-                  and zero is not None and rec.get("param_digest") == zero]
-            if len(js) != 1:
-                at = set()
-                break
-            at.add(js[0])
-        if len(at) == 1 and len(x) == len(y):
-            j = at.pop()
-            return (f"{ys}'s step 0 has {xs}'s step {j} parameters on every rank ({ys} resumed "
-                    f"from {xs}'s step {j}?): steps are compared by number, {ys}'s step k "
-                    f"against {xs}'s step k, not {xs}'s step {j}+k")
-    return None
+    the pair fails at step 0 whatever follows; said, with where the runs line up and the option
+    that aligns them (rounds 12b, 14b: align.py)."""
+    got = step_align.resumed_offset(ra, rb)
+    if got is None:
+        return None
+    side, j = got
+    ys, xs = side.upper(), "A" if side == "b" else "B"
+    return (f"{ys}'s step 0 has {xs}'s step {j} parameters on every rank ({ys} resumed "
+            f"from {xs}'s step {j}?): steps are compared by number, {ys}'s step k "
+            f"against {xs}'s step k, not {xs}'s step {j}+k; --align-steps {ys}+{j} (or auto) "
+            "compares them so")
+
+
+def _optimizer_rows_note(final, index: ParamIndex) -> str:
+    """The first divergence's explanation, continued when it began at the optimizer step and
+    the final state's ``param_group`` rows (lr, betas, eps, weight decay: capture/opt_state.py)
+    differ: unlike the moments (``exp_avg``), which follow any divergence, these numbers do not
+    depend on the parameters' values, so a difference in them is a hyperparameter or a schedule
+    that differs (round 14b: a resumed run whose scheduler was not restored). A hint, named as
+    such: the rows are of the state the runs ended with, not of the divergent step."""
+    if not final.compared or not final.differs:
+        return ""
+    rows = [index.names[g] for g, _ in final.differs]
+    groups = [n.rsplit(":", 1)[0] for n in rows if n.endswith(":param_group")]
+    if not groups:
+        return ""
+    return (f"; the optimizer's param_group numbers (lr, betas, eps, weight decay) of "
+            f"{_names(groups, 3)} differ in the final state too: they do not follow from the "
+            "parameters' values, so a hyperparameter or a learning-rate schedule differs (a "
+            "resumed run: a scheduler not restored?)")
 
 
 def _absent_note(absent: list[dict]) -> str:
@@ -958,7 +994,7 @@ def _step_gaps(steps, ranks, ra, rb, both, incomplete, not_recorded) -> None:
 
 def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int],
                   state_hashed: tuple[bool, bool] = (False, False),
-                  state_rows: int = 0) -> list[str]:
+                  state_rows: int = 0, start: int = 0) -> list[str]:
     """What neither side recorded: steps both skipped (``--every``), gradients of steps both
     recorded without them (the last step, written at exit when sampling skipped it), no
     gradients or no loss at all (``--no-grads``; a trainer that never calls ``backward`` on a
@@ -984,7 +1020,7 @@ def _not_recorded(ra: list[RankData], rb: list[RankData], steps: list[int],
     def grads(rd: RankData, s: int) -> bool:
         return isinstance((rd.steps.get(s) or {}).get("grad_offset"), int)
 
-    later = [s for s in steps if s >= 1]
+    later = [s for s in steps if s > start]  # steps that trained (``start`` holds no gradients)
     any_a = any(grads(x, s) for s in later for x in ra)
     any_b = any(grads(y, s) for s in later for y in rb)
     if later and not any_a and not any_b:

@@ -170,6 +170,9 @@ class DiffResult:
     # what neither side recorded (steps both sampled out, gradients or loss neither has):
     # said on the verdict line, never a reason for exit 3 (engine._not_recorded)
     not_recorded: list[str] = field(default_factory=list)
+    # ``--align-steps`` (parity.diff.align.Alignment.to_dict): None when steps were compared by
+    # number without being asked
+    align: dict | None = None
 
     # -- policy (parity.policy owns the rule and the words)
     def exit_code(self, fail_on: str = "hash") -> int:
@@ -200,6 +203,7 @@ class DiffResult:
             self.first_divergent_step, "first_divergence": None if fd is None else
             {"ranks": list(fd.ranks), "origin": fd.origin, "label": fd.label, "phase": fd.phase},
             "final_state": self.final_state, "not_recorded": self.not_recorded,
+            "align": self.align,
             "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket,
                       "consequences": self.order.consequences, "notes": self.order.notes,
                       "compared": self.order.compared, "structure": self.order.structure},
@@ -218,6 +222,7 @@ class DiffResult:
             "status": policy.status(self.verdict, self.order.verdict),
             "incomplete": list(self.incomplete),
             "not_recorded": list(self.not_recorded),
+            "align": None if self.align is None else dict(self.align),
             "a": _side_dict(self.a),
             "b": _side_dict(self.b),
             "world_size": self.world_size,
@@ -378,7 +383,8 @@ def from_dict(d: dict) -> DiffResult:
         schema_version=d.get("schema_version", SCHEMA_VERSION), bucketing=d.get("bucketing") or {},
         reduction_order=RecordedPrediction(reduction) if isinstance(reduction, (dict, list))
         else None,
-        magnitude=obj(d.get("magnitude")), final_state=obj(d.get("final_state")))
+        magnitude=obj(d.get("magnitude")), final_state=obj(d.get("final_state")),
+        align=d.get("align") if isinstance(d.get("align"), dict) else None)
 
 
 def _pair_from_dict(p: dict) -> BucketPair:
