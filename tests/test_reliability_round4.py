@@ -118,7 +118,7 @@ def test_identical_runs_hold_with_their_final_states_compared(runs):
     assert rc == EXIT_OK and line.startswith("PARITY HOLDS"), line
     assert "final state" in line and d["final_state"] == {
         "compared": True, "after_step": 1, "equal": True, "ranks": [], "params": [],
-        "params_differing": 0, "optimizer_state": 0}  # (plain SGD keeps no state)
+        "params_differing": 0, "optimizer_state": 4}  # plain SGD: its group numbers only
 
 
 def test_edits_after_the_last_step_are_read_from_the_module_trees(runs):
