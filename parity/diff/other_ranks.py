@@ -30,6 +30,9 @@ from parity.text import ranges
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 MAX_RANKS = 4  # ranks compared and predicted beyond the reference rank (the rest are said)
 _ENTRY_KEY = operator.itemgetter("fqn", "offset", "size", "numel", "dtype")
+# an all-reduce line's fields compared, but for its group (``world_size``, ``ranks``)
+_LINE_FIELDS = ("source", "collective", "graph", "graph_id", "index", "step", "dtype",
+                "total_bytes", "group", "op", "op_scale", "funcol", "after", "coalesced")
 
 
 @dataclass
@@ -77,10 +80,9 @@ def _summary(recs: list[dict], memo: dict) -> tuple:
     if got is not None and got[0] is recs:
         return got[1]
     lines, groups = [], {k: {} for k in KINDS}
+    entry_keys = memo.setdefault("entries", {})
     for r in recs:
-        if not isinstance(r, dict):
-            continue
-        kind = r.get("collective")
+        kind = r.get("collective") if isinstance(r, dict) else None
         if kind not in groups:
             continue
         ranks = r.get("ranks")
@@ -88,16 +90,14 @@ def _summary(recs: list[dict], memo: dict) -> tuple:
                                  else None), None)
         if kind == "all_reduce":
             entries = r.get("entries")
-            ek = memo.get(("e", id(entries)))
+            ek = entry_keys.get(id(entries))
             if ek is None or ek[0] is not entries:
                 try:
                     keys = tuple(map(_ENTRY_KEY, entries))
                 except (KeyError, TypeError):
                     keys = None
-                ek = memo[("e", id(entries))] = (entries, keys)
-            lines.append((tuple(r.get(k) for k in ("source", "collective", "graph", "graph_id",
-                                                   "index", "step", "dtype", "total_bytes",
-                                                   "group", "op", "funcol", "after")), ek[1]))
+                ek = entry_keys[id(entries)] = (entries, keys)
+            lines.append((tuple(map(r.get, _LINE_FIELDS)), ek[1]))
     out = (tuple(lines), {k: tuple(v) for k, v in groups.items()})
     memo[id(recs)] = (recs, out)
     return out
@@ -119,6 +119,8 @@ def other_ranks(run_a, run_b, ranks: list[int], ref: int | None) -> OtherRanks:
         if r == ref or r not in run_a.ranks or r not in run_b.ranks:
             continue
         ra, rb = run_a.ranks[r].buckets, run_b.ranks[r].buckets
+        if ra is rb:
+            continue  # byte-identical manifests on both sides (the reader shares them)
         key = (id(ra), id(rb))
         if key in seen_pairs:
             continue  # the same two lists as a rank already examined: the same findings
