@@ -76,7 +76,7 @@ def test_more_ranks_than_compared_are_said():
     rows_b = [[0, 1], [2, 5], [3, 4], [6, 9], [7, 8], [10, 13], [11, 12], [14, 15]]
     a, b = _run(_pairs(rows_a, 16)), _run(_pairs(rows_b, 16))
     got = other_ranks(a, b, list(range(16)), 0)
-    assert len(got.compare) == MAX_RANKS and len(got.groups) == 12
+    assert len(got.compare) == MAX_RANKS and len(got.groups) == 12 and len(got.left) == 8
     assert got.notes and "compared on rank(s) 2-5 only" in got.notes[0], got.notes
 
 
@@ -132,3 +132,17 @@ def test_diff_of_sub_groups_that_differ_beyond_rank_0(tmp_path):
     same = diff_runs(a, make_run(tmp_path / "c", world_size=6, steps=1, n_params=4,
                                  bucket_hook=_hook([[0, 1], [2, 3], [4, 5]])), at="3x2")
     assert same.order.verdict == "identical" and same.reduction_order.verdict == "same"
+
+
+def test_ranks_beyond_those_compared_are_not_predicted_same(tmp_path):
+    """12 ranks, 8 of them in other pairs: 4 are compared and predicted, the other 4 named in
+    the prediction's unknown reasons (never folded into "same")."""
+    rows_a = [[2 * i, 2 * i + 1] for i in range(6)]
+    rows_b = [[0, 1], [2, 5], [3, 4], [6, 9], [7, 8], [10, 11]]
+    a = make_run(tmp_path / "a", world_size=12, steps=1, n_params=4, bucket_hook=_hook(rows_a))
+    b = make_run(tmp_path / "b", world_size=12, steps=1, n_params=4, bucket_hook=_hook(rows_b))
+    d = diff_runs(a, b, at="3x4").to_dict()
+    reasons = [u["reason"] for u in d["reduction_order"]["unknown"]]
+    assert any(r.startswith("rank(s) 6-9 differ from the reference rank") for r in reasons), \
+        reasons
+    assert d["reduction_order"]["verdict"] == "unknown"

@@ -45,6 +45,7 @@ class OtherRanks:
     groups: dict[int, dict[str, tuple]] = field(default_factory=dict)
     layouts: list[int] = field(default_factory=list)
     compare: list[int] = field(default_factory=list)
+    left: list[int] = field(default_factory=list)  # found, beyond MAX_RANKS: not compared
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str | None:
@@ -135,7 +136,7 @@ def other_ranks(run_a, run_b, ranks: list[int], ref: int | None) -> OtherRanks:
             seen_pairs.add(key)  # nothing to find on these lists (a group is its rank's own)
     wanted = list(dict.fromkeys([*sorted(out.groups), *out.layouts]))
     out.compare = wanted[:MAX_RANKS]
-    left = wanted[MAX_RANKS:]
+    left = out.left = wanted[MAX_RANKS:]
     if left:
         out.notes.append(f"rank(s) {ranges(left)} also differ from the reference rank in their "
                          "groups or all-reduce layouts; compared on rank(s) "

@@ -66,6 +66,7 @@ from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, parse_topology
 from parity.nccl import predict as nccl_predict
 from parity.nccl.probe_file import describe_file
 from parity.records import NORM_SUFFIX, SOURCE_DTENSOR
+from parity.text import ranges
 
 if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
     import numpy as np
@@ -1679,6 +1680,14 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
             for s, la, lb, ara, arb in tuples:
                 answers.append(_answer(la, lb, ara, arb, order.eager, topo, ctx, s))
         pred = _finish(topo, answers, ra, source, [x[0] for x in per_step if x[0] is not None])
+        if extra.left:  # ranks found to differ beyond those predicted: never "same" over them
+            pred.unknown.append({"collective": AR if not extra.groups else next(iter(
+                extra.groups[min(extra.groups)])), "a": None, "b": None, "step": None,
+                "reason": f"rank(s) {ranges(extra.left)} differ from the reference rank in "
+                          "their groups or all-reduce layouts and were not predicted (rank(s) "
+                          f"{ranges(extra.compare)} were)"})
+            if pred.verdict == SAME:
+                pred.verdict = UNKNOWN
         pred.notes += notes
         pred.emulated = emulated
         pred.clipped = clipped
