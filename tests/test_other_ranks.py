@@ -77,7 +77,7 @@ def test_more_ranks_than_compared_are_said():
     a, b = _run(_pairs(rows_a, 16)), _run(_pairs(rows_b, 16))
     got = other_ranks(a, b, list(range(16)), 0)
     assert len(got.compare) == MAX_RANKS and len(got.groups) == 12 and len(got.left) == 8
-    assert got.notes and "compared on rank(s) 2-5 only" in got.notes[0], got.notes
+    assert got.notes and "(compared on rank(s) 2-5); not compared" in got.notes[0], got.notes
 
 
 def test_256_ranks_are_summarised_quickly():
@@ -146,3 +146,28 @@ def test_ranks_beyond_those_compared_are_not_predicted_same(tmp_path):
     assert any(r.startswith("rank(s) 6-9 differ from the reference rank") for r in reasons), \
         reasons
     assert d["reduction_order"]["verdict"] == "unknown"
+
+
+def test_a_group_difference_no_layout_shows_is_said_on_the_verdict_line(tmp_path):
+    """A DTensor all-gather (not the side's layout source) over other pairs beyond rank 0: no
+    bucket pair can show it, so the verdict line says it was not compared (never a silent
+    "identical")."""
+    line = {"source": "dtensor", "collective": "all_gather", "graph": None, "graph_id": None,
+            "step": 1, "index": 0, "group": None, "dtype": "float32", "world_size": 2,
+            "total_bytes": 8, "entries": [{"fqn": None, "offset": 0, "size": 8, "numel": 2,
+                                           "dtype": "float32", "shape": [2]}]}
+
+    def hook(rows):
+        def edit(rec: dict, rank: int) -> dict:
+            if rec.get("source") == "dtensor":
+                rec["ranks"] = next(g for g in rows if rank in g)
+            return rec
+        return edit
+
+    a = make_run(tmp_path / "a", world_size=6, steps=1, n_params=4, extra_buckets=[line],
+                 bucket_hook=hook([[0, 1], [2, 3], [4, 5]]))
+    b = make_run(tmp_path / "b", world_size=6, steps=1, n_params=4, extra_buckets=[line],
+                 bucket_hook=hook([[0, 1], [2, 4], [3, 5]]))
+    v = judge_pair(diff_runs(a, b).to_dict(), "any")
+    assert "not compared: bucket layouts of rank(s) 2-5, whose groups differ (all_gather on rank 2" \
+        in v.line(), v.line()

@@ -138,7 +138,7 @@ def other_ranks(run_a, run_b, ranks: list[int], ref: int | None) -> OtherRanks:
     out.compare = wanted[:MAX_RANKS]
     left = out.left = wanted[MAX_RANKS:]
     if left:
-        out.notes.append(f"rank(s) {ranges(left)} also differ from the reference rank in their "
-                         "groups or all-reduce layouts; compared on rank(s) "
-                         f"{ranges(out.compare)} only")
+        out.notes.append(f"of rank(s) {ranges(left)}, which also differ from the reference "
+                         "rank in their groups or all-reduce layouts (compared on rank(s) "
+                         f"{ranges(out.compare)}); not compared")
     return out

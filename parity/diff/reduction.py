@@ -1729,12 +1729,13 @@ def _per_step(run_a, run_b, ra, rb, steps: list[int], layouts: dict, order) -> l
 def _compare_other_ranks(run_a, run_b, extra: OtherRanks, order, ar_only) -> dict[int, list]:
     """The ranks ``other_ranks`` found compared A against B on their own (round 14a): their
     all-reduces, and the all-gathers / reduce-scatters of a kind whose groups differ there; the
-    differing pairs join ``order`` (the rank named in each pair's detail). A group difference
-    no pair shows (a kind the layouts do not compare there) makes ``identical`` unavailable,
-    said. Returns each compared rank's per-step layouts, for the prediction."""
+    differing pairs of the first rank that shows any join ``order`` (the rank named in each
+    pair's detail). A group difference no pair shows (a kind the layouts do not compare there)
+    is said on the verdict line ("not compared"). Returns each compared rank's per-step
+    layouts, for the prediction."""
     out: dict[int, list] = {}
     have = {(p.collective, tuple(p.a), tuple(p.b), p.verdict, p.detail) for p in order.pairs}
-    before, added = order.verdict, False
+    before, added, unshown = order.verdict, False, []
     for r in extra.compare:
         tuples = out[r] = _per_step(run_a, run_b, r, r, _steps_of(run_a, run_b, r), {}, order)
         kinds = set(extra.groups.get(r, {}))
@@ -1758,11 +1759,11 @@ def _compare_other_ranks(run_a, run_b, extra: OtherRanks, order, ar_only) -> dic
                 fb["rank"] = r  # the verdict line says where (policy.order_phrase)
         added = added or shown
         if kinds and not shown:
-            note = (f"groups differ on rank {r} ({extra.describe()}), in collectives the "
-                    "layouts do not compare there; not compared")
-            order.notes.insert(0, note)
-            if order.verdict == "identical":
-                order.verdict = "unavailable"
+            unshown.append(r)
+    if unshown:  # said on the verdict line (policy._left_out)
+        order.notes.insert(0, f"of rank(s) {ranges(unshown)}, whose groups differ "
+                              f"({extra.describe()}) in collectives their layouts do not "
+                              "compare; not compared")
     if order.verdict != before and extra.compare:
         order.rank = next((r for r in extra.compare if any(
             f"on rank {r}" in p.detail for p in order.pairs)), order.rank)
