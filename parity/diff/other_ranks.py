@@ -49,7 +49,8 @@ class OtherRanks:
     notes: list[str] = field(default_factory=list)
 
     def describe(self) -> str | None:
-        """'group ranks [2, 3] in A, [2, 4] in B on rank 2 (all_reduce; also ranks 3-5)'."""
+        """'all_reduce on rank 2: group ranks [2, 3] in A, group ranks [2, 4] in B (the reference
+        rank's groups agree; also rank(s) 3-5)'."""
         if not self.groups:
             return None
         r = min(self.groups)
