@@ -201,6 +201,9 @@ def order_phrase(order_verdict: str | None, first_bucket: dict | None = None) ->
             e = fb.get("a") or fb.get("b")
             if isinstance(e, dict) and isinstance(e.get("fqn"), str):
                 where += f", {e['fqn']}"
+        rank = fb.get("rank")  # a rank other than the reference one (diff: round 14a)
+        if isinstance(rank, int) and not isinstance(rank, bool) and "on rank" not in where:
+            where += f" on rank {rank}"
         own = fb.get("verdict")  # the named bucket's own class, when it is not the verdict's
         if own and own != order_verdict and own in ORDER_FAILURES:
             where += f": its {own.replace('_differs', '')} differs"

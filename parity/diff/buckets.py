@@ -807,6 +807,8 @@ def _compare_odd_ranks(order: OrderComparison, run_a: Run, run_b: Run, ranks: li
         order.verdict, order.rank = worst, worst_rank
         order.first_bucket, order.pairs, order.counts = (worst_cmp.first_bucket, worst_cmp.pairs,
                                                          worst_cmp.counts)
+        if isinstance(order.first_bucket, dict):
+            order.first_bucket["rank"] = worst_rank  # said on the verdict line (round 14a)
         order.notes.insert(0, f"rank {worst_rank}'s layouts differ from the reference rank's on a "
                               f"side and from the other side's: {worst} (shown for rank "
                               f"{worst_rank})")

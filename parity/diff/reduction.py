@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from parity.diff.buckets import (A_PREFERS, B_PREFERS, SEVERITY, Bucket, BucketPair, Layout,
                                  align_buckets, compare_layouts, eager_for, side_by_side)
+from parity.diff.other_ranks import OtherRanks, other_ranks
 from parity.diff.reduction_count import ChunkOrders, Orders, RiskCount, channel_map
 from parity.diff.reduction_steps import (annotate_buckets, group_size_of, infer_ops, layouts_at,
                                          norms_named_on_one_side, one_sided_all_reduces, op_of,
@@ -65,6 +66,7 @@ from parity.nccl import MODEL, MODEL_LIMITS, Topology, Unknown, parse_topology
 from parity.nccl import predict as nccl_predict
 from parity.nccl.probe_file import describe_file
 from parity.records import NORM_SUFFIX, SOURCE_DTENSOR
+from parity.text import ranges
 
 if TYPE_CHECKING:  # numpy is imported by the functions that count (a diff of equal runs: never)
     import numpy as np
@@ -1599,18 +1601,7 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
         steps = steps[:MAX_STEPS]
     per_step: list[tuple] = []  # (step, la, lb, ara, arb)
     if len(steps) > 1 or has_ar:
-        seen: set = set()
-        for s in steps:
-            la, ara = layouts_at(run_a, ra, A_PREFERS, s) if ra is not None else (layouts["a"], [])
-            lb, arb = layouts_at(run_b, rb, B_PREFERS, s) if rb is not None else (layouts["b"], [])
-            ara, arb, note = norms_named_on_one_side(ara, arb)
-            if note and note not in order.notes:
-                order.notes.append(note)
-            sig = (signature(la, ara), signature(lb, arb))
-            if sig in seen:
-                continue
-            seen.add(sig)
-            per_step.append((s, la, lb, ara, arb))
+        per_step = _per_step(run_a, run_b, ra, rb, steps, layouts, order)
     else:
         for side, recs in (("a", recs_a), ("b", recs_b)):
             annotate_buckets(layouts[side], recs)
@@ -1634,6 +1625,13 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
             _add_pairs(order, pairs, la, lb, ara, arb, s if k else None, have, True)
     if ar_only:
         order.notes.append(ONE_SIDED_AR.format(side=ar_only, what=ar_what))
+    # ranks beyond the reference whose groups or all-reduce layouts differ (round 14a)
+    extra = other_ranks(run_a, run_b, ranks, ra) if ra == rb else OtherRanks()
+    per_rank = _compare_other_ranks(run_a, run_b, extra, order, ar_only)
+    if order.rank not in (None, ra) and order.rank not in per_rank and order.rank in run_a.ranks \
+            and order.rank in run_b.ranks:  # buckets._compare_odd_ranks' worst rank
+        r = order.rank
+        per_rank[r] = _per_step(run_a, run_b, r, r, _steps_of(run_a, run_b, r), layouts, order)
     # the table is decoded only where shapes are needed (a prediction, or eager DTensor
     # reduce-scatters to attribute): a diff of equal runs parses no more than it must (issue 23)
     if at is not None or order.eager.get("a") or order.eager.get("b") or has_ar:
@@ -1678,12 +1676,103 @@ def assess(run_a, run_b, ranks: list[int], layouts: dict[str, Layout], order, wo
         for k, (s, la, lb, ara, arb) in enumerate(per_step):
             c = counts if k == 0 else None
             answers.append(_answer(la, lb, ara, arb, order.eager, topo, ctx, s, c))
+        for r, tuples in per_rank.items():  # other ranks' layouts: the worst answer wins
+            for s, la, lb, ara, arb in tuples:
+                answers.append(_answer(la, lb, ara, arb, order.eager, topo, ctx, s))
         pred = _finish(topo, answers, ra, source, [x[0] for x in per_step if x[0] is not None])
+        if extra.left:  # ranks found to differ beyond those predicted: never "same" over them
+            pred.unknown.append({"collective": AR if not extra.groups else next(iter(
+                extra.groups[min(extra.groups)])), "a": None, "b": None, "step": None,
+                "reason": f"rank(s) {ranges(extra.left)} differ from the reference rank in "
+                          "their groups or all-reduce layouts and were not predicted (rank(s) "
+                          f"{ranges(extra.compare)} were)"})
+            if pred.verdict == SAME:
+                pred.verdict = UNKNOWN
         pred.notes += notes
         pred.emulated = emulated
         pred.clipped = clipped
         out.append(pred)
     return out[0] if len(out) == 1 and not isinstance(at, list) else Predictions(out)
+
+
+def _steps_of(run_a, run_b, r: int) -> list[int]:
+    """The steps at which rank ``r``'s manifests changed on either side, from the first step
+    both sides recorded (as ``assess`` takes the reference rank's)."""
+    sts = []
+    for run in (run_a, run_b):
+        rd = run.ranks.get(r)
+        recs = rd.buckets if rd is not None else []
+        sts.append(set(map(step_of, recs)) | set(map(step_of, getattr(rd, "bucket_ends", ()))))
+    start = max([min(st) for st in sts if st] or [0])
+    return [s for s in sorted(sts[0] | sts[1]) if s >= start][:MAX_STEPS]
+
+
+def _per_step(run_a, run_b, ra, rb, steps: list[int], layouts: dict, order) -> list[tuple]:
+    """(step, A's layout, B's layout, A's all-reduces, B's all-reduces) of ranks ``ra`` / ``rb``
+    at each step where a manifest changed, steps with the same layouts as an earlier one left
+    out."""
+    out, seen = [], set()
+    for s in steps:
+        la, ara = layouts_at(run_a, ra, A_PREFERS, s) if ra is not None else (layouts["a"], [])
+        lb, arb = layouts_at(run_b, rb, B_PREFERS, s) if rb is not None else (layouts["b"], [])
+        ara, arb, note = norms_named_on_one_side(ara, arb)
+        if note and note not in order.notes:
+            order.notes.append(note)
+        sig = (signature(la, ara), signature(lb, arb))
+        if sig in seen:
+            continue
+        seen.add(sig)
+        out.append((s, la, lb, ara, arb))
+    return out
+
+
+def _compare_other_ranks(run_a, run_b, extra: OtherRanks, order, ar_only) -> dict[int, list]:
+    """The ranks ``other_ranks`` found compared A against B on their own (round 14a): their
+    all-reduces, and the all-gathers / reduce-scatters of a kind whose groups differ there; the
+    differing pairs of the first rank that shows any join ``order`` (the rank named in each
+    pair's detail). A group difference no pair shows (a kind the layouts do not compare there)
+    is said on the verdict line ("not compared"). Returns each compared rank's per-step
+    layouts, for the prediction."""
+    out: dict[int, list] = {}
+    have = {(p.collective, tuple(p.a), tuple(p.b), p.verdict, p.detail) for p in order.pairs}
+    before, added, unshown = order.verdict, False, []
+    for r in extra.compare:
+        tuples = out[r] = _per_step(run_a, run_b, r, r, _steps_of(run_a, run_b, r), {}, order)
+        kinds = set(extra.groups.get(r, {}))
+        shown = added
+        for k, (s, la, lb, ara, arb) in enumerate(tuples):
+            pairs = []
+            if kinds - {AR}:
+                pairs += [p for p in compare_layouts(la, lb).pairs if p.collective in kinds]
+            if (ara or arb) and not ar_only:
+                cmp_a, cmp_b, _ = paired_all_reduces(ara, arb)
+                pairs += align_buckets(AR, cmp_a, cmp_b)[0]
+            # the first rank that shows a difference is shown (the others' are said in the
+            # notes: the same bucket on each rank of a group would count several times)
+            pairs = [p for p in pairs if p.verdict != "identical"] if not added else []
+            for p in pairs:
+                p.detail += f" on rank {r}"
+            shown = shown or bool(pairs)
+            _add_pairs(order, pairs, la, lb, ara, arb, s if k else None, have)
+            fb = order.first_bucket
+            if pairs and isinstance(fb, dict) and str(fb.get("detail")).endswith(f"on rank {r}"):
+                fb["rank"] = r  # the verdict line says where (policy.order_phrase)
+        added = added or shown
+        if kinds and not shown:
+            unshown.append(r)
+    if unshown:  # said on the verdict line (policy._left_out)
+        order.notes.insert(0, f"of rank(s) {ranges(unshown)}, whose groups differ "
+                              f"({extra.describe()}) in collectives their layouts do not "
+                              "compare; not compared")
+    if order.verdict != before and extra.compare:
+        order.rank = next((r for r in extra.compare if any(
+            f"on rank {r}" in p.detail for p in order.pairs)), order.rank)
+    if extra.groups:
+        desc = extra.describe()
+        if desc and not any(desc in n for n in order.notes):
+            order.notes.insert(0, "groups differ beyond the reference rank: " + desc)
+    order.notes[:0] = [n for n in extra.notes if n not in order.notes]
+    return out
 
 
 def _blind(recs_a: list, recs_b: list) -> str | None:
