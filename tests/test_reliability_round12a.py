@@ -126,19 +126,29 @@ def test_a_permuted_norm_vector_is_not_predicted_same(runs):
     """The per-parameter norms ** 2 all-reduced as one vector (as DTensor's foreach clip sends
     them), B's reversed on the wire and put back: gloo sums elementwise (values bitwise
     equal), NCCL's ring sums each chunk of the buffer in its own rank order. Ground truth:
-    under ``--emulate-nccl 2x2`` the two differ from step 1 in every gradient. Was: HOLDS
+    under ``--emulate-nccl 2x2`` the two differ from step 1 in every gradient (on the CPU the
+    seed was chosen on; not on every CPU: below). Was: HOLDS
     "bucket layouts identical" and ``--at 2x2`` "same sums predicted" (exit 0 under
     ``--fail-on reduction``); now ``unknown`` (exit 3), the reason on the verdict line."""
     a, b = run_ok(runs, "vec"), run_ok(runs, "vec_rev")
     assert values_equal(values(a, 4), values(b, 4))
-    ea, eb = values(run_ok(runs, "evec"), 4), values(run_ok(runs, "evec_rev"), 4)
-    assert not values_equal(ea[0]["steps"][0]["grads"], eb[0]["steps"][0]["grads"])
     rc, line, _ = diff_cli(a, b, "--fail-on", "reduction", "--at", "2x2", timeout=TIMEOUT)
     assert rc == EXIT_INCOMPLETE and "same sums" not in line, line
     assert "all-reduce of 6 values no parameter names" in line, line
+    # The emulated pair against its ground truth. Whether the ring's other order rounds a sum
+    # otherwise depends on the values, which depend on the CPU's kernels: every gradient from
+    # step 1 where seed 2 was chosen, equal at both steps on an AMD EPYC with AVX-512
+    # (2026-11-28). The verdict above must not depend on it; the hash verdict must follow it.
+    ea, eb = values(run_ok(runs, "evec"), 4), values(run_ok(runs, "evec_rev"), 4)
+    first = next((i + 1 for i in range(2) if not all(
+        values_equal(x["steps"][i]["grads"], y["steps"][i]["grads"]) for x, y in zip(ea, eb))),
+        None)
     rc, line, _ = diff_cli(run_ok(runs, "evec"), run_ok(runs, "evec_rev"), "--fail-on", "hash",
                            timeout=TIMEOUT)
-    assert rc == EXIT_MISMATCH and "hash mismatch from step 1" in line, line
+    if first is None:
+        assert values_equal(ea, eb) and rc == EXIT_OK, line
+    else:
+        assert rc == EXIT_MISMATCH and f"hash mismatch from step {first}" in line, line
 
 
 def test_a_logging_all_reduce_changes_no_value(runs):
