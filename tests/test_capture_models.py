@@ -52,7 +52,10 @@ def _meta(run: Path) -> dict:
 
 
 def _fqns(run: Path) -> list[str]:
-    return json.loads((run / "rank-00000" / "params.json").read_text())["columns"]["fqn"]
+    """The model's rows, without the optimizers' state (``<fqn>:<key>``, final state only;
+    SGD's group numbers among them: test_optimizer_state.py)."""
+    fqns = json.loads((run / "rank-00000" / "params.json").read_text())["columns"]["fqn"]
+    return [f for f in fqns if ":" not in f]
 
 
 def test_tracing_under_capture_sees_the_same_graphs(tmp_path):
@@ -92,7 +95,7 @@ def test_a_model_copied_mid_run_is_found_at_the_next_step(tmp_path):
     from parity.params_codec import decode
 
     rows = decode((tmp_path / "a" / "rank-00000" / "params.json").read_bytes())
-    late = [r for r in rows if r.get("since") is not None]
+    late = [r for r in rows if r.get("since") is not None and r.get("kind") != "optimizer_state"]
     assert late and {r["since"] for r in late} == {6}, late
     code, line = _diff(tmp_path / "a", tmp_path / "b")
     assert code == 1 and "PARITY FAILS" in line, line
