@@ -202,6 +202,9 @@ def test_compare_numbers_unit():
     c = compare_numbers({0: {1: [{"lr": 0.1}]}}, {0: {1: [{"lr": 0.1, "initial_lr": 0.1},
                                                            {"lr": 1.0}]}}, [0])
     assert {d["key"] for d in c["differences"]} == {"groups", "initial_lr"}
+    c = compare_numbers({0: {1: [{"lr": 0.1}]}}, {0: {1: [{"lr": 0.1}, {"lr": 0.1}]}}, [0])
+    assert numbers_words(c, 1)[0] == "optimizer param group count differs from step 1"
+    assert "1 param group(s) against 2" in numbers_words(c, 1)[1]
     c = compare_numbers({0: {1: [{"lr": None}]}}, {0: {1: [{"lr": 0.2}]}}, [0])
     assert c["first_differs"] is None and c["unread"] == 1
     assert "1 number(s) held on an accelerator were not read" in numbers_words(c, 1)[1]

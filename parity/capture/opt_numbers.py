@@ -10,7 +10,9 @@ as; a schedule that differs only in the middle of the run, or for a group whose 
 no gradient, reached no hash at all (docs/reliability.md, "Round 14c"). The diff compares these
 numbers step by step (parity/diff/opt_numbers.py).
 
-What is read: for each optimizer that stepped in the step, in the order they stepped, each param
+What is read: for each optimizer that stepped in the step, in the order they stepped (not one
+stepped inside another's ``step()``, as ZeroRedundancyOptimizer steps its local one: the outer
+one's groups are the job's), each param
 group's entries other than ``params`` whose values are numbers: a Python int or float, a list or
 tuple of them (betas), a 1-element real tensor on the CPU (an lr given as a tensor: ``item()``,
 no device involved). Read in the optimizer's post-hook, so they are the numbers the step used

@@ -279,7 +279,9 @@ class StepClock:
                 if id(opt) not in self._opt_state_seen:
                     self._note_opt_state(opt)
                 self._rewatch_optimizer(opt)  # its state replaced by hand since the last step
-                if self.k == 1 or self._step_sampled:  # the numbers this step used (opt_numbers.py)
+                if self.depth == 1 and (self.k == 1 or self._step_sampled):
+                    # the numbers this step used (opt_numbers.py); not those of an optimizer
+                    # stepped inside another's step() (ZeRO's local one): part of the outer
                     groups = group_numbers(opt)
                     if groups is not None:
                         self._opt_groups.extend(groups)

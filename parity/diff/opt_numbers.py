@@ -135,10 +135,11 @@ def numbers_words(cmp: dict | None, step: int) -> tuple[str, str]:
         return "", (f"; the optimizers' group numbers (lr, momentum, betas, eps, weight decay) "
                     f"are equal through step {through} on every rank compared{unread}: not "
                     f"another learning rate or schedule{later}")
-    first_key = next((d["key"] for d in cmp["differences"] if d["key"] != "groups"), "group")
+    first_key = next((f"{d['key']} differs" for d in cmp["differences"]
+                      if d["key"] != "groups"), "param group count differs")
     since = (f", equal through step {cmp['equal_before']}" if cmp["equal_before"] is not None
              else "")
-    return (f"optimizer {first_key} differs from step {s}",
+    return (f"optimizer {first_key} from step {s}",
             f"; the optimizers' group numbers differ from step {s} on rank(s) "
             f"{ranges(cmp['ranks'])}{since}: {difference_text(cmp)}{unread}: a learning rate "
             "or schedule of another job (a warmup of another length, a scheduler stepped at "
