@@ -806,7 +806,7 @@ def _numbers_divergence(numbers: dict) -> FirstDivergence:
     final state's ``param_group`` rows fail it already when it lasts to the end."""
     s = numbers["first_differs"]
     label, words = numbers_words(numbers, s)
-    why = ("every hash matches, but" + words[1:].replace("; the optimizers'", " the optimizers'", 1)
+    why = ("every hash matches, but" + words[1:]  # (words: "; the optimizers' ...")
            + "; no parameter they act on had a gradient then, or the difference ended before "
            "it reached one: the runs are other jobs, whose hashes agree by chance of this data")
     fd = FirstDivergence(s, "optimizer", False, numbers["equal_before"], 0, None,
