@@ -300,7 +300,8 @@ class RankWriter:
                    param_figures: bytes | None = None, grad_figures: bytes | None = None,
                    entry_hashes: bytes | None = None, loss_scale: float | None = None,
                    skipped: str | None = None,
-                   rng: dict[str, str] | None = None) -> tuple[int, str]:
+                   rng: dict[str, str] | None = None,
+                   opt: list[dict] | None = None) -> tuple[int, str]:
         """Record one step: ``*_hashes`` are the raw 16-byte hashes concatenated in table order.
         ``*_figures``: the 24-byte figures of the same rows (``FIGURE_FIELDS``), when capture
         computed them: a figures record follows each hash record, and the line gets their
@@ -310,7 +311,8 @@ class RankWriter:
         ``loss_scale``: the scale of a scaled loss (``loss`` is then the unscaled value);
         ``skipped``: why the optimizer step did not run (``"inf"``: GradScaler found inf/NaN
         gradients); ``rng``: the digests of the default generators' states after the step
-        (``{"cpu": hex[, "cuda": hex]}``, capture/rng_state.py). The optional keys are written
+        (``{"cpu": hex[, "cuda": hex]}``, capture/rng_state.py); ``opt``: the numbers of the
+        param groups of the optimizers that stepped (capture/opt_numbers.py). The optional keys are written
         only when set, so a run without them writes the bytes it always did. Returns (offset,
         roll-up) of the parameter record."""
         entry = None
@@ -338,6 +340,8 @@ class RankWriter:
             line["skipped"] = skipped
         if rng is not None:
             line["rng"] = rng
+        if opt is not None:
+            line["opt"] = opt
         # no wall time: two runs that train alike write the same bytes (the reader shares them)
         self._steps.append(line)
         return p_off, p_digest

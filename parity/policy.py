@@ -282,6 +282,9 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else {}
         if fd.get("origin") == "final":  # every step matched: the state the runs ended with
             what = f"hash mismatch in the final state ({fd.get('phase') or 'when the run ended'})"
+        elif _numbers_only(fd):  # every hash matched; a step's lr (diff/opt_numbers.py)
+            what = (f"hashes equal, but the optimizer's group numbers differ from step "
+                    f"{d.get('first_divergent_step')}")
         else:
             what = f"hash mismatch from step {d.get('first_divergent_step')}"
         ranks = fd.get("ranks") or []
@@ -289,6 +292,8 @@ def judge_pair(d: dict, policy: str) -> Verdict:
             what += f" on rank {', '.join(str(r) for r in ranks[:8])}"
         if fd.get("origin") == "between" and fd.get("phase"):
             what += f" (between steps: {fd['phase']})"
+        elif _numbers_only(fd):
+            what += f" ({fd.get('label')})"
         elif fd.get("origin") != "final" and (fd.get("label") or fd.get("origin")):
             what += f" ({fd.get('label') or fd['origin']})"  # what was compared and found
         (v.failed if fails_on_hash(policy) else v.tolerated).append(what)
@@ -393,7 +398,9 @@ def _cell_status(d: dict) -> tuple[str, str]:
             what = ": " + ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3
                                                   else "")
         fd = d.get("first_divergence") if isinstance(d.get("first_divergence"), dict) else {}
-        if fd.get("origin") == "final":
+        if _numbers_only(fd):
+            reason = f"optimizer group numbers differ from step {step} (hashes equal)"
+        elif fd.get("origin") == "final":
             reason = f"final state differs ({fd.get('phase') or 'when the run ended'}){what}"
         elif fd.get("origin") == "between" and fd.get("phase"):
             reason = f"first divergent step {step} (between steps: {fd['phase']}){what}"
@@ -538,3 +545,10 @@ def judge_sweep(sweep, policy: str) -> tuple[Verdict, list[str]]:
             lines.append(f"warning   {c.id}: {_plural(len(warns), 'capture warning')} "
                          f"({str(w.get('side', '?')).upper()}: {w.get('message')})")
     return v, lines
+
+
+def _numbers_only(fd: dict) -> bool:
+    """A first divergence of the optimizers' group numbers alone: every hash matched
+    (diff/opt_numbers.py, engine.py ``_numbers_divergence``)."""
+    return (fd.get("origin") == "optimizer" and not fd.get("params") and not fd.get("grads")
+            and isinstance(fd.get("opt_numbers"), dict))

@@ -107,9 +107,10 @@ def test_a_right_resume_holds_when_aligned(runs):
 
 @pytest.mark.parametrize("name, step, label", [
     # Adam's moments and step count left as get_state_dict's initialising step made them
-    ("res_opt", 3, "(gradients equal, parameters differ)"),
+    # (and the group's lr: the LambdaLR's restored, the optimizer's initial one; round 14c)
+    ("res_opt", 3, "(gradients equal, parameters differ; optimizer lr differs from step 3)"),
     # the LambdaLR at last_epoch 0: step 3 uses the lr the optimizer state restored, step 4 not
-    ("res_sched", 4, "(gradients equal, parameters differ)"),
+    ("res_sched", 4, "(gradients equal, parameters differ; optimizer lr differs from step 4)"),
     # the generator as seeded: other dropout masks from the first resumed step
     ("res_rng", 3, "RNG state differs from step 3"),
 ])

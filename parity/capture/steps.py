@@ -26,6 +26,7 @@ import torch
 
 from parity.capture import loss
 from parity.capture.patches import _graph_capture, _tracing
+from parity.capture.opt_numbers import group_numbers
 from parity.capture.rng_state import rng_digests
 from parity.capture.table import _Buffer
 
@@ -278,6 +279,12 @@ class StepClock:
                 if id(opt) not in self._opt_state_seen:
                     self._note_opt_state(opt)
                 self._rewatch_optimizer(opt)  # its state replaced by hand since the last step
+                if self.depth == 1 and (self.k == 1 or self._step_sampled):
+                    # the numbers this step used (opt_numbers.py); not those of an optimizer
+                    # stepped inside another's step() (ZeRO's local one): part of the outer
+                    groups = group_numbers(opt)
+                    if groups is not None:
+                        self._opt_groups.extend(groups)
                 self.depth -= 1
                 if self.depth == 0:
                     self.done = self.k
@@ -321,6 +328,7 @@ class StepClock:
         self.k += 1
         self.open = False
         self.step_opts = set()
+        self._opt_groups = []  # every stepping optimizer's group numbers (opt_numbers.py)
         self._step_sampled = sampled(self.k, self.every)
         self._step_loss = loss.step_loss(self)  # the sum over this step's backward calls
         self._loss_scale = loss.step_scale(self)

@@ -232,7 +232,8 @@ class RankRecord:
             entry=self._entry if current else None,
             scale=None if scale is None else self._loss(scale),
             skipped=self._skipped if current else None,
-            rng=getattr(self, "_rng", None) if current else None))
+            rng=getattr(self, "_rng", None) if current else None,
+            opt=(getattr(self, "_opt_groups", None) or None) if current else None))
         if step > self.written:
             self.recorded_steps += 1
         self.written = step
@@ -256,7 +257,7 @@ class RankRecord:
                 param_figures=head.params.figures(),
                 grad_figures=None if grads is None else head.grad_figures(),
                 entry_hashes=self._changed_entry(head), loss_scale=head.scale_value(),
-                skipped=head.skipped, rng=head.rng)
+                skipped=head.skipped, rng=head.rng, opt=head.opt)
             if head.step != self._last_param_step:  # (a sibling optimizer writes a step again)
                 self._prev_params = (self._last_params, self._last_param_step)
             self._last_params, self._last_param_ref, self._last_param_step = \
@@ -402,12 +403,13 @@ class _LossCopy:
 class _InFlight:
     """A recorded step whose digests may still be on the device (see RankRecord._resolve)."""
 
-    __slots__ = ("step", "rows", "params", "grads", "loss", "entry", "scale", "skipped", "rng")
+    __slots__ = ("step", "rows", "params", "grads", "loss", "entry", "scale", "skipped", "rng", "opt")
 
     def __init__(self, step: int, rows: int, params, grads: list | None, loss, *,
-                 entry=None, scale=None, skipped: str | None = None, rng=None):
+                 entry=None, scale=None, skipped: str | None = None, rng=None, opt=None):
         self.step, self.rows, self.params, self.grads, self.loss = step, rows, params, grads, loss
         self.entry, self.scale, self.skipped, self.rng = entry, scale, skipped, rng
+        self.opt = opt
 
     def ready(self) -> bool:
         return (self.params.ready() and all(d.ready() for _, d in self.grads or ())

@@ -23,6 +23,7 @@ from parity.diff import align as step_align
 from parity.diff.emulation import check_same_emulation, emulation_gaps
 from parity.diff import opt_state
 from parity.diff.final_state import compare_final
+from parity.diff.opt_numbers import compare_numbers, numbers_by_rank, numbers_words
 from parity.diff.rng import compare_rng, rng_by_rank, rng_words
 from parity.diff.scaled_loss import scaled_loss_notes, skipped_note
 from parity.diff.env import numerics_env_differences
@@ -347,6 +348,20 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         if start and fd.rng is not None and fd.rng["recorded"] != "both":
             fd.rng = None  # aligned, one side has no step after the anchor: nothing to say
         label, words = rng_words(fd.rng, fd.step)
+        if label:
+            fd.label = f"{fd.label}; {label}" if fd.label else f"{fd.origin}; {label}"
+        fd.explanation += words
+    # the optimizers' group numbers per step (diff/opt_numbers.py): said at a divergence, and a
+    # divergence of their own where every hash matched (a job configured otherwise: FAIL)
+    numbers = compare_numbers(numbers_by_rank(ra), numbers_by_rank(rb), ranks)
+    if start and numbers is not None and numbers["recorded"] != "both":
+        numbers = None  # aligned, one side has no step after the anchor: nothing to say
+    if fd is None and numbers is not None and numbers["first_differs"] is not None:
+        fd = _numbers_divergence(numbers)
+        first, divergent = fd.step, []
+    elif fd is not None:
+        fd.opt_numbers = numbers
+        label, words = numbers_words(numbers, fd.step)
         if label:
             fd.label = f"{fd.label}; {label}" if fd.label else f"{fd.origin}; {label}"
         fd.explanation += words
@@ -782,6 +797,23 @@ def _state_sides(fc, index: ParamIndex) -> list[str]:
             names = [index.names[g] for g in gids]
             out.append(f"{side} alone holds {len(names)} ({_names(names, 3)})")
     return out
+
+
+def _numbers_divergence(numbers: dict) -> FirstDivergence:
+    """Every hash matched, but the optimizers' group numbers differ at a step: the runs were
+    configured otherwise then (a schedule that differs only in the middle of the run, the lr of
+    a group whose parameters had no gradient). A difference of the job, so a divergence: the
+    final state's ``param_group`` rows fail it already when it lasts to the end."""
+    s = numbers["first_differs"]
+    label, words = numbers_words(numbers, s)
+    why = ("every hash matches, but" + words[1:]  # (words: "; the optimizers' ...")
+           + "; no parameter they act on had a gradient then, or the difference ended before "
+           "it reached one: the runs are other jobs, whose hashes agree by chance of this data")
+    fd = FirstDivergence(s, "optimizer", False, numbers["equal_before"], 0, None,
+                         sorted(numbers["ranks"]), None, why, label,
+                         f"in the optimizer's group numbers at step {s}'s optimizer step")
+    fd.opt_numbers = numbers
+    return fd
 
 
 def _verdict(first: int | None, incomplete: list[str]) -> str:

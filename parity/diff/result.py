@@ -74,6 +74,8 @@ class FirstDivergence:
     phase: str | None = None
     # the random generators' states compared step by step (diff/rng.py compare_rng), or None
     rng: dict | None = None
+    # the optimizers' group numbers compared step by step (diff/opt_numbers.py), or None
+    opt_numbers: dict | None = None
 
 
 @dataclass
@@ -201,7 +203,8 @@ class DiffResult:
             "steps_compared": self.steps_compared, "ranks_compared": self.ranks_compared,
             "params_compared": self.params_compared, "first_divergent_step":
             self.first_divergent_step, "first_divergence": None if fd is None else
-            {"ranks": list(fd.ranks), "origin": fd.origin, "label": fd.label, "phase": fd.phase},
+            {"ranks": list(fd.ranks), "origin": fd.origin, "label": fd.label, "phase": fd.phase,
+             "params": fd.params, "grads": fd.grads, "opt_numbers": fd.opt_numbers},
             "final_state": self.final_state, "not_recorded": self.not_recorded,
             "align": self.align,
             "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket,
@@ -244,6 +247,7 @@ class DiffResult:
                 "label": self.first_divergence.label,
                 "phase": self.first_divergence.phase,
                 "rng": self.first_divergence.rng,
+                "opt_numbers": self.first_divergence.opt_numbers,
             },
             "divergent": [{"step": d.step, "fqn": d.fqn, "kind": d.kind, "ranks": list(d.ranks),
                            "buckets": d.buckets} for d in self.divergent],
@@ -356,7 +360,8 @@ def from_dict(d: dict) -> DiffResult:
             fd.get("step"), fd.get("origin"), fd.get("grad_before_param"),
             fd.get("previous_step"), fd.get("params"), fd.get("grads"), fd.get("ranks") or [],
             fd.get("loss_differs"), fd.get("explanation"), fd.get("label"), fd.get("phase"),
-            fd.get("rng") if isinstance(fd.get("rng"), dict) else None),
+            fd.get("rng") if isinstance(fd.get("rng"), dict) else None,
+            fd.get("opt_numbers") if isinstance(fd.get("opt_numbers"), dict) else None),
         divergent=[Divergence(x.get("step"), x.get("fqn"), x.get("kind"), x.get("ranks") or [],
                               {coll: sides for coll, sides in obj(x.get("buckets")).items()
                                if isinstance(sides, dict)})

@@ -130,12 +130,17 @@ def _verdict_lines(r: DiffResult, fail_on: str = "hash") -> list:
                     f"({', '.join(what)})")
     elif r.verdict == "hash_mismatch":
         fd = r.first_divergence
-        line.append("HASH MISMATCH", "bold red")
+        numbers_only = (fd is not None and fd.origin == "optimizer" and not fd.params
+                        and not fd.grads and bool(fd.opt_numbers))  # diff/opt_numbers.py
+        line.append("identical, OPTIMIZER NUMBERS DIFFER" if numbers_only else "HASH MISMATCH",
+                    "bold red")
         if fd is not None and fd.origin == "final":  # every step matched
             line.append(f" in the final state (after step {fd.step}): ")
             n = {k: sum(1 for d in r.divergent if d.kind == k) for k in _FINAL_KINDS}
             line.append(" and ".join(_plural(n[k], w) for k, w in _FINAL_KINDS.items() if n[k])
                         + f" differ on rank(s) {_ranks(fd.ranks)}")
+        elif numbers_only:  # every hash matched
+            line.append(f" from step {r.first_divergent_step}")
         else:
             line.append(f" from step {r.first_divergent_step}")
         if fd is not None and fd.origin != "final":
