@@ -317,9 +317,9 @@ class RankWriter:
         gradients); ``rng``: the digests of the default generators' states after the step
         (``{"cpu": hex[, "cuda": hex]}``, capture/rng_state.py); ``opt``: the numbers of the
         param groups of the optimizers that stepped (capture/opt_numbers.py), written as the
-        changes since this writer's last line with them (opt_changes.py). The optional keys are written
-        only when set, so a run without them writes the bytes it always did. Returns (offset,
-        roll-up) of the parameter record."""
+        changes since this writer's last line with them (opt_changes.py). The optional keys are
+        written only when set, so a run without them writes the bytes it always did. Returns
+        (offset, roll-up) of the parameter record."""
         entry = None
         if entry_hashes is not None:
             entry = self._hash_record(step, "entry", entry_hashes)
