@@ -11,7 +11,8 @@ a line whose group count differs from its last one (an optimizer that did not st
     "opt": {"since": 3, "groups": 1500, "changed": [[7, {"lr": 0.05}], [9, {...}, 1]]}
 
 ``[i, d]``: group i is the previous line's with the keys of d set (changed or new);
-``[i, d, 1]``: group i is d (a key went away). ``since`` is the step of the line the changes
+``[[i, j, ...], d]``: so is each of groups i, j, ... (the same changes: a schedule that sets one
+lr on every group writes it once); ``[i, d, 1]``: group i is d (a key went away). ``since`` is the step of the line the changes
 are to, ``groups`` the count: the reader (``carry_forward``, in artifacts.read_rank, before any
 step is renumbered by ``--align-steps`` or dropped as damaged) checks both, so a lost or foreign
 line never yields numbers that were not written; where the chain is broken the step has no
@@ -42,14 +43,28 @@ def encode(groups: list[dict], last: list[dict] | None, since) -> list[dict] | d
     the changes to it (a dict, which a line marks with ``CHANGES_VERSION``)."""
     if last is None or len(last) != len(groups):
         return groups
-    changed = []
+    changed: list[list] = []
+    alike: dict[tuple, list] = {}  # the same changes (a schedule's one lr): one entry
     for i, (g, o) in enumerate(zip(groups, last)):
         if g == o:
             continue
-        if o.keys() <= g.keys():
-            changed.append([i, {k: v for k, v in g.items() if k not in o or o[k] != v}])
-        else:
+        if not o.keys() <= g.keys():
             changed.append([i, g, 1])
+            continue
+        d = {k: v for k, v in g.items() if o.get(k, o) != v}
+        key = tuple(d.items())
+        try:
+            e = alike.get(key)
+        except TypeError:  # a list among the values (betas): not hashable, an entry of its own
+            changed.append([i, d])
+            continue
+        if e is None:
+            alike[key] = e = [i, d]
+            changed.append(e)
+        elif type(e[0]) is int:
+            e[0] = [e[0], i]
+        else:
+            e[0].append(i)
     return {"since": since, "groups": len(groups), "changed": changed}
 
 
@@ -62,14 +77,22 @@ def apply_changes(last: list | None, last_step, opt) -> list | None:
         return None
     if not opt["changed"]:
         return last  # shared: nothing changed (most lines)
-    out = list(last)
+    out, n = list(last), len(last)
     for e in opt["changed"]:
-        if not (isinstance(e, list) and len(e) in (2, 3) and type(e[0]) is int
-                and 0 <= e[0] < len(out) and isinstance(e[1], dict)
-                and isinstance(out[e[0]], dict)):
+        if not (isinstance(e, list) and len(e) in (2, 3) and isinstance(e[1], dict)):
             return None
-        i, d = e[0], e[1]
-        out[i] = dict(sorted(d.items() if len(e) == 3 else {**out[i], **d}.items()))
+        at, d = e[0], e[1]
+        at = [at] if type(at) is int else at
+        if not (isinstance(at, list) and at and (len(e) == 2 or len(at) == 1)
+                and all(type(i) is int and 0 <= i < n and isinstance(out[i], dict)
+                        for i in at)):
+            return None
+        for i in at:
+            if len(e) == 3:
+                out[i] = d  # written whole, its keys sorted as capture reads them
+            else:
+                new = {**out[i], **d}  # changed keys keep their place
+                out[i] = new if len(new) == len(out[i]) else dict(sorted(new.items()))
     return out
 
 

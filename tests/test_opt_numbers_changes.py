@@ -66,6 +66,8 @@ SCHEDULE = {
     10: [_g(0.01), _g(float("nan"), initial_lr=0.2), _g(1.0)],
     11: [_g(0.01), _g(float("nan"), initial_lr=0.2), _g(1.0)],
     12: [_g(0.01), _g(0.02, initial_lr=0.2), _g(1.0, betas=[0.9, 0.999])],
+    13: [_g(0.5), _g(0.5, initial_lr=0.2), _g(0.5, betas=[0.9, 0.999])],
+    14: [_g(0.7), _g(0.5, initial_lr=0.2), _g(0.7, betas=[0.8, 0.999])],
 }
 
 
@@ -104,6 +106,8 @@ def test_lines_carry_only_what_changed(tmp_path):
     assert ch[10]["since"] == 8  # step 9 wrote no numbers: the changes are to step 8's
     assert ch[11]["changed"][0][0] == 1  # a NaN is never equal: written again, read as written
     assert ch[12]["changed"] == [[1, {"lr": 0.02}], [2, {"betas": [0.9, 0.999]}]]
+    assert ch[13]["changed"] == [[[0, 1, 2], {"lr": 0.5}]]  # one lr set on every group: once
+    assert ch[14]["changed"] == [[0, {"lr": 0.7}], [2, {"betas": [0.8, 0.999], "lr": 0.7}]]
 
 
 def test_every_n_and_a_rank_that_records_fewer_steps(tmp_path):
@@ -127,7 +131,7 @@ def test_a_run_of_round_14c_reads_as_it_did(tmp_path):
     old = [{**r, "v": 2, "opt": SCHEDULE[r["step"]]} if "opt" in r else r for r in _lines(d)]
     path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in old))
     got = _read_opt(d)
-    assert all(_same(got[s], SCHEDULE[s]) for s in got) and len(got) == 11
+    assert all(_same(got[s], SCHEDULE[s]) for s in got) and len(got) == 13
 
 
 def test_a_line_lost_is_not_filled_in(tmp_path):
@@ -138,7 +142,7 @@ def test_a_line_lost_is_not_filled_in(tmp_path):
     kept = [x for x in path.read_text().splitlines() if json.loads(x)["step"] != 3]
     path.write_text("\n".join(kept) + "\n")
     got = _read_opt(d)
-    assert sorted(got) == [1, 2, 6, 7, 8, 10, 11, 12]  # 4, 5: changes to a line not read
+    assert sorted(got) == [1, 2, 6, 7, 8, 10, 11, 12, 13, 14]  # 4, 5: changes to a line not read
     assert all(_same(got[s], SCHEDULE[s]) for s in got)
 
 
@@ -148,6 +152,9 @@ def test_a_line_lost_is_not_filled_in(tmp_path):
     {"since": 1, "groups": 2, "changed": [[2, {}]]},    # a group that is not there
     {"since": 1, "groups": 2, "changed": [["0", {}]]},  # malformed
     {"since": 1, "groups": 2},
+    {"since": 1, "groups": 2, "changed": [[[0, 2], {}]]},     # one of them is not there
+    {"since": 1, "groups": 2, "changed": [[[0, 1], {}, 1]]},  # whole groups one at a time
+    {"since": 1, "groups": 2, "changed": [[[], {}]]},
 ])
 def test_apply_changes_refuses_what_does_not_fit(opt):
     assert apply_changes([_g(0.1), _g(0.2)], 1, opt) is None
