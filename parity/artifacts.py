@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from parity import params_codec
+from parity.opt_changes import CHANGES_VERSION, carry_forward, encode
 from parity.errors import ArtifactError
 from parity.records import is_ends
 from parity.rundir import (BUCKETS_FILE, HASHES_FILE, HASHES_V1_FILE, META_FILE, PARAMS_FILE,
@@ -37,7 +38,9 @@ if TYPE_CHECKING:  # numpy is imported when per-parameter hashes are read (RankD
     import numpy as np
 
 SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # schema 1: hex hashes in hashes.jsonl, row-per-parameter params.json
+# schema 1: hex hashes in hashes.jsonl, row-per-parameter params.json; 3: a steps.jsonl line
+# whose "opt" is changes (opt_changes.py: a reader before it skips the line as damage)
+READABLE_VERSIONS = (1, 2, CHANGES_VERSION)
 HASH_BYTES = 16  # xxh3-128
 NO_HASH = b"\0" * HASH_BYTES  # a parameter with no gradient at that step
 # a hashes.bin record: magic, kind (0 param, 1 grad), step, n; then n raw 16-byte hashes
@@ -274,6 +277,7 @@ class RankWriter:
         write_json_atomic(self.dir / META_FILE, self.meta)
         self._hashes = _AppendFile(self.dir / HASHES_FILE)
         self._steps = _AppendFile(self.dir / STEPS_FILE)
+        self._opt_last: tuple[int, list[dict]] | None = None  # (step, groups) last written
         self._buckets = _AppendFile(self.dir / BUCKETS_FILE)
 
     def update_meta(self, **updates) -> None:
@@ -312,9 +316,10 @@ class RankWriter:
         ``skipped``: why the optimizer step did not run (``"inf"``: GradScaler found inf/NaN
         gradients); ``rng``: the digests of the default generators' states after the step
         (``{"cpu": hex[, "cuda": hex]}``, capture/rng_state.py); ``opt``: the numbers of the
-        param groups of the optimizers that stepped (capture/opt_numbers.py). The optional keys are written
-        only when set, so a run without them writes the bytes it always did. Returns (offset,
-        roll-up) of the parameter record."""
+        param groups of the optimizers that stepped (capture/opt_numbers.py), written as the
+        changes since this writer's last line with them (opt_changes.py). The optional keys are
+        written only when set, so a run without them writes the bytes it always did. Returns
+        (offset, roll-up) of the parameter record."""
         entry = None
         if entry_hashes is not None:
             entry = self._hash_record(step, "entry", entry_hashes)
@@ -341,7 +346,11 @@ class RankWriter:
         if rng is not None:
             line["rng"] = rng
         if opt is not None:
-            line["opt"] = opt
+            since, last = self._opt_last or (None, None)
+            line["opt"] = encode(opt, last, since)
+            if type(line["opt"]) is dict:
+                line["v"] = CHANGES_VERSION  # a reader before round 15a skips it, said
+            self._opt_last = (step, opt)
         # no wall time: two runs that train alike write the same bytes (the reader shares them)
         self._steps.append(line)
         return p_off, p_digest
@@ -1134,7 +1143,9 @@ def read_rank(path: Path, rank: int, _shared: dict[bytes, list[dict]] | None = N
     lines = _read_lines(base + STEPS_FILE, problems, ("step", "param_digest"), _shared,
                         closed=steps_closed, record=closed.get(STEPS_FILE), damage=damage)
     steps_changed = len(damage) > n_damage
-    for rec in lines:
+    # the group numbers written as changes (opt_changes.py), in file order, before any step is
+    # dropped below or renumbered by --align-steps
+    for rec in carry_forward(lines):
         s = rec["step"]
         if isinstance(s, int) and not isinstance(s, bool):
             steps[s] = rec

@@ -21,7 +21,7 @@ import jsonschema
 import pytest
 import torch
 
-from parity.artifacts import RankData
+from parity.artifacts import RankData, read_rank
 from parity.capture.opt_numbers import group_numbers
 from parity.diff.opt_numbers import compare_numbers, numbers_by_rank, numbers_words
 from parity.errors import EXIT_MISMATCH, EXIT_OK
@@ -67,11 +67,19 @@ def _first_lr_differing(a: Path, b: Path) -> int | None:
     return next((i + 1 for i, (x, y) in enumerate(zip(la, lb)) if x != y), None)
 
 
+def _lines(run: Path, rank: int) -> list[dict]:
+    return [json.loads(x) for x in (run / f"rank-{rank:05d}" / "steps.jsonl").read_text()
+            .splitlines() if x.strip()]
+
+
+def _recorded(run: Path, rank: int) -> dict[int, list[dict]]:
+    """{step: the groups' numbers} as the reader gives them (lines after the first hold the
+    changes since the rank's last line: round 15a, parity/opt_changes.py)."""
+    return numbers_by_rank([read_rank(run / f"rank-{rank:05d}", rank)])[rank]
+
+
 def _recorded_lr(run: Path, rank: int) -> list[list[float]]:
-    lines = [json.loads(x) for x in (run / f"rank-{rank:05d}" / "steps.jsonl").read_text()
-             .splitlines() if x.strip()]
-    return [[g["lr"] for g in rec["opt"]] for rec in lines
-            if isinstance(rec.get("step"), int) and rec["step"] >= 1]
+    return [[g["lr"] for g in groups] for _, groups in sorted(_recorded(run, rank).items())]
 
 
 def test_recorded_numbers_are_the_ones_each_step_used(runs):
@@ -86,6 +94,31 @@ def test_recorded_numbers_are_the_ones_each_step_used(runs):
                      .splitlines()[1])["opt"]
     assert rec == [{"dampening": 0, "lr": 0.01, "momentum": 0.9, "weight_decay": 0},
                    {"dampening": 0, "lr": 0.1, "momentum": 0.9, "weight_decay": 0}]
+
+
+def test_lines_after_the_first_carry_only_the_groups_that_changed(runs):
+    """Round 15a: the first step's line holds every group's numbers; each later line (schema
+    ``v`` 3) the groups whose numbers changed since the rank's previous line, and the reader
+    gives every step the full list (checked against the ground truth above). Constant numbers
+    write no group after step 1; the idle group's lr halved for step 2 and restored writes that
+    group at steps 2 and 3 only; a warmup writes the lr of both groups while it changes."""
+    for name in JOBS:
+        run = run_ok(runs, name)
+        for r in (0, 1):
+            lines = [x for x in _lines(run, r) if isinstance(x.get("step"), int) and x["step"] >= 1]
+            full = _recorded(run, r)
+            assert lines[0]["v"] == 2 and lines[0]["opt"] == full[1], (name, r)
+            for prev, x in zip(lines, lines[1:]):
+                s, opt = x["step"], x["opt"]
+                assert x["v"] == 3 and opt["since"] == prev["step"] and opt["groups"] == 2
+                changed = [i for i, (g, h) in enumerate(zip(full[s], full[prev["step"]]))
+                           if g != h]
+                assert [e[0] for e in opt["changed"]] == changed, (name, r, s)
+    mid = {x["step"]: x["opt"]["changed"] for x in _lines(run_ok(runs, "mid"), 0)
+           if isinstance(x.get("opt"), dict)}
+    assert mid == {2: [[1, {"lr": 0.05}]], 3: [[1, {"lr": 0.1}]], 4: []}
+    assert all(not x["opt"]["changed"] for x in _lines(run_ok(runs, "float"), 1)
+               if isinstance(x.get("opt"), dict))
 
 
 @pytest.mark.parametrize("a, b, step, said", [

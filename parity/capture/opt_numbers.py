@@ -21,6 +21,10 @@ is not read (``item()`` would wait for the device): it is written as None and th
 was not compared. Booleans, None and strings (foreach, fused, capturable, differentiable) are
 left out, as in the final state's rows. No tensor kernel is launched; any failure: nothing
 recorded for that optimizer.
+
+The rank's writer (artifacts.RankWriter) writes a line's groups as the changes since its last
+line (parity/opt_changes.py, round 15a): a trainer with a group per parameter wrote every group
+on every line.
 """
 
 from __future__ import annotations

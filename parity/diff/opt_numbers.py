@@ -22,19 +22,16 @@ from __future__ import annotations
 
 import math
 
+from parity.diff.step_fields import field_by_rank
 from parity.text import ranges
 
 __all__ = ["numbers_by_rank", "compare_numbers", "numbers_words"]
 
 
 def numbers_by_rank(lst) -> dict[int, dict[int, list]]:
-    """``{rank: {step: [group dicts]}}`` of a side's RankData (steps with ``opt``)."""
-    out = {}
-    for x in lst:
-        out[x.rank] = {s: rec["opt"] for s, rec in x.steps.items()
-                       if isinstance(s, int) and isinstance(rec, dict)
-                       and isinstance(rec.get("opt"), list)}
-    return out
+    """``{rank: {step: [group dicts]}}`` of a side's RankData (steps with ``opt``; the full
+    list on each, whether the line held it or the changes to the last: opt_changes.py)."""
+    return field_by_rank(lst, "opt", list)
 
 
 def _same(x, y) -> bool:

@@ -17,6 +17,7 @@ nor how a compiled kernel turned them into values. Runs recorded before round 13
 
 from __future__ import annotations
 
+from parity.diff.step_fields import field_by_rank
 from parity.text import ranges
 
 __all__ = ["rng_by_rank", "compare_rng", "rng_words"]
@@ -24,12 +25,7 @@ __all__ = ["rng_by_rank", "compare_rng", "rng_words"]
 
 def rng_by_rank(lst) -> dict[int, dict[int, dict]]:
     """``{rank: {step: {generator: digest}}}`` of a side's RankData (steps with ``rng``)."""
-    out = {}
-    for x in lst:
-        out[x.rank] = {s: rec["rng"] for s, rec in x.steps.items()
-                       if isinstance(s, int) and isinstance(rec, dict)
-                       and isinstance(rec.get("rng"), dict)}
-    return out
+    return field_by_rank(lst, "rng", dict)
 
 
 def compare_rng(a: dict[int, dict[int, dict]], b: dict[int, dict[int, dict]],

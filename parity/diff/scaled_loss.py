@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from parity.artifacts import RankData
 from parity.diff.result import Problem
+from parity.diff.step_fields import step_field
 from parity.text import ranges
 
 __all__ = ["scaled_loss_notes", "skipped_note"]
@@ -29,10 +30,7 @@ def _skipped(lst: list[RankData]) -> dict[int, list[int]]:
 
 
 def _scales(x: RankData | None) -> dict[int, float]:
-    if x is None:
-        return {}
-    return {s: rec["loss_scale"] for s, rec in sorted(x.steps.items())
-            if isinstance(rec.get("loss_scale"), (int, float))}
+    return step_field(x, "loss_scale", (int, float))
 
 
 def scaled_loss_notes(ra: list[RankData], rb: list[RankData], ranks: list[int],
