@@ -301,7 +301,8 @@ class RankWriter:
                    entry_hashes: bytes | None = None, loss_scale: float | None = None,
                    skipped: str | None = None,
                    rng: dict[str, str] | None = None,
-                   opt: list[dict] | None = None) -> tuple[int, str]:
+                   opt: list[dict] | None = None,
+                   opt_impl: list[dict] | None = None) -> tuple[int, str]:
         """Record one step: ``*_hashes`` are the raw 16-byte hashes concatenated in table order.
         ``*_figures``: the 24-byte figures of the same rows (``FIGURE_FIELDS``), when capture
         computed them: a figures record follows each hash record, and the line gets their
@@ -312,7 +313,8 @@ class RankWriter:
         ``skipped``: why the optimizer step did not run (``"inf"``: GradScaler found inf/NaN
         gradients); ``rng``: the digests of the default generators' states after the step
         (``{"cpu": hex[, "cuda": hex]}``, capture/rng_state.py); ``opt``: the numbers of the
-        param groups of the optimizers that stepped (capture/opt_numbers.py). The optional keys are written
+        param groups of the optimizers that stepped (capture/opt_numbers.py); ``opt_impl``: their
+        classes and flags (capture/opt_impl.py). The optional keys are written
         only when set, so a run without them writes the bytes it always did. Returns (offset,
         roll-up) of the parameter record."""
         entry = None
@@ -342,6 +344,8 @@ class RankWriter:
             line["rng"] = rng
         if opt is not None:
             line["opt"] = opt
+        if opt_impl is not None:
+            line["opt_impl"] = opt_impl
         # no wall time: two runs that train alike write the same bytes (the reader shares them)
         self._steps.append(line)
         return p_off, p_digest
