@@ -96,13 +96,15 @@ def main():
     every = E("R15B_SYNC", "last") == "every"
     by_grad = E("R15B_DIV", "loss") == "grad"
     counts = [0]
-    real_rs = dist.reduce_scatter_tensor
+    name = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+            else "reduce_scatter_tensor")  # what FSDP2 calls (torch 2.13: the former)
+    real_rs = getattr(dist, name)
 
     def counting(*a, **k):
         counts[0] += 1
         return real_rs(*a, **k)
 
-    dist.reduce_scatter_tensor = counting
+    setattr(dist, name, counting)
     truth = {"params": [], "grads": [], "losses": [], "rs": []}
     for i in range(1, STEPS + 1):
         opt.zero_grad()
