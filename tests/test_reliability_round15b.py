@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from parity.capture.opt_impl import optimizer_impl
-from parity.diff.loss_factor import exact_factor
+from parity.diff.loss_factor import exact_factor, near_factor, near_factor_words
 from parity.diff.opt_impl import compare_impl, impl_phrase, impl_words
 from parity.errors import EXIT_MISMATCH, EXIT_OK
 from parity.policy import loss_factor_phrase
@@ -132,7 +132,7 @@ def _steps(a: list, b: list):
     return [SimpleNamespace(equal=x == y, a_ranks=x, b_ranks=y) for x, y in zip(a, b)]
 
 
-def test_exact_factor():
+def test_exact_and_near_factor():
     assert exact_factor(_steps([[1.5, 0.75]], [[3.0, 1.5]])) == 1
     assert exact_factor(_steps([[3.0], [0.5]], [[0.75], [0.125]])) == -2
     assert exact_factor(_steps([[1.0]], [[3.0]])) is None  # not a power of two
@@ -142,6 +142,13 @@ def test_exact_factor():
     assert exact_factor(_steps([[1.0]], [[1.0]])) is None  # equal: no factor
     assert exact_factor(_steps([[1.0]], [[None]])) is None
     assert exact_factor(_steps([[float("inf")]], [[float("inf")]])) is None
+    assert near_factor(_steps([[1.0, 2.0], [3.0, 1.0]], [[3.0000002, 6.0], [9.0, 3.0]])) == 3.0
+    assert near_factor(_steps([[3.0]], [[1.0000001]])) == 1 / 3
+    assert near_factor(_steps([[1.0]], [[-1.0]])) is None  # maximize on -loss
+    assert near_factor(_steps([[1.0]], [[1.4]])) is None  # no whole ratio
+    assert near_factor(_steps([[1.0], [1.0]], [[3.0], [2.0]])) is None  # not one ratio
+    assert near_factor(_steps([[1.0]], [[1.0]])) is None
+    assert "A's loss is 3 x" in near_factor_words(1 / 3)
     assert "B's loss is exactly 4 x" in loss_factor_phrase(2)
     assert "A's loss is exactly 2 x" in loss_factor_phrase(-1)
 

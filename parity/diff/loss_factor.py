@@ -69,8 +69,11 @@ def near_factor(steps) -> float | None:
     if not ratios:
         return None
     r = ratios[0]
-    whole = round(r) if r >= 1 else 1 / round(1 / r)
-    if whole in (0, 1) or not all(abs(q / whole - 1) <= REL for q in ratios):
+    if r <= 0:  # a negated loss (maximize on -loss) is no micro-batch scale
+        return None
+    n = round(r) if r >= 1 else round(1 / r)
+    whole = n if r >= 1 else 1 / n
+    if n < 2 or not all(abs(q / whole - 1) <= REL for q in ratios):
         return None
     return float(whole)
 
