@@ -24,6 +24,7 @@ import torch
 from parity.capture.opt_impl import optimizer_impl
 from parity.diff.loss_factor import exact_factor, near_factor, near_factor_words
 from parity.diff.opt_impl import compare_impl, impl_phrase, impl_words
+from parity.diff.result import from_dict
 from parity.errors import EXIT_MISMATCH, EXIT_OK
 from parity.policy import loss_factor_phrase
 from tests.real_jobs import diff_cli, run_ok, run_table, saved, start_trainer, values_equal
@@ -84,6 +85,7 @@ def test_foreach_false_against_the_default_holds_and_says_so(runs):
     assert ("tolerated: optimizer implementation differs from step 1 (foreach None (the "
             "default) against False; other kernels: equal here, may round otherwise") in line
     assert js["first_divergence"] is None
+    assert from_dict(js).judge().line() == line  # a sweep's reports read the JSON back
 
 
 def test_loss_divided_before_backward_against_gradients_divided_after_holds(runs):
@@ -96,6 +98,7 @@ def test_loss_divided_before_backward_against_gradients_divided_after_holds(runs
     assert rc == EXIT_OK, line
     assert "B's loss is exactly 2 x the other's at every step on every rank" in line
     assert js["loss"]["factor"] == 1
+    assert from_dict(js).judge().line() == line
     rc, line, _ = _diff(runs, "grad", "last")  # the other way round: A's is twice B's
     assert rc == EXIT_OK and "A's loss is exactly 2 x" in line
 

@@ -405,8 +405,8 @@ class _LossCopy:
 class _InFlight:
     """A recorded step whose digests may still be on the device (see RankRecord._resolve)."""
 
-    __slots__ = ("step", "rows", "params", "grads", "loss", "entry", "scale", "skipped", "rng", "opt",
-                 "opt_impl")
+    __slots__ = ("step", "rows", "params", "grads", "loss", "entry", "scale", "skipped", "rng",
+                 "opt", "opt_impl")
 
     def __init__(self, step: int, rows: int, params, grads: list | None, loss, *,
                  entry=None, scale=None, skipped: str | None = None, rng=None, opt=None,

@@ -8,8 +8,9 @@ two trainings are bitwise identical (dividing by 2^k is exact), yet the pair FAI
 differs, gradients equal: the loss computation or its reduction", a wrong cause on identical
 runs. As with a GradScaler's scale (scaled_loss.py), the losses are then compared as scaled:
 B's = A's x 2^k bitwise (``math.ldexp``, exact) at every compared step on every compared rank,
-one k for all, said on the verdict line (policy.py ``loss_factor_phrase``), never silently. Any other relation (M = 3,
-a loss of 0, a step or rank without a loss on a side) is not a factor: the losses differ.
+one k for all, said on the verdict line (policy.py ``loss_factor_phrase``), never silently.
+Any other relation (M = 3, a loss of 0, a step or rank without a loss on a side) is not a
+factor: the losses differ.
 
 With M not a power of two the division is not exact: the gradients differ too and the pair
 FAILS (right), but the first divergence read "loss differs: the forward computation of step 1

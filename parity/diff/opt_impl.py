@@ -70,8 +70,9 @@ def compare_impl(a: dict, b: dict, ranks: list[int]) -> dict | None:
     for s in sorted(set.union(*common)):
         bad, diffs = [], []
         for r in ranks:
-            if s in a.get(r, {}) and s in b.get(r, {}):
-                d = _differences(a[r][s], b[r][s])
+            x, y = a.get(r, {}).get(s), b.get(r, {}).get(s)
+            if x is not None and y is not None and x != y:  # (equal lists: C-level, cheap)
+                d = _differences(x, y)
                 if d:
                     diffs = diffs or d
                     bad.append(r)
