@@ -305,7 +305,8 @@ class RankWriter:
                    entry_hashes: bytes | None = None, loss_scale: float | None = None,
                    skipped: str | None = None,
                    rng: dict[str, str] | None = None,
-                   opt: list[dict] | None = None) -> tuple[int, str]:
+                   opt: list[dict] | None = None,
+                   opt_impl: list[dict] | None = None) -> tuple[int, str]:
         """Record one step: ``*_hashes`` are the raw 16-byte hashes concatenated in table order.
         ``*_figures``: the 24-byte figures of the same rows (``FIGURE_FIELDS``), when capture
         computed them: a figures record follows each hash record, and the line gets their
@@ -317,9 +318,10 @@ class RankWriter:
         gradients); ``rng``: the digests of the default generators' states after the step
         (``{"cpu": hex[, "cuda": hex]}``, capture/rng_state.py); ``opt``: the numbers of the
         param groups of the optimizers that stepped (capture/opt_numbers.py), written as the
-        changes since this writer's last line with them (opt_changes.py). The optional keys are
-        written only when set, so a run without them writes the bytes it always did. Returns
-        (offset, roll-up) of the parameter record."""
+        changes since this writer's last line with them (opt_changes.py); ``opt_impl``: their
+        classes and flags (capture/opt_impl.py). The optional keys are written only when set,
+        so a run without them writes the bytes it always did. Returns (offset, roll-up) of the
+        parameter record."""
         entry = None
         if entry_hashes is not None:
             entry = self._hash_record(step, "entry", entry_hashes)
@@ -351,6 +353,8 @@ class RankWriter:
             if type(line["opt"]) is dict:
                 line["v"] = CHANGES_VERSION  # a reader before round 15a skips it, said
             self._opt_last = (step, opt)
+        if opt_impl is not None:
+            line["opt_impl"] = opt_impl
         # no wall time: two runs that train alike write the same bytes (the reader shares them)
         self._steps.append(line)
         return p_off, p_digest

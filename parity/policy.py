@@ -156,6 +156,15 @@ class Verdict:
         return self.head() + (f": {body}" if body else "")
 
 
+def loss_factor_phrase(k: int) -> str:
+    """The verdict line's words for B's loss = A's x 2^k bitwise at every step and rank
+    (``loss.factor``, diff/loss_factor.py): compared as scaled, said, never a FAIL."""
+    side, f = ("B", 2 ** k) if k > 0 else ("A", 2 ** -k)
+    return (f"{side}'s loss is exactly {f} x the other's at every step on every rank, compared "
+            "as scaled (a loss divided per micro-batch before backward on one side, the "
+            "gradients divided after it on the other?)")
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
@@ -305,6 +314,12 @@ def judge_pair(d: dict, policy: str) -> Verdict:
         # missing (not compared, below)
         v.held.append(f"hashes bitwise identical where both sides recorded: steps "
                       f"{ranges(d['steps_compared'])} ({scope}; {', '.join(kinds)})")
+    factor = (d.get("loss") or {}).get("factor")
+    if isinstance(factor, int) and not isinstance(factor, bool) and factor:
+        v.tolerated.append(loss_factor_phrase(factor))
+    impl = d.get("opt_impl") if isinstance(d.get("opt_impl"), dict) else {}
+    if hv != "hash_mismatch" and isinstance(impl.get("words"), str) and impl["words"]:
+        v.tolerated.append(impl["words"])  # optimizers implemented otherwise (diff/opt_impl.py)
     reduction_fails = policy == "reduction" and state in (None, "fails")
     if ov in ORDER_FAILURES:
         phrase = order_phrase(ov, order.get("first_bucket")) + consequences.order_suffix(order)

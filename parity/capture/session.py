@@ -126,6 +126,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self._entry = None  # this step's entry digests (hashing.Digests), compared when written
         self._loss_scale = None  # the scale of this step's loss (GradScaler), a tensor
         self._opt_groups = []  # the optimizers' group numbers this step (opt_numbers.py)
+        self._opt_impl = []  # their classes and flags this step (opt_impl.py)
         self._rng = None  # the generators' digests after this step (rng_state.py), or None
         self._skipped: str | None = None  # why this step's optimizer step did not run
         self._opt_pre_calls = 0  # optimizer pre-hooks seen (a GradScaler.step that ran none)

@@ -26,6 +26,7 @@ import torch
 
 from parity.capture import loss
 from parity.capture.patches import _graph_capture, _tracing
+from parity.capture.opt_impl import optimizer_impl
 from parity.capture.opt_numbers import group_numbers
 from parity.capture.rng_state import rng_digests
 from parity.capture.table import _Buffer
@@ -285,6 +286,9 @@ class StepClock:
                     groups = group_numbers(opt)
                     if groups is not None:
                         self._opt_groups.extend(groups)
+                    impl = optimizer_impl(opt)  # its class and flags (opt_impl.py)
+                    if impl is not None:
+                        self._opt_impl.append(impl)
                 self.depth -= 1
                 if self.depth == 0:
                     self.done = self.k
@@ -329,6 +333,7 @@ class StepClock:
         self.open = False
         self.step_opts = set()
         self._opt_groups = []  # every stepping optimizer's group numbers (opt_numbers.py)
+        self._opt_impl = []  # and its class and flags (opt_impl.py)
         self._step_sampled = sampled(self.k, self.every)
         self._step_loss = loss.step_loss(self)  # the sum over this step's backward calls
         self._loss_scale = loss.step_scale(self)

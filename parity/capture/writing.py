@@ -233,7 +233,8 @@ class RankRecord:
             scale=None if scale is None else self._loss(scale),
             skipped=self._skipped if current else None,
             rng=getattr(self, "_rng", None) if current else None,
-            opt=(getattr(self, "_opt_groups", None) or None) if current else None))
+            opt=(getattr(self, "_opt_groups", None) or None) if current else None,
+            opt_impl=(getattr(self, "_opt_impl", None) or None) if current else None))
         if step > self.written:
             self.recorded_steps += 1
         self.written = step
@@ -257,7 +258,8 @@ class RankRecord:
                 param_figures=head.params.figures(),
                 grad_figures=None if grads is None else head.grad_figures(),
                 entry_hashes=self._changed_entry(head), loss_scale=head.scale_value(),
-                skipped=head.skipped, rng=head.rng, opt=head.opt)
+                skipped=head.skipped, rng=head.rng, opt=head.opt,
+                opt_impl=head.opt_impl)
             if head.step != self._last_param_step:  # (a sibling optimizer writes a step again)
                 self._prev_params = (self._last_params, self._last_param_step)
             self._last_params, self._last_param_ref, self._last_param_step = \
@@ -403,13 +405,15 @@ class _LossCopy:
 class _InFlight:
     """A recorded step whose digests may still be on the device (see RankRecord._resolve)."""
 
-    __slots__ = ("step", "rows", "params", "grads", "loss", "entry", "scale", "skipped", "rng", "opt")
+    __slots__ = ("step", "rows", "params", "grads", "loss", "entry", "scale", "skipped", "rng",
+                 "opt", "opt_impl")
 
     def __init__(self, step: int, rows: int, params, grads: list | None, loss, *,
-                 entry=None, scale=None, skipped: str | None = None, rng=None, opt=None):
+                 entry=None, scale=None, skipped: str | None = None, rng=None, opt=None,
+                 opt_impl=None):
         self.step, self.rows, self.params, self.grads, self.loss = step, rows, params, grads, loss
         self.entry, self.scale, self.skipped, self.rng = entry, scale, skipped, rng
-        self.opt = opt
+        self.opt, self.opt_impl = opt, opt_impl
 
     def ready(self) -> bool:
         return (self.params.ready() and all(d.ready() for _, d in self.grads or ())

@@ -728,7 +728,7 @@ def explain_eager(fqn: str, shape: str | None, la: Layout, lb: Layout,
     rep_b = lb.repeats.get(("reduce_scatter", fqn), 1)
     if not rel_a and not rel_b and rep_a == 1 and rep_b == 1:
         return None
-    chunked = False
+    chunked = per_micro = False
     for label, lay, rel, rep in (("A", la, rel_a, rep_a), ("B", lb, rel_b, rep_b)):
         rs = [r for r in rel if r["collective"] == "reduce_scatter"]
         if rs:
@@ -737,7 +737,13 @@ def explain_eager(fqn: str, shape: str | None, la: Layout, lb: Layout,
                          + f" in {label} (eager DTensor, outside any graph)")
             continue
         loc = lay.locate().get(fqn, {}).get("reduce_scatter")
-        if loc is not None and rep > 1:
+        if loc is not None and rep > 1 and lay.source == SOURCE_FSDP2:
+            # eager FSDP2 reduces a bucket once per backward it syncs: one per micro-batch
+            # (round 15b: it read "B's graph ... chunked reduce-scatters")
+            per_micro = True
+            parts.append(f"{rep} reduce-scatters per step in {label} ({lay.source} bucket "
+                         f"{loc['index']}: one per micro-batch's backward)")
+        elif loc is not None and rep > 1:
             chunked = True
             parts.append(f"{rep} reduce-scatters in {label}'s graph (first: bucket "
                          f"{loc['index']})")
@@ -747,7 +753,10 @@ def explain_eager(fqn: str, shape: str | None, la: Layout, lb: Layout,
         else:
             parts.append(f"no reduce-scatter recorded in {label}")
     tail = (": the gradient is summed in a different order (chunked reduce-scatters)"
-            if chunked else "")
+            if chunked else
+            ": the gradient is summed in a different order (each micro-batch's gradient "
+            "reduced and the results added, against the accumulated gradient reduced once: "
+            "set_requires_gradient_sync(False) on one side only?)" if per_micro else "")
     return f"{fqn}'s gradient: " + ", ".join(parts) + tail
 
 

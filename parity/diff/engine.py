@@ -23,6 +23,8 @@ from parity.diff import align as step_align
 from parity.diff.emulation import check_same_emulation, emulation_gaps
 from parity.diff import opt_state
 from parity.diff.final_state import compare_final
+from parity.diff.loss_factor import exact_factor, near_factor, near_factor_words
+from parity.diff.opt_impl import compare_impl, impl_by_rank, impl_phrase, impl_words
 from parity.diff.opt_numbers import compare_numbers, numbers_by_rank, numbers_words
 from parity.diff.rng import compare_rng, rng_by_rank, rng_words
 from parity.diff.scaled_loss import scaled_loss_notes, skipped_note
@@ -302,6 +304,9 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
     _step_gaps(steps, ranks, ra, rb, both, incomplete, gaps_alike)
     _coverage_gaps(hc, ranks, steps_compared, aligns, incomplete)
     loss = _compare_loss(ra, rb, ranks, steps, ws)
+    loss.factor = exact_factor(loss.steps)  # a loss scaled by 2^k (diff/loss_factor.py)
+    if loss.factor is not None:
+        loss.first_divergent_step = None  # compared as scaled: said on the verdict line
     # what one side recorded and the other did not is not compared: parity is not proven
     incomplete += one_sided(ra, rb, ranks, steps, _loss_bits)
     incomplete += refused_processes(run_a, run_b)
@@ -339,6 +344,14 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         fd, divergent = _final_divergence(final, index, buffers, states, layouts)
         first = fd.step
     problems += scaled_loss_notes(ra, rb, ranks, steps)
+    if fd is not None and fd.origin in ("forward", "loss") and loss.factor is None:
+        r = near_factor(loss.steps)  # a loss divided by M before backward on one side only
+        if r is not None:  # the scale, named before the forward it otherwise blames
+            forward = f"the forward computation of step {fd.step} (or its input) differs"
+            fd.explanation = fd.explanation.replace(
+                forward, f"likely a loss scaled otherwise (below), not another forward "
+                f"computation of step {fd.step}", 1)
+            fd.explanation += near_factor_words(r)
     if fd is not None:
         fd.explanation += skipped_note(ra, rb, fd.step)
         if fd.origin in ("optimizer", "param"):
@@ -365,6 +378,16 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         if label:
             fd.label = f"{fd.label}; {label}" if fd.label else f"{fd.origin}; {label}"
         fd.explanation += words
+    # the optimizers' classes and flags (diff/opt_impl.py): the likely cause at a divergence of
+    # the update; with every hash equal, said on the verdict line (tolerated), never a FAIL
+    impl = compare_impl(impl_by_rank(ra), impl_by_rank(rb), ranks)
+    if impl is not None:
+        impl["words"] = impl_phrase(impl)
+        if fd is not None:
+            label, words = impl_words(impl, fd.origin, fd.step)
+            if label:
+                fd.label = f"{fd.label}; {label}" if fd.label else f"{fd.origin}; {label}"
+            fd.explanation += words
 
     # the size of each difference, from the figures next to the hashes (summaries, no verdict)
     magnitude = size_of_difference(ra, rb, ranks, aligns, index, divergent,
@@ -385,6 +408,7 @@ def _diff(run_a: Run, run_b: Run, allow_param_mismatch: bool, count_budget: int,
         first_divergence=fd, divergent=divergent, per_step=per_step, loss=loss, order=order,
         problems=problems, stats={"cells_drilled": hc.cells_drilled}, warnings=warnings,
         reduction_order=reduction, magnitude=magnitude, final_state=final.to_dict(index),
+        opt_impl=impl,
         not_recorded=gaps_alike + _not_recorded(ra, rb, steps, state_hashed,
                                                 final.state_rows if final.compared else 0,
                                                 start)

@@ -126,6 +126,9 @@ class LossComparison:
     rank: int | None
     first_divergent_step: int | None
     steps: list[LossStep]
+    # B's loss = A's x 2**factor bitwise at every step and rank (diff/loss_factor.py): the
+    # losses were compared as scaled; None otherwise
+    factor: int | None = None
 
 
 @dataclass
@@ -175,6 +178,9 @@ class DiffResult:
     # ``--align-steps`` (parity.diff.align.Alignment.to_dict): None when steps were compared by
     # number without being asked
     align: dict | None = None
+    # the first step whose optimizers' classes or flags differ (parity/diff/opt_impl.py), with
+    # its verdict-line ``words``; None when they agree or were not recorded
+    opt_impl: dict | None = None
 
     # -- policy (parity.policy owns the rule and the words)
     def exit_code(self, fail_on: str = "hash") -> int:
@@ -199,14 +205,15 @@ class DiffResult:
         fd = self.first_divergence
         return policy.judge_pair({
             "verdict": self.verdict, "incomplete": self.incomplete,
-            "kinds_compared": self.kinds_compared, "loss": {"captured": self.loss.captured},
+            "kinds_compared": self.kinds_compared, "loss": {"captured": self.loss.captured,
+                                                    "factor": self.loss.factor},
             "steps_compared": self.steps_compared, "ranks_compared": self.ranks_compared,
             "params_compared": self.params_compared, "first_divergent_step":
             self.first_divergent_step, "first_divergence": None if fd is None else
             {"ranks": list(fd.ranks), "origin": fd.origin, "label": fd.label, "phase": fd.phase,
              "params": fd.params, "grads": fd.grads, "opt_numbers": fd.opt_numbers},
             "final_state": self.final_state, "not_recorded": self.not_recorded,
-            "align": self.align,
+            "align": self.align, "opt_impl": self.opt_impl,
             "order": {"verdict": self.order.verdict, "first_bucket": self.order.first_bucket,
                       "consequences": self.order.consequences, "notes": self.order.notes,
                       "compared": self.order.compared, "structure": self.order.structure},
@@ -226,6 +233,7 @@ class DiffResult:
             "incomplete": list(self.incomplete),
             "not_recorded": list(self.not_recorded),
             "align": None if self.align is None else dict(self.align),
+            "opt_impl": self.opt_impl,
             "a": _side_dict(self.a),
             "b": _side_dict(self.b),
             "world_size": self.world_size,
@@ -256,6 +264,7 @@ class DiffResult:
             "loss": {
                 "captured": self.loss.captured, "rank": self.loss.rank,
                 "first_divergent_step": self.loss.first_divergent_step,
+                "factor": self.loss.factor,
                 "steps": [{"step": s.step, "a": s.a, "b": s.b, "equal": s.equal,
                            "ranks_differing": s.ranks_differing, "a_total": s.a_total,
                            "b_total": s.b_total, "a_ranks": s.a_ranks, "b_ranks": s.b_ranks}
@@ -373,7 +382,8 @@ def from_dict(d: dict) -> DiffResult:
                             [LossStep(x.get("step"), x.get("a"), x.get("b"), x.get("equal"),
                                       x.get("ranks_differing"), x.get("a_total"),
                                       x.get("b_total"), x.get("a_ranks"), x.get("b_ranks"))
-                             for x in objs(loss.get("steps"))]),
+                             for x in objs(loss.get("steps"))],
+                            loss.get("factor") if isinstance(loss.get("factor"), int) else None),
         order=OrderComparison(
             order.get("verdict"), order.get("a_source"), order.get("b_source"),
             order.get("rank"), [_pair_from_dict(p) for p in objs(order.get("pairs"))],
@@ -389,7 +399,8 @@ def from_dict(d: dict) -> DiffResult:
         reduction_order=RecordedPrediction(reduction) if isinstance(reduction, (dict, list))
         else None,
         magnitude=obj(d.get("magnitude")), final_state=obj(d.get("final_state")),
-        align=d.get("align") if isinstance(d.get("align"), dict) else None)
+        align=d.get("align") if isinstance(d.get("align"), dict) else None,
+        opt_impl=d.get("opt_impl") if isinstance(d.get("opt_impl"), dict) else None)
 
 
 def _pair_from_dict(p: dict) -> BucketPair:
