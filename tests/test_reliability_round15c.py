@@ -1,0 +1,121 @@
+"""Round 15c: compiled optimizer steps, stateless training, activation memory tricks, each job
+run with and without ``parity exec`` (tests/trainers/round15c.py, which imports nothing from
+parity; its ground truth ``R15C_SAVE``: every step's parameters, gradients and loss, the final
+model, dynamo's counters and the error a step raised).
+
+Was (docs/reliability.md, "Round 15c"): ``torch.compile(opt.step)`` traced capture's
+``disable``d hooks in ``Optimizer.step``'s hook loop: a graph break in a loop, so dynamo skipped
+the step's frame. An optimizer of the trainer's own compiled into 1 graph without parity and
+ran eagerly under it; with ``fullgraph=True`` the job raised under parity only. Now capture's
+hooks run around the compiled step (parity/capture/compiled_step.py): the same counters, graphs
+and values as without parity, and every step recorded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+
+from parity.capture import compiled_step
+from parity.errors import EXIT_MISMATCH, EXIT_INCOMPLETE
+from tests.real_jobs import diff_cli, run_ok, saved, trainer_runs, values_equal
+
+HERE = Path(__file__).resolve().parent
+TRAINER = str(HERE / "trainers" / "round15c.py")
+
+JOBS = {
+    # a trainer's own optimizer, its bound step compiled with fullgraph=True (one process)
+    "hand": {"plain": True, "nproc": 0, "R15C_OPT": "hand", "R15C_FULLGRAPH": "1"},
+    # torch.optim.Adam's bound step compiled, FSDP2 at 2 ranks
+    "adam": {"plain": True, "R15C_COMPILE": "step"},
+    # FSDP2 with a reentrant activation checkpoint
+    "ckpt": {"plain": True, "R15C_CASE": "act", "R15C_ACT": "reentrant"},
+    # functional_call over a dict of tensors, torch.optim.SGD over them, two lrs (one process)
+    "fo": {"nproc": 0, "R15C_CASE": "func", "R15C_FUNC": "optim"},
+    "fo2": {"nproc": 0, "R15C_CASE": "func", "R15C_FUNC": "optim", "R15C_LR": "0.04"},
+    # torch.func.grad and a hand-written update of the dict: no optimizer
+    "fg": {"nproc": 0, "R15C_CASE": "func", "R15C_FUNC": "grad"},
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return trainer_runs(tmp_path_factory.mktemp("round15c"), JOBS, TRAINER, "R15C_")
+
+
+def _steps(run: Path, rank: int = 0) -> list[dict]:
+    lines = (run / f"rank-{rank:05d}" / "steps.jsonl").read_text().splitlines()
+    return [json.loads(x) for x in lines if x.strip()]
+
+
+def _same_as_plain(runs, name: str, ranks) -> None:
+    run, alone = run_ok(runs, name), run_ok(runs, name + ".plain")
+    for r in ranks:
+        x, y = saved(f"{run}.truth", r), saved(f"{alone}.truth", r)
+        for k in ("params", "grads", "losses", "model"):
+            assert values_equal(x[k], y[k]), f"rank {r}: {k} differ under parity exec"
+        assert x["extra"] == y["extra"], "dynamo's counters or the error differ"
+    recorded = [s["step"] for s in _steps(run) if isinstance(s.get("step"), int)]
+    assert max(recorded) == 3, recorded
+
+
+def test_a_compiled_fullgraph_step_of_the_trainers_own_optimizer_runs_as_without_parity(runs):
+    """Was: ``Unsupported: Skip calling torch.compiler.disable()d function`` under parity only,
+    nothing captured (exit 3); without fullgraph 0 graphs (the step eager) against 1."""
+    _same_as_plain(runs, "hand", [0])
+    assert saved(f"{runs['hand'][0]}.truth")["extra"]["counters"]["stats"]["unique_graphs"] == 1
+
+
+def test_a_compiled_adam_step_under_fsdp2_keeps_dynamos_frames(runs):
+    """Was: the step's wrapper frame skipped under parity (5 frames against 8, a "graph break
+    in loop" in dynamo's counters); values and graphs were equal already."""
+    _same_as_plain(runs, "adam", [0, 1])
+    grads = [s for s in _steps(runs["adam"][0]) if s.get("step") in (1, 2, 3)]
+    assert all(s.get("grads", True) for s in grads)
+
+
+def test_reentrant_checkpoint_under_fsdp2_records_the_trainers_losses(runs):
+    """Measured already right (round 15c): values equal with and without parity, the loss of
+    each step the trainer's own (not a recomputed forward's)."""
+    _same_as_plain(runs, "ckpt", [0, 1])
+    truth = saved(f"{runs['ckpt'][0]}.truth")["losses"]
+    got = [s["loss"] for s in _steps(runs["ckpt"][0]) if s.get("step") in (1, 2, 3)]
+    assert got == [t.item() for t in truth]
+
+
+def test_functional_training_with_an_optimizer_over_a_dict_fails_and_says_the_loss(runs):
+    """``torch.autograd.grad`` (no ``backward()``): no loss recorded, said on the verdict line;
+    the lr difference fails at step 1 with its numbers."""
+    code, line, _ = diff_cli(run_ok(runs, "fo"), run_ok(runs, "fo2"))
+    assert code == EXIT_MISMATCH, line
+    assert "from step 1" in line and "optimizer lr differs from step 1" in line, line
+    assert "the loss (neither side recorded it" in line, line
+
+
+def test_functional_training_without_an_optimizer_is_said_not_captured(runs):
+    run, code, err = runs["fg"]
+    assert code == EXIT_INCOMPLETE, err[-2000:]
+    assert "--step-on" in err
+
+
+def test_only_a_bound_optimizer_step_is_wrapped():
+    import torch
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    assert compiled_step.optimizer_of(opt.step) is opt
+    assert compiled_step.optimizer_of(opt.zero_grad) is None
+    assert compiled_step.optimizer_of(lambda: opt.step()) is None
+    compiled = object()
+    assert compiled_step.wrap(torch.nn.Linear(1, 1), compiled, lambda: None) is compiled
+
+
+def test_hook_dicts_are_restored_in_their_order():
+    table = OrderedDict([(1, "user"), (2, "parity"), (3, "user2")])
+    before = compiled_step._remove(table, {2})
+    assert list(table) == [1, 3]
+    compiled_step._restore(table, before)
+    assert list(table.items()) == [(1, "user"), (2, "parity"), (3, "user2")]
+    assert compiled_step._remove(table, {9}) is None
