@@ -9,6 +9,12 @@ the step's frame. An optimizer of the trainer's own compiled into 1 graph withou
 ran eagerly under it; with ``fullgraph=True`` the job raised under parity only. Now capture's
 hooks run around the compiled step (parity/capture/compiled_step.py): the same counters, graphs
 and values as without parity, and every step recorded.
+
+Measured right and not pinned here (CI cost; docs/reliability.md says the measurement):
+``save_on_cpu``, ``saved_tensors_hooks`` and checkpoints (``use_reentrant`` True and False)
+under FSDP2, values and counters equal with and without parity (reentrant checkpointing's loss
+is pinned by tests/test_capture_exec.py); ``torch.func.grad`` with no optimizer: exit 3 and
+``--step-on`` named (the message: tests/test_grad_accum_step_on.py).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from parity.capture import compiled_step
-from parity.errors import EXIT_MISMATCH, EXIT_INCOMPLETE
+from parity.errors import EXIT_MISMATCH
 from tests.real_jobs import diff_cli, run_ok, saved, trainer_runs, values_equal
 
 HERE = Path(__file__).resolve().parent
@@ -31,13 +37,9 @@ JOBS = {
     "hand": {"plain": True, "nproc": 0, "R15C_OPT": "hand", "R15C_FULLGRAPH": "1"},
     # torch.optim.Adam's bound step compiled, FSDP2 at 2 ranks
     "adam": {"plain": True, "R15C_COMPILE": "step"},
-    # FSDP2 with a reentrant activation checkpoint
-    "ckpt": {"plain": True, "R15C_CASE": "act", "R15C_ACT": "reentrant"},
     # functional_call over a dict of tensors, torch.optim.SGD over them, two lrs (one process)
     "fo": {"nproc": 0, "R15C_CASE": "func", "R15C_FUNC": "optim"},
     "fo2": {"nproc": 0, "R15C_CASE": "func", "R15C_FUNC": "optim", "R15C_LR": "0.04"},
-    # torch.func.grad and a hand-written update of the dict: no optimizer
-    "fg": {"nproc": 0, "R15C_CASE": "func", "R15C_FUNC": "grad"},
 }
 
 
@@ -77,15 +79,6 @@ def test_a_compiled_adam_step_under_fsdp2_keeps_dynamos_frames(runs):
     assert all(s.get("grads", True) for s in grads)
 
 
-def test_reentrant_checkpoint_under_fsdp2_records_the_trainers_losses(runs):
-    """Measured already right (round 15c): values equal with and without parity, the loss of
-    each step the trainer's own (not a recomputed forward's)."""
-    _same_as_plain(runs, "ckpt", [0, 1])
-    truth = saved(f"{runs['ckpt'][0]}.truth")["losses"]
-    got = [s["loss"] for s in _steps(runs["ckpt"][0]) if s.get("step") in (1, 2, 3)]
-    assert got == [t.item() for t in truth]
-
-
 def test_functional_training_with_an_optimizer_over_a_dict_fails_and_says_the_loss(runs):
     """``torch.autograd.grad`` (no ``backward()``): no loss recorded, said on the verdict line;
     the lr difference fails at step 1 with its numbers."""
@@ -93,12 +86,6 @@ def test_functional_training_with_an_optimizer_over_a_dict_fails_and_says_the_lo
     assert code == EXIT_MISMATCH, line
     assert "from step 1" in line and "optimizer lr differs from step 1" in line, line
     assert "the loss (neither side recorded it" in line, line
-
-
-def test_functional_training_without_an_optimizer_is_said_not_captured(runs):
-    run, code, err = runs["fg"]
-    assert code == EXIT_INCOMPLETE, err[-2000:]
-    assert "--step-on" in err
 
 
 def test_only_a_bound_optimizer_step_is_wrapped():
@@ -119,3 +106,12 @@ def test_hook_dicts_are_restored_in_their_order():
     compiled_step._restore(table, before)
     assert list(table.items()) == [(1, "user"), (2, "parity"), (3, "user2")]
     assert compiled_step._remove(table, {9}) is None
+
+
+def test_a_trainers_own_step_hook_keeps_the_step_as_it_was():
+    """A pre-hook of the trainer's own (gradient clipping) must run before capture's gradient
+    hash, as eagerly: capture's hooks are then not taken out of the dicts."""
+    ours = {1, 2}
+    assert compiled_step.only_ours([({1: "pre"}, ours), ({2: "post"}, ours), ({}, set())])
+    assert not compiled_step.only_ours([({1: "pre", 7: "user"}, ours), ({}, ours)])
+    assert not compiled_step.only_ours([({1: "pre"}, ours), ({5: "clip"}, {9})])

@@ -17,8 +17,9 @@ So a callable ``torch.compile`` returns for a bound ``step`` of a ``torch.optim.
 wrapped: each call runs capture's pre-hooks eagerly (the global one, then its per-optimizer
 one), takes capture's entries out of the hook dicts while the compiled step runs (dynamo traces
 and guards the dicts as they are without parity: the same graphs and frames, no recompile),
-puts them back in their order, and runs capture's post-hook eagerly. Hooks of the trainer's own
-stay in the dicts and are compiled as without parity. Not covered: a compiled function that
+puts them back in their order, and runs capture's post-hook eagerly. Only where capture's hooks
+are the only step hooks (``only_ours``): a trainer's own hook must run before capture's gradient
+hash as it does eagerly, so with one the step is compiled as before. Not covered: a compiled function that
 calls ``opt.step()`` inside (capture cannot tell it steps an optimizer before it runs; there
 the wrapper frame is still skipped, values and graphs as without parity: round 15c)."""
 
@@ -42,6 +43,15 @@ def optimizer_of(fn: Any):
 
 def _ours(table: dict, ids: set) -> list:
     return [(k, v) for k, v in table.items() if k in ids]
+
+
+def only_ours(tables) -> bool:
+    """Whether every ``(hook dict, capture's ids)`` pair holds capture's hooks alone. A hook of
+    the trainer's own (a pre-hook that clips the gradients, a global post-hook) must run where
+    it runs eagerly, before capture's gradient hash and after its parameter hash: with one, the
+    compiled step is called as it is (capture's hooks traced, disabled: the frame skipped, as
+    before round 15c) rather than have capture hash what the step does not consume."""
+    return all(k in ids for table, ids in tables for k in table)
 
 
 def _remove(table: dict, ids: set) -> list | None:
@@ -79,12 +89,16 @@ def wrap(fn: Any, compiled: Callable, current: Callable[[], Any]) -> Callable:
         pre_g, post_g = optim_mod._global_optimizer_pre_hooks, optim_mod._global_optimizer_post_hooks
         own = getattr(opt, "_optimizer_step_pre_hooks", {})
         ids = {h.id for h in s._handles if hasattr(h, "id")}
+        consumed = s._consumed_handles.get(id(opt))
+        own_ids = {consumed.id} if consumed is not None else set()
+        if not only_ours([(pre_g, ids), (post_g, ids), (own, own_ids)]):
+            return compiled(*args, **kwargs)  # the trainer's hooks: kept in eager order
         hook_args = (opt, *args)
         for _, hook in _ours(pre_g, ids):
             res = hook(opt, hook_args, kwargs)
             if isinstance(res, tuple) and len(res) == 2:
                 hook_args, kwargs = res
-        consumed = s._consumed_handles.get(id(opt))
+        consumed = s._consumed_handles.get(id(opt))  # registered by the pre-hook on first sight
         own_ids = {consumed.id} if consumed is not None else set()
         for _, hook in _ours(own, own_ids):
             hook(opt, hook_args, kwargs)
