@@ -8,13 +8,15 @@ Was (docs/reliability.md, "Round 15c"): ``torch.compile(opt.step)`` traced captu
 the step's frame. An optimizer of the trainer's own compiled into 1 graph without parity and
 ran eagerly under it; with ``fullgraph=True`` the job raised under parity only. Now capture's
 hooks run around the compiled step (parity/capture/compiled_step.py): the same counters, graphs
-and values as without parity, and every step recorded.
+and values as without parity, and every step recorded. And ``--step-on`` of a stateless update
+(``torch.func.grad``, a new dict of plain tensors each step) hashed the model's parameters,
+which never change: lr 0.05 against 0.04 HELD. Now its result is named unhashed: incomplete.
 
 Measured right and not pinned here (CI cost; docs/reliability.md says the measurement):
 ``save_on_cpu``, ``saved_tensors_hooks`` and checkpoints (``use_reentrant`` True and False)
 under FSDP2, values and counters equal with and without parity (reentrant checkpointing's loss
-is pinned by tests/test_capture_exec.py); ``torch.func.grad`` with no optimizer: exit 3 and
-``--step-on`` named (the message: tests/test_grad_accum_step_on.py).
+is pinned by tests/test_capture_exec.py); ``torch.func.grad`` with no optimizer and no
+``--step-on``: exit 3 and ``--step-on`` named (the message: tests/test_grad_accum_step_on.py).
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from parity.capture import compiled_step
-from parity.errors import EXIT_MISMATCH
-from tests.real_jobs import diff_cli, run_ok, saved, trainer_runs, values_equal
+from parity.capture import compiled_step, step_on
+from parity.errors import EXIT_INCOMPLETE, EXIT_MISMATCH
+from tests.real_jobs import (diff_cli, run_ok, run_table, saved, start_trainer, values_equal,
+                             with_plain)
 
 HERE = Path(__file__).resolve().parent
 TRAINER = str(HERE / "trainers" / "round15c.py")
@@ -40,12 +43,25 @@ JOBS = {
     # functional_call over a dict of tensors, torch.optim.SGD over them, two lrs (one process)
     "fo": {"nproc": 0, "R15C_CASE": "func", "R15C_FUNC": "optim"},
     "fo2": {"nproc": 0, "R15C_CASE": "func", "R15C_FUNC": "optim", "R15C_LR": "0.04"},
+    # torch.func.grad, the dict updated into a new dict by sgd_update, named by --step-on
+    "sg": {"nproc": 0, "R15C_CASE": "func", "step_on": 1},
+    "sg2": {"nproc": 0, "R15C_CASE": "func", "R15C_LR": "0.04", "step_on": 1},
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return trainer_runs(tmp_path_factory.mktemp("round15c"), JOBS, TRAINER, "R15C_")
+    root = tmp_path_factory.mktemp("round15c")
+
+    def start(name, knobs):  # trainer_runs's start, with --step-on for the stateless update
+        on = knobs.pop("step_on", 0)
+        nproc = knobs.pop("nproc", 2)
+        return root / name, start_trainer(
+            root / name, "R15C_", knobs, [TRAINER], nproc=nproc,
+            exec=not name.endswith(".plain"),
+            exec_args=("--step-on", "round15c:sgd_update") if on else ())
+
+    return run_table(with_plain(JOBS), start, at_once=2)
 
 
 def _steps(run: Path, rank: int = 0) -> list[dict]:
@@ -86,6 +102,27 @@ def test_functional_training_with_an_optimizer_over_a_dict_fails_and_says_the_lo
     assert code == EXIT_MISMATCH, line
     assert "from step 1" in line and "optimizer lr differs from step 1" in line, line
     assert "the loss (neither side recorded it" in line, line
+
+
+def test_a_stateless_update_named_by_step_on_is_incomplete_not_held(runs):
+    """Was: lr 0.05 against 0.04 HELD (``hashes bitwise identical over 4 steps``): the step
+    hashed the model's parameters, which ``functional_call`` training never changes. Now the
+    update's result is named unhashed: incomplete, said on the verdict line."""
+    a, b = run_ok(runs, "sg"), run_ok(runs, "sg2")
+    assert not values_equal(saved(f"{a}.truth")["params"][0], saved(f"{b}.truth")["params"][0])
+    code, line, _ = diff_cli(a, b)
+    assert code == EXIT_INCOMPLETE, line
+    assert "<round15c:sgd_update result> (returned tensors, and was given no parameter" in line
+
+
+def test_only_a_stateless_updates_result_counts_as_tensors():
+    import torch
+
+    t = torch.zeros(2)
+    assert step_on._holds_tensors({"w": t}) and step_on._holds_tensors([t])
+    assert step_on._holds_tensors(t)
+    assert not step_on._holds_tensors(None) and not step_on._holds_tensors({"n": 3})
+    assert not step_on._holds_tensors(torch.zeros(2, dtype=torch.long))
 
 
 def test_only_a_bound_optimizer_step_is_wrapped():

@@ -121,6 +121,11 @@ def train_copt(model, rank, truth):
         truth["params"].append(local(dict(model.named_parameters())))
 
 
+def sgd_update(params, grads, lr):
+    """The stateless update of R15C_FUNC=grad: a new dict (what ``--step-on`` can name)."""
+    return {n: p - lr * grads[n] for n, p in params.items()}
+
+
 def train_func(model, rank, truth):
     from torch.func import functional_call, grad
 
@@ -137,7 +142,7 @@ def train_func(model, rank, truth):
         if how == "grad":
             loss = loss_of(params, x, y)
             gs = grad(loss_of)(params, x, y)
-            params = {n: p - lr * gs[n] for n, p in params.items()}
+            params = sgd_update(params, gs, lr)
         else:
             loss = loss_of(params, x, y)
             gs = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
