@@ -84,33 +84,52 @@ def wrap(fn: Any, compiled: Callable, current: Callable[[], Any]) -> Callable:
         s = current()
         if s is None or s.stopped or s.failed:
             return compiled(*args, **kwargs)
-        from torch.optim import optimizer as optim_mod
-
-        pre_g, post_g = optim_mod._global_optimizer_pre_hooks, optim_mod._global_optimizer_post_hooks
-        own = getattr(opt, "_optimizer_step_pre_hooks", {})
-        ids = {h.id for h in s._handles if hasattr(h, "id")}
-        consumed = s._consumed_handles.get(id(opt))
-        own_ids = {consumed.id} if consumed is not None else set()
-        if not only_ours([(pre_g, ids), (post_g, ids), (own, own_ids)]):
-            return compiled(*args, **kwargs)  # the trainer's hooks: kept in eager order
-        hook_args = (opt, *args)
-        for _, hook in _ours(pre_g, ids):
-            res = hook(opt, hook_args, kwargs)
-            if isinstance(res, tuple) and len(res) == 2:
-                hook_args, kwargs = res
-        consumed = s._consumed_handles.get(id(opt))  # registered by the pre-hook on first sight
-        own_ids = {consumed.id} if consumed is not None else set()
-        for _, hook in _ours(own, own_ids):
-            hook(opt, hook_args, kwargs)
-        saved = [(t, _remove(t, i)) for t, i in ((pre_g, ids), (post_g, ids), (own, own_ids))]
+        saved, hook_args, post = [], None, []
+        try:  # capture breaking here must not stop the step (fail soft: session.py)
+            hook_args, kwargs, saved, post = _before(s, opt, args, kwargs)
+        except Exception as e:  # noqa: BLE001
+            _put_back(saved)
+            s._fail(e)
+        if hook_args is None:
+            return compiled(*args, **kwargs)
         try:
             out = compiled(*hook_args[1:], **kwargs)
         finally:
-            for t, before in saved:
-                _restore(t, before)
-        for _, hook in _ours(post_g, ids):
+            _put_back(saved)
+        for hook in post:
             hook(opt, hook_args, kwargs)
         return out
 
-    compiled_step.__wrapped_compiled_step__ = compiled
     return compiled_step
+
+
+def _before(s, opt, args, kwargs):
+    """Capture's pre-hooks run eagerly and its hooks taken out of the dicts: ``(hook args,
+    kwargs, what to put back, capture's post-hooks)``; hook args None where the trainer has
+    hooks of its own (``only_ours``)."""
+    from torch.optim import optimizer as optim_mod
+
+    pre_g, post_g = optim_mod._global_optimizer_pre_hooks, optim_mod._global_optimizer_post_hooks
+    own = getattr(opt, "_optimizer_step_pre_hooks", {})
+    ids = {h.id for h in s._handles if hasattr(h, "id")}
+    consumed = s._consumed_handles.get(id(opt))
+    own_ids = {consumed.id} if consumed is not None else set()
+    if not only_ours([(pre_g, ids), (post_g, ids), (own, own_ids)]):
+        return None, kwargs, [], []  # the trainer's hooks: kept in eager order
+    hook_args = (opt, *args)
+    for _, hook in _ours(pre_g, ids):
+        res = hook(opt, hook_args, kwargs)
+        if isinstance(res, tuple) and len(res) == 2:
+            hook_args, kwargs = res
+    consumed = s._consumed_handles.get(id(opt))  # registered by the pre-hook on first sight
+    own_ids = {consumed.id} if consumed is not None else set()
+    for _, hook in _ours(own, own_ids):
+        hook(opt, hook_args, kwargs)
+    post = [hook for _, hook in _ours(post_g, ids)]
+    saved = [(t, _remove(t, i)) for t, i in ((pre_g, ids), (post_g, ids), (own, own_ids))]
+    return hook_args, kwargs, saved, post
+
+
+def _put_back(saved) -> None:
+    for table, before in saved:
+        _restore(table, before)
