@@ -198,7 +198,13 @@ def install(current) -> None:
 
             s._install_imported_sources()
             s._install_sources(ON_COMPILE)
-        return orig_compile(*args, **kwargs)
+        out = orig_compile(*args, **kwargs)
+        target = args[0] if args else kwargs.get("model")
+        if target is not None:  # a compiled optimizer step runs capture's hooks outside it
+            from parity.capture import compiled_step
+
+            out = compiled_step.wrap(target, out, _current)
+        return out
 
     functools.update_wrapper(compile, orig_compile)
     _ORIG["compile"] = orig_compile

@@ -58,6 +58,11 @@ __all__ = ["Session", "current"]
 
 _ACTIVE: "Session | None" = None
 _LOCK = threading.RLock()
+# Said by dynamo where a compiled function that calls ``optimizer.step()`` traces capture's
+# hooks (a graph break; the error under ``fullgraph=True``): what it is and what keeps it out.
+_HIDDEN_REASON = ("parity capture's optimizer step hook (parity exec) runs eagerly; compile "
+                  "the optimizer's bound step, torch.compile(opt.step), to keep it out of the "
+                  "graph (docs/reliability.md, round 15c)")
 
 
 def current() -> "Session | None":
@@ -256,7 +261,7 @@ class Session(RankRecord, StepClock, ParamTable):
             table = h.hooks_dict_ref() if hasattr(h, "hooks_dict_ref") else None
             fn = table.get(h.id) if table is not None else None
             if fn is not None and not getattr(fn, "_torchdynamo_disable", False):
-                table[h.id] = torch._dynamo.disable(fn)
+                table[h.id] = torch._dynamo.disable(fn, reason=_HIDDEN_REASON)
 
     def stop(self, status: str | None = None, error: str | None = None) -> None:
         """Write what is pending, close the files and remove every hook. Idempotent."""

@@ -19,7 +19,10 @@ The parameters of the step, in this order: the ``param_groups`` of an argument t
 foreign optimizer, ``self`` of ``Optimizer.step``); the parameters of ``nn.Module`` arguments
 and the parameters (tensors that require grad) among the arguments, one level into lists,
 tuples and dicts; else the parameters of the model (the live module tree holding the most
-trainable parameters).
+trainable parameters). A function given none of these that returns tensors is a stateless
+update (``torch.func`` training: a new dict of plain tensors each step) whose results the
+model's parameters do not hold: named unhashed (meta.json ``capture.unhashed``), so a diff is
+incomplete and says so instead of holding over tensors that never changed (round 15c).
 """
 
 from __future__ import annotations
@@ -88,6 +91,22 @@ def _params(args, kwargs, root) -> list:
     return out
 
 
+# Why a stateless update's result is named unhashed (round 15c): ``torch.func`` training
+# updates a dict of plain tensors into a new dict (``{n: p - lr * g[n]}``); given no parameter,
+# the step hashes the model's, which that update never changes: lr 0.05 against 0.04 HELD.
+STATELESS = ("returned tensors, and was given no parameter (no nn.Module, param_groups or "
+             "tensor that requires grad): a stateless update (torch.func); the model's "
+             "parameters were hashed as its step's, the tensors it returns were not")
+
+
+def _holds_tensors(out) -> bool:
+    """Whether a step function's result is a tensor or holds floating tensors (one level into
+    dicts, lists, tuples): the new parameters of a stateless update."""
+    items = (list(out.values()) if isinstance(out, dict) else list(out)
+             if isinstance(out, (list, tuple)) else [out])
+    return any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in items)
+
+
 def _parity_hooks(table) -> list:
     """parity's own global optimizer hooks (the session's and op capture's), in order."""
     out = []
@@ -108,11 +127,14 @@ def wrap(fn, label: str, session):
             return fn(*args, **kwargs)
         from torch.optim import optimizer as _opt
 
-        root = session._model_root()  # the model: no module hook tells which was called
-        stand_in.param_groups = [{"params": _params(args, kwargs, root)}]
+        given = _params(args, kwargs, None)
+        root = None if given else session._model_root()  # no module hook tells which ran
+        stand_in.param_groups = [{"params": given or _params((), {}, root)}]
         for hook in _parity_hooks(_opt._global_optimizer_pre_hooks):
             hook(stand_in, (stand_in,), {})
         out = fn(*args, **kwargs)
+        if not given and _holds_tensors(out):
+            session._note_unhashed(f"<{label} result>", STATELESS)
         for hook in _parity_hooks(_opt._global_optimizer_post_hooks):
             hook(stand_in, (stand_in,), {})
         return out
