@@ -278,6 +278,7 @@ class RankWriter:
         self._hashes = _AppendFile(self.dir / HASHES_FILE)
         self._steps = _AppendFile(self.dir / STEPS_FILE)
         self._opt_last: tuple[int, list[dict]] | None = None  # (step, groups) last written
+        self._impl_last: list[dict] | None = None  # the optimizers' classes and flags, likewise
         self._buckets = _AppendFile(self.dir / BUCKETS_FILE)
 
     def update_meta(self, **updates) -> None:
@@ -347,14 +348,20 @@ class RankWriter:
             line["skipped"] = skipped
         if rng is not None:
             line["rng"] = rng
+        changes = False
         if opt is not None:
             since, last = self._opt_last or (None, None)
             line["opt"] = encode(opt, last, since)
-            if type(line["opt"]) is dict:
+            changes = type(line["opt"]) is dict
+            if changes:
                 line["v"] = CHANGES_VERSION  # a reader before round 15a skips it, said
             self._opt_last = (step, opt)
         if opt_impl is not None:
-            line["opt_impl"] = opt_impl
+            # like the numbers: on a line of changes only when it changed (carry_forward gives
+            # it back); 1,500 groups' flags were 224 KB a line
+            if not (changes and opt_impl == self._impl_last):
+                line["opt_impl"] = opt_impl
+            self._impl_last = opt_impl
         # no wall time: two runs that train alike write the same bytes (the reader shares them)
         self._steps.append(line)
         return p_off, p_digest

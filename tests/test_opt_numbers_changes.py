@@ -198,3 +198,32 @@ def test_aligned_steps_carry_full_numbers(tmp_path):
     assert na == {3: full[3], 4: full[4]} and nb == {3: full[3], 4: full[4]}
     c = compare_numbers({0: na}, {0: nb}, [0])
     assert c["steps"] == [3, 4] and c["first_differs"] is None
+
+
+def test_implementation_written_when_it_changes_and_carried(tmp_path):
+    """``opt_impl`` (round 15b) rides with the numbers: on a line of changes only when it
+    changed; the reader gives every step the one in force; a broken chain drops it too."""
+    impl = [{"class": "torch.optim.sgd.SGD", "flags": [{"foreach": None}] * 2}]
+    other = [{"class": "torch.optim.sgd.SGD", "flags": [{"foreach": True}] * 2}]
+    w = RankWriter(tmp_path, 0, {})
+    for s, im in ((1, impl), (2, impl), (3, other), (4, other)):
+        w.write_step(s, NO_HASH * 2, opt=[_g(0.1), _g(0.2)], opt_impl=im)
+    w.close()
+    d = rank_dir(tmp_path, 0)
+    written = {x["step"]: "opt_impl" in x for x in _lines(d) if "step" in x}
+    assert written == {1: True, 2: False, 3: True, 4: False}
+    steps = read_rank(d, 0).steps
+    assert [steps[s]["opt_impl"] for s in (1, 2, 3, 4)] == [impl, impl, other, other]
+    lines = _lines(d)
+    broken = [x for x in lines if x.get("step") != 3]  # the line that changed it, lost
+    assert "opt_impl" not in carry_forward(broken)[[x.get("step") for x in broken].index(4)]
+
+
+def test_most_groups_changed_each_its_own_way_is_written_whole():
+    """Each group its own new lr: the full list (cheaper to make than 1,500 changes); one lr
+    set on every group stays one change."""
+    last = [_g(0.1 + i) for i in range(100)]
+    own = [_g(0.2 + i) for i in range(100)]
+    assert encode(own, last, 1) is own
+    one = [_g(0.5) for _ in range(100)]
+    assert isinstance(encode(one, [_g(0.1) for _ in range(100)], 1), dict)

@@ -21,6 +21,7 @@ import jsonschema
 import pytest
 import torch
 
+from parity.artifacts import read_rank
 from parity.capture.opt_impl import optimizer_impl
 from parity.diff.loss_factor import exact_factor, near_factor, near_factor_words
 from parity.diff.opt_impl import compare_impl, impl_phrase, impl_words
@@ -121,10 +122,15 @@ def test_sync_at_every_micro_batch_is_explained_and_not_predicted_same(runs):
 
 
 def test_recorded_implementation(runs):
-    """steps.jsonl ``opt_impl``: the class and each group's flags, every recorded step."""
-    lines = [json.loads(x) for x in (run_ok(runs, "fused") / "rank-00001" / "steps.jsonl")
-             .read_text().splitlines() if x.strip()]
-    impl = [x["opt_impl"] for x in lines if isinstance(x.get("step"), int) and x["step"] >= 1]
+    """steps.jsonl ``opt_impl``: the class and each group's flags, as the reader gives every
+    recorded step; written on the first line only while it stays the same (lead, round 15)."""
+    rank_dir = run_ok(runs, "fused") / "rank-00001"
+    lines = [json.loads(x) for x in (rank_dir / "steps.jsonl").read_text().splitlines()
+             if x.strip()]
+    written = [x for x in lines if isinstance(x.get("step"), int) and x["step"] >= 1]
+    assert len(written) == 2 and "opt_impl" in written[0] and "opt_impl" not in written[1]
+    steps = read_rank(rank_dir, 1).steps
+    impl = [steps[k]["opt_impl"] for k in sorted(steps) if k >= 1]
     assert len(impl) == 2 and impl[0] == impl[1]
     assert impl[0][0]["class"] == "torch.optim.adam.Adam" and impl[0][0]["flags"][0]["fused"]
 

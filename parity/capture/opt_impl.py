@@ -20,15 +20,17 @@ from __future__ import annotations
 __all__ = ["optimizer_impl"]
 
 
-def optimizer_impl(opt) -> dict | None:
-    """The class and the non-number entries of each param group of ``opt``, or None."""
+def optimizer_impl(opt, flags: list[dict] | None = None) -> dict | None:
+    """The class and the non-number entries of each param group of ``opt`` (``flags``: those
+    entries as opt_numbers.group_entries read them in its one pass; else read here), or None."""
     try:
         cls = type(opt)
-        flags = []
-        for g in opt.param_groups:
-            flags.append({k: g[k] for k in sorted(k for k in g if isinstance(k, str)
-                                                  and k != "params")
-                          if g[k] is None or isinstance(g[k], (bool, str))})
+        if flags is None:
+            flags = []
+            for g in opt.param_groups:
+                flags.append({k: g[k] for k in sorted(k for k in g if isinstance(k, str)
+                                                      and k != "params")
+                              if g[k] is None or isinstance(g[k], (bool, str))})
         return {"class": f"{cls.__module__}.{cls.__qualname__}", "flags": flags}
     except Exception:  # noqa: BLE001 - a wrapper without param_groups: nothing said
         return None

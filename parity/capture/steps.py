@@ -27,7 +27,7 @@ import torch
 from parity.capture import loss
 from parity.capture.patches import _graph_capture, _tracing
 from parity.capture.opt_impl import optimizer_impl
-from parity.capture.opt_numbers import group_numbers
+from parity.capture.opt_numbers import group_entries
 from parity.capture.rng_state import rng_digests
 from parity.capture.table import _Buffer
 
@@ -283,12 +283,11 @@ class StepClock:
                 if self.depth == 1 and (self.k == 1 or self._step_sampled):
                     # the numbers this step used (opt_numbers.py); not those of an optimizer
                     # stepped inside another's step() (ZeRO's local one): part of the outer
-                    groups = group_numbers(opt)
-                    if groups is not None:
-                        self._opt_groups.extend(groups)
-                    impl = optimizer_impl(opt)  # its class and flags (opt_impl.py)
-                    if impl is not None:
-                        self._opt_impl.append(impl)
+                    both = group_entries(opt)  # numbers and flags in one pass
+                    if both is not None:
+                        self._opt_groups.extend(both[0])
+                        # its class and flags (opt_impl.py)
+                        self._opt_impl.append(optimizer_impl(opt, both[1]))
                 self.depth -= 1
                 if self.depth == 0:
                     self.done = self.k
