@@ -13,8 +13,9 @@ a line whose group count differs from its last one (an optimizer that did not st
 ``[i, d]``: group i is the previous line's with the keys of d set (changed or new);
 ``[[i, j, ...], d]``: so is each of groups i, j, ... (the same changes: a schedule that sets one
 lr on every group writes it once); ``[i, d, 1]``: group i is d (a key went away). ``since``
-is the step of the line the changes are to, ``groups`` the count: the reader (``carry_forward``, in artifacts.read_rank, before any
-step is renumbered by ``--align-steps`` or dropped as damaged) checks both, so a lost or foreign
+is the step of the line the changes are to, ``groups`` the count: the reader
+(``carry_forward``, in artifacts.read_rank, before any step is renumbered by ``--align-steps``
+or dropped as damaged) checks both, so a lost or foreign
 line never yields numbers that were not written; where the chain is broken the step has no
 ``opt`` (not compared) until the rank's next full list. Every reader after it sees the full list
 on every step, as from a run of round 14c, whose lines (full lists only) read as they did.
