@@ -187,3 +187,16 @@ def test_optimizer_impl_and_its_comparison():
     assert "amsgrad False against True" in impl_phrase(cmp(amsgrad))
     assert compare_impl({0: {1: []}}, {0: {2: []}}, [0]) is None  # no common step
     assert optimizer_impl(object()) is None
+
+
+def test_an_option_one_torch_lacks_is_no_difference_when_off_on_the_other():
+    """A run of an older torch (an Adam without ``decoupled_weight_decay``) against a newer
+    one that has it off: not another update rule; on, it is (lead, round 15)."""
+    new = {"class": "torch.optim.adam.Adam", "flags": [{"decoupled_weight_decay": False,
+                                                        "foreach": None, "fused": None}]}
+    old = {"class": "torch.optim.adam.Adam", "flags": [{"foreach": None}]}
+    assert compare_impl({0: {1: [old]}}, {0: {1: [new]}}, [0]) is None
+    on = {**new, "flags": [{**new["flags"][0], "decoupled_weight_decay": True}]}
+    c = compare_impl({0: {1: [old]}}, {0: {1: [on]}}, [0])
+    assert c is not None and not c["kernel_only"]
+    assert "decoupled_weight_decay absent against True" in impl_phrase(c)
