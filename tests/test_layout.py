@@ -29,7 +29,7 @@ ROOT = Path(parity.__file__).parent
 LAYERS = [
     ("base", ("parity", "parity.errors", "parity.text", "parity.records", "parity.artifacts",
               "parity.rundir", "parity.nccl", "parity.consequences",
-              "parity.params_codec", "parity.comm_ops", "parity.pidlock")),
+              "parity.params_codec", "parity.opt_changes", "parity.comm_ops", "parity.pidlock")),
     ("capture", ("parity.capture",)),
     ("diff", ("parity.policy", "parity.diff")),
     ("sweep", ("parity.sweep",)),
