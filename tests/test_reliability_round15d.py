@@ -22,7 +22,8 @@ import jsonschema
 import pytest
 import torch
 
-from parity.capture.sources.graph_runs import BackwardPasses
+from parity.capture import patches
+from parity.capture.sources.graph_runs import BackwardPasses, reaches_compiled
 from parity.capture.sources.manifest_source import GraphRecord
 from parity.diff.buckets import explain_eager, graph_passes, select_layout
 from parity.errors import EXIT_MISMATCH, EXIT_OK
@@ -135,13 +136,41 @@ def test_backward_passes_write_a_graph_again_once_per_larger_count():
                       graph="backward", graph_id=7)
     bp.keep(GraphRecord("forward", 6, [rs]))
     bp.keep(GraphRecord("backward", 8, [rs], stage="before_passes"))
+    bp.on_backward()  # the first backward compiles the graph: counted without a walk
     bp.keep(GraphRecord("backward", 7, [rs, ag]))
-    for _ in range(3):
-        bp.on_backward()
-    bp.new_step()
-    for _ in range(3):
-        bp.on_backward()
+    patches.BACKWARD_OF[0] = torch.ones(1, requires_grad=True) * 2  # reaches no compiled graph
+    bp.on_backward()
+    patches.BACKWARD_OF[0] = _Compiled()
+    try:
+        for _ in range(2):
+            bp.on_backward()
+        bp.new_step()
+        for _ in range(3):
+            bp.on_backward()
+    finally:
+        patches.BACKWARD_OF[0] = None
     assert [(r.graph_id, [b.extra["passes"] for b in r.buckets], [b.collective for b in
                                                                  r.buckets]) for r in out] == [
         (7, [2], ["reduce_scatter"]), (7, [3], ["reduce_scatter"])]
     assert "passes" not in rs.extra and out[0].buckets[0].to_dict()["passes"] == 2
+
+
+class CompiledFunctionBackward:  # named as aot_autograd's node
+    next_functions = ()
+
+
+class _Compiled:
+    """A loss whose autograd graph holds a compiled function."""
+    grad_fn = CompiledFunctionBackward()
+
+
+def test_reaches_compiled_walks_the_autograd_graph():
+    """A chunk's loss (no compiled function behind it) is not a backward pass of the graph; a
+    graph past the cap counts (not known)."""
+    x = torch.ones(3, requires_grad=True)
+    assert not reaches_compiled((x * 2).sum()) and not reaches_compiled(None)
+    assert reaches_compiled([(x * 2).sum(), _Compiled()])
+    deep = x
+    for _ in range(5):
+        deep = deep * 2
+    assert reaches_compiled(deep.sum(), cap=3) and not reaches_compiled(deep.sum())

@@ -16,9 +16,11 @@ and number of passes larger than any written before (a job of 8 micro-batches wr
 graphs' lines again 7 times in all, not 7 times a step). The diff (parity/diff/buckets.py,
 ``graph_passes``) counts each such gradient ``passes`` times per step.
 
-A backward pass counts for every backward graph compiled so far: one that does not run
-through a compiled region (an auxiliary loss computed outside it) is counted too, as the DDP
-count counts a backward of a DDP forward (docs/reliability.md, round 15d).
+A backward pass counts where its autograd graph reaches a compiled function
+(:func:`reaches_compiled`: a chunked loss's per-chunk ``backward()`` stops at the detached
+hidden state and is not counted), and then for every backward graph compiled so far: one that
+reaches another compiled region only (two compiled models, each its own micro-batch loop) is
+counted for both (docs/reliability.md, round 15d).
 """
 
 from __future__ import annotations
@@ -28,6 +30,31 @@ from parity.capture.sources.manifest_source import GraphRecord
 from parity.records import BucketRecord
 
 PASSES = "passes"  # the bucket line's key (docs/artifacts.md)
+WALK_CAP = 20_000  # autograd nodes walked to find a compiled function (reaches_compiled)
+
+
+def reaches_compiled(roots, cap: int = WALK_CAP) -> bool:
+    """Whether the autograd graph of ``roots`` (a tensor, or a list or tuple of them) holds a
+    compiled function's backward (aot_autograd's ``CompiledFunctionBackward``), walked
+    breadth-first from the roots; True past ``cap`` nodes (not known: counted, as before the
+    walk). Why: a chunked loss calls ``backward()`` on each chunk's loss, whose graph stops at
+    the detached hidden state, before the total's backward runs the model's graph once."""
+    if isinstance(roots, (list, tuple)):
+        todo = [getattr(t, "grad_fn", None) for t in roots]
+    else:
+        todo = [getattr(roots, "grad_fn", None)]
+    seen: set = set()
+    while todo:
+        node = todo.pop(0)
+        if node is None or id(node) in seen:
+            continue
+        if type(node).__name__ == "CompiledFunctionBackward":
+            return True
+        seen.add(id(node))
+        if len(seen) > cap:
+            return True
+        todo.extend(n for n, _ in getattr(node, "next_functions", ()) if n is not None)
+    return False
 
 
 def _copies(buckets: list[BucketRecord]) -> list[BucketRecord]:
@@ -56,7 +83,10 @@ class BackwardPasses:
                                                        _copies(rs), [], record.stage)
 
     def on_backward(self) -> None:
-        """Before an outermost backward: the count, and the lines of a new larger count."""
+        """Before an outermost backward: the count, and the lines of a new larger count. A
+        backward whose autograd graph reaches no compiled function is not counted."""
+        if self.graphs and not reaches_compiled(patches.BACKWARD_OF[0]):
+            return  # (no graph yet: the first backward, which compiles it, is counted unwalked)
         self.count += 1
         if self.count < 2:
             return
