@@ -73,7 +73,7 @@ def test_compiled_per_micro_batch_against_eager_sync_on_the_last(runs, a, b, per
     assert not _grads_equal(runs, a, b)
     rc, line, js = _diff(runs, a, b)
     assert rc == EXIT_MISMATCH and "(loss equal, gradients differ)" in line
-    assert f"a gradient reduced by a different number of collectives (" in line
+    assert "a gradient reduced by a different number of collectives (" in line
     assert per_step + " per step; 12 gradients)" in line
     why = js["first_divergence"]["explanation"]
     assert "2 reduce-scatters per step in" in why and "(graph bucket 0: one per micro-batch" in why

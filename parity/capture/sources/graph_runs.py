@@ -25,6 +25,8 @@ counted for both (docs/reliability.md, round 15d).
 
 from __future__ import annotations
 
+from collections import deque
+
 from parity.capture import patches
 from parity.capture.sources.manifest_source import GraphRecord
 from parity.records import BucketRecord
@@ -39,13 +41,11 @@ def reaches_compiled(roots, cap: int = WALK_CAP) -> bool:
     breadth-first from the roots; True past ``cap`` nodes (not known: counted, as before the
     walk). Why: a chunked loss calls ``backward()`` on each chunk's loss, whose graph stops at
     the detached hidden state, before the total's backward runs the model's graph once."""
-    if isinstance(roots, (list, tuple)):
-        todo = [getattr(t, "grad_fn", None) for t in roots]
-    else:
-        todo = [getattr(roots, "grad_fn", None)]
+    todo = deque(getattr(t, "grad_fn", None)
+                 for t in (roots if isinstance(roots, (list, tuple)) else [roots]))
     seen: set = set()
     while todo:
-        node = todo.pop(0)
+        node = todo.popleft()
         if node is None or id(node) in seen:
             continue
         if type(node).__name__ == "CompiledFunctionBackward":
