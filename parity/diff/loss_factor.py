@@ -26,11 +26,11 @@ import math
 __all__ = ["exact_factor", "near_factor", "near_factor_words"]
 
 
-def exact_factor(steps) -> int | None:
-    """k (non-zero) such that every compared rank's B loss is its A loss x 2^k at every step
-    whose losses differ and at every other step (LossStep rows with ``a_ranks`` / ``b_ranks``);
-    None when no such k exists or nothing differs."""
-    k = None
+def _loss_pairs(steps) -> list[tuple[float, float]] | None:
+    """Every compared rank's (A loss, B loss) at every compared step (LossStep rows with
+    ``a_ranks`` / ``b_ranks``); None where a pair is not two finite non-zero floats or the
+    rank counts differ."""
+    pairs = []
     for s in steps:
         if s.equal is None:
             continue
@@ -41,12 +41,21 @@ def exact_factor(steps) -> int | None:
             if not (isinstance(x, float) and isinstance(y, float)) or x == 0 or y == 0 \
                     or not (math.isfinite(x) and math.isfinite(y)):
                 return None
-            e = math.frexp(y)[1] - math.frexp(x)[1]
-            if math.ldexp(x, e) != y or (k is not None and e != k):
-                return None
-            k = e
-    return k or None
+            pairs.append((x, y))
+    return pairs
 
+
+def exact_factor(steps) -> int | None:
+    """k (non-zero) such that every compared rank's B loss is its A loss x 2^k at every step
+    whose losses differ and at every other step (LossStep rows with ``a_ranks`` / ``b_ranks``);
+    None when no such k exists or nothing differs."""
+    k = None
+    for x, y in _loss_pairs(steps) or ():
+        e = math.frexp(y)[1] - math.frexp(x)[1]
+        if math.ldexp(x, e) != y or (k is not None and e != k):
+            return None
+        k = e
+    return k or None
 
 
 REL = 1e-5  # float32 losses divided by M and summed: a few ulps from the exact ratio
@@ -55,18 +64,8 @@ REL = 1e-5  # float32 losses divided by M and summed: a few ulps from the exact 
 def near_factor(steps) -> float | None:
     """The whole number r (or 1/r), r >= 2, with B's loss = A's x r within rounding at every
     step on every compared rank; None otherwise."""
-    ratios = []
-    for s in steps:
-        if s.equal is None:
-            continue
-        xs, ys = s.a_ranks or [], s.b_ranks or []
-        if not xs or len(xs) != len(ys):
-            return None
-        for x, y in zip(xs, ys):
-            if not (isinstance(x, float) and isinstance(y, float)) or x == 0 or y == 0 \
-                    or not (math.isfinite(x) and math.isfinite(y)):
-                return None
-            ratios.append(y / x)
+    pairs = _loss_pairs(steps)
+    ratios = [y / x for x, y in pairs or ()]
     if not ratios:
         return None
     r = ratios[0]
