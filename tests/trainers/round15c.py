@@ -19,7 +19,9 @@ Knobs (environment):
     copt  Adam (lr 0.01; R15C_OPT=hand: HandSGD, the trainer's own optimizer, lr 0.05) stepped
           through torch.compile: R15C_COMPILE=step
           (``torch.compile(opt.step)``, default) | fn (a compiled function calling
-          ``opt.step()``: the "compiled optimizer" tutorial's shape) | none (eager);
+          ``opt.step()``: the "compiled optimizer" tutorial's shape) | whole (a compiled
+          training step: forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``;
+          no gradients in the ground truth) | none (eager);
           R15C_CLIP=1 registers a step pre-hook that halves the gradients;
           R15C_FULLGRAPH=1 compiles with ``fullgraph=True``; R15C_BACKEND eager | aot_eager
           (default) | inductor
@@ -108,10 +110,22 @@ def train_copt(model, rank, truth):
         @torch.compile(backend=backend, fullgraph=full)
         def step():
             opt.step()
+    elif how == "whole":  # the whole training step compiled
+        @torch.compile(backend=backend, fullgraph=full)
+        def whole(x, y):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
     else:
         step = opt.step
     for i in range(1, STEPS + 1):
         x, y = batch(i, rank)
+        if how == "whole":
+            truth["losses"].append(whole(x, y).detach().clone())
+            truth["params"].append(local(dict(model.named_parameters())))
+            continue
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
