@@ -258,7 +258,9 @@ def call(compiled: Callable, current: Callable[[], Any]) -> Callable:
     @functools.wraps(compiled)
     def compiled_call(*args, **kwargs):
         s = current()
-        if s is None or s.stopped or s.failed:
+        if s is None or s.stopped or s.failed or s.depth:
+            # depth: inside an optimizer step capture's hooks saw (an optimizer whose step
+            # calls a compiled update per parameter): that step is noted by its own hooks
             return compiled(*args, **kwargs)
         try:
             if not scanned:
