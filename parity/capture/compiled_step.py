@@ -34,7 +34,9 @@ counters equal), and :func:`call` notes the step after the compiled function ret
 compares the parameter version counters (``_version``, bumped by a compiled in-place update,
 aot_eager and inductor alike) of the process's optimizers before and after the call, and runs
 capture's pre- and post-hooks for each optimizer whose parameters changed, unless capture's
-hooks ran eagerly during the call (a frame dynamo skipped: the step was recorded there)."""
+hooks ran eagerly during the call (a frame dynamo skipped: the step was recorded there).
+Before capture's first step each call hashes those parameters before it runs: a step 0 taken
+after the call would be the updated parameters (against the eager run: ``FAILS from step 0``)."""
 
 from __future__ import annotations
 
@@ -199,54 +201,17 @@ def stepped(before: list) -> list:
     return out
 
 
-def snapshot(refs) -> list:
-    """Copies of the parameters of the optimizers ``refs`` point to: what step 0 hashes when
-    the first step capture sees runs inside a compiled function (one copy of the parameters,
-    taken at compiled calls before capture's first step only)."""
-    import torch
-
+def params_of(refs) -> list:
+    """The parameters of the optimizers ``refs`` point to, each once, in their order."""
     out, seen = [], set()
-    with torch.no_grad():
-        for ref in refs:
-            opt = ref()
-            for g in opt.param_groups if opt is not None else ():
-                for p in g["params"]:
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        out.append((p, p.detach().clone()))
+    for ref in refs:
+        opt = ref()
+        for g in opt.param_groups if opt is not None else ():
+            for p in g["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
     return out
-
-
-class as_before:
-    """With ``first`` (:func:`snapshot`): the parameters hold their values from before the
-    call while capture's pre-hooks hash step 0, and the step's values again after (``copy_``
-    both ways, bitwise; ``hold()`` ends it early). None: nothing done."""
-
-    def __init__(self, first):
-        self.first, self.now = first, None
-
-    def __enter__(self):
-        import torch
-
-        if self.first:
-            with torch.no_grad():
-                self.now = [(p, p.detach().clone()) for p, _ in self.first]
-                for p, old in self.first:
-                    p.copy_(old)
-        return self
-
-    def hold(self) -> None:
-        import torch
-
-        if self.now:
-            with torch.no_grad():
-                for p, new in self.now:
-                    p.copy_(new)
-            self.now = None
-
-    def __exit__(self, *exc):
-        self.hold()
-        return False
 
 
 def call(compiled: Callable, current: Callable[[], Any]) -> Callable:
@@ -268,8 +233,12 @@ def call(compiled: Callable, current: Callable[[], Any]) -> Callable:
                 known.extend(weakref.ref(o) for o in optimizers())
             before = [(r, versions(r())) for r in known if r() is not None]
             eager, backwards = s._opt_pre_calls, s.backwards
-            # before capture's first step: the parameters as they are now, step 0 if it steps
-            first = snapshot(r for r, _ in before) if before and s.k == 0 else None
+            # before capture's first step: the parameters' digests as they are now (step 0,
+            # if the call steps: hashed, not copied; the same hashing step 0 does)
+            first = None
+            if before and s.k == 0:
+                ps = params_of(r for r, _ in before)
+                first = (ps, s._digest_rows(ps, figures=True))
         except Exception as e:  # noqa: BLE001 - fail soft (session.py)
             s._fail(e)
             return compiled(*args, **kwargs)
@@ -278,9 +247,8 @@ def call(compiled: Callable, current: Callable[[], Any]) -> Callable:
             if before and s._opt_pre_calls == eager:  # no hook of capture's ran eagerly
                 opts = stepped(before)
                 if opts:
-                    with as_before(first) as restored:
-                        # a backward inside (a whole step): its gradients are gone
-                        s._compiled_step(opts, restored, s.backwards > backwards)
+                    # a backward inside (a whole step): its gradients are gone
+                    s._compiled_step(opts, first, s.backwards > backwards)
         except Exception as e:  # noqa: BLE001
             s._fail(e)
         return out

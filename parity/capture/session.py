@@ -58,8 +58,8 @@ __all__ = ["Session", "current"]
 
 _ACTIVE: "Session | None" = None
 _LOCK = threading.RLock()
-# Said by dynamo where a compiled function that calls ``optimizer.step()`` traces capture's
-# hooks (a graph break; the error under ``fullgraph=True``): what it is and what keeps it out.
+# The reason capture's hooks are ``disable``d with: dynamo would say it where it traced one, which
+# since round 15e it does not (a trace sees a no-op: compiled_step.traceable).
 _HIDDEN_REASON = ("parity capture's optimizer step hook (parity exec) runs eagerly; a trace "
                   "sees it as a no-op (docs/reliability.md, round 15e)")
 
@@ -135,6 +135,7 @@ class Session(RankRecord, StepClock, ParamTable):
         self._skipped: str | None = None  # why this step's optimizer step did not run
         self._opt_pre_calls = 0  # optimizer pre-hooks seen (a GradScaler.step that ran none)
         self._after_compiled = False  # noting a compiled function's step (steps.py)
+        self._step0_before = None  # step 0's digests taken before that call (table.py)
         self._initialising: int | None = None  # id of the optimizer in a DCP state-init step()
         self._consumed_handles: dict[int, object] = {}  # id(optimizer) -> our last pre-hook
         self._dynamo_hidden = False  # the optimizer hooks wrapped in torch._dynamo.disable

@@ -342,14 +342,14 @@ class StepClock:
         # after a compiled call stepped (_compiled_step) the parameters are already updated
         self._entry = None if self._after_compiled else self._entry_hashes()
 
-    def _compiled_step(self, opts, restored=None, no_grads: bool = False) -> None:
+    def _compiled_step(self, opts, first=None, no_grads: bool = False) -> None:
         """The step a compiled function ran inside it (``opt.step()`` traced: capture's hooks
         are no-ops there; compiled_step.call found ``opts``' parameters changed), noted after
         it returned: each optimizer's pre-hook (its gradients hashed as they are now, no hook
         registered on it: a changed hook dict would recompile the function) and post-hook. No
-        entry record (the parameters are the step's result). ``restored``
-        (compiled_step.as_before, at the first step): the parameters hold their values from
-        before the call until the pre-hooks (step 0) ran. ``no_grads``: the call ran a
+        entry record (the parameters are the step's result). ``first`` (before
+        capture's first step): ``(parameters, Digests)`` taken before the call, hashed as
+        step 0 for those parameters (table.py ``_add_params``). ``no_grads``: the call ran a
         backward too (a whole training step compiled, ``zero_grad`` perhaps inside): the
         gradients it consumed are not there to hash, so the step is written without gradients
         (the diff says they were not recorded, never that they differ). Round 15e."""
@@ -358,14 +358,17 @@ class StepClock:
         if no_grads:
             self.grads = False
         try:
+            if first is not None:
+                ps, d = first
+                self._step0_before = ({id(p): i for i, p in enumerate(ps)}, d.result(),
+                                      d.figures())
             for opt in opts:
                 self._pre_hook(opt, (opt,), {})
-            if restored is not None:
-                restored.hold()
             for opt in opts:
                 self._post_hook(opt, (opt,), {})
         finally:
             self._after_compiled = False
+            self._step0_before = None
             self.grads = grads
 
     def _skipped_step(self, opt, why: str) -> None:
