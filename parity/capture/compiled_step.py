@@ -19,14 +19,54 @@ one), takes capture's entries out of the hook dicts while the compiled step runs
 and guards the dicts as they are without parity: the same graphs and frames, no recompile),
 puts them back in their order, and runs capture's post-hook eagerly. Only where capture's hooks
 are the only step hooks (``only_ours``): a trainer's own hook must run before capture's gradient
-hash as it does eagerly, so with one the step is compiled as before. Not covered: a compiled function that
-calls ``opt.step()`` inside (capture cannot tell it steps an optimizer before it runs; there
-the wrapper frame is still skipped, values and graphs as without parity: round 15c)."""
+hash as it does eagerly, so with one the step is compiled as before (its step noted after it
+returns, below).
+
+Round 15e: a compiled *function* that calls ``opt.step()`` (the "compiled optimizer" tutorial's
+shape, a whole training step compiled) traced capture's disabled hooks: the step's wrapper
+frame skipped (a graph break in a loop), a trainer's own optimizer run eagerly (0 graphs
+against 1), and under ``fullgraph=True`` the job raised under parity only. Now every hook
+capture puts in torch's hook dicts is :func:`traceable`: ``torch._dynamo.disable``d eagerly,
+a no-op function to a trace (dynamo's ``substitute_in_graph``; not a ``torch.compiler
+.is_compiling()`` branch, which marks the frame as having side effects and changed which frames
+dynamo skips: 9 frames against 10). The job compiles exactly as without parity (dynamo's
+counters equal), and :func:`call` notes the step after the compiled function returns: it
+compares the parameter version counters (``_version``, bumped by a compiled in-place update,
+aot_eager and inductor alike) of the process's optimizers before and after the call, and runs
+capture's pre- and post-hooks for each optimizer whose parameters changed, unless capture's
+hooks ran eagerly during the call (a frame dynamo skipped: the step was recorded there).
+Before capture's first step each call hashes those parameters before it runs: a step 0 taken
+after the call would be the updated parameters (against the eager run: ``FAILS from step 0``)."""
 
 from __future__ import annotations
 
 import functools
+import gc
+import types
+import weakref
 from typing import Any, Callable
+
+# The attribute that marks a hook :func:`traceable` made (a wrapped hook is not wrapped again).
+HIDDEN = "_parity_hidden"
+
+
+def traceable(fn: Callable, reason: str) -> Callable:
+    """``fn`` (a step hook of capture's) as it goes into torch's hook dict:
+    ``torch._dynamo.disable(fn)`` eagerly (run where dynamo's frame callback is active, in a
+    frame dynamo skipped, it must not be compiled: round 5), and to a trace a function that
+    does nothing and returns None (so a compiled ``opt.step()`` traces no code of capture's,
+    breaks no graph, and dynamo skips and compiles the frames it does without parity)."""
+    import torch._dynamo
+    from torch._dynamo.decorators import substitute_in_graph
+
+    disabled = torch._dynamo.disable(fn, reason=reason)
+
+    def traced(opt, args, kwargs):
+        return None
+
+    substitute_in_graph(disabled, skip_signature_check=True)(traced)
+    setattr(disabled, HIDDEN, True)
+    return disabled
 
 
 def optimizer_of(fn: Any):
@@ -76,8 +116,11 @@ def wrap(fn: Any, compiled: Callable, current: Callable[[], Any]) -> Callable:
     when ``fn`` is a bound optimizer ``step``; else ``compiled`` itself. ``current()`` gives the
     active session (None: a pass-through)."""
     opt = optimizer_of(fn)
-    if opt is None or not callable(compiled):
+    if opt is None:
+        return call(compiled, current) if isinstance(compiled, types.FunctionType) else compiled
+    if not callable(compiled):
         return compiled
+    noted = call(compiled, current)  # the trainer's own hooks: traced, the step noted after
 
     @functools.wraps(compiled)
     def compiled_step(*args, **kwargs):
@@ -91,7 +134,7 @@ def wrap(fn: Any, compiled: Callable, current: Callable[[], Any]) -> Callable:
             _put_back(saved)
             s._fail(e)
         if hook_args is None:
-            return compiled(*args, **kwargs)
+            return noted(*args, **kwargs)
         try:
             out = compiled(*hook_args[1:], **kwargs)
         finally:
@@ -133,3 +176,81 @@ def _before(s, opt, args, kwargs):
 def _put_back(saved) -> None:
     for table, before in saved:
         _restore(table, before)
+
+
+def optimizers() -> list:
+    """The process's live ``torch.optim.Optimizer`` objects (a gc scan: once per compiled
+    function, at its first call)."""
+    from torch.optim import Optimizer
+
+    return [o for o in gc.get_objects() if issubclass(type(o), Optimizer)]  # no __class__ read
+
+
+def versions(opt) -> tuple:
+    """The version counters of ``opt``'s parameters (in-place updates bump them)."""
+    return tuple(getattr(p, "_version", -1) for g in opt.param_groups for p in g["params"])
+
+
+def stepped(before: list) -> list:
+    """The optimizers of ``before`` (``(weakref, versions)`` pairs) whose parameters changed."""
+    out = []
+    for ref, v in before:
+        opt = ref()
+        if opt is not None and versions(opt) != v:
+            out.append(opt)
+    return out
+
+
+def params_of(refs) -> list:
+    """The parameters of the optimizers ``refs`` point to, each once, in their order."""
+    out, seen = [], set()
+    for ref in refs:
+        opt = ref()
+        for g in opt.param_groups if opt is not None else ():
+            for p in g["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
+
+
+def call(compiled: Callable, current: Callable[[], Any]) -> Callable:
+    """``compiled`` (a function ``torch.compile`` returned), wrapped to note an optimizer step
+    run inside it (module docstring, round 15e): the job's call is ``compiled``'s, untouched."""
+    known: list = []  # weakrefs to the process's optimizers, found at the first call
+    scanned = []
+
+    @functools.wraps(compiled)
+    def compiled_call(*args, **kwargs):
+        s = current()
+        if s is None or s.stopped or s.failed or s.depth:
+            # depth: inside an optimizer step capture's hooks saw (an optimizer whose step
+            # calls a compiled update per parameter): that step is noted by its own hooks
+            return compiled(*args, **kwargs)
+        try:
+            if not scanned:
+                scanned.append(True)
+                known.extend(weakref.ref(o) for o in optimizers())
+            before = [(r, versions(r())) for r in known if r() is not None]
+            eager, backwards = s._opt_pre_calls, s.backwards
+            # before capture's first step: the parameters' digests as they are now (step 0,
+            # if the call steps: hashed, not copied; the same hashing step 0 does)
+            first = None
+            if before and s.k == 0:
+                ps = params_of(r for r, _ in before)
+                first = (ps, s._digest_rows(ps, figures=True))
+        except Exception as e:  # noqa: BLE001 - fail soft (session.py)
+            s._fail(e)
+            return compiled(*args, **kwargs)
+        out = compiled(*args, **kwargs)
+        try:
+            if before and s._opt_pre_calls == eager:  # no hook of capture's ran eagerly
+                opts = stepped(before)
+                if opts:
+                    # a backward inside (a whole step): its gradients are gone
+                    s._compiled_step(opts, first, s.backwards > backwards)
+        except Exception as e:  # noqa: BLE001
+            s._fail(e)
+        return out
+
+    return compiled_call

@@ -203,7 +203,7 @@ def install(current) -> None:
             s._install_sources(ON_COMPILE)
         out = orig_compile(*args, **kwargs)
         target = args[0] if args else kwargs.get("model")
-        if target is not None:  # a compiled optimizer step runs capture's hooks outside it
+        if target is not None:  # an optimizer step compiled (in a function too) is noted
             from parity.capture import compiled_step
 
             out = compiled_step.wrap(target, out, _current)

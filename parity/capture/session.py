@@ -58,11 +58,10 @@ __all__ = ["Session", "current"]
 
 _ACTIVE: "Session | None" = None
 _LOCK = threading.RLock()
-# Said by dynamo where a compiled function that calls ``optimizer.step()`` traces capture's
-# hooks (a graph break; the error under ``fullgraph=True``): what it is and what keeps it out.
-_HIDDEN_REASON = ("parity capture's optimizer step hook (parity exec) runs eagerly; compile "
-                  "the optimizer's bound step, torch.compile(opt.step), to keep it out of the "
-                  "graph (docs/reliability.md, round 15c)")
+# The reason capture's hooks are ``disable``d with: dynamo would say it where it traced one, which
+# since round 15e it does not (a trace sees a no-op: compiled_step.traceable).
+_HIDDEN_REASON = ("parity capture's optimizer step hook (parity exec) runs eagerly; a trace "
+                  "sees it as a no-op (docs/reliability.md, round 15e)")
 
 
 def current() -> "Session | None":
@@ -135,6 +134,8 @@ class Session(RankRecord, StepClock, ParamTable):
         self._rng = None  # the generators' digests after this step (rng_state.py), or None
         self._skipped: str | None = None  # why this step's optimizer step did not run
         self._opt_pre_calls = 0  # optimizer pre-hooks seen (a GradScaler.step that ran none)
+        self._after_compiled = False  # noting a compiled function's step (steps.py)
+        self._step0_before = None  # step 0's digests taken before that call (table.py)
         self._initialising: int | None = None  # id of the optimizer in a DCP state-init step()
         self._consumed_handles: dict[int, object] = {}  # id(optimizer) -> our last pre-hook
         self._dynamo_hidden = False  # the optimizer hooks wrapped in torch._dynamo.disable
@@ -244,7 +245,9 @@ class Session(RankRecord, StepClock, ParamTable):
         inside them, and the step ran other code than without parity (a compiled Adam step
         under ``parity exec`` gave the eager step's values at step 1 and other values after:
         capture changed the run it recorded; round 5). Disabled, they run eagerly at a clean
-        graph break before and after the step, and the step compiles as it does alone."""
+        graph break before and after the step, and the step compiles as it does alone. Since
+        round 15e a trace sees them as no-ops (compiled_step.traceable): a compiled function
+        that calls ``opt.step()`` compiles as without parity, its step noted after it returns."""
         if self._dynamo_hidden:
             return
         self._dynamo_hidden = True
@@ -253,15 +256,15 @@ class Session(RankRecord, StepClock, ParamTable):
 
     @staticmethod
     def _hide_hooks(handles) -> None:
-        """Replace each hook of ``handles`` in its hook dict by ``torch._dynamo.disable`` of it
-        (once: a wrapped hook is left as it is)."""
-        import torch._dynamo
+        """Replace each hook of ``handles`` in its hook dict by ``torch._dynamo.disable`` of it,
+        traced as a no-op (compiled_step.traceable; once: a wrapped hook is left as it is)."""
+        from parity.capture import compiled_step
 
         for h in handles:
             table = h.hooks_dict_ref() if hasattr(h, "hooks_dict_ref") else None
             fn = table.get(h.id) if table is not None else None
-            if fn is not None and not getattr(fn, "_torchdynamo_disable", False):
-                table[h.id] = torch._dynamo.disable(fn, reason=_HIDDEN_REASON)
+            if fn is not None and not getattr(fn, compiled_step.HIDDEN, False):
+                table[h.id] = compiled_step.traceable(fn, _HIDDEN_REASON)
 
     def stop(self, status: str | None = None, error: str | None = None) -> None:
         """Write what is pending, close the files and remove every hook. Idempotent."""

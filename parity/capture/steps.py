@@ -160,7 +160,7 @@ class StepClock:
         hook dict (a foreign optimizer class) the gradients are hashed now."""
         hooks = getattr(opt, "_optimizer_step_pre_hooks", None)
         h = self._consumed_handles.get(id(opt))
-        if not hasattr(hooks, "move_to_end") or not hasattr(opt, "register_step_pre_hook"):
+        if self._after_compiled or not hasattr(hooks, "move_to_end") or not hasattr(opt, "register_step_pre_hook"):
             self._note_consumed(opt)
             return
         if h is None or h.id not in hooks:
@@ -339,7 +339,37 @@ class StepClock:
         self._grad_rows = {}
         self._grad_parts = []
         self._skipped = None
-        self._entry = self._entry_hashes()
+        # after a compiled call stepped (_compiled_step) the parameters are already updated
+        self._entry = None if self._after_compiled else self._entry_hashes()
+
+    def _compiled_step(self, opts, first=None, no_grads: bool = False) -> None:
+        """The step a compiled function ran inside it (``opt.step()`` traced: capture's hooks
+        are no-ops there; compiled_step.call found ``opts``' parameters changed), noted after
+        it returned: each optimizer's pre-hook (its gradients hashed as they are now, no hook
+        registered on it: a changed hook dict would recompile the function) and post-hook. No
+        entry record (the parameters are the step's result). ``first`` (before
+        capture's first step): ``(parameters, Digests)`` taken before the call, hashed as
+        step 0 for those parameters (table.py ``_add_params``). ``no_grads``: the call ran a
+        backward too (a whole training step compiled, ``zero_grad`` perhaps inside): the
+        gradients it consumed are not there to hash, so the step is written without gradients
+        (the diff says they were not recorded, never that they differ). Round 15e."""
+        self._after_compiled = True
+        grads = self.grads
+        if no_grads:
+            self.grads = False
+        try:
+            if first is not None:
+                ps, d = first
+                self._step0_before = ({id(p): i for i, p in enumerate(ps)}, d.result(),
+                                      d.figures())
+            for opt in opts:
+                self._pre_hook(opt, (opt,), {})
+            for opt in opts:
+                self._post_hook(opt, (opt,), {})
+        finally:
+            self._after_compiled = False
+            self._step0_before = None
+            self.grads = grads
 
     def _skipped_step(self, opt, why: str) -> None:
         """A step whose optimizer step did not run (``GradScaler.step`` found inf/NaN gradients

@@ -19,8 +19,10 @@ Knobs (environment):
     copt  Adam (lr 0.01; R15C_OPT=hand: HandSGD, the trainer's own optimizer, lr 0.05) stepped
           through torch.compile: R15C_COMPILE=step
           (``torch.compile(opt.step)``, default) | fn (a compiled function calling
-          ``opt.step()``: the "compiled optimizer" tutorial's shape) | none (eager);
-          R15C_CLIP=1 registers a step pre-hook that halves the gradients;
+          ``opt.step()``: the "compiled optimizer" tutorial's shape) | whole (a compiled
+          training step: forward, ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``;
+          no gradients in the ground truth) | none (eager);
+          R15C_ADAM=foreach,capturable (Adam's flags, comma-separated); R15C_CLIP=1 registers a step pre-hook that halves the gradients;
           R15C_FULLGRAPH=1 compiles with ``fullgraph=True``; R15C_BACKEND eager | aot_eager
           (default) | inductor
     func  stateless training through ``torch.func.functional_call(model, params, x)`` over a
@@ -95,7 +97,8 @@ class HandSGD(torch.optim.Optimizer):
 
 def train_copt(model, rank, truth):
     opt = (HandSGD(model.parameters(), lr=0.05) if E("R15C_OPT") == "hand" else
-           torch.optim.Adam(model.parameters(), lr=0.01))
+           torch.optim.Adam(model.parameters(), lr=0.01,
+                            **{k: True for k in E("R15C_ADAM", "").split(",") if k}))
     if E("R15C_CLIP") == "1":  # a step pre-hook of the trainer's own that edits the gradients
         opt.register_step_pre_hook(lambda o, a, k: [p.grad.mul_(0.5) for g in o.param_groups
                                                     for p in g["params"] if p.grad is not None]
@@ -108,10 +111,22 @@ def train_copt(model, rank, truth):
         @torch.compile(backend=backend, fullgraph=full)
         def step():
             opt.step()
+    elif how == "whole":  # the whole training step compiled
+        @torch.compile(backend=backend, fullgraph=full)
+        def whole(x, y):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
     else:
         step = opt.step
     for i in range(1, STEPS + 1):
         x, y = batch(i, rank)
+        if how == "whole":
+            truth["losses"].append(whole(x, y).detach().clone())
+            truth["params"].append(local(dict(model.named_parameters())))
+            continue
         loss = nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
