@@ -186,6 +186,19 @@ def optimizers() -> list:
     return [o for o in gc.get_objects() if issubclass(type(o), Optimizer)]  # no __class__ read
 
 
+# (step, weakrefs) of the last gc scan: functions compiled anew every step (a library that
+# calls torch.compile lazily, a trainer compiling inside its loop) share one scan a step
+_SCANNED: list = [None, []]
+
+
+def _optimizers_at(k: int) -> list:
+    """Weakrefs to the process's optimizers, scanned at most once per step ``k`` (again while
+    none was found: a function called before the trainer made its optimizer)."""
+    if _SCANNED[0] != k or not _SCANNED[1]:
+        _SCANNED[0], _SCANNED[1] = k, [weakref.ref(o) for o in optimizers()]
+    return list(_SCANNED[1])
+
+
 def versions(opt) -> tuple:
     """The version counters of ``opt``'s parameters (in-place updates bump them)."""
     return tuple(getattr(p, "_version", -1) for g in opt.param_groups for p in g["params"])
@@ -230,7 +243,7 @@ def call(compiled: Callable, current: Callable[[], Any]) -> Callable:
         try:
             if not scanned:
                 scanned.append(True)
-                known.extend(weakref.ref(o) for o in optimizers())
+                known.extend(_optimizers_at(s.k))
             before = [(r, versions(r())) for r in known if r() is not None]
             eager, backwards = s._opt_pre_calls, s.backwards
             # before capture's first step: the parameters' digests as they are now (step 0,
