@@ -111,13 +111,11 @@ def _enter(t) -> bool:
     if _DEPTH[0] or _tracing():
         return False
     _note_loss(t)
-    BACKWARD_OF[0] = t
     for fn in list(ON_BACKWARD):
         try:
             fn()
         except Exception:  # noqa: BLE001 - never get in the way of backward
             pass
-    BACKWARD_OF[0] = None
     _DEPTH[0] += 1
     return True
 
@@ -125,7 +123,6 @@ def _enter(t) -> bool:
 # Called before each outermost backward (a manifest source's bookkeeping: c10d_allreduce counts
 # the backward passes in which DDP all-reduces its buckets). Sources add and remove their own.
 ON_BACKWARD: list = []
-BACKWARD_OF = [None]  # while ON_BACKWARD runs: what that backward starts from (a tensor or a list)
 
 
 _ENTER = [_enter]  # torch._dynamo.disable(_enter) once hidden (hide_from_dynamo)

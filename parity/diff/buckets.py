@@ -91,9 +91,6 @@ class Layout:
     # (a chunked loss reduce-scatters lm_head's gradient once per chunk); the comparison keeps
     # the first, so this says what it did not show
     repeats: dict[tuple[str, str], int] = field(default_factory=dict)
-    # the most backward passes a step ran through a compiled backward graph holding
-    # reduce-scatters (its lines' ``passes``, capture/sources/graph_runs.py); 1: once a step
-    graph_passes: int = 1
 
     def signature(self) -> tuple:
         return tuple((c, tuple(b.signature() for b in self.buckets.get(c, [])))
@@ -237,7 +234,7 @@ def _copy_layout(layout: Layout, rank: int | None) -> Layout:
                               b.comm, b.op, b.op_scale, b.world_size, b.ranks)
                        for b in bs]
                    for c, bs in layout.buckets.items()},
-                  list(layout.changes), dict(layout.repeats), layout.graph_passes)
+                  list(layout.changes), dict(layout.repeats))
 
 
 def _select(records: list[dict], source: str | None, rank: int | None,
@@ -296,14 +293,10 @@ def _select(records: list[dict], source: str | None, rank: int | None,
             # duplicates are dropped below, so the count must be kept here: without it a side
             # that reduce-scatters each gradient twice per step read as "identical" to one that
             # reduces once, set_requires_gradient_sync(False) on all but the last micro-batch)
-            # a compiled backward graph's lines are written once, and again with ``passes``
-            # where a step ran it more than once (a micro-batch each: round 15d)
-            runs = graph_passes(recs) if graph else {}
-            layout.graph_passes = max(runs.values(), default=1)
             per_fqn: dict[str, int] = {}
             for b in chosen:
                 for f in set(b.fqns):
-                    per_fqn[f] = per_fqn.get(f, 0) + runs.get(b.graph_id, 1)
+                    per_fqn[f] = per_fqn.get(f, 0) + 1
             layout.repeats.update({(coll, f): n for f, n in per_fqn.items() if n > 1})
         # eager FSDP2 may record a backward re-gather of a group: keep the first of duplicates
         uniq, sets = [], set()
@@ -319,17 +312,6 @@ def _select(records: list[dict], source: str | None, rank: int | None,
             b.index = i
         layout.buckets[coll] = uniq
     return layout
-
-
-def graph_passes(records: list[dict]) -> dict:
-    """graph_id -> the most ``passes`` its lines say (capture/sources/graph_runs.py: how many
-    times a step ran that backward graph), for graphs that say any."""
-    out: dict = {}
-    for r in records:
-        n = r.get("passes")
-        if isinstance(n, int) and not isinstance(n, bool) and n > out.get(r.get("graph_id"), 1):
-            out[r.get("graph_id")] = n
-    return out
 
 
 @dataclass
@@ -746,7 +728,7 @@ def explain_eager(fqn: str, shape: str | None, la: Layout, lb: Layout,
     rep_b = lb.repeats.get(("reduce_scatter", fqn), 1)
     if not rel_a and not rel_b and rep_a == 1 and rep_b == 1:
         return None
-    chunked = per_micro = graph_micro = False
+    chunked = per_micro = False
     for label, lay, rel, rep in (("A", la, rel_a, rep_a), ("B", lb, rel_b, rep_b)):
         rs = [r for r in rel if r["collective"] == "reduce_scatter"]
         if rs:
@@ -755,13 +737,10 @@ def explain_eager(fqn: str, shape: str | None, la: Layout, lb: Layout,
                          + f" in {label} (eager DTensor, outside any graph)")
             continue
         loc = lay.locate().get(fqn, {}).get("reduce_scatter")
-        if loc is not None and rep > 1 and (lay.source == SOURCE_FSDP2
-                                            or rep == lay.graph_passes):
+        if loc is not None and rep > 1 and lay.source == SOURCE_FSDP2:
             # eager FSDP2 reduces a bucket once per backward it syncs: one per micro-batch
-            # (round 15b: it read "B's graph ... chunked reduce-scatters"); a compiled backward
-            # graph runs its reduce-scatters once per backward pass (round 15d)
+            # (round 15b: it read "B's graph ... chunked reduce-scatters")
             per_micro = True
-            graph_micro = graph_micro or lay.source != SOURCE_FSDP2
             parts.append(f"{rep} reduce-scatters per step in {label} ({lay.source} bucket "
                          f"{loc['index']}: one per micro-batch's backward)")
         elif loc is not None and rep > 1:
@@ -777,9 +756,7 @@ def explain_eager(fqn: str, shape: str | None, la: Layout, lb: Layout,
             if chunked else
             ": the gradient is summed in a different order (each micro-batch's gradient "
             "reduced and the results added, against the accumulated gradient reduced once: "
-            + ("a compiled backward reduce-scatters at every micro-batch it runs; "
-               "set_requires_gradient_sync(False) on the eager side?)" if graph_micro else
-               "set_requires_gradient_sync(False) on one side only?)") if per_micro else "")
+            "set_requires_gradient_sync(False) on one side only?)" if per_micro else "")
     return f"{fqn}'s gradient: " + ", ".join(parts) + tail
 
 

@@ -69,13 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"on RANK, before optimizer step STEP (1-based), add {PERTURB_VALUE} to FQN's local gradient shard",
     )
-    p.add_argument("--micro-batches", type=int, default=1, metavar="N",
-                   help="forward/backward passes per optimizer step, each on its own batch, the "
-                        "loss divided by N (compiled: the backward graph, and its reduce-scatters, "
-                        "run N times a step)")
-    p.add_argument("--sync", choices=("last", "every"), default="last",
-                   help="eager with --micro-batches: last (set_requires_gradient_sync(False) on "
-                        "all but the last micro-batch: one reduce-scatter a step) | every")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: rank uses device LOCAL_RANK %% device_count()")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
@@ -263,18 +256,13 @@ def run(args: argparse.Namespace) -> None:
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         starts.append(t0)
-        micro = max(args.micro_batches, 1)
-        for m in range(micro):
-            if args.mode == "eager" and micro > 1:
-                model.set_requires_gradient_sync(args.sync == "every" or m == micro - 1)
-            tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1),
-                                   generator=generator)
-            tokens = tokens.to(device)
-            inputs, targets = tokens[:, :-1], tokens[:, 1:]
-            with sdpa_kernel(ATTENTION[args.attention]):
-                logits = step_model(inputs)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            (loss / micro if micro > 1 else loss).backward()
+        tokens = torch.randint(0, args.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
+        tokens = tokens.to(device)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        with sdpa_kernel(ATTENTION[args.attention]):
+            logits = step_model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
         if perturb_spec is not None and perturb_spec[0] == rank and perturb_spec[1] == step:
             perturb(model, perturb_spec[2])
         optimizer.step()

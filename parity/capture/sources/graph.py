@@ -372,26 +372,7 @@ class CompiledGraphs(ManifestSource):
     echo = False  # install() has printed its reason on stderr already
 
     def install(self) -> str | None:
-        from parity.capture.sources.graph_runs import BackwardPasses
-
-        self.passes = BackwardPasses(self.hooks.on_graph)  # graph_runs.py (round 15d)
-
-        def on_graph(record: GraphRecord) -> None:
-            self.passes.keep(record)
-            self.hooks.on_graph(record)
-
-        why = install(on_graph, warn=self.hooks.warn)
-        if why is None:
-            self.passes.install()
-        return why
+        return install(self.hooks.on_graph, warn=self.hooks.warn)
 
     def uninstall(self) -> None:
-        passes = getattr(self, "passes", None)
-        if passes is not None:
-            passes.uninstall()
         uninstall()
-
-    def new_step(self) -> None:
-        passes = getattr(self, "passes", None)
-        if passes is not None:
-            passes.new_step()
