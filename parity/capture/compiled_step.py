@@ -227,6 +227,12 @@ def params_of(refs) -> list:
     return out
 
 
+def _tracing() -> bool:
+    from parity.capture.patches import _tracing as tracing  # (patches imports this module)
+
+    return tracing()
+
+
 def call(compiled: Callable, current: Callable[[], Any]) -> Callable:
     """``compiled`` (a function ``torch.compile`` returned), wrapped to note an optimizer step
     run inside it (module docstring, round 15e): the job's call is ``compiled``'s, untouched."""
@@ -236,9 +242,12 @@ def call(compiled: Callable, current: Callable[[], Any]) -> Callable:
     @functools.wraps(compiled)
     def compiled_call(*args, **kwargs):
         s = current()
-        if s is None or s.stopped or s.failed or s.depth:
+        if s is None or s.stopped or s.failed or s.depth or _tracing():
             # depth: inside an optimizer step capture's hooks saw (an optimizer whose step
-            # calls a compiled update per parameter): that step is noted by its own hooks
+            # calls a compiled update per parameter): that step is noted by its own hooks.
+            # Tracing: a compiled function called inside a trace (GraphTrainer's make_fx of
+            # its step, an outer torch.compile): no code of capture's runs there, and the
+            # parameters are fake (hashing them named all 45 of torchtitan's unhashed)
             return compiled(*args, **kwargs)
         try:
             if not scanned:
