@@ -227,10 +227,13 @@ def params_of(refs) -> list:
     return out
 
 
-def _tracing() -> bool:
-    from parity.capture.patches import _tracing as tracing  # (patches imports this module)
+# patches._tracing, set by patches' torch.compile before it wraps (patches imports this
+# module: no import back)
+TRACING: list = [lambda: False]
 
-    return tracing()
+
+def _tracing() -> bool:
+    return TRACING[0]()
 
 
 def call(compiled: Callable, current: Callable[[], Any]) -> Callable:

@@ -203,6 +203,7 @@ def install(current) -> None:
         if target is not None:  # an optimizer step compiled (in a function too) is noted
             from parity.capture import compiled_step
 
+            compiled_step.TRACING[0] = _tracing
             out = compiled_step.wrap(target, out, _current)
         return out
 
